@@ -1,0 +1,10 @@
+"""How to read and write the state of a training setup: one adapter per optimizer family.
+
+An adapter exposes a rank's big tensors with their :class:`~neighbor_ckpt.razor.StateKind` and loads a
+restored set back. The core never imports a framework; adapters for mcore live next to this one.
+"""
+
+from neighbor_ckpt.adapters.base import StateAdapter
+from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter, ZeroOptimizerAdapter
+
+__all__ = ["StateAdapter", "TorchOptimizerAdapter", "ZeroOptimizerAdapter"]

@@ -1,0 +1,315 @@
+"""The plain-loop API: per-iteration neighbor checkpointing for hand-written training loops.
+
+Example (Megatron-LM / Megatron-Bridge style loop)::
+
+    ckpt = NeighborCheckpointer(cfg, adapter=TorchOptimizerAdapter(model, opt), dp_group=dp_group)
+    result = ckpt.recover()                       # all ranks, before the first step
+    for step in range(result.next_step, max_steps):
+        loss = model(batch(step)).mean()
+        ckpt.wait()                               # before the gradient collectives of this step
+        loss.backward()
+        with ckpt.optimizer_step():               # step tag: weights are torn inside this block
+            opt.step()
+        ckpt.snapshot(step, user_state={"consumed": ...})
+    ckpt.close()
+
+On a failure, call :meth:`NeighborCheckpointer.on_failure` (the Lightning callback does it for you): the
+redundant state is written to the host store by the surviving ranks, then the process exits and the
+launcher restarts it; :meth:`recover` on the next attempt restores everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from neighbor_ckpt.adapters.base import StateAdapter
+from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.engine import SnapshotEngine, write_lazy_backup
+from neighbor_ckpt.errors import NoRecoverableStateError, TopologyError
+from neighbor_ckpt.razor import ShardPlan, plan_shards
+from neighbor_ckpt.recovery import RecoveryReport, run_recovery
+from neighbor_ckpt.rng import capture_rng, restore_rng
+from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
+from neighbor_ckpt.topology import Topology, discover_topology
+from neighbor_ckpt.transport import GlooRingTransport, TrafficGate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader"]
+
+InsuranceLoader = Callable[[], "int | None"]
+"""Loads the newest persistent checkpoint into the live model/optimizer; returns its iteration or None."""
+
+
+class Phase(str, enum.Enum):
+    """Step tags: what the live weights belong to (FlashRecovery's step tags)."""
+
+    IDLE = "idle"
+    """Weights belong to the last snapshotted iteration."""
+    OPTIMIZER = "optimizer"
+    """Inside an optimizer step: weights are torn, no backup may be taken from them."""
+    STEPPED = "stepped"
+    """The optimizer step finished but its snapshot has not been taken yet: weights belong to last + 1."""
+
+
+@dataclass
+class RecoveryResult:
+    """Outcome of :meth:`NeighborCheckpointer.recover`."""
+
+    report: RecoveryReport
+    iteration: int | None
+    """Restored iteration (None: fresh start)."""
+    user_state: Any = None
+    """What was passed as ``user_state`` to :meth:`NeighborCheckpointer.snapshot` for that iteration."""
+
+    @property
+    def restored(self) -> bool:
+        return self.iteration is not None
+
+    @property
+    def next_step(self) -> int:
+        return 0 if self.iteration is None else self.iteration + 1
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class NeighborCheckpointer:
+    """Per-iteration snapshots of a rank's unique state, neighbor replication and recovery.
+
+    Every rank of the job constructs one (it creates a gloo process group, a collective).
+
+    Args:
+        config: the ``neighbor_ckpt`` configuration (defaults if None).
+        adapter: reads/writes the model + optimizer state.
+        dp_group: this rank's data-parallel group (None: the whole world is one DP group).
+        model_parallel_coord: (tp, pp, cp) coordinate of this rank, for the layout identity.
+        insurance: loads the last persistent checkpoint when no in-memory version is complete.
+        capture_rng_state: carry python/numpy/torch RNG states in every snapshot.
+        handle_sigterm: on SIGTERM (what torchrun sends survivors when a rank dies) write the lazy backup,
+            then hand the signal on to the previous handler (or the default action).
+    """
+
+    def __init__(self, config: NeighborCkptConfig | None = None, *, adapter: StateAdapter,
+                 dp_group: dist.ProcessGroup | None = None, model_parallel_coord: tuple[int, ...] = (),
+                 insurance: InsuranceLoader | None = None, capture_rng_state: bool = True,
+                 handle_sigterm: bool = True) -> None:
+        self.config = config or NeighborCkptConfig()
+        if not dist.is_available() or not dist.is_initialized():
+            raise TopologyError("NeighborCheckpointer needs torch.distributed to be initialized first")
+        self.adapter = adapter
+        self.dp_group = dp_group
+        self.insurance = insurance
+        self.capture_rng_state = capture_rng_state
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.transport.timeout_s))
+        self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
+                                                    policy=self.config.ring.policy,
+                                                    model_parallel_coord=model_parallel_coord)
+        self.store = HostStore(self.config.resolved_store_dir(), job_id=self.config.resolved_job_id(),
+                               rank=self.topology.rank, versions=self.config.store.versions,
+                               use_checksum=self.config.store.checksum != "none")
+        self.gate = TrafficGate()
+        self.plan: ShardPlan | None = None
+        self.engine: SnapshotEngine | None = None
+        self.transport: GlooRingTransport | None = None
+        self.phase = Phase.IDLE
+        self.last_iteration: int | None = None
+        self.last_report: RecoveryReport | None = None
+        self._closed = False
+        self._backed_up = False
+        self._prev_sigterm: Any = None
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        logger.info("rank %d: neighbor_ckpt store %s, DP ring %s (successor %d)", self.topology.rank,
+                    self.store.dir, list(self.topology.ring), self.topology.successor)
+
+    # -- identity --------------------------------------------------------------------------------------
+
+    def layout(self) -> str:
+        """Identity of the job layout: model tensors, optimizer family, parallel configuration."""
+        key = {
+            "adapter": type(self.adapter).__name__,
+            "model": [(m.name, str(m.dtype), list(m.shape)) for m, _ in self.adapter.named_tensors()
+                      if m.kind.value == "weight" or m.name.startswith("main/")],
+            "world_size": self.topology.world_size,
+            "dp_ranks": list(self.topology.dp_ranks),
+            "coord": list(self.topology.model_parallel_coord),
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+    # -- recovery --------------------------------------------------------------------------------------
+
+    def recover(self) -> RecoveryResult:
+        """Collective: restore the latest version every rank can restore, or fall back to insurance."""
+        t0 = time.perf_counter()
+        report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group,
+                                        layout=self.layout(), chunk_bytes=int(self.config.transport.chunk_mb * 2**20))
+        self.last_report = report
+        if restored is not None:
+            t1 = time.perf_counter()
+            extras = restored.extras
+            self.adapter.load(restored.tensors, extras["adapter"])
+            self.adapter.regenerate(self.dp_group)
+            if self.capture_rng_state and "rng" in extras:
+                restore_rng(extras["rng"])
+            report.phases["restore"] = time.perf_counter() - t1
+            report.phases["total"] = time.perf_counter() - t0
+            self.last_iteration = restored.iteration
+            self._drop_newer(restored.iteration)
+            logger.info("rank %d: neighbor_ckpt %s", self.topology.rank, report.summary())
+            return RecoveryResult(report, restored.iteration, extras.get("user"))
+        if report.outcome == "insurance":
+            return self._fall_back(report)
+        self._drop_newer(None)
+        report.phases["total"] = time.perf_counter() - t0
+        logger.info("rank %d: neighbor_ckpt: fresh start (%s)", self.topology.rank, report.reason)
+        return RecoveryResult(report, None)
+
+    def _fall_back(self, report: RecoveryReport) -> RecoveryResult:
+        if self.insurance is None:
+            raise NoRecoverableStateError(
+                f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "
+                f"checkpoint is configured. Nothing was loaded. Configure neighbor_ckpt.insurance.every_n_steps (or "
+                f"a ModelCheckpoint) so such failures resume from disk, or delete {self.store.job_dir} to start over.")
+        it = self.insurance()
+        if it is None:
+            raise NoRecoverableStateError(
+                f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "
+                f"checkpoint has been written yet. Nothing was loaded. Delete {self.store.job_dir} to start over.")
+        logger.warning("rank %d: neighbor_ckpt: falling back to the insurance checkpoint of iteration %d because %s; "
+                       "the iterations after %d are trained again", self.topology.rank, it, report.reason, it)
+        report.iteration = it
+        self.last_iteration = it
+        self._drop_newer(None)
+        return RecoveryResult(report, it)
+
+    def _drop_newer(self, keep: int | None) -> None:
+        """After a restore (or a fallback) no other version may be mistaken for this timeline."""
+        self.store.invalidate_except(ROLE_OWN, keep)
+        self.store.invalidate_except(ROLE_REPLICA, keep)
+        self.store.invalidate_except(ROLE_LAZY, None)
+
+    # -- per iteration ---------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        tensors = self.adapter.named_tensors()
+        self.plan = plan_shards([m for m, _ in tensors], dp_size=self.topology.dp_size,
+                                distributed_optimizer=self.adapter.distributed_optimizer)
+        live = {m.name: t for m, t in tensors}
+        self._lazy_sources = [live[p.meta.name] for p in self.plan.lazy]
+        if self.config.transport.enabled and self.topology.dp_size > 1:
+            self.transport = GlooRingTransport(self.topology, self.store, self.group,
+                                               chunk_bytes=int(self.config.transport.chunk_mb * 2**20),
+                                               gate=self.gate,
+                                               rate_limit_bps=self.config.transport.rate_limit_mbps * 1e6)
+            self.transport.start()
+        meta = {"world_size": self.topology.world_size, "dp_ranks": list(self.topology.dp_ranks),
+                "ring": list(self.topology.ring), "has_lazy": self.plan.has_lazy,
+                "unique_bytes": self.plan.unique_bytes, "lazy_bytes": self.plan.lazy_bytes}
+        self._layout = self.layout()
+        self.engine = SnapshotEngine(store=self.store, plan=self.plan, sources=[live[p.meta.name] for p in self.plan.unique],
+                                     layout=self._layout, meta=meta, transport=self.transport,
+                                     wait_for_replica=self.config.transport.wait_for_replica)
+        logger.info("rank %d: neighbor_ckpt plan: %d unique tensors (%d bytes), %d regenerable, %d lazy (%d bytes)",
+                    self.topology.rank, len(self.plan.unique), self.plan.unique_bytes, len(self.plan.regenerable),
+                    len(self.plan.lazy), self.plan.lazy_bytes)
+
+    def wait(self) -> None:
+        """The wait point: call before this step's gradient collectives (``snapshot`` calls it too)."""
+        if self.engine is not None:
+            self.engine.wait()
+
+    @contextlib.contextmanager
+    def optimizer_step(self) -> Iterator[None]:
+        """Tag the optimizer step so a failure inside it never backs up torn weights."""
+        self.wait()
+        self.phase = Phase.OPTIMIZER
+        yield
+        self.phase = Phase.STEPPED
+
+    def snapshot(self, iteration: int, user_state: Any = None) -> None:
+        """Snapshot the state after optimizer step ``iteration``. Returns at once; the copy runs behind."""
+        if not self.config.enabled:
+            return
+        if self.engine is None:
+            self._start()
+        assert self.engine is not None  # noqa: S101
+        extras: dict[str, Any] = {"adapter": self.adapter.capture_extras(), "user": user_state}
+        if self.capture_rng_state:
+            extras["rng"] = capture_rng()
+        self.engine.snapshot(iteration, extras)
+        if self.plan is not None and self.plan.has_lazy:
+            # Survivors back up their weights as of their last optimizer step. For a lost rank's state to
+            # match them, its snapshot of this iteration must reach the successor before it moves on. Under
+            # plain DDP that snapshot is a few KB (RNG, counters), so replicate it synchronously.
+            self.engine.drain()
+        self.last_iteration = iteration
+        self.phase = Phase.IDLE
+
+    # -- failure ---------------------------------------------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.on_failure("SIGTERM from the launcher")
+        prev = self._prev_sigterm
+        signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_failure(self, reason: str = "") -> bool:
+        """Write the redundant state (lazy backup) of this rank's DP group; True if written.
+
+        Safe to call from an exception handler or a SIGTERM handler on the main thread. Never raises.
+        """
+        if self._backed_up:
+            return True
+        try:
+            if self.plan is None or not self.plan.has_lazy or not self.config.lazy_backup.enabled:
+                return False
+            if self.phase is Phase.OPTIMIZER or self.last_iteration is None:
+                logger.warning("rank %d: no lazy backup: weights are inside an optimizer step", self.topology.rank)
+                return False
+            iteration = self.last_iteration + (1 if self.phase is Phase.STEPPED else 0)
+            hdr = write_lazy_backup(self.store, planned=self.plan.lazy, sources=self._lazy_sources,
+                                    payload_bytes=self.plan.lazy_bytes, iteration=iteration, layout=self._layout,
+                                    meta={"dp_group": min(self.topology.dp_ranks), "reason": reason[:200]})
+            self._backed_up = True
+            logger.warning("rank %d: wrote lazy backup of iteration %d (%d bytes) after: %s", self.topology.rank,
+                           hdr.iteration, hdr.payload_nbytes, reason or "failure")
+            return True
+        except Exception as e:  # noqa: BLE001 - failure path: report, never mask the original error
+            logger.error("rank %d: lazy backup failed: %s", self.topology.rank, e)
+            return False
+
+    def close(self, *, success: bool = True) -> None:
+        """Stop the engine and transport; on success, optionally remove the host store."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+        if self.engine is not None:
+            self.engine.close()
+        if self.transport is not None:
+            self.transport.close()
+        if success and self.config.store.cleanup_on_success:
+            dist.barrier(group=self.group)  # nobody may still be reading a replica
+            self.store.destroy()
+        else:
+            self.store.close()

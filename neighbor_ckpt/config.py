@@ -1,0 +1,282 @@
+"""Configuration of neighbor_ckpt: one keyword-only dataclass per component.
+
+The YAML form is a ``neighbor_ckpt:`` section that mirrors these dataclasses. Unknown keys and values
+of the wrong type are rejected with the full key path (``neighbor_ckpt.transport.chunk_mb``), before any
+process group is created.
+
+Environment overrides win over the config (they are how a launcher or a test changes one process):
+
+* ``NEIGHBOR_CKPT_STORE_DIR``: :attr:`StoreConfig.dir`
+* ``NEIGHBOR_CKPT_JOB_ID``: :attr:`NeighborCkptConfig.job_id`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from neighbor_ckpt.errors import ConfigError
+
+__all__ = [
+    "StoreConfig",
+    "RingConfig",
+    "TransportConfig",
+    "LazyBackupConfig",
+    "InsuranceConfig",
+    "NeighborCkptConfig",
+    "STORE_DIR_ENV",
+    "JOB_ID_ENV",
+]
+
+STORE_DIR_ENV = "NEIGHBOR_CKPT_STORE_DIR"
+JOB_ID_ENV = "NEIGHBOR_CKPT_JOB_ID"
+
+
+@dataclass(kw_only=True, slots=True)
+class StoreConfig:
+    """Host store: shared-memory slots that hold this rank's snapshots and its predecessor's replicas."""
+
+    dir: str = "/dev/shm/neighbor_ckpt"
+    """Root directory of the host store; the job's files go to ``<dir>/<user>/<job_id>/rank<r>/``.
+    Must be on a memory-backed filesystem (``/dev/shm``) for speed; overridden by NEIGHBOR_CKPT_STORE_DIR."""
+
+    versions: int = 2
+    """Snapshot versions kept per rank, own and replica alike. Two is enough to absorb the one-iteration
+    skew a failure can leave between ranks; more only costs host memory."""
+
+    checksum: Literal["xxh3", "none"] = "xxh3"
+    """Checksum of every committed slot, verified before any byte is loaded. ``none`` keeps only the
+    header and commit-marker checks (torn writes are still caught, bit flips are not)."""
+
+    extras_capacity_mb: float = 4.0
+    """Room in each slot for small per-rank state (RNG states, loop counters, scheduler, data position)."""
+
+    cleanup_on_success: bool = True
+    """Remove this job's host store when training finishes without error."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RingConfig:
+    """Which DP rank holds this rank's replica."""
+
+    policy: Literal["cross_node", "next"] = "cross_node"
+    """``cross_node``: the ring successor is on another node whenever the DP group spans nodes, so one node
+    loss never takes a snapshot and its replica together. ``next``: the next DP rank."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportConfig:
+    """Streaming of each committed snapshot to the ring successor (background thread, own gloo group)."""
+
+    enabled: bool = True
+    """Stream snapshots to the successor. Off: only the local slot exists (a lost node falls back to
+    insurance)."""
+
+    chunk_mb: float = 16.0
+    """Size of one send; smaller chunks interleave better with training traffic."""
+
+    timeout_s: float = 120.0
+    """Timeout of the snapshot process group; a neighbor silent for longer is marked stale."""
+
+    wait_for_replica: bool = True
+    """At the wait point before the next iteration's gradient collectives, also wait until the
+    successor has acknowledged the previous snapshot. This is what guarantees a common version exists
+    after any single-node loss; turn it off only to measure."""
+
+    rate_limit_mbps: float = 0.0
+    """Upper bound on snapshot streaming in MB/s (0: unlimited)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LazyBackupConfig:
+    """Redundant state (weights / optimizer state under plain DDP) is written only at failure time."""
+
+    enabled: bool = True
+    """On a failure, one live rank per DP group writes the redundant state into its host store."""
+
+
+@dataclass(kw_only=True, slots=True)
+class InsuranceConfig:
+    """Persistent checkpoints, used when no complete in-memory version exists."""
+
+    every_n_steps: int = 0
+    """Write a persistent checkpoint every N optimizer steps (0: off; an existing ModelCheckpoint can
+    serve instead)."""
+
+    dirpath: str | None = None
+    """Directory of insurance checkpoints (None: ``<trainer.default_root_dir>/neighbor_ckpt_insurance``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class NeighborCkptConfig:
+    """Top-level configuration; the ``neighbor_ckpt:`` section of a YAML file."""
+
+    enabled: bool = True
+    """Master switch. Off: the callback / checkpointer does nothing."""
+
+    job_id: str | None = None
+    """Namespace of the host store. None: TORCHELASTIC_RUN_ID, SLURM_JOB_ID, or ``default``.
+    Snapshots of another job id are refused at recovery. Overridden by NEIGHBOR_CKPT_JOB_ID."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    """Host store."""
+
+    ring: RingConfig = field(default_factory=RingConfig)
+    """Ring successor choice."""
+
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """Streaming to the ring successor."""
+
+    lazy_backup: LazyBackupConfig = field(default_factory=LazyBackupConfig)
+    """Failure-time backup of redundant state."""
+
+    insurance: InsuranceConfig = field(default_factory=InsuranceConfig)
+    """Persistent fallback checkpoints."""
+
+    def __post_init__(self) -> None:
+        _validate(self, "neighbor_ckpt")
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, path: str = "neighbor_ckpt") -> NeighborCkptConfig:
+        """Build from a mapping (the content of a ``neighbor_ckpt:`` section)."""
+        return _from_dict(cls, data or {}, path)
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike[str], *, section: str = "neighbor_ckpt") -> NeighborCkptConfig:
+        """Read the ``neighbor_ckpt:`` section of a YAML file (a missing section gives the defaults)."""
+        text = Path(source).read_text()
+        doc = yaml.safe_load(text) or {}
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{source}: expected a mapping at the top level")
+        return cls.from_dict(doc.get(section), path=section)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (round-trips through :meth:`from_dict`)."""
+        return _to_dict(self)
+
+    # -- resolved values ----------------------------------------------------------------------
+
+    def resolved_store_dir(self) -> Path:
+        """The store root after the environment override."""
+        return Path(os.environ.get(STORE_DIR_ENV) or self.store.dir)
+
+    def resolved_job_id(self) -> str:
+        """The job namespace after the environment override and launcher defaults."""
+        for value in (
+            os.environ.get(JOB_ID_ENV),
+            self.job_id,
+            os.environ.get("TORCHELASTIC_RUN_ID"),
+            os.environ.get("SLURM_JOB_ID"),
+        ):
+            if value:
+                return _safe_name(value)
+        return "default"
+
+
+def _safe_name(value: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in value)
+    return safe.strip(".") or "default"
+
+
+# -- generic dataclass <-> dict with strict validation ----------------------------------------------
+
+
+def _to_dict(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out[f.name] = _to_dict(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+def _from_dict(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__} ({data!r})")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{path}.{unknown[0]}: unknown key (allowed keys of {path}: {', '.join(sorted(fields))})"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        tp = hints[name]
+        sub = f"{path}.{name}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _from_dict(tp, value if value is not None else {}, sub)
+        else:
+            kwargs[name] = _coerce(tp, value, sub)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # pragma: no cover - defensive
+        raise ConfigError(f"{path}: {e}") from e
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: {value!r} is not allowed (allowed values: {', '.join(map(repr, allowed))})")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: invalid value {value!r}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+_RULES: dict[str, list[tuple[str, Any, str]]] = {
+    "store": [("versions", lambda v: v >= 2, "must be >= 2"),
+              ("extras_capacity_mb", lambda v: v > 0, "must be > 0")],
+    "transport": [("chunk_mb", lambda v: v > 0, "must be > 0"),
+                  ("timeout_s", lambda v: v > 0, "must be > 0"),
+                  ("rate_limit_mbps", lambda v: v >= 0, "must be >= 0 (0 = unlimited)")],
+    "insurance": [("every_n_steps", lambda v: v >= 0, "must be >= 0 (0 = off)")],
+}
+
+
+def _validate(cfg: NeighborCkptConfig, path: str) -> None:
+    for section, rules in _RULES.items():
+        sub = getattr(cfg, section)
+        for name, ok, why in rules:
+            value = getattr(sub, name)
+            if not ok(value):
+                raise ConfigError(f"{path}.{section}.{name}: {value!r} {why}")

@@ -1,0 +1,274 @@
+"""The snapshot engine: copy the unique state into a host slot off the training thread.
+
+Call order on the training thread::
+
+    engine.snapshot(i, extras)   # right after optimizer step i: records what to copy, returns at once
+    ...forward of i+1...
+    engine.wait()                # the one wait point: before this rank's first gradient collective of i+1
+    ...backward / optimizer step of i+1 may now mutate the source tensors...
+
+Between the two calls a background thread copies the planned tensors into the oldest own slot (on CUDA:
+a side stream into page-locked slot memory, ordered after the optimizer step by an event), writes the
+extras, checksums, header and commit marker, then streams the image to the ring successor. Slots and
+their tensor views are created once; the steady state allocates nothing per iteration except the small
+extras encoding.
+
+Why the wait point is before the next gradient collective: no rank can complete optimizer step i+1
+before every rank has committed (and, with ``wait_for_replica``, replicated) snapshot i. So the newest
+versions of any two ranks differ by at most one, and with two versions kept a common one always exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from neighbor_ckpt import _codec
+from neighbor_ckpt.razor import PlannedTensor, ShardPlan
+from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, HostStore, SlotFile, SlotHeader
+from neighbor_ckpt.transport import NeighborTransport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SnapshotEngine", "EngineStats", "header_capacity", "write_image"]
+
+_MIN_EXTRAS = 64 * 1024
+
+
+@dataclass
+class EngineStats:
+    """Figures of the last snapshot, for logs and metrics."""
+
+    iteration: int = -1
+    stage_seconds: float = 0.0
+    """Copy of the unique tensors into the slot."""
+    commit_seconds: float = 0.0
+    """Extras, checksums, header and marker."""
+    stream_seconds: float = 0.0
+    """Send to the successor until its acknowledgement."""
+    wait_seconds: float = 0.0
+    """Time the training thread spent blocked at the last wait point."""
+    unique_bytes: int = 0
+    replicated_iteration: int = -1
+    failures: int = 0
+    history: list[float] = field(default_factory=list)
+
+
+def header_capacity(meta: dict[str, Any]) -> int:
+    """Room for a header whose ``meta`` is ``meta`` (the rest of the header is small and bounded)."""
+    return -(-(2 * len(json.dumps(meta)) + 8192) // 4096) * 4096
+
+
+def tensor_table(planned: Sequence[PlannedTensor]) -> list[dict[str, Any]]:
+    return [dict(p.meta.to_json(), offset=p.offset) for p in planned]
+
+
+def _typed_views(slot: SlotFile, planned: Sequence[PlannedTensor]) -> list[torch.Tensor]:
+    views = []
+    for p in planned:
+        raw = slot.payload[p.offset:p.offset + p.meta.nbytes]
+        views.append(raw.view(p.meta.dtype).view(p.meta.shape) if p.meta.nbytes else raw)
+    return views
+
+
+def write_image(store: HostStore, role: str, *, planned: Sequence[PlannedTensor], sources: Sequence[torch.Tensor],
+                payload_bytes: int, iteration: int, layout: str, meta: dict[str, Any], extras: Any,
+                extras_cap: int | None = None) -> tuple[SlotFile, SlotHeader]:
+    """Synchronously write and commit one image (used for lazy backups and by tests)."""
+    text, ets = _codec.encode(extras)
+    need = len(text.encode()) + sum(t.numel() * t.element_size() for t in ets) + 128
+    ecap = max(_MIN_EXTRAS, 2 * need) if extras_cap is None else extras_cap
+    full_meta = dict(meta, tensors=tensor_table(planned))
+    idx = store.slot_for_write(role)
+    slot = store.ensure(role, idx, header_cap=header_capacity(full_meta), payload_cap=payload_bytes, extras_cap=ecap)
+    slot.invalidate()
+    with torch.no_grad():
+        for dst, src in zip(_typed_views(slot, planned), sources):
+            dst.copy_(src)
+    jn, metas, en = slot.write_extras(text, ets)
+    psum, esum = slot.checksums(payload_bytes, en) if store.use_checksum else (None, None)
+    hdr = SlotHeader(job_id=store.job_id, owner_rank=store.rank, layout=layout, iteration=iteration, role=role,
+                     payload_nbytes=payload_bytes, payload_xxh3=psum, extras_json_nbytes=jn, extras_tensors=metas,
+                     extras_nbytes=en, extras_xxh3=esum, meta=full_meta)
+    slot.commit(hdr)
+    return slot, hdr
+
+
+@dataclass
+class _Job:
+    iteration: int
+    text: str
+    tensors: list[torch.Tensor]
+    event: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    committed: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class SnapshotEngine:
+    """Asynchronous per-iteration snapshots of a rank's unique state.
+
+    Args:
+        store: this rank's host store.
+        plan: the razor's plan; ``plan.unique`` decides what is copied.
+        sources: live tensors, one per ``plan.unique`` entry, in the same order.
+        layout: identity hash of the job layout (written into every header, checked at restore).
+        meta: extra header metadata (topology, plan signature...).
+        transport: streams each committed image to the successor (None: local only).
+        wait_for_replica: the wait point also waits for the successor's acknowledgement.
+        extras_capacity: bytes reserved for extras (None: twice the first snapshot's, at least 64 KiB).
+    """
+
+    def __init__(self, *, store: HostStore, plan: ShardPlan, sources: Sequence[torch.Tensor], layout: str,
+                 meta: dict[str, Any], transport: NeighborTransport | None = None, wait_for_replica: bool = True,
+                 extras_capacity: int | None = None) -> None:
+        if len(sources) != len(plan.unique):
+            raise ValueError(f"{len(sources)} source tensors for {len(plan.unique)} planned")
+        for p, s in zip(plan.unique, sources):
+            if s.dtype != p.meta.dtype or tuple(s.shape) != p.meta.shape:
+                raise ValueError(f"source {p.meta.name} is {s.dtype}{tuple(s.shape)}, plan says "
+                                 f"{p.meta.dtype}{p.meta.shape}")
+        self.store = store
+        self.plan = plan
+        self.sources = [s if s.is_contiguous() else s for s in sources]
+        self.layout = layout
+        self.meta = dict(meta, tensors=tensor_table(plan.unique), plan=plan.signature)
+        self.transport = transport
+        self.wait_for_replica = wait_for_replica
+        self.extras_capacity = extras_capacity
+        self.stats = EngineStats(unique_bytes=plan.unique_bytes)
+        self._cuda = any(s.is_cuda for s in sources)
+        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._views: dict[int, list[torch.Tensor]] = {}
+        self._registered: set[int] = set()
+        self._pending: _Job | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="neighbor_ckpt-engine", daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    # -- training thread -------------------------------------------------------------------------------
+
+    def snapshot(self, iteration: int, extras: Any) -> None:
+        """Start snapshotting iteration ``iteration``; returns without copying tensor data."""
+        if self._closed:
+            raise RuntimeError("snapshot() after close()")
+        self.wait()
+        text, tensors = _codec.encode(extras)
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+        job = _Job(iteration, text, [t.cpu() for t in tensors], event)
+        self._pending = job
+        self._queue.put(job)
+
+    def wait(self) -> None:
+        """The wait point: returns once the last snapshot is committed (and replicated, if configured)."""
+        job = self._pending
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        (job.done if self.wait_for_replica else job.committed).wait()
+        self.stats.wait_seconds = time.perf_counter() - t0
+        if job.done.is_set():
+            self._pending = None
+
+    def drain(self) -> None:
+        """Wait for everything in flight, replication included."""
+        job = self._pending
+        if job is not None:
+            job.done.wait()
+            self._pending = None
+
+    def close(self) -> None:
+        """Drain and stop the worker thread (the store and transport are closed by their owner)."""
+        if self._closed:
+            return
+        self.drain()
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join(timeout=60)
+
+    # -- worker thread ---------------------------------------------------------------------------------
+
+    def _slot_views(self, idx: int, slot: SlotFile) -> list[torch.Tensor]:
+        views = self._views.get(idx)
+        if views is None or (views and views[0].data_ptr() < slot.payload.data_ptr()):
+            views = _typed_views(slot, self.plan.unique)
+            self._views[idx] = views
+            if self._cuda and idx not in self._registered and slot.payload_cap:
+                # Page-lock the slot once so D2H copies run at full PCIe speed, asynchronously.
+                torch.cuda.cudart().cudaHostRegister(slot.payload.data_ptr(), slot.payload_cap, 0)
+                self._registered.add(idx)
+        return views
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._process(job)
+            except BaseException as e:  # noqa: BLE001 - reported, never raised into training
+                job.error = e
+                self.stats.failures += 1
+                logger.error("rank %d: snapshot of iteration %d failed: %s", self.store.rank, job.iteration, e)
+            finally:
+                job.committed.set()
+                job.done.set()
+
+    def _process(self, job: _Job) -> None:
+        ecap_needed = len(job.text.encode()) + sum(t.numel() * t.element_size() for t in job.tensors) + 128
+        if self.extras_capacity is None or ecap_needed > self.extras_capacity:
+            if self.extras_capacity is not None:
+                logger.warning("rank %d: small state grew to %d bytes; enlarging slots", self.store.rank, ecap_needed)
+            self.extras_capacity = max(_MIN_EXTRAS, 2 * ecap_needed)
+        idx = self.store.slot_for_write(ROLE_OWN)
+        slot = self.store.ensure(ROLE_OWN, idx, header_cap=header_capacity(self.meta),
+                                 payload_cap=self.plan.unique_bytes, extras_cap=self.extras_capacity)
+        views = self._slot_views(idx, slot)
+        slot.invalidate()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if self._cuda:
+                assert self._stream is not None  # noqa: S101 - internal invariant
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(job.event)
+                    for dst, src in zip(views, self.sources):
+                        dst.copy_(src, non_blocking=True)
+                    self._stream.synchronize()
+            else:
+                for dst, src in zip(views, self.sources):
+                    dst.copy_(src)
+        t1 = time.perf_counter()
+        jn, metas, en = slot.write_extras(job.text, job.tensors)
+        psum, esum = slot.checksums(self.plan.unique_bytes, en) if self.store.use_checksum else (None, None)
+        hdr = SlotHeader(job_id=self.store.job_id, owner_rank=self.store.rank, layout=self.layout,
+                         iteration=job.iteration, role=ROLE_OWN, payload_nbytes=self.plan.unique_bytes,
+                         payload_xxh3=psum, extras_json_nbytes=jn, extras_tensors=metas, extras_nbytes=en,
+                         extras_xxh3=esum, meta=self.meta)
+        slot.commit(hdr)
+        t2 = time.perf_counter()
+        job.committed.set()
+        self.stats.iteration = job.iteration
+        self.stats.stage_seconds, self.stats.commit_seconds = t1 - t0, t2 - t1
+        if self.transport is not None and self.transport.healthy:
+            if self.transport.send(slot, hdr):
+                self.stats.replicated_iteration = job.iteration
+            self.stats.stream_seconds = time.perf_counter() - t2
+
+
+def write_lazy_backup(store: HostStore, *, planned: Sequence[PlannedTensor], sources: Sequence[torch.Tensor],
+                      payload_bytes: int, iteration: int, layout: str, meta: dict[str, Any]) -> SlotHeader:
+    """Write the redundant (lazy) state of this rank as the DP group's backup for ``iteration``."""
+    _, hdr = write_image(store, ROLE_LAZY, planned=planned, sources=sources, payload_bytes=payload_bytes,
+                         iteration=iteration, layout=layout, meta=meta, extras={})
+    return hdr

@@ -1,0 +1,55 @@
+"""Typed errors of neighbor_ckpt.
+
+Every error a user can trigger is a :class:`NeighborCkptError`. Messages say what happened, on which
+rank, and what the user can do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NeighborCkptError",
+    "ConfigError",
+    "SnapshotError",
+    "SnapshotCorruptError",
+    "SnapshotMismatchError",
+    "HostMemoryError",
+    "TransportError",
+    "NoRecoverableStateError",
+    "TopologyError",
+]
+
+
+class NeighborCkptError(Exception):
+    """Base class of every error raised by neighbor_ckpt."""
+
+
+class ConfigError(NeighborCkptError, ValueError):
+    """A configuration key or value is invalid. The message names the key path."""
+
+
+class TopologyError(NeighborCkptError, ValueError):
+    """Process groups / ranks do not form a layout neighbor_ckpt can work with."""
+
+
+class SnapshotError(NeighborCkptError):
+    """A snapshot cannot be used."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot's bytes are torn, truncated or fail their checksum: it is never loaded."""
+
+
+class SnapshotMismatchError(SnapshotError):
+    """A snapshot is intact but belongs to another job, layout or parallel configuration."""
+
+
+class HostMemoryError(NeighborCkptError):
+    """The host store does not fit in the shared-memory filesystem or the node's memory."""
+
+
+class TransportError(NeighborCkptError):
+    """Streaming a snapshot to / from a neighbor failed."""
+
+
+class NoRecoverableStateError(NeighborCkptError):
+    """No complete in-memory version exists and no insurance checkpoint is available."""

@@ -1,0 +1,241 @@
+"""``NeighborCheckpoint``: per-iteration neighbor checkpointing as one Lightning callback.
+
+Example::
+
+    from neighbor_ckpt import NeighborCheckpoint, NeighborCkptConfig
+    trainer = Trainer(strategy="ddp", callbacks=[NeighborCheckpoint()])   # or NeighborCheckpoint(NeighborCkptConfig(...))
+    trainer.fit(model, datamodule)       # under `torchrun --max-restarts N`: a restarted attempt resumes by itself
+
+What a restart restores: model, optimizer, LR schedulers, RNG states (python, numpy, torch, CUDA), global
+step and loop progress, and the data position (a map-style dataset under the DistributedSampler continues
+with the next unseen batch).
+
+Hook order (one training step)::
+
+    on_train_batch_start   apply the restored RNG state once, right before the first resumed step
+    on_before_backward     the engine's wait point (before DDP's gradient all-reduce)
+    on_before_optimizer_step  step tag: weights are torn from here ...
+    on_train_batch_end     ... to here: snapshot of iteration ``global_step`` (returns at once)
+    on_exception           lazy backup of the redundant state, then Lightning re-raises
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from neighbor_ckpt.adapters import StateAdapter, TorchOptimizerAdapter, ZeroOptimizerAdapter
+from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase, RecoveryResult
+from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.errors import ConfigError, NeighborCkptError
+from neighbor_ckpt.launch import prepare_torchrun_restart
+from neighbor_ckpt.lightning._compat import callback_bases
+from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
+from neighbor_ckpt.rng import capture_rng, restore_rng
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NeighborCheckpoint"]
+
+_INSURANCE_RE = re.compile(r"neighbor-insurance-step(\d+)\.ckpt$")
+
+
+def _mark_batch_completed(fit_loop_state: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot is taken in ``on_train_batch_end``, before Lightning counts the batch as completed.
+    Record it as completed so a restore resumes with the next batch."""
+    bp = fit_loop_state.get("epoch_loop.batch_progress")
+    if isinstance(bp, dict):
+        for scope in ("total", "current"):
+            if isinstance(bp.get(scope), dict):
+                bp[scope]["completed"] = bp[scope]["processed"]
+    return fit_loop_state
+
+
+class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
+    """Lightning callback: snapshot after every optimizer step, recover automatically on restart.
+
+    Args:
+        config: configuration (defaults when None).
+
+    Raises:
+        ConfigError: ``config`` is not a :class:`NeighborCkptConfig`.
+    """
+
+    def __init__(self, config: NeighborCkptConfig | None = None) -> None:
+        super().__init__()
+        if config is not None and not isinstance(config, NeighborCkptConfig):
+            raise ConfigError(f"NeighborCheckpoint expects a NeighborCkptConfig, got {type(config).__name__}; "
+                              "build one with NeighborCkptConfig.from_yaml(...) or NeighborCkptConfig(...)")
+        self.config = config or NeighborCkptConfig()
+        self.checkpointer: NeighborCheckpointer | None = None
+        self.last_recovery: RecoveryResult | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._skip_batches = 0
+        self._last_step = -1
+        self._last_state: dict[str, Any] | None = None
+        self._insurance_state: dict[str, Any] | None = None
+        self._trainer: Any = None
+        if self.config.enabled:
+            # Must happen before the strategy creates its process group (the trainer has not connected yet).
+            prepare_torchrun_restart()
+
+    # -- set-up and recovery ----------------------------------------------------------------------------
+
+    def _adapter(self, trainer: Any, pl_module: Any) -> StateAdapter:
+        if len(trainer.optimizers) != 1:
+            raise NeighborCkptError(f"NeighborCheckpoint supports exactly one optimizer, the module configured "
+                                    f"{len(trainer.optimizers)}")
+        opt = trainer.optimizers[0]
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            return ZeroOptimizerAdapter(pl_module, opt)
+        return TorchOptimizerAdapter(pl_module, opt)
+
+    @override
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.config.enabled:
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            logger.warning("NeighborCheckpoint: torch.distributed is not initialized (single-process run); disabled")
+            self.config.enabled = False
+            return
+        self._trainer = trainer
+        insurance = self._load_insurance if self._insurance_dir(trainer) is not None else None
+        self.checkpointer = NeighborCheckpointer(self.config, adapter=self._adapter(trainer, pl_module),
+                                                 insurance=insurance, capture_rng_state=False)
+        result = self.checkpointer.recover()
+        self.last_recovery = result
+        if result.restored:
+            state = result.user_state if result.report.outcome == "restored" else self._insurance_state
+            if state is None:
+                raise NeighborCkptError("restored version carries no Lightning training state")
+            self._apply(trainer, state)
+            self._last_step = trainer.global_step
+            if trainer.is_global_zero:
+                logger.warning("NeighborCheckpoint: resumed at global step %d (%s)", trainer.global_step,
+                               result.report.summary())
+
+    def _apply(self, trainer: Any, state: dict[str, Any]) -> None:
+        trainer.fit_loop.load_state_dict(state["fit_loop"])
+        configs = trainer.lr_scheduler_configs
+        if len(configs) != len(state["schedulers"]):
+            raise NeighborCkptError(f"the snapshot has {len(state['schedulers'])} LR schedulers, the module "
+                                    f"configured {len(configs)}")
+        for cfg, sd in zip(configs, state["schedulers"]):
+            cfg.scheduler.load_state_dict(sd)
+        self._pending_rng = state["rng"]
+        self._skip_batches = int(state["batches_in_epoch"])
+
+    def _insurance_dir(self, trainer: Any) -> Path | None:
+        if self.config.insurance.every_n_steps <= 0 and self.config.insurance.dirpath is None:
+            return None
+        if self.config.insurance.dirpath is not None:
+            return Path(self.config.insurance.dirpath)
+        return Path(trainer.default_root_dir) / "neighbor_ckpt_insurance"
+
+    def _insurance_files(self, trainer: Any) -> list[tuple[int, Path]]:
+        d = self._insurance_dir(trainer)
+        if d is None or not d.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _INSURANCE_RE.search(p.name))]
+        return sorted(found)
+
+    def _load_insurance(self) -> int | None:
+        trainer = self._trainer
+        files = self._insurance_files(trainer)
+        if not files:
+            return None
+        step, path = files[-1]
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)  # Lightning's own checkpoint format
+        trainer.lightning_module.load_state_dict(ckpt["state_dict"])
+        trainer.optimizers[0].load_state_dict(ckpt["optimizer_states"][0])
+        self._insurance_state = ckpt["callbacks"][self.state_key]["training_state"]
+        logger.warning("NeighborCheckpoint: loaded insurance checkpoint %s (global step %d)", path, step)
+        return step
+
+    # -- per step ----------------------------------------------------------------------------------------
+
+    @override
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._skip_batches:
+            install_skip(trainer.train_dataloader, self._skip_batches)
+            self._skip_batches = 0
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._apply_pending_rng()
+
+    def _apply_pending_rng(self) -> None:
+        if self._pending_rng is not None:
+            restore_rng(self._pending_rng)
+            self._pending_rng = None
+
+    @override
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        # A restore at the last batch of an epoch resumes at the epoch boundary: apply the RNG here, before the
+        # next epoch's dataloader iterator draws its seed, exactly as the uninterrupted run did.
+        self._apply_pending_rng()
+        uninstall_skip(trainer.train_dataloader)
+
+    @override
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.phase = Phase.OPTIMIZER
+
+    def _training_state(self, trainer: Any) -> dict[str, Any]:
+        return {
+            "fit_loop": _mark_batch_completed(trainer.fit_loop.state_dict()),
+            "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+            "rng": capture_rng(),
+            "batches_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+        }
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None or trainer.global_step == self._last_step:
+            return  # no optimizer step in this batch (gradient accumulation)
+        self._last_step = trainer.global_step
+        ckpt.phase = Phase.STEPPED
+        self._last_state = self._training_state(trainer)
+        ckpt.snapshot(trainer.global_step, user_state=self._last_state)
+        n = self.config.insurance.every_n_steps
+        if n > 0 and trainer.global_step % n == 0:
+            self._save_insurance(trainer)
+
+    def _save_insurance(self, trainer: Any) -> None:
+        d = self._insurance_dir(trainer)
+        assert d is not None  # noqa: S101
+        trainer.save_checkpoint(d / f"neighbor-insurance-step{trainer.global_step}.ckpt")
+        if trainer.is_global_zero:
+            for _, old in self._insurance_files(trainer)[:-2]:
+                old.unlink(missing_ok=True)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Carried inside Lightning checkpoints (the insurance): the exact training state of that step.
+        return {"training_state": self._last_state}
+
+    # -- failure and teardown ----------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.on_failure(f"{type(exception).__name__}: {exception}")
+
+    @override
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close(success=True)

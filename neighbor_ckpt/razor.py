@@ -1,0 +1,168 @@
+"""The checkpoint razor: split a rank's state into unique, regenerable and lazily backed-up parts.
+
+A pure function from tensor metadata + the data-parallel layout to a frozen :class:`ShardPlan`
+(FFTrainer §4.2):
+
+* with DP = 1 nothing is redundant: every tensor is snapshotted (weights become regenerable only when
+  a distributed optimizer holds their master copy);
+* model weights are redundant when DP > 1: *regenerable* under a distributed optimizer (rebuilt from the
+  fp32 main-param shards), otherwise *lazy* (written once, at failure time, by one live rank per DP group);
+* optimizer state and main params are unique when sharded by a distributed optimizer (the shard of this
+  DP rank: 12 bytes/param/DP for Adam), redundant (*lazy*) under plain DDP.
+
+Small per-rank state (RNG states, counters, scheduler, data position) is not planned here; it is always
+unique and travels in every snapshot's extras region.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["StateKind", "Disposition", "TensorMeta", "PlannedTensor", "ShardPlan", "plan_shards", "ALIGN"]
+
+ALIGN = 64
+"""Byte alignment of every tensor inside a slot payload."""
+
+
+class StateKind(str, enum.Enum):
+    """What a tensor is, as reported by an adapter."""
+
+    WEIGHT = "weight"
+    """A model parameter or buffer as the forward pass uses it."""
+    MAIN_PARAM = "main_param"
+    """An optimizer-owned master copy of parameters (fp32 main params, or the params a ZeRO rank owns)."""
+    OPTIMIZER = "optimizer"
+    """Optimizer state (Adam exp_avg / exp_avg_sq / step, momentum buffers)."""
+
+
+class Disposition(str, enum.Enum):
+    """What the razor does with a tensor."""
+
+    UNIQUE = "unique"
+    """Snapshotted every iteration into the local slot and streamed to the ring successor."""
+    REGENERABLE = "regenerable"
+    """Never saved: rebuilt from unique state at restore time."""
+    LAZY = "lazy"
+    """Redundant across DP ranks: written only at failure time by one live holder per DP group."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, kind, dtype and shape of one tensor of a rank's state."""
+
+    name: str
+    kind: StateKind
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, name: str, kind: StateKind, t: torch.Tensor) -> TensorMeta:
+        return cls(name, kind, t.dtype, tuple(t.shape))
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "kind": self.kind.value, "dtype": str(self.dtype).removeprefix("torch."),
+                "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor placed at ``offset`` bytes into its region (unique payload or lazy payload)."""
+
+    meta: TensorMeta
+    disposition: Disposition
+    offset: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The razor's decision for one rank. Build with :func:`plan_shards`."""
+
+    dp_size: int
+    distributed_optimizer: bool
+    unique: tuple[PlannedTensor, ...]
+    regenerable: tuple[TensorMeta, ...]
+    lazy: tuple[PlannedTensor, ...]
+    unique_bytes: int
+    """Bytes of the unique payload (with alignment padding)."""
+    lazy_bytes: int
+    """Bytes of the lazy-backup payload (with alignment padding)."""
+    signature: str
+    """Hash of the plan's layout; a snapshot is only loaded into a rank whose plan has the same one."""
+
+    def disposition_of(self, name: str) -> Disposition:
+        for p in self.unique + self.lazy:
+            if p.meta.name == name:
+                return p.disposition
+        for m in self.regenerable:
+            if m.name == name:
+                return Disposition.REGENERABLE
+        raise KeyError(name)
+
+    @property
+    def has_lazy(self) -> bool:
+        return bool(self.lazy)
+
+
+def _decide(kind: StateKind, dp_size: int, distributed_optimizer: bool) -> Disposition:
+    if kind is StateKind.WEIGHT:
+        if distributed_optimizer:
+            return Disposition.REGENERABLE
+        return Disposition.UNIQUE if dp_size == 1 else Disposition.LAZY
+    # MAIN_PARAM and OPTIMIZER
+    if dp_size == 1 or distributed_optimizer:
+        return Disposition.UNIQUE
+    return Disposition.LAZY
+
+
+def _layout(metas: Sequence[TensorMeta], disposition: Disposition) -> tuple[tuple[PlannedTensor, ...], int]:
+    placed: list[PlannedTensor] = []
+    offset = 0
+    for m in metas:
+        placed.append(PlannedTensor(m, disposition, offset))
+        offset += -(-m.nbytes // ALIGN) * ALIGN
+    return tuple(placed), offset
+
+
+def plan_shards(tensors: Sequence[TensorMeta], *, dp_size: int, distributed_optimizer: bool) -> ShardPlan:
+    """Apply the razor rules to one rank's tensors. Pure; the order of ``tensors`` is kept."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate tensor names in state: {dup[:5]}")
+    buckets: dict[Disposition, list[TensorMeta]] = {d: [] for d in Disposition}
+    for t in tensors:
+        buckets[_decide(t.kind, dp_size, distributed_optimizer)].append(t)
+    unique, unique_bytes = _layout(buckets[Disposition.UNIQUE], Disposition.UNIQUE)
+    lazy, lazy_bytes = _layout(buckets[Disposition.LAZY], Disposition.LAZY)
+    sig_src = json.dumps(
+        {
+            "dp_size": dp_size,
+            "distributed_optimizer": distributed_optimizer,
+            "tensors": [dict(t.to_json(), disposition=_decide(t.kind, dp_size, distributed_optimizer).value)
+                        for t in tensors],
+        },
+        sort_keys=True,
+    )
+    return ShardPlan(
+        dp_size=dp_size,
+        distributed_optimizer=distributed_optimizer,
+        unique=unique,
+        regenerable=tuple(buckets[Disposition.REGENERABLE]),
+        lazy=lazy,
+        unique_bytes=unique_bytes,
+        lazy_bytes=lazy_bytes,
+        signature=hashlib.sha256(sig_src.encode()).hexdigest()[:32],
+    )

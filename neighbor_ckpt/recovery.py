@@ -1,0 +1,302 @@
+"""The restore flow, run collectively by every rank after a (re)start.
+
+1. inventory: every committed slot of this rank is validated (header, commit marker, job, layout,
+   checksums); corrupted copies are reported and skipped, never loaded;
+2. exchange: one all-gather of every rank's versions;
+3. reconcile (pure, identical everywhere): target iteration and the source of every rank's state;
+4. transfer: a rank without its own copy receives the replica from its successor; DP groups with lazy
+   state receive the holder's lazy backup;
+5. verify: received copies are checked; any failure is excluded and we reconcile again;
+6. load: tensors are handed out as views of host memory (the adapter copies them in).
+
+If no iteration is restorable by every rank the caller falls back to insurance.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
+from neighbor_ckpt.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, RecoveryDecision, decode_row, \
+    encode_row, reconcile
+from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile, SlotHeader
+from neighbor_ckpt.topology import Topology
+from neighbor_ckpt.transport import recv_image, send_image
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RecoveryReport", "Restored", "run_recovery", "read_tensors"]
+
+_MAX_ROUNDS = 4
+
+
+@dataclass
+class RecoveryReport:
+    """What recovery did on this rank (identical decision on every rank)."""
+
+    outcome: str = "fresh"
+    """``fresh`` (nothing to restore), ``restored`` (in-memory version), ``insurance`` (fallback)."""
+    iteration: int | None = None
+    source: str | None = None
+    """This rank's unique state came from ``own`` slot or the ``replica`` on its successor."""
+    lazy_from: int | None = None
+    """Rank whose lazy backup provided the redundant state (None: not needed)."""
+    pulled_bytes: int = 0
+    """Bytes received over the network by this rank during recovery."""
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: inventory, exchange, transfer, verify, load."""
+    decision: RecoveryDecision | None = None
+
+    def summary(self) -> str:
+        if self.outcome == "restored":
+            how = "its own host slot" if self.source == SOURCE_OWN else "the replica on its successor"
+            lazy = f", redundant state from rank {self.lazy_from}'s lazy backup" if self.lazy_from is not None else ""
+            return (f"restored iteration {self.iteration} from {how}{lazy}; pulled {self.pulled_bytes} bytes; "
+                    + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.phases.items()))
+        return f"{self.outcome}: {self.reason}"
+
+
+@dataclass
+class Restored:
+    """A validated version ready to load."""
+
+    iteration: int
+    tensors: dict[str, torch.Tensor]
+    extras: Any
+
+
+def read_tensors(slot: SlotFile, hdr: SlotHeader) -> dict[str, torch.Tensor]:
+    """Tensors of a validated slot, as views of host memory (by the header's table)."""
+    out: dict[str, torch.Tensor] = {}
+    for t in hdr.meta.get("tensors", []):
+        dtype = getattr(torch, t["dtype"])
+        nbytes = int(torch.empty((), dtype=dtype).element_size())
+        for s in t["shape"]:
+            nbytes *= int(s)
+        raw = slot.payload[t["offset"]:t["offset"] + nbytes]
+        out[t["name"]] = raw.view(dtype).view(t["shape"]) if nbytes else torch.empty(t["shape"], dtype=dtype)
+    return out
+
+
+def _inventory(store: HostStore, topology: Topology, layout: str) -> tuple[RankVersions, dict[tuple[str, int], int]]:
+    """Validate every slot; returns this rank's row and (role, iteration) -> slot index."""
+    where: dict[tuple[str, int], int] = {}
+    own: set[int] = set()
+    replica: set[int] = set()
+    lazy: set[int] = set()
+    needs_lazy: bool | None = None
+    mismatch = False
+    for ref in store.committed(ROLE_OWN, verify=True):
+        if ref.header.layout != layout:
+            logger.error("rank %d: own slot %d holds iteration %d of another layout (%s, expected %s)",
+                         store.rank, ref.index, ref.header.iteration, ref.header.layout, layout)
+            mismatch = True
+            continue
+        own.add(ref.header.iteration)
+        where[(ROLE_OWN, ref.header.iteration)] = ref.index
+        needs_lazy = bool(ref.header.meta.get("has_lazy", False))
+    for ref in store.committed(ROLE_REPLICA, verify=True):
+        if ref.header.owner_rank != topology.predecessor:
+            logger.warning("rank %d: replica slot %d belongs to rank %d, not to my predecessor %d; ignored",
+                           store.rank, ref.index, ref.header.owner_rank, topology.predecessor)
+            continue
+        replica.add(ref.header.iteration)
+        where[(ROLE_REPLICA, ref.header.iteration)] = ref.index
+    for ref in store.committed(ROLE_LAZY, verify=True):
+        if ref.header.layout != layout or ref.header.meta.get("dp_group") != min(topology.dp_ranks):
+            logger.warning("rank %d: lazy backup %d is of another layout or DP group; ignored", store.rank, ref.index)
+            continue
+        lazy.add(ref.header.iteration)
+        where[(ROLE_LAZY, ref.header.iteration)] = ref.index
+    row = RankVersions(rank=topology.rank, successor=topology.successor, dp_group=min(topology.dp_ranks),
+                       own=frozenset(own), replica=frozenset(replica), lazy=frozenset(lazy),
+                       needs_lazy=needs_lazy, layout_mismatch=mismatch)
+    return row, where
+
+
+def _all_gather_rows(row: RankVersions, versions: int, group: dist.ProcessGroup) -> list[RankVersions]:
+    mine = encode_row(row, versions)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [decode_row(t, versions) for t in out]
+
+
+def _all_gather_flags(flags: list[int], group: dist.ProcessGroup) -> list[list[int]]:
+    mine = torch.tensor(flags, dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [t.tolist() for t in out]
+
+
+def _check(slot: SlotFile | None, store: HostStore, *, iteration: int, layout: str | None, owner: int) -> SlotHeader:
+    if slot is None:
+        raise SnapshotCorruptError("slot missing")
+    hdr = slot.read_header()
+    if hdr.iteration != iteration or hdr.owner_rank != owner:
+        raise SnapshotCorruptError(f"received iteration {hdr.iteration} of rank {hdr.owner_rank}, "
+                                   f"expected {iteration} of rank {owner}")
+    if hdr.job_id != store.job_id:
+        raise SnapshotMismatchError(f"received a snapshot of job {hdr.job_id!r}")
+    if layout is not None and hdr.layout != layout:
+        raise SnapshotMismatchError(f"received a snapshot of layout {hdr.layout}, expected {layout}")
+    if store.use_checksum:
+        slot.verify(hdr)
+    return hdr
+
+
+def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGroup, layout: str,
+                 chunk_bytes: int) -> tuple[RecoveryReport, Restored | None]:
+    """Collective over ``group`` (all ranks). Returns the report and, if restorable, the validated version."""
+    rep = RecoveryReport()
+    t0 = time.perf_counter()
+    row, where = _inventory(store, topology, layout)
+    rep.phases["inventory"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    table = _all_gather_rows(row, store.versions, group)
+    rep.phases["exchange"] = time.perf_counter() - t0
+    bad = [r.rank for r in table if r.layout_mismatch]
+    if bad:
+        raise SnapshotMismatchError(
+            f"rank {topology.rank}: ranks {bad} hold snapshots of this job id with another layout (a different "
+            f"model, optimizer or parallel configuration); refusing to load them. Delete {store.job_dir} or set "
+            f"neighbor_ckpt.job_id to a new value to start fresh.")
+    if not any(r.own or r.replica or r.lazy for r in table):
+        rep.reason = "no in-memory snapshot on any rank"
+        return rep, None
+
+    exclude: frozenset[tuple[int, int, str]] = frozenset()
+    transfer_s = verify_s = 0.0
+    for _ in range(_MAX_ROUNDS):
+        decision = reconcile(table, exclude)
+        rep.decision = decision
+        if not decision.recoverable:
+            rep.outcome, rep.reason = "insurance", decision.reason
+            return rep, None
+        it = decision.iteration
+        assert it is not None  # noqa: S101
+        t1 = time.perf_counter()
+        pulled, own_idx, lazy_idx, errors = _transfer(store, topology, group, table, decision, where, chunk_bytes)
+        transfer_s += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        own_fail = lazy_fail = 0
+        own_hdr = lazy_hdr = None
+        own_slot = store.slot(ROLE_OWN, own_idx) if own_idx is not None else None
+        try:
+            own_hdr = _check(own_slot, store, iteration=it, layout=layout, owner=topology.rank)
+        except (SnapshotCorruptError, SnapshotMismatchError) as e:
+            own_fail = 1
+            errors.append(f"copy of iteration {it} ({decision.sources[topology.rank]}) failed verification: {e}")
+        g = min(topology.dp_ranks)
+        holder = decision.lazy_holders.get(g)
+        lazy_slot = None
+        if holder is not None:
+            lazy_slot = store.slot(ROLE_LAZY, lazy_idx) if lazy_idx is not None else None
+            try:
+                lazy_hdr = _check(lazy_slot, store, iteration=it, layout=layout, owner=holder)
+            except (SnapshotCorruptError, SnapshotMismatchError) as e:
+                lazy_fail = 1
+                errors.append(f"lazy backup of iteration {it} from rank {holder} failed verification: {e}")
+        verify_s += time.perf_counter() - t1
+        for e in errors:
+            logger.warning("rank %d: %s", topology.rank, e)
+        flags = _all_gather_flags([own_fail, lazy_fail, holder if holder is not None else -1], group)
+        failed = set(exclude)
+        for r, (of, lf, h) in enumerate(flags):
+            if of:
+                failed.add((r, it, decision.sources[r]))
+            if lf and h >= 0:
+                failed.add((h, it, "lazy"))
+        if failed == set(exclude):
+            rep.outcome, rep.iteration = "restored", it
+            rep.source, rep.lazy_from, rep.pulled_bytes = decision.sources[topology.rank], holder, pulled
+            rep.reason, rep.notes = decision.reason, errors
+            rep.phases["transfer"], rep.phases["verify"] = transfer_s, verify_s
+            t1 = time.perf_counter()
+            assert own_slot is not None and own_hdr is not None  # noqa: S101
+            tensors = read_tensors(own_slot, own_hdr)
+            if lazy_slot is not None and lazy_hdr is not None:
+                tensors.update(read_tensors(lazy_slot, lazy_hdr))
+            extras = own_slot.read_extras(own_hdr)
+            rep.phases["load"] = time.perf_counter() - t1
+            if rep.source == SOURCE_REPLICA:
+                logger.warning("rank %d: restoring iteration %d from the replica held by rank %d", topology.rank,
+                               it, topology.successor)
+            return rep, Restored(it, tensors, extras)
+        exclude = frozenset(failed)
+    rep.outcome, rep.reason = "insurance", f"copies kept failing verification after {_MAX_ROUNDS} rounds"
+    return rep, None
+
+
+def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, table: list[RankVersions],
+              decision: RecoveryDecision, where: dict[tuple[str, int], int], chunk: int
+              ) -> tuple[int, int | None, int | None, list[str]]:
+    """Move replicas to owners that lost theirs and lazy backups to DP groups. Returns
+    (bytes received, own slot index holding the target, lazy slot index, notes)."""
+    it = decision.iteration
+    assert it is not None  # noqa: S101
+    me = topology.rank
+    sends: list[tuple[SlotFile, SlotHeader, int]] = []
+    recvs: list[tuple[str, int]] = []  # (role, src)
+    notes: list[str] = []
+    by_rank = {r.rank: r for r in table}
+    # replicas: I hold my predecessor's replica; send it if the predecessor needs it.
+    pred = topology.predecessor
+    if pred != me and decision.sources.get(pred) == SOURCE_REPLICA:
+        slot = store.slot(ROLE_REPLICA, where[(ROLE_REPLICA, it)])
+        assert slot is not None  # noqa: S101
+        sends.append((slot, slot.read_header(), pred))
+    if decision.sources[me] == SOURCE_REPLICA:
+        recvs.append((ROLE_OWN, topology.successor))
+        if it in by_rank[me].own:
+            notes.append(f"own slot of iteration {it} was rejected; using the replica on rank {topology.successor}")
+        else:
+            notes.append(f"own slot of iteration {it} missing; pulling the replica from rank {topology.successor}")
+    holder = decision.lazy_holders.get(min(topology.dp_ranks))
+    if holder is not None:
+        if holder == me:
+            slot = store.slot(ROLE_LAZY, where[(ROLE_LAZY, it)])
+            assert slot is not None  # noqa: S101
+            hdr = slot.read_header()
+            sends.extend((slot, hdr, r) for r in topology.dp_ranks if r != me)
+        else:
+            recvs.append((ROLE_LAZY, holder))
+
+    send_errors: list[BaseException] = []
+
+    def _send_all() -> None:
+        for slot, hdr, dst in sends:
+            try:
+                send_image(slot, hdr, dst, group, chunk=chunk)
+            except BaseException as e:  # noqa: BLE001
+                send_errors.append(e)
+
+    th = threading.Thread(target=_send_all, name="neighbor_ckpt-recovery-send", daemon=True)
+    th.start()
+    pulled = 0
+    own_idx = where.get((ROLE_OWN, it)) if decision.sources[me] == SOURCE_OWN else None
+    lazy_idx = where.get((ROLE_LAZY, it)) if holder == me else None
+    for role, src in recvs:
+        keep = {it} if role == ROLE_OWN else None
+        idx = store.slot_for_write(role, keep=keep)
+        got = recv_image(store, role, src, group, chunk=chunk, index=idx)
+        assert got is not None  # noqa: S101
+        s = store.slot(role, idx)
+        pulled += s.size if s is not None else 0
+        if role == ROLE_OWN:
+            own_idx = idx
+        else:
+            lazy_idx = idx
+    th.join()
+    for e in send_errors:
+        notes.append(f"sending a copy failed: {e}")
+    return pulled, own_idx, lazy_idx, notes

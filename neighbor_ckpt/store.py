@@ -1,0 +1,445 @@
+"""Host store: shared-memory slot files holding snapshots, replicas and lazy backups.
+
+Layout of one slot file (all integers little-endian)::
+
+    [0, 64)                 preamble  magic "NCKPTSLT" | format u32 | header_cap u32 | payload_cap u64 | extras_cap u64
+    [64, 64+header_cap)     header    u32 length + JSON: job, owner rank, layout signature, iteration, sizes, checksums
+    [P, P+payload_cap)      payload   the planned tensors at their plan offsets (P = 4 KiB aligned)
+    [E, E+extras_cap)       extras    JSON of small state + raw bytes of its tensors
+    [M, M+64)               marker    magic "NCKPTCMT" | iteration i64 | xxh3(header bytes) u64
+
+A slot is *committed* only when its marker matches its header; the marker is zeroed before any byte of
+a new version is written and written last. A slot is *trusted* only after its payload and extras
+checksums verify. Nothing here unpickles anything: headers are JSON, tensors are raw bytes.
+
+Directory: ``<root>/<user>/<job_id>/rank<r>/`` (mode 0700), files mode 0600, so snapshots are private to
+the user and namespaced per job.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from neighbor_ckpt import _codec
+from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, SnapshotMismatchError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "slot_file_size"]
+
+MAGIC = b"NCKPTSLT"
+MARKER_MAGIC = b"NCKPTCMT"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<8sIIQQ")  # 32 bytes used of 64
+MARKER = struct.Struct("<8sqQ")
+PREAMBLE_BYTES = 64
+MARKER_BYTES = 64
+PAGE = 4096
+
+ROLE_OWN = "own"
+ROLE_REPLICA = "replica"
+ROLE_LAZY = "lazy"
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _offsets(header_cap: int, payload_cap: int, extras_cap: int) -> tuple[int, int, int, int]:
+    p = _align(PREAMBLE_BYTES + header_cap, PAGE)
+    e = _align(p + payload_cap, 64)
+    m = _align(e + extras_cap, 64)
+    return p, e, m, m + MARKER_BYTES
+
+
+def slot_file_size(header_cap: int, payload_cap: int, extras_cap: int) -> int:
+    """Bytes one slot file takes."""
+    return _offsets(header_cap, payload_cap, extras_cap)[3]
+
+
+def checksum(data: memoryview | bytes) -> int:
+    """xxh3-64 of ``data`` (releases the GIL)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """The validated JSON header of a committed slot."""
+
+    job_id: str
+    owner_rank: int
+    layout: str
+    iteration: int
+    role: str
+    payload_nbytes: int
+    payload_xxh3: int | None
+    extras_json_nbytes: int
+    extras_tensors: list[dict[str, Any]]
+    extras_nbytes: int
+    extras_xxh3: int | None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION, "job_id": self.job_id, "owner_rank": self.owner_rank,
+            "layout": self.layout, "iteration": self.iteration, "role": self.role,
+            "payload_nbytes": self.payload_nbytes, "payload_xxh3": self.payload_xxh3,
+            "extras_json_nbytes": self.extras_json_nbytes, "extras_tensors": self.extras_tensors,
+            "extras_nbytes": self.extras_nbytes, "extras_xxh3": self.extras_xxh3, "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> SlotHeader:
+        try:
+            if d["format"] != FORMAT_VERSION:
+                raise SnapshotMismatchError(
+                    f"{where}: snapshot format {d['format']} is not supported (this build reads {FORMAT_VERSION})")
+            return cls(
+                job_id=str(d["job_id"]), owner_rank=int(d["owner_rank"]), layout=str(d["layout"]),
+                iteration=int(d["iteration"]), role=str(d["role"]), payload_nbytes=int(d["payload_nbytes"]),
+                payload_xxh3=None if d["payload_xxh3"] is None else int(d["payload_xxh3"]),
+                extras_json_nbytes=int(d["extras_json_nbytes"]), extras_tensors=list(d["extras_tensors"]),
+                extras_nbytes=int(d["extras_nbytes"]),
+                extras_xxh3=None if d["extras_xxh3"] is None else int(d["extras_xxh3"]),
+                meta=dict(d.get("meta") or {}),
+            )
+        except SnapshotMismatchError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise SnapshotCorruptError(f"{where}: malformed header ({type(e).__name__}: {e})") from e
+
+
+class SlotFile:
+    """One memory-mapped slot file. Not thread-safe: one writer at a time (the engine serializes)."""
+
+    def __init__(self, path: Path, mm: mmap.mmap, header_cap: int, payload_cap: int, extras_cap: int) -> None:
+        self.path = path
+        self._mm = mm
+        self.header_cap = header_cap
+        self.payload_cap = payload_cap
+        self.extras_cap = extras_cap
+        self.payload_off, self.extras_off, self.marker_off, self.size = _offsets(header_cap, payload_cap, extras_cap)
+        self._buf = memoryview(mm)
+        # Views created once; the engine copies into them every iteration without allocating.
+        self.payload = torch.frombuffer(mm, dtype=torch.uint8, count=payload_cap, offset=self.payload_off) \
+            if payload_cap else torch.empty(0, dtype=torch.uint8)
+
+    # -- creation / opening ------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: Path, *, header_cap: int, payload_cap: int, extras_cap: int) -> SlotFile:
+        """Create (or re-create) a zeroed slot file of the given capacities, mode 0600."""
+        size = slot_file_size(header_cap, payload_cap, extras_cap)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            os.pwrite(fd, PREAMBLE.pack(MAGIC, FORMAT_VERSION, header_cap, payload_cap, extras_cap), 0)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return cls.open(path)
+
+    @classmethod
+    def open(cls, path: Path) -> SlotFile:
+        """Map an existing slot file after checking its preamble and size."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < PREAMBLE_BYTES:
+                raise SnapshotCorruptError(f"{path}: truncated slot file ({size} bytes)")
+            raw = os.pread(fd, PREAMBLE.size, 0)
+            magic, fmt, hcap, pcap, ecap = PREAMBLE.unpack(raw)
+            if magic != MAGIC:
+                raise SnapshotCorruptError(f"{path}: not a neighbor_ckpt slot (bad magic {magic!r})")
+            if fmt != FORMAT_VERSION:
+                raise SnapshotMismatchError(f"{path}: slot format {fmt} is not supported (expected {FORMAT_VERSION})")
+            expected = slot_file_size(hcap, pcap, ecap)
+            if size != expected:
+                raise SnapshotCorruptError(f"{path}: truncated or padded slot file ({size} bytes, expected {expected})")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(path, mm, hcap, pcap, ecap)
+
+    def close(self) -> None:
+        self.payload = torch.empty(0, dtype=torch.uint8)
+        self._buf.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            logger.debug("slot %s still has live views at close", self.path)
+
+    # -- write protocol ------------------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Zero the commit marker: from here on the slot is not a valid snapshot until :meth:`commit`."""
+        self._buf[self.marker_off:self.marker_off + MARKER_BYTES] = bytes(MARKER_BYTES)
+
+    def write_extras(self, text: str, tensors: list[torch.Tensor]) -> tuple[int, list[dict[str, Any]], int]:
+        """Write small state; returns (json bytes, tensor metas, total bytes). Raises ValueError if too big."""
+        raw = text.encode()
+        metas, blob = _codec.tensors_to_bytes(tensors)
+        start = _align(len(raw), 64)
+        total = start + len(blob)
+        if total > self.extras_cap:
+            raise ValueError(f"extras of {total} bytes do not fit in {self.extras_cap}")
+        o = self.extras_off
+        self._buf[o:o + len(raw)] = raw
+        self._buf[o + start:o + total] = blob
+        return len(raw), metas, total
+
+    def checksums(self, payload_nbytes: int, extras_nbytes: int) -> tuple[int, int]:
+        p = checksum(self._buf[self.payload_off:self.payload_off + payload_nbytes])
+        e = checksum(self._buf[self.extras_off:self.extras_off + extras_nbytes])
+        return p, e
+
+    def commit(self, header: SlotHeader) -> None:
+        """Write the header, then the commit marker (last)."""
+        raw = json.dumps(header.to_json(), separators=(",", ":")).encode()
+        if 4 + len(raw) > self.header_cap:
+            raise ValueError(f"header of {len(raw)} bytes does not fit in {self.header_cap}")
+        h = PREAMBLE_BYTES
+        self._buf[h:h + 4] = struct.pack("<I", len(raw))
+        self._buf[h + 4:h + 4 + len(raw)] = raw
+        marker = MARKER.pack(MARKER_MAGIC, header.iteration, checksum(raw))
+        self._buf[self.marker_off:self.marker_off + len(marker)] = marker
+
+    # -- read / validate ---------------------------------------------------------------------------------
+
+    def read_header(self) -> SlotHeader:
+        """The header of a committed slot; raises :class:`SnapshotCorruptError` if not committed/torn."""
+        where = str(self.path)
+        magic, iteration, hsum = MARKER.unpack(bytes(self._buf[self.marker_off:self.marker_off + MARKER.size]))
+        if magic != MARKER_MAGIC:
+            raise SnapshotCorruptError(f"{where}: no commit marker (never committed, or torn mid-write)")
+        h = PREAMBLE_BYTES
+        (n,) = struct.unpack("<I", bytes(self._buf[h:h + 4]))
+        if n > self.header_cap - 4:
+            raise SnapshotCorruptError(f"{where}: header length {n} exceeds capacity {self.header_cap}")
+        raw = bytes(self._buf[h + 4:h + 4 + n])
+        if checksum(raw) != hsum:
+            raise SnapshotCorruptError(f"{where}: header does not match its commit marker (torn or corrupted)")
+        try:
+            d = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SnapshotCorruptError(f"{where}: header is not valid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise SnapshotCorruptError(f"{where}: header is not a JSON object")
+        hdr = SlotHeader.from_json(d, where)
+        if hdr.iteration != iteration:
+            raise SnapshotCorruptError(f"{where}: marker iteration {iteration} != header iteration {hdr.iteration}")
+        if hdr.payload_nbytes > self.payload_cap or hdr.extras_nbytes > self.extras_cap \
+                or hdr.extras_json_nbytes > hdr.extras_nbytes:
+            raise SnapshotCorruptError(f"{where}: header sizes exceed the slot's capacities")
+        return hdr
+
+    def verify(self, hdr: SlotHeader) -> None:
+        """Check payload and extras checksums; raises :class:`SnapshotCorruptError`."""
+        p, e = self.checksums(hdr.payload_nbytes, hdr.extras_nbytes)
+        if hdr.payload_xxh3 is not None and p != hdr.payload_xxh3:
+            raise SnapshotCorruptError(f"{self.path}: payload checksum mismatch (iteration {hdr.iteration})")
+        if hdr.extras_xxh3 is not None and e != hdr.extras_xxh3:
+            raise SnapshotCorruptError(f"{self.path}: extras checksum mismatch (iteration {hdr.iteration})")
+
+    def read_extras(self, hdr: SlotHeader) -> Any:
+        o = self.extras_off
+        text = bytes(self._buf[o:o + hdr.extras_json_nbytes]).decode()
+        start = _align(hdr.extras_json_nbytes, 64)
+        tensors = _codec.bytes_to_tensors(hdr.extras_tensors, self._buf[o + start:o + hdr.extras_nbytes])
+        return _codec.decode(text, tensors)
+
+    # -- streaming ---------------------------------------------------------------------------------------
+
+    def image_segments(self, hdr: SlotHeader) -> list[tuple[int, int]]:
+        """(offset, length) of the bytes that make up a committed image: everything else is padding.
+
+        The marker segment comes last, so a receiver that writes segments in order commits last.
+        """
+        segs = [(0, self.payload_off), (self.payload_off, hdr.payload_nbytes),
+                (self.extras_off, hdr.extras_nbytes), (self.marker_off, MARKER_BYTES)]
+        return [(o, n) for o, n in segs if n > 0]
+
+    def segment(self, offset: int, length: int) -> torch.Tensor:
+        """A uint8 tensor view of bytes [offset, offset+length) of the mapping (no copy)."""
+        return torch.frombuffer(self._mm, dtype=torch.uint8, count=length, offset=offset)
+
+    @property
+    def capacities(self) -> tuple[int, int, int]:
+        return self.header_cap, self.payload_cap, self.extras_cap
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """A committed slot found by :meth:`HostStore.inventory`."""
+
+    role: str
+    index: int
+    header: SlotHeader
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        return f"uid{os.getuid()}"
+
+
+class HostStore:
+    """The slot files of one rank: ``versions`` own slots, ``versions`` replica slots, lazy backups.
+
+    Args:
+        root: store root (``StoreConfig.dir`` after the env override).
+        job_id: job namespace.
+        rank: global rank of this process.
+        versions: slots per role.
+        use_checksum: compute / verify xxh3 checksums.
+    """
+
+    def __init__(self, root: Path, *, job_id: str, rank: int, versions: int = 2, use_checksum: bool = True) -> None:
+        self.root = Path(root)
+        self.job_id = job_id
+        self.rank = rank
+        self.versions = versions
+        self.use_checksum = use_checksum
+        self.job_dir = self.root / _user() / job_id
+        self.dir = self.job_dir / f"rank{rank}"
+        self.root.mkdir(parents=True, exist_ok=True)
+        for d in (self.root / _user(), self.job_dir, self.dir):
+            d.mkdir(mode=0o700, exist_ok=True)
+        for d in (self.root / _user(), self.job_dir, self.dir):
+            os.chmod(d, 0o700)
+        self._slots: dict[tuple[str, int], SlotFile] = {}
+
+    # -- files ---------------------------------------------------------------------------------------
+
+    def path(self, role: str, index: int) -> Path:
+        return self.dir / f"{role}.{index}.slot"
+
+    def slot(self, role: str, index: int) -> SlotFile | None:
+        """The mapped slot file, or None if absent / unreadable (unreadable files are reported)."""
+        key = (role, index)
+        if key in self._slots:
+            return self._slots[key]
+        p = self.path(role, index)
+        if not p.exists():
+            return None
+        try:
+            s = SlotFile.open(p)
+        except (SnapshotCorruptError, SnapshotMismatchError) as e:
+            logger.warning("rank %d: ignoring unusable slot file: %s", self.rank, e)
+            return None
+        self._slots[key] = s
+        return s
+
+    def ensure(self, role: str, index: int, *, header_cap: int, payload_cap: int, extras_cap: int) -> SlotFile:
+        """The slot file with at least these capacities, (re)created if needed."""
+        s = self.slot(role, index)
+        if s is not None and s.capacities == (header_cap, payload_cap, extras_cap):
+            return s
+        if s is not None:
+            s.close()
+            del self._slots[(role, index)]
+        self.preflight(slot_file_size(header_cap, payload_cap, extras_cap))
+        s = SlotFile.create(self.path(role, index), header_cap=header_cap, payload_cap=payload_cap,
+                            extras_cap=extras_cap)
+        self._slots[(role, index)] = s
+        return s
+
+    def preflight(self, nbytes: int) -> None:
+        """Raise :class:`HostMemoryError` if ``nbytes`` more do not fit in the store's filesystem."""
+        st = os.statvfs(self.dir)
+        free = st.f_bavail * st.f_frsize
+        if nbytes > free:
+            raise HostMemoryError(
+                f"rank {self.rank}: the host store needs {nbytes / 2**20:.1f} MiB more in {self.dir} but only "
+                f"{free / 2**20:.1f} MiB are free. Free shared memory (e.g. remove old jobs under "
+                f"{self.root}), enlarge /dev/shm, or point NEIGHBOR_CKPT_STORE_DIR at a larger tmpfs.")
+
+    # -- inventory -----------------------------------------------------------------------------------------
+
+    def committed(self, role: str, *, verify: bool) -> Iterator[SlotRef]:
+        """Committed slots of ``role`` in this store (job id checked; checksums if ``verify``)."""
+        indices = range(self.versions) if role != ROLE_LAZY else range(self.versions)
+        for i in indices:
+            s = self.slot(role, i)
+            if s is None:
+                continue
+            try:
+                hdr = s.read_header()
+                if hdr.job_id != self.job_id:
+                    raise SnapshotMismatchError(
+                        f"{s.path}: snapshot of job {hdr.job_id!r}, this is job {self.job_id!r}")
+                if verify and self.use_checksum:
+                    s.verify(hdr)
+            except (SnapshotCorruptError, SnapshotMismatchError) as e:
+                logger.warning("rank %d: %s slot %d is not usable: %s", self.rank, role, i, e)
+                continue
+            yield SlotRef(role, i, hdr)
+
+    def slot_for_write(self, role: str, keep: set[int] | None = None) -> int:
+        """Index of the slot to overwrite next: an uncommitted one, else the oldest iteration."""
+        best, best_iter = 0, None
+        for i in range(self.versions):
+            s = self.slot(role, i)
+            if s is None:
+                return i
+            try:
+                it = s.read_header().iteration
+            except (SnapshotCorruptError, SnapshotMismatchError):
+                return i
+            if keep and it in keep:
+                continue
+            if best_iter is None or it < best_iter:
+                best, best_iter = i, it
+        return best
+
+    def invalidate_except(self, role: str, keep_iteration: int | None) -> None:
+        """Invalidate every committed slot of ``role`` except the one holding ``keep_iteration``."""
+        for i in range(self.versions):
+            s = self.slot(role, i)
+            if s is None:
+                continue
+            try:
+                it = s.read_header().iteration
+            except (SnapshotCorruptError, SnapshotMismatchError):
+                continue
+            if it != keep_iteration:
+                s.invalidate()
+
+    def close(self) -> None:
+        for s in self._slots.values():
+            s.close()
+        self._slots.clear()
+
+    def destroy(self) -> None:
+        """Close and delete this rank's files (the job directory goes when it is empty)."""
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.job_dir.rmdir()
+        except OSError:
+            pass
+
+    def host_bytes(self) -> int:
+        """Bytes of all slot files of this rank."""
+        return sum(p.stat().st_size for p in self.dir.glob("*.slot"))
+
+
+def np_view(t: torch.Tensor) -> np.ndarray:
+    """Byte view of a CPU tensor (helper for tests and tools)."""
+    return t.view(-1).view(torch.uint8).numpy()
