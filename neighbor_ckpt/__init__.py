@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.launch import prepare_torchrun_restart
 from neighbor_ckpt.errors import (ConfigError, HostMemoryError, NeighborCkptError, NoRecoverableStateError,
                                   SnapshotCorruptError, SnapshotError, SnapshotMismatchError, TopologyError,
                                   TransportError)
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NeighborCheckpoint", "NeighborCheckpointer", "NeighborCkptConfig", "NeighborCkptError", "ConfigError",
     "HostMemoryError", "NoRecoverableStateError", "SnapshotCorruptError", "SnapshotError",
-    "SnapshotMismatchError", "TopologyError", "TransportError",
+    "SnapshotMismatchError", "TopologyError", "TransportError", "prepare_torchrun_restart",
 ]
 
 __version__ = "0.1.0"
