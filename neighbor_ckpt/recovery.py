@@ -49,7 +49,9 @@ class RecoveryReport:
     lazy_from: int | None = None
     """Rank whose lazy backup provided the redundant state (None: not needed)."""
     pulled_bytes: int = 0
-    """Bytes received over the network by this rank during recovery."""
+    """Bytes of this rank's unique state received from its successor (0: restored from its own slot)."""
+    lazy_bytes: int = 0
+    """Bytes of redundant state received from the DP group's lazy-backup holder."""
     reason: str = ""
     notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
@@ -60,7 +62,8 @@ class RecoveryReport:
         if self.outcome == "restored":
             how = "its own host slot" if self.source == SOURCE_OWN else "the replica on its successor"
             lazy = f", redundant state from rank {self.lazy_from}'s lazy backup" if self.lazy_from is not None else ""
-            return (f"restored iteration {self.iteration} from {how}{lazy}; pulled {self.pulled_bytes} bytes; "
+            return (f"restored iteration {self.iteration} from {how}{lazy}; pulled {self.pulled_bytes} bytes of "
+                    f"unique state, {self.lazy_bytes} bytes of redundant state; "
                     + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.phases.items()))
         return f"{self.outcome}: {self.reason}"
 
@@ -185,7 +188,8 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         it = decision.iteration
         assert it is not None  # noqa: S101
         t1 = time.perf_counter()
-        pulled, own_idx, lazy_idx, errors = _transfer(store, topology, group, table, decision, where, chunk_bytes)
+        (pulled, lazy_pulled), own_idx, lazy_idx, lazy_owner, errors = _transfer(
+            store, topology, group, table, decision, where, chunk_bytes, exclude)
         transfer_s += time.perf_counter() - t1
         t1 = time.perf_counter()
         own_fail = lazy_fail = 0
@@ -196,20 +200,19 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         except (SnapshotCorruptError, SnapshotMismatchError) as e:
             own_fail = 1
             errors.append(f"copy of iteration {it} ({decision.sources[topology.rank]}) failed verification: {e}")
-        g = min(topology.dp_ranks)
-        holder = decision.lazy_holders.get(g)
+        holder = decision.lazy_holders.get(min(topology.dp_ranks))
         lazy_slot = None
-        if holder is not None:
+        if lazy_owner is not None:
             lazy_slot = store.slot(ROLE_LAZY, lazy_idx) if lazy_idx is not None else None
             try:
-                lazy_hdr = _check(lazy_slot, store, iteration=it, layout=layout, owner=holder)
+                lazy_hdr = _check(lazy_slot, store, iteration=it, layout=layout, owner=lazy_owner)
             except (SnapshotCorruptError, SnapshotMismatchError) as e:
                 lazy_fail = 1
-                errors.append(f"lazy backup of iteration {it} from rank {holder} failed verification: {e}")
+                errors.append(f"lazy backup of iteration {it} written by rank {lazy_owner} failed verification: {e}")
         verify_s += time.perf_counter() - t1
         for e in errors:
             logger.warning("rank %d: %s", topology.rank, e)
-        flags = _all_gather_flags([own_fail, lazy_fail, holder if holder is not None else -1], group)
+        flags = _all_gather_flags([own_fail, lazy_fail, lazy_owner if lazy_owner is not None else -1], group)
         failed = set(exclude)
         for r, (of, lf, h) in enumerate(flags):
             if of:
@@ -218,7 +221,8 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
                 failed.add((h, it, "lazy"))
         if failed == set(exclude):
             rep.outcome, rep.iteration = "restored", it
-            rep.source, rep.lazy_from, rep.pulled_bytes = decision.sources[topology.rank], holder, pulled
+            rep.source, rep.lazy_from = decision.sources[topology.rank], lazy_owner
+            rep.pulled_bytes, rep.lazy_bytes = pulled, lazy_pulled
             rep.reason, rep.notes = decision.reason, errors
             rep.phases["transfer"], rep.phases["verify"] = transfer_s, verify_s
             t1 = time.perf_counter()
@@ -238,10 +242,13 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
 
 
 def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, table: list[RankVersions],
-              decision: RecoveryDecision, where: dict[tuple[str, int], int], chunk: int
-              ) -> tuple[int, int | None, int | None, list[str]]:
-    """Move replicas to owners that lost theirs and lazy backups to DP groups. Returns
-    (bytes received, own slot index holding the target, lazy slot index, notes)."""
+              decision: RecoveryDecision, where: dict[tuple[str, int], int], chunk: int,
+              exclude: frozenset[tuple[int, int, str]]
+              ) -> tuple[tuple[int, int], int | None, int | None, int | None, list[str]]:
+    """Move replicas to owners that lost theirs and lazy backups to DP members without one of their own.
+
+    Returns ((unique bytes received, lazy bytes received), own slot index of the target, lazy slot index,
+    rank that wrote the lazy backup used here, notes)."""
     it = decision.iteration
     assert it is not None  # noqa: S101
     me = topology.rank
@@ -262,14 +269,22 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
         else:
             notes.append(f"own slot of iteration {it} missing; pulling the replica from rank {topology.successor}")
     holder = decision.lazy_holders.get(min(topology.dp_ranks))
+    lazy_owner: int | None = None
+
+    def has_own_lazy(r: int) -> bool:
+        return it in by_rank[r].lazy and (r, it, "lazy") not in exclude
+
     if holder is not None:
+        if has_own_lazy(me):
+            lazy_owner = me  # every survivor wrote one: reload it locally
+        else:
+            lazy_owner = holder
+            recvs.append((ROLE_LAZY, holder))
         if holder == me:
             slot = store.slot(ROLE_LAZY, where[(ROLE_LAZY, it)])
             assert slot is not None  # noqa: S101
             hdr = slot.read_header()
-            sends.extend((slot, hdr, r) for r in topology.dp_ranks if r != me)
-        else:
-            recvs.append((ROLE_LAZY, holder))
+            sends.extend((slot, hdr, r) for r in topology.dp_ranks if r != me and not has_own_lazy(r))
 
     send_errors: list[BaseException] = []
 
@@ -282,16 +297,20 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
 
     th = threading.Thread(target=_send_all, name="neighbor_ckpt-recovery-send", daemon=True)
     th.start()
-    pulled = 0
+    pulled = {ROLE_OWN: 0, ROLE_LAZY: 0}
     own_idx = where.get((ROLE_OWN, it)) if decision.sources[me] == SOURCE_OWN else None
-    lazy_idx = where.get((ROLE_LAZY, it)) if holder == me else None
+    lazy_idx = where.get((ROLE_LAZY, it)) if lazy_owner == me else None
     for role, src in recvs:
         keep = {it} if role == ROLE_OWN else None
         idx = store.slot_for_write(role, keep=keep)
         got = recv_image(store, role, src, group, chunk=chunk, index=idx)
         assert got is not None  # noqa: S101
         s = store.slot(role, idx)
-        pulled += s.size if s is not None else 0
+        try:
+            if s is not None:
+                pulled[role] += sum(n for _, n in s.image_segments(s.read_header()))
+        except (SnapshotCorruptError, SnapshotMismatchError):
+            pass  # reported by the verification step
         if role == ROLE_OWN:
             own_idx = idx
         else:
@@ -299,4 +318,4 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
     th.join()
     for e in send_errors:
         notes.append(f"sending a copy failed: {e}")
-    return pulled, own_idx, lazy_idx, notes
+    return (pulled[ROLE_OWN], pulled[ROLE_LAZY]), own_idx, lazy_idx, lazy_owner, notes

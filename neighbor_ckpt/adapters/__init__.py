@@ -5,6 +5,7 @@ restored set back. The core never imports a framework; adapters for mcore live n
 """
 
 from neighbor_ckpt.adapters.base import StateAdapter
+from neighbor_ckpt.adapters.ddp import pin_bucket_layout
 from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter, ZeroOptimizerAdapter
 
-__all__ = ["StateAdapter", "TorchOptimizerAdapter", "ZeroOptimizerAdapter"]
+__all__ = ["StateAdapter", "pin_bucket_layout", "TorchOptimizerAdapter", "ZeroOptimizerAdapter"]

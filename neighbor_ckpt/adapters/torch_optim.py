@@ -122,13 +122,18 @@ class ZeroOptimizerAdapter(StateAdapter):
 
     def capture_extras(self) -> dict[str, Any]:
         _, skel = _split_optimizer_state(self.optimizer.optim.state_dict(), "optim")
-        return {"optimizer": skel}
+        # ZeRO keeps hyper-parameters (what LR schedulers change) in its outer param_groups and copies them
+        # into the local optimizer at every step: they must be restored too.
+        outer = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"optimizer": skel, "param_groups": outer}
 
     def load(self, tensors: Mapping[str, torch.Tensor], extras: Mapping[str, Any]) -> None:
         with torch.no_grad():
             for name, p in self._owned():
                 p.detach().copy_(tensors[f"main/{name}"])
         self.optimizer.optim.load_state_dict(_fill_skeleton(extras["optimizer"], tensors))
+        for group, saved in zip(self.optimizer.param_groups, extras["param_groups"]):
+            group.update(saved)
 
     def regenerate(self, dp_group: dist.ProcessGroup | None) -> None:
         """Every weight is broadcast from the rank that owns it (ZeRO's own parameter sync)."""

@@ -3,13 +3,15 @@
 Lightning restarts an epoch's sampler from its first index. After a restore we wrap the training
 DataLoader's sampler for one epoch so that it skips the indices of the batches already consumed:
 nothing is skipped that was not trained on, nothing is repeated. Only indices are skipped (no sample is
-loaded), and the wrapper removes itself when the epoch ends.
+loaded); the callback puts the original sampler back when the epoch ends.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Iterator
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class SkipFirst:
             self.inner.set_epoch(epoch)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # during copy/pickle, before __init__ ran
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -46,6 +50,10 @@ def install_skip(dataloader: Any, batches: int) -> bool:
     bs = getattr(dataloader, "batch_sampler", None)
     if batches <= 0:
         return True
+    if isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset):
+        logger.warning("cannot resume the data position of an IterableDataset (implement state_dict / "
+                       "load_state_dict on the loader); the epoch restarts from its first sample")
+        return False
     if bs is None or not hasattr(bs, "sampler") or not hasattr(bs, "batch_size"):
         logger.warning("cannot resume the data position of %s (no BatchSampler); the epoch restarts from its "
                        "first batch", type(dataloader).__name__)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from neighbor_ckpt.adapters import StateAdapter, TorchOptimizerAdapter, ZeroOptimizerAdapter
+from neighbor_ckpt.adapters import StateAdapter, TorchOptimizerAdapter, ZeroOptimizerAdapter, pin_bucket_layout
 from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
@@ -107,6 +107,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             self.config.enabled = False
             return
         self._trainer = trainer
+        # Same DDP bucket layout in every run, so the first step after a restart reduces like the original.
+        pin_bucket_layout(trainer.strategy.model)
         insurance = self._load_insurance if self._insurance_dir(trainer) is not None else None
         self.checkpointer = NeighborCheckpointer(self.config, adapter=self._adapter(trainer, pl_module),
                                                  insurance=insurance, capture_rng_state=False)

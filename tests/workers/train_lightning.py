@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (TinyNet, append_jsonl, attempt, fingerprint, make_dataset, maybe_kill,  # noqa: E402
-                    optimizer_tensors, setup_store_env, write_json)
+from common import (TinyNet, append_jsonl, attempt, fingerprint, flip_byte_in_newest_own_slot,  # noqa: E402
+                    make_dataset, maybe_kill, optimizer_tensors, setup_store_env, write_json)
 
 from neighbor_ckpt import NeighborCheckpoint, NeighborCkptConfig  # noqa: E402
 from neighbor_ckpt.errors import NeighborCkptError  # noqa: E402
@@ -57,9 +57,18 @@ class Module(pl.LightningModule):
         return torch.utils.data.DataLoader(make_dataset(), batch_size=8, shuffle=True)
 
 
+class KillAfterStep(pl.Callback):
+    """Placed before NeighborCheckpoint: kills after the optimizer step, before that step's snapshot."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        maybe_kill(trainer.global_step - 1, "after_step", RANK)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank{RANK}] %(name)s %(levelname)s %(message)s")
     setup_store_env(RANK)
+    if attempt() > 0 and os.environ.get("FLIP_RANK") == str(RANK):
+        flip_byte_in_newest_own_slot(RANK)
     torch.manual_seed(100 + RANK)
     every = int(os.environ.get("INSURANCE_EVERY", "0"))
     cfg = NeighborCkptConfig.from_dict({
@@ -69,7 +78,7 @@ def main() -> None:
     })
     cb = NeighborCheckpoint(cfg)
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy="ddp", max_steps=int(os.environ.get("STEPS", "12")),
-                         callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[KillAfterStep(), cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(OUT / "root"))
     model = Module()
     try:
@@ -81,7 +90,7 @@ def main() -> None:
     if rec is not None:
         write_json(OUT / f"report.rank{RANK}.attempt{attempt()}.json",
                    {"outcome": rec.report.outcome, "iteration": rec.iteration, "source": rec.report.source,
-                    "lazy_from": rec.report.lazy_from, "pulled_bytes": rec.report.pulled_bytes,
+                    "lazy_from": rec.report.lazy_from, "pulled_bytes": rec.report.pulled_bytes, "lazy_bytes": rec.report.lazy_bytes,
                     "reason": rec.report.reason, "notes": rec.report.notes})
     opt = trainer.optimizers[0]
     if hasattr(opt, "consolidate_state_dict"):

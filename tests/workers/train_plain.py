@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (TinyNet, append_jsonl, attempt, fingerprint, make_dataset, maybe_kill,  # noqa: E402
                     optimizer_tensors, setup_store_env, write_json)
 
-from neighbor_ckpt import NeighborCkptConfig  # noqa: E402
-from neighbor_ckpt.adapters import TorchOptimizerAdapter, ZeroOptimizerAdapter  # noqa: E402
+from neighbor_ckpt import NeighborCkptConfig, prepare_torchrun_restart  # noqa: E402
+from neighbor_ckpt.adapters import TorchOptimizerAdapter, ZeroOptimizerAdapter, pin_bucket_layout  # noqa: E402
 from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
 from neighbor_ckpt.errors import NeighborCkptError  # noqa: E402
 
@@ -28,12 +28,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK')}] %(name)s %(levelname)s %(message)s")
     rank = int(os.environ["RANK"])
     setup_store_env(rank)
+    prepare_torchrun_restart()  # fresh c10d store per torchrun attempt (before the process group exists)
     dist.init_process_group("gloo")
     out = Path(os.environ["OUT_DIR"])
     steps = int(os.environ.get("STEPS", "12"))
     torch.manual_seed(0)
     model = TinyNet()
     ddp = DDP(model)
+    pin_bucket_layout(ddp)
     if os.environ.get("OPTIM", "adam") == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
@@ -54,7 +56,7 @@ def main() -> None:
         raise
     write_json(out / f"report.rank{rank}.attempt{attempt()}.json",
                {"outcome": result.report.outcome, "iteration": result.iteration, "source": result.report.source,
-                "lazy_from": result.report.lazy_from, "pulled_bytes": result.report.pulled_bytes,
+                "lazy_from": result.report.lazy_from, "pulled_bytes": result.report.pulled_bytes, "lazy_bytes": result.report.lazy_bytes,
                 "reason": result.report.reason, "notes": result.report.notes})
     if result.restored:
         sched.load_state_dict(result.user_state["sched"])
@@ -80,7 +82,8 @@ def main() -> None:
             sched.step()
             ckpt.snapshot(step, user_state={"sched": sched.state_dict()})
             maybe_kill(step, "after_snapshot", rank)
-            append_jsonl(out / f"losses.rank{rank}.jsonl", {"step": step, "loss": loss.item().hex(), "attempt": attempt()})
+            append_jsonl(out / f"losses.rank{rank}.jsonl", {"step": step, "loss": loss.item().hex(), "attempt": attempt(),
+                                                            "params": fingerprint(dict(model.named_parameters()))})
     except Exception as e:
         ckpt.on_failure(f"{type(e).__name__}: {e}")
         raise
