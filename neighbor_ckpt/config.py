@@ -203,7 +203,7 @@ def _from_dict(cls: type, data: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__} ({data!r})")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ConfigError(
             f"{path}.{unknown[0]}: unknown key (allowed keys of {path}: {', '.join(sorted(fields))})"
@@ -218,7 +218,9 @@ def _from_dict(cls: type, data: Any, path: str) -> Any:
             kwargs[name] = _coerce(tp, value, sub)
     try:
         return cls(**kwargs)
-    except ConfigError:
+    except ConfigError as e:
+        if path != "neighbor_ckpt" and str(e).startswith("neighbor_ckpt."):
+            raise ConfigError(path + str(e).removeprefix("neighbor_ckpt")) from None
         raise
     except (TypeError, ValueError) as e:  # pragma: no cover - defensive
         raise ConfigError(f"{path}: {e}") from e

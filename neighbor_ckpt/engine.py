@@ -73,8 +73,11 @@ def tensor_table(planned: Sequence[PlannedTensor]) -> list[dict[str, Any]]:
 def _typed_views(slot: SlotFile, planned: Sequence[PlannedTensor]) -> list[torch.Tensor]:
     views = []
     for p in planned:
+        if p.meta.nbytes == 0:
+            views.append(torch.empty(p.meta.shape, dtype=p.meta.dtype))
+            continue
         raw = slot.payload[p.offset:p.offset + p.meta.nbytes]
-        views.append(raw.view(p.meta.dtype).view(p.meta.shape) if p.meta.nbytes else raw)
+        views.append(raw.view(p.meta.dtype).view(p.meta.shape))
     return views
 
 
@@ -137,7 +140,7 @@ class SnapshotEngine:
                                  f"{p.meta.dtype}{p.meta.shape}")
         self.store = store
         self.plan = plan
-        self.sources = [s if s.is_contiguous() else s for s in sources]
+        self.sources = list(sources)
         self.layout = layout
         self.meta = dict(meta, tensors=tensor_table(plan.unique), plan=plan.signature)
         self.transport = transport
@@ -146,8 +149,7 @@ class SnapshotEngine:
         self.stats = EngineStats(unique_bytes=plan.unique_bytes)
         self._cuda = any(s.is_cuda for s in sources)
         self._stream = torch.cuda.Stream() if self._cuda else None
-        self._views: dict[int, list[torch.Tensor]] = {}
-        self._registered: set[int] = set()
+        self._views: dict[int, tuple[SlotFile, list[torch.Tensor]]] = {}
         self._pending: _Job | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="neighbor_ckpt-engine", daemon=True)
@@ -200,14 +202,15 @@ class SnapshotEngine:
     # -- worker thread ---------------------------------------------------------------------------------
 
     def _slot_views(self, idx: int, slot: SlotFile) -> list[torch.Tensor]:
-        views = self._views.get(idx)
-        if views is None or (views and views[0].data_ptr() < slot.payload.data_ptr()):
-            views = _typed_views(slot, self.plan.unique)
-            self._views[idx] = views
-            if self._cuda and idx not in self._registered and slot.payload_cap:
-                # Page-lock the slot once so D2H copies run at full PCIe speed, asynchronously.
-                torch.cuda.cudart().cudaHostRegister(slot.payload.data_ptr(), slot.payload_cap, 0)
-                self._registered.add(idx)
+        cached = self._views.get(idx)
+        if cached is not None and cached[0] is slot:
+            return cached[1]
+        # First use of this slot file (or it was re-created with other capacities): views made once.
+        views = _typed_views(slot, self.plan.unique)
+        self._views[idx] = (slot, views)
+        if self._cuda and slot.payload_cap:
+            # Page-lock the slot once so D2H copies run at full PCIe speed, asynchronously.
+            torch.cuda.cudart().cudaHostRegister(slot.payload.data_ptr(), slot.payload_cap, 0)
         return views
 
     def _run(self) -> None:

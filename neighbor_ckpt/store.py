@@ -106,7 +106,7 @@ class SlotHeader:
         try:
             if d["format"] != FORMAT_VERSION:
                 raise SnapshotMismatchError(
-                    f"{where}: snapshot format {d['format']} is not supported (this build reads {FORMAT_VERSION})")
+                    f"{where}: snapshot format {d['format']!r} is not supported (this build reads {FORMAT_VERSION!r})")
             return cls(
                 job_id=str(d["job_id"]), owner_rank=int(d["owner_rank"]), layout=str(d["layout"]),
                 iteration=int(d["iteration"]), role=str(d["role"]), payload_nbytes=int(d["payload_nbytes"]),
@@ -118,7 +118,7 @@ class SlotHeader:
             )
         except SnapshotMismatchError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise SnapshotCorruptError(f"{where}: malformed header ({type(e).__name__}: {e})") from e
 
 
@@ -177,12 +177,10 @@ class SlotFile:
         return cls(path, mm, hcap, pcap, ecap)
 
     def close(self) -> None:
+        """Drop this object's references. The mapping itself is released when the last tensor view of it
+        is gone (``torch.frombuffer`` keeps the mmap object alive), so outstanding views never dangle."""
         self.payload = torch.empty(0, dtype=torch.uint8)
         self._buf.release()
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-            logger.debug("slot %s still has live views at close", self.path)
 
     # -- write protocol ------------------------------------------------------------------------------
 
@@ -243,8 +241,8 @@ class SlotFile:
         hdr = SlotHeader.from_json(d, where)
         if hdr.iteration != iteration:
             raise SnapshotCorruptError(f"{where}: marker iteration {iteration} != header iteration {hdr.iteration}")
-        if hdr.payload_nbytes > self.payload_cap or hdr.extras_nbytes > self.extras_cap \
-                or hdr.extras_json_nbytes > hdr.extras_nbytes:
+        if not (0 <= hdr.payload_nbytes <= self.payload_cap and 0 <= hdr.extras_nbytes <= self.extras_cap
+                and 0 <= hdr.extras_json_nbytes <= hdr.extras_nbytes):
             raise SnapshotCorruptError(f"{where}: header sizes exceed the slot's capacities")
         return hdr
 
@@ -393,7 +391,7 @@ class HostStore:
 
     def slot_for_write(self, role: str, keep: set[int] | None = None) -> int:
         """Index of the slot to overwrite next: an uncommitted one, else the oldest iteration."""
-        best, best_iter = 0, None
+        best, best_iter = None, None
         for i in range(self.versions):
             s = self.slot(role, i)
             if s is None:
@@ -406,6 +404,8 @@ class HostStore:
                 continue
             if best_iter is None or it < best_iter:
                 best, best_iter = i, it
+        if best is None:
+            raise ValueError(f"every {role} slot holds an iteration in {sorted(keep or ())}; nothing may be overwritten")
         return best
 
     def invalidate_except(self, role: str, keep_iteration: int | None) -> None:

@@ -103,12 +103,14 @@ def ring_order(members: Sequence[int], nodes: Sequence[str], policy: Literal["cr
         by_node.setdefault(nodes[r], []).append(r)
     if len(by_node) <= 1:
         return tuple(members)
-    queues = sorted(by_node.values(), key=len, reverse=True)  # stable: ties keep first appearance
-    order: list[int] = []
-    while any(queues):
-        for q in queues:
-            if q:
-                order.append(q.pop(0))
+    # Members grouped by node, largest node first, dealt to ring positions 0, 2, 4, ... then 1, 3, 5, ...:
+    # no two neighbours share a node unless one node holds more than half of the group.
+    flat = [r for group in sorted(by_node.values(), key=len, reverse=True) for r in group]
+    n = len(flat)
+    order: list[int] = [0] * n
+    positions = list(range(0, n, 2)) + list(range(1, n, 2))
+    for pos, r in zip(positions, flat):
+        order[pos] = r
     return tuple(order)
 
 
