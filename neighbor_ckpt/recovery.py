@@ -90,15 +90,17 @@ def read_tensors(slot: SlotFile, hdr: SlotHeader) -> dict[str, torch.Tensor]:
     return out
 
 
-def _inventory(store: HostStore, topology: Topology, layout: str) -> tuple[RankVersions, dict[tuple[str, int], int]]:
-    """Validate every slot; returns this rank's row and (role, iteration) -> slot index."""
+def _inventory(store: HostStore, topology: Topology, layout: str, rejected: dict[int, str]
+               ) -> tuple[RankVersions, dict[tuple[str, int], int]]:
+    """Validate every slot; returns this rank's row and (role, iteration) -> slot index. Own slots that
+    failed validation are recorded in ``rejected`` (iteration -> reason)."""
     where: dict[tuple[str, int], int] = {}
     own: set[int] = set()
     replica: set[int] = set()
     lazy: set[int] = set()
     needs_lazy: bool | None = None
     mismatch = False
-    for ref in store.committed(ROLE_OWN, verify=True):
+    for ref in store.committed(ROLE_OWN, verify=True, rejected=rejected):
         if ref.header.layout != layout:
             logger.error("rank %d: own slot %d holds iteration %d of another layout (%s, expected %s)",
                          store.rank, ref.index, ref.header.iteration, ref.header.layout, layout)
@@ -161,7 +163,8 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
     """Collective over ``group`` (all ranks). Returns the report and, if restorable, the validated version."""
     rep = RecoveryReport()
     t0 = time.perf_counter()
-    row, where = _inventory(store, topology, layout)
+    rejected: dict[int, str] = {}
+    row, where = _inventory(store, topology, layout, rejected)
     rep.phases["inventory"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -189,7 +192,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         assert it is not None  # noqa: S101
         t1 = time.perf_counter()
         (pulled, lazy_pulled), own_idx, lazy_idx, lazy_owner, errors = _transfer(
-            store, topology, group, table, decision, where, chunk_bytes, exclude)
+            store, topology, group, table, decision, where, chunk_bytes, exclude, rejected)
         transfer_s += time.perf_counter() - t1
         t1 = time.perf_counter()
         own_fail = lazy_fail = 0
@@ -243,7 +246,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
 
 def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, table: list[RankVersions],
               decision: RecoveryDecision, where: dict[tuple[str, int], int], chunk: int,
-              exclude: frozenset[tuple[int, int, str]]
+              exclude: frozenset[tuple[int, int, str]], rejected: dict[int, str]
               ) -> tuple[tuple[int, int], int | None, int | None, int | None, list[str]]:
     """Move replicas to owners that lost theirs and lazy backups to DP members without one of their own.
 
@@ -266,6 +269,9 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
         recvs.append((ROLE_OWN, topology.successor))
         if it in by_rank[me].own:
             notes.append(f"own slot of iteration {it} was rejected; using the replica on rank {topology.successor}")
+        elif it in rejected:
+            notes.append(f"own slot of iteration {it} failed verification ({rejected[it]}); using the replica held "
+                         f"by rank {topology.successor}")
         else:
             notes.append(f"own slot of iteration {it} missing; pulling the replica from rank {topology.successor}")
     holder = decision.lazy_holders.get(min(topology.dp_ranks))

@@ -370,13 +370,17 @@ class HostStore:
 
     # -- inventory -----------------------------------------------------------------------------------------
 
-    def committed(self, role: str, *, verify: bool) -> Iterator[SlotRef]:
-        """Committed slots of ``role`` in this store (job id checked; checksums if ``verify``)."""
-        indices = range(self.versions) if role != ROLE_LAZY else range(self.versions)
-        for i in indices:
+    def committed(self, role: str, *, verify: bool, rejected: dict[int, str] | None = None) -> Iterator[SlotRef]:
+        """Committed slots of ``role`` in this store (job id checked; checksums if ``verify``).
+
+        Slots that fail a check are logged and skipped; if ``rejected`` is given, the iteration of each
+        rejected slot whose header was readable is recorded there with the reason.
+        """
+        for i in range(self.versions):
             s = self.slot(role, i)
             if s is None:
                 continue
+            hdr = None
             try:
                 hdr = s.read_header()
                 if hdr.job_id != self.job_id:
@@ -386,6 +390,8 @@ class HostStore:
                     s.verify(hdr)
             except (SnapshotCorruptError, SnapshotMismatchError) as e:
                 logger.warning("rank %d: %s slot %d is not usable: %s", self.rank, role, i, e)
+                if rejected is not None and hdr is not None:
+                    rejected[hdr.iteration] = str(e).rsplit(": ", 1)[-1]
                 continue
             yield SlotRef(role, i, hdr)
 

@@ -103,6 +103,9 @@ def ring_order(members: Sequence[int], nodes: Sequence[str], policy: Literal["cr
         by_node.setdefault(nodes[r], []).append(r)
     if len(by_node) <= 1:
         return tuple(members)
+    n = len(members)
+    if all(nodes[members[i]] != nodes[members[(i + 1) % n]] for i in range(n)):
+        return tuple(members)  # DP order already alternates nodes
     # Members grouped by node, largest node first, dealt to ring positions 0, 2, 4, ... then 1, 3, 5, ...:
     # no two neighbours share a node unless one node holds more than half of the group.
     flat = [r for group in sorted(by_node.values(), key=len, reverse=True) for r in group]

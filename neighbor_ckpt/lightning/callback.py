@@ -12,6 +12,7 @@ with the next unseen batch).
 
 Hook order (one training step)::
 
+    on_train_start         after a restore: skip the batches of the current epoch already trained on
     on_train_batch_start   apply the restored RNG state once, right before the first resumed step
     on_before_backward     the engine's wait point (before DDP's gradient all-reduce)
     on_before_optimizer_step  step tag: weights are torn from here ...
@@ -165,7 +166,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
     # -- per step ----------------------------------------------------------------------------------------
 
     @override
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Called once the epoch's iterator exists but before it draws its first index, in every Lightning
+        # version (pytorch_lightning >= 2.5 no longer calls on_train_epoch_start when resuming mid-epoch).
         if self._skip_batches:
             install_skip(trainer.train_dataloader, self._skip_batches)
             self._skip_batches = 0
