@@ -1,0 +1,122 @@
+"""Tier 2: real gloo process groups in spawned processes (no torchrun). The transport contract, a dead
+neighbor, and recovery refusing another layout."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from neighbor_ckpt.engine import write_image
+from neighbor_ckpt.errors import SnapshotMismatchError
+from neighbor_ckpt.razor import StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.recovery import read_tensors, run_recovery
+from neighbor_ckpt.store import ROLE_OWN, ROLE_REPLICA, HostStore
+from neighbor_ckpt.topology import build_topology
+from neighbor_ckpt.transport import GlooRingTransport
+
+pytestmark = pytest.mark.multiproc
+
+
+def _entry(rank: int, world: int, tmp: str, fn: Callable[[int, int, Path], None]) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+    try:
+        fn(rank, world, Path(tmp))
+        (Path(tmp) / f"ok{rank}").write_text("ok")
+    except BaseException:  # noqa: BLE001 - reported to the parent through a file
+        (Path(tmp) / f"err{rank}").write_text(traceback.format_exc())
+        os._exit(1)
+
+
+def _spawn(fn: Callable[[int, int, Path], None], tmp: Path, world: int = 2) -> None:
+    mp.start_processes(_entry, args=(world, str(tmp), fn), nprocs=world, join=True, start_method="spawn")
+
+
+def _image(store: HostStore, iteration: int, layout: str = "L") -> tuple[list[torch.Tensor], str]:
+    torch.manual_seed(store.rank * 100 + iteration)
+    tensors = [torch.randn(1000), torch.randn(33, 7, dtype=torch.float64)]
+    metas = [TensorMeta.of(f"t{i}", StateKind.MAIN_PARAM, t) for i, t in enumerate(tensors)]
+    plan = plan_shards(metas, dp_size=2, distributed_optimizer=True)
+    write_image(store, ROLE_OWN, planned=plan.unique, sources=tensors, payload_bytes=plan.unique_bytes,
+                iteration=iteration, layout=layout, meta={}, extras={"rank": store.rank, "it": iteration})
+    return tensors, layout
+
+
+def _contract(rank: int, world: int, tmp: Path) -> None:
+    topo = build_topology(rank=rank, world_size=world, dp_ranks=range(world))
+    store = HostStore(tmp / f"store{rank}", job_id="j", rank=rank)
+    group = dist.new_group(backend="gloo")
+    transport = GlooRingTransport(topo, store, group, chunk_bytes=1000)  # many chunks
+    transport.start()
+    for it in (1, 2, 3):
+        _image(store, it)
+        ref = next(r for r in store.committed(ROLE_OWN, verify=True) if r.header.iteration == it)
+        slot = store.slot(ROLE_OWN, ref.index)
+        assert slot is not None
+        assert transport.send(slot, ref.header), "successor did not acknowledge"
+    dist.barrier(group)
+    transport.close()
+    # the replica of my predecessor holds its two newest images, bit for bit
+    pred = topo.predecessor
+    got = {r.header.iteration: r for r in store.committed(ROLE_REPLICA, verify=True)}
+    assert sorted(got) == [2, 3]
+    for it, ref in got.items():
+        assert ref.header.owner_rank == pred
+        slot = store.slot(ROLE_REPLICA, ref.index)
+        tensors = read_tensors(slot, ref.header)
+        torch.manual_seed(pred * 100 + it)
+        assert torch.equal(tensors["t0"], torch.randn(1000))
+        assert torch.equal(tensors["t1"], torch.randn(33, 7, dtype=torch.float64))
+        assert slot.read_extras(ref.header) == {"rank": pred, "it": it}
+    assert transport.healthy
+
+
+def test_ring_transport_delivers_every_image_bit_exact_and_acknowledged(tmp_path: Path) -> None:
+    _spawn(_contract, tmp_path, world=3)
+    assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]
+
+
+def _dead_neighbor(rank: int, world: int, tmp: Path) -> None:
+    topo = build_topology(rank=rank, world_size=world, dp_ranks=range(world))
+    store = HostStore(tmp / f"store{rank}", job_id="j", rank=rank)
+    group = dist.new_group(backend="gloo", timeout=__import__("datetime").timedelta(seconds=20))
+    dist.barrier(group)
+    if rank == 1:
+        (tmp / "ok1").write_text("ok")
+        os._exit(0)  # the neighbor dies without a word
+    transport = GlooRingTransport(topo, store, group, chunk_bytes=1 << 20)
+    _image(store, 1)
+    ref = next(store.committed(ROLE_OWN, verify=True))
+    slot = store.slot(ROLE_OWN, ref.index)
+    assert slot is not None
+    assert transport.send(slot, ref.header) is False
+    assert not transport.healthy
+    assert transport.send(slot, ref.header) is False  # and stays quiet afterwards
+
+
+def test_dead_neighbor_marks_the_replica_stale_without_raising(tmp_path: Path) -> None:
+    _spawn(_dead_neighbor, tmp_path)
+    assert (tmp_path / "ok0").exists(), (tmp_path / "err0").read_text() if (tmp_path / "err0").exists() else ""
+
+
+def _other_layout(rank: int, world: int, tmp: Path) -> None:
+    topo = build_topology(rank=rank, world_size=world, dp_ranks=range(world))
+    store = HostStore(tmp / f"store{rank}", job_id="j", rank=rank)
+    _image(store, 5, layout="written-by-another-parallel-config")
+    group = dist.new_group(backend="gloo")
+    with pytest.raises(SnapshotMismatchError, match="another layout"):
+        run_recovery(store=store, topology=topo, group=group, layout="this-job", chunk_bytes=1 << 20)
+
+
+def test_recovery_refuses_snapshots_of_another_layout_on_every_rank(tmp_path: Path) -> None:
+    _spawn(_other_layout, tmp_path)
+    assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]
