@@ -40,7 +40,7 @@ from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.engine import SnapshotEngine, write_lazy_backup
 from neighbor_ckpt.errors import NoRecoverableStateError, TopologyError
-from neighbor_ckpt.razor import ShardPlan, plan_shards
+from neighbor_ckpt.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.recovery import RecoveryReport, run_recovery
 from neighbor_ckpt.rng import capture_rng, restore_rng
 from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
@@ -144,8 +144,9 @@ class NeighborCheckpointer:
         """Identity of the job layout: model tensors, optimizer family, parallel configuration."""
         key = {
             "adapter": type(self.adapter).__name__,
+            # Parameters only: optimizer state may not exist yet (torch optimizers create it lazily).
             "model": [(m.name, str(m.dtype), list(m.shape)) for m, _ in self.adapter.named_tensors()
-                      if m.kind.value == "weight" or m.name.startswith("main/")],
+                      if m.kind in (StateKind.WEIGHT, StateKind.MAIN_PARAM)],
             "world_size": self.topology.world_size,
             "dp_ranks": list(self.topology.dp_ranks),
             "coord": list(self.topology.model_parallel_coord),
