@@ -225,7 +225,9 @@ class NeighborCheckpointer:
         self._layout = self.layout()
         self.engine = SnapshotEngine(store=self.store, plan=self.plan, sources=[live[p.meta.name] for p in self.plan.unique],
                                      layout=self._layout, meta=meta, transport=self.transport,
-                                     wait_for_replica=self.config.transport.wait_for_replica)
+                                     wait_for_replica=self.config.transport.wait_for_replica,
+                                     extras_capacity=None if self.config.store.extras_capacity_mb is None
+                                     else int(self.config.store.extras_capacity_mb * 2**20))
         logger.info("rank %d: neighbor_ckpt plan: %d unique tensors (%d bytes), %d regenerable, %d lazy (%d bytes)",
                     self.topology.rank, len(self.plan.unique), self.plan.unique_bytes, len(self.plan.regenerable),
                     len(self.plan.lazy), self.plan.lazy_bytes)

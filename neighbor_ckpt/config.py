@@ -55,8 +55,10 @@ class StoreConfig:
     """Checksum of every committed slot, verified before any byte is loaded. ``none`` keeps only the
     header and commit-marker checks (torn writes are still caught, bit flips are not)."""
 
-    extras_capacity_mb: float = 4.0
-    """Room in each slot for small per-rank state (RNG states, loop counters, scheduler, data position)."""
+    extras_capacity_mb: float | None = None
+    """Room in each slot for small per-rank state (RNG states, loop counters, scheduler, data position).
+    None: twice what the first snapshot needs, at least 64 KiB. The slots grow (once, logged) if the small
+    state ever outgrows the room."""
 
     cleanup_on_success: bool = True
     """Remove this job's host store when training finishes without error."""
@@ -267,7 +269,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 _RULES: dict[str, list[tuple[str, Any, str]]] = {
     "store": [("versions", lambda v: v >= 2, "must be >= 2"),
-              ("extras_capacity_mb", lambda v: v > 0, "must be > 0")],
+              ("extras_capacity_mb", lambda v: v is None or v > 0, "must be > 0 (or null for automatic)")],
     "transport": [("chunk_mb", lambda v: v > 0, "must be > 0"),
                   ("timeout_s", lambda v: v > 0, "must be > 0"),
                   ("rate_limit_mbps", lambda v: v >= 0, "must be >= 0 (0 = unlimited)")],

@@ -30,7 +30,7 @@ def write_yaml(tmp_path: Path, text: str) -> Path:
 def test_defaults():
     c = NeighborCkptConfig()
     assert c.enabled is True and c.job_id is None
-    assert c.store == StoreConfig(dir="/dev/shm/neighbor_ckpt", versions=2, checksum="xxh3", extras_capacity_mb=4.0,
+    assert c.store == StoreConfig(dir="/dev/shm/neighbor_ckpt", versions=2, checksum="xxh3", extras_capacity_mb=None,
                                   cleanup_on_success=True)
     assert c.ring == RingConfig(policy="cross_node")
     assert c.transport == TransportConfig(enabled=True, chunk_mb=16.0, timeout_s=120.0, wait_for_replica=True,
