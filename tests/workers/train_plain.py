@@ -72,6 +72,8 @@ def main() -> None:
             idx = list(iter(sampler))[b * bs:(b + 1) * bs]
             x, y = data[idx]
             loss = torch.nn.functional.mse_loss(ddp(x), y)
+            # Logged before anything can fail: a step whose snapshot landed is never recomputed.
+            append_jsonl(out / f"losses.rank{rank}.jsonl", {"step": step, "loss": loss.item().hex(), "attempt": attempt()})
             maybe_kill(step, "forward", rank)
             ckpt.wait()
             loss.backward()
@@ -82,8 +84,6 @@ def main() -> None:
             sched.step()
             ckpt.snapshot(step, user_state={"sched": sched.state_dict()})
             maybe_kill(step, "after_snapshot", rank)
-            append_jsonl(out / f"losses.rank{rank}.jsonl", {"step": step, "loss": loss.item().hex(), "attempt": attempt(),
-                                                            "params": fingerprint(dict(model.named_parameters()))})
     except Exception as e:
         ckpt.on_failure(f"{type(e).__name__}: {e}")
         raise
