@@ -16,6 +16,8 @@ __all__ = [
     "TransportError",
     "NoRecoverableStateError",
     "TopologyError",
+    "UnsupportedVersionError",
+    "UnsupportedPlatformError",
 ]
 
 
@@ -53,3 +55,14 @@ class TransportError(NeighborCkptError):
 
 class NoRecoverableStateError(NeighborCkptError):
     """No complete in-memory version exists and no insurance checkpoint is available."""
+
+
+class UnsupportedVersionError(NeighborCkptError):
+    """An installed megatron-core / NeMo version is not one whose internals neighbor_ckpt was built against.
+
+    The message names the installed version, the supported ones, and the pin (or extra) to install.
+    """
+
+
+class UnsupportedPlatformError(NeighborCkptError):
+    """A facility was asked for on a platform it must not run on (e.g. the CPU shim on a CUDA machine)."""
