@@ -1,1 +1,35 @@
-"""Megatron-Core / NeMo internals: the only package that patches them (see the Megatron/NeMo issue)."""
+"""Megatron-Core / NeMo internals: the only package that patches them (see the Megatron/NeMo issue).
+
+* :mod:`megatron_patches._versions` — the megatron-core / NeMo releases these patches were written against
+  (:data:`SUPPORTED`) and :func:`check_versions`, which refuses anything else with a message saying what to pin;
+* :mod:`megatron_patches.cpu` — :func:`enable_cpu`: run unmodified megatron-core training code on CPU-only
+  torch with gloo, for smoke runs and tests only (refuses on machines with CUDA);
+* :mod:`megatron_patches.step_tags` — optimizer step-phase tags; :mod:`megatron_patches.traffic` — the
+  "training traffic in flight" signal from mcore DDP collectives; :mod:`megatron_patches.hooks` — both at once;
+* :mod:`megatron_patches.groups` — the DP group and (TP, PP) coordinate mcore created;
+* :mod:`megatron_patches.optimizer_state` / :mod:`megatron_patches.rng` — where mcore optimizers keep each
+  rank's state, and mcore's RNG tracker streams (read-only access used by the Megatron adapter).
+
+``import megatron_patches`` imports neither megatron nor NeMo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_patches._versions import SUPPORTED, check_versions
+from megatron_patches.groups import McoreGroups, mcore_groups
+from megatron_patches.hooks import MegatronHooks, install_hooks
+from megatron_patches.step_tags import StepTags, tag_optimizer_steps
+from megatron_patches.traffic import TrafficHooks, mark_training_traffic
+
+__all__ = ["SUPPORTED", "check_versions", "enable_cpu", "CpuPatch", "McoreGroups", "mcore_groups", "MegatronHooks",
+           "install_hooks", "StepTags", "tag_optimizer_steps", "TrafficHooks", "mark_training_traffic"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("enable_cpu", "CpuPatch"):
+        from megatron_patches import cpu
+
+        return getattr(cpu, name)
+    raise AttributeError(f"module 'megatron_patches' has no attribute {name!r}")

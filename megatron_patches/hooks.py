@@ -1,0 +1,52 @@
+"""Attach a :class:`~neighbor_ckpt.NeighborCheckpointer` to a megatron-core optimizer: step tags and the
+training-traffic signal together, removed together."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from megatron_patches.step_tags import StepTags, tag_optimizer_steps
+from megatron_patches.traffic import TrafficHooks, TrafficListener, mark_training_traffic
+
+__all__ = ["MegatronHooks", "install_hooks"]
+
+
+class _Checkpointer(Protocol):
+    gate: TrafficListener
+
+    def wait(self) -> None: ...
+
+    def begin_optimizer_step(self) -> None: ...
+
+    def end_optimizer_step(self) -> None: ...
+
+
+class MegatronHooks:
+    """Both patches for one checkpointer; :meth:`remove` undoes them (idempotent)."""
+
+    def __init__(self, tags: StepTags, traffic: TrafficHooks) -> None:
+        self.tags = tags
+        self.traffic = traffic
+
+    def remove(self) -> None:
+        self.tags.remove()
+        self.traffic.remove()
+
+    def __enter__(self) -> MegatronHooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install_hooks(ckpt: _Checkpointer, optimizer: Any) -> MegatronHooks:
+    """Tag ``optimizer.step`` (``optimizer``: the object the loop calls ``step`` on) and mark mcore DDP
+    collectives: the wait point runs before the first gradient collective of each iteration and again
+    before the optimizer step; streaming pauses while collectives are in flight."""
+    traffic = mark_training_traffic(ckpt.gate, before_grad_sync=ckpt.wait)
+    try:
+        tags = tag_optimizer_steps(optimizer, on_enter=ckpt.begin_optimizer_step, on_exit=ckpt.end_optimizer_step)
+    except Exception:
+        traffic.remove()
+        raise
+    return MegatronHooks(tags, traffic)
