@@ -150,6 +150,7 @@ class NeighborCheckpointer:
             "world_size": self.topology.world_size,
             "dp_ranks": list(self.topology.dp_ranks),
             "coord": list(self.topology.model_parallel_coord),
+            "adapter_layout": self.adapter.layout_key(),
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -237,13 +238,21 @@ class NeighborCheckpointer:
         if self.engine is not None:
             self.engine.wait()
 
+    def begin_optimizer_step(self) -> None:
+        """Step tag: the wait point, then "weights are torn" until :meth:`end_optimizer_step`."""
+        self.wait()
+        self.phase = Phase.OPTIMIZER
+
+    def end_optimizer_step(self) -> None:
+        """Step tag: the optimizer step returned; weights belong to the next iteration."""
+        self.phase = Phase.STEPPED
+
     @contextlib.contextmanager
     def optimizer_step(self) -> Iterator[None]:
         """Tag the optimizer step so a failure inside it never backs up torn weights."""
-        self.wait()
-        self.phase = Phase.OPTIMIZER
+        self.begin_optimizer_step()
         yield
-        self.phase = Phase.STEPPED
+        self.end_optimizer_step()
 
     def snapshot(self, iteration: int, user_state: Any = None) -> None:
         """Snapshot the state after optimizer step ``iteration``. Returns at once; the copy runs behind."""

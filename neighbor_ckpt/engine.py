@@ -56,6 +56,8 @@ class EngineStats:
     wait_seconds: float = 0.0
     """Time the training thread spent blocked at the last wait point."""
     unique_bytes: int = 0
+    extras_bytes: int = 0
+    """Small state (optimizer hyper-parameters, RNG, counters) written next to the unique tensors."""
     replicated_iteration: int = -1
     failures: int = 0
     history: list[float] = field(default_factory=list)
@@ -263,6 +265,7 @@ class SnapshotEngine:
         job.committed.set()
         self.stats.iteration = job.iteration
         self.stats.stage_seconds, self.stats.commit_seconds = t1 - t0, t2 - t1
+        self.stats.extras_bytes = jn + en
         if self.transport is not None and self.transport.healthy:
             if self.transport.send(slot, hdr):
                 self.stats.replicated_iteration = job.iteration

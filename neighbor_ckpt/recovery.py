@@ -58,6 +58,12 @@ class RecoveryReport:
     """Seconds per phase: inventory, exchange, transfer, verify, load."""
     decision: RecoveryDecision | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (without the decision object), for logs and tests."""
+        return {"outcome": self.outcome, "iteration": self.iteration, "source": self.source,
+                "lazy_from": self.lazy_from, "pulled_bytes": self.pulled_bytes, "lazy_bytes": self.lazy_bytes,
+                "reason": self.reason, "notes": list(self.notes), "phases": dict(self.phases)}
+
     def summary(self) -> str:
         if self.outcome == "restored":
             how = "its own host slot" if self.source == SOURCE_OWN else "the replica on its successor"

@@ -8,4 +8,13 @@ from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.adapters.ddp import pin_bucket_layout
 from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter, ZeroOptimizerAdapter
 
-__all__ = ["StateAdapter", "pin_bucket_layout", "TorchOptimizerAdapter", "ZeroOptimizerAdapter"]
+__all__ = ["StateAdapter", "pin_bucket_layout", "TorchOptimizerAdapter", "ZeroOptimizerAdapter",
+           "MegatronOptimizerAdapter"]
+
+
+def __getattr__(name: str) -> type:
+    # megatron-core is an optional dependency: import its adapter only when asked for.
+    if name == "MegatronOptimizerAdapter":
+        from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
+        return MegatronOptimizerAdapter
+    raise AttributeError(name)

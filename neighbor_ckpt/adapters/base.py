@@ -36,5 +36,10 @@ class StateAdapter(ABC):
     def load(self, tensors: Mapping[str, torch.Tensor], extras: Mapping[str, Any]) -> None:
         """Load restored tensors (CPU, possibly views of host memory: copy them) and extras."""
 
+    def layout_key(self) -> Any:
+        """JSON-able facts about where this rank's state lives (e.g. shard ranges in a flat buffer) that a
+        snapshot must match besides tensor names and shapes. Default: nothing more."""
+        return None
+
     def regenerate(self, dp_group: dist.ProcessGroup | None) -> None:  # noqa: B027 - optional hook
         """Rebuild regenerable tensors (collective over ``dp_group``). Default: nothing is regenerable."""
