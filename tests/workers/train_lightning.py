@@ -89,9 +89,7 @@ def main() -> None:
     rec = cb.last_recovery
     if rec is not None:
         write_json(OUT / f"report.rank{RANK}.attempt{attempt()}.json",
-                   {"outcome": rec.report.outcome, "iteration": rec.iteration, "source": rec.report.source,
-                    "lazy_from": rec.report.lazy_from, "pulled_bytes": rec.report.pulled_bytes, "lazy_bytes": rec.report.lazy_bytes,
-                    "reason": rec.report.reason, "notes": rec.report.notes})
+                   {**rec.report.to_dict(), "iteration": rec.iteration})
     opt = trainer.optimizers[0]
     if hasattr(opt, "consolidate_state_dict"):
         opt.consolidate_state_dict(to=0)

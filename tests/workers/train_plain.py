@@ -55,9 +55,7 @@ def main() -> None:
         write_json(out / f"error.rank{rank}.json", {"type": type(e).__name__, "message": str(e)})
         raise
     write_json(out / f"report.rank{rank}.attempt{attempt()}.json",
-               {"outcome": result.report.outcome, "iteration": result.iteration, "source": result.report.source,
-                "lazy_from": result.report.lazy_from, "pulled_bytes": result.report.pulled_bytes, "lazy_bytes": result.report.lazy_bytes,
-                "reason": result.report.reason, "notes": result.report.notes})
+               {**result.report.to_dict(), "iteration": result.iteration})
     if result.restored:
         sched.load_state_dict(result.user_state["sched"])
 

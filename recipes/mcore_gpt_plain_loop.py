@@ -1,0 +1,228 @@
+"""A hand-written megatron-core training loop (Megatron-LM / Megatron-Bridge style) with neighbor_ckpt.
+
+An mcore ``GPTModel`` wrapped in mcore ``DistributedDataParallel``, built with ``get_megatron_optimizer``
+(distributed optimizer by default), trained through ``get_forward_backward_func()`` with an
+``OptimizerParamScheduler``; every iteration is snapshotted with the plain-loop API::
+
+    torchrun --nproc-per-node 4 --max-restarts 2 recipes/mcore_gpt_plain_loop.py --steps 20 --out runs/mcore
+
+What neighbor_ckpt adds to the loop is marked ``# neighbor_ckpt`` below: six lines. On a machine without
+CUDA the recipe calls ``megatron_patches.enable_cpu()`` first (gloo, CPU tensors; for smoke runs and tests).
+
+Options: ``--tp``/``--pp`` (model parallelism; DP = world / (TP x PP)), ``--no-dist-opt`` (replicated
+optimizer: the lazy-backup path), ``--steps``, ``--out DIR`` (per-rank losses, recovery report, plan and
+final fingerprints as JSON). Fault injection for demos and tests, first attempt only: ``--kill RANK:STEP``
+SIGKILLs that rank, ``--kill-phase forward|optimizer`` says where in the step (default: inside the
+optimizer step, after the wait point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+RANK = int(os.environ.get("RANK", "0"))
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 32, 128, 64, 4, 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--no-dist-opt", dest="dist_opt", action="store_false",
+                    help="replicated optimizer state (megatron's Float16/FP32 optimizer) instead of the distributed one")
+    ap.add_argument("--overlap", action="store_true", help="overlap grad reduce-scatter and param all-gather")
+    ap.add_argument("--job-id", default=None, help="host-store namespace (default: the launcher's run id)")
+    ap.add_argument("--out", type=Path, default=None, help="write per-rank losses, report, plan and final state here")
+    ap.add_argument("--kill", default=None, metavar="RANK:STEP", help="SIGKILL RANK at STEP (first attempt only)")
+    ap.add_argument("--kill-phase", choices=("forward", "optimizer"), default="optimizer")
+    return ap.parse_args(argv)
+
+
+def _sha(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+            for k, t in sorted(tensors.items())}
+
+
+class Recorder:
+    """Per-rank JSON output for demos and tests (nothing is written without ``--out``)."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out = out
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+
+    def loss(self, step: int, loss: float | None) -> None:
+        if self.out is not None:
+            with open(self.out / f"losses.rank{RANK}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": None if loss is None else loss.hex(),
+                                    "attempt": ATTEMPT}) + "\n")
+
+    def json(self, name: str, obj: Any) -> None:
+        if self.out is not None:
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+            os.replace(tmp, self.out / name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[rank{RANK}] %(name)s %(levelname)s %(message)s")
+    if not torch.cuda.is_available():
+        from megatron_patches import enable_cpu
+
+        enable_cpu()
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_patches import install_hooks, mcore_groups
+    from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig, prepare_torchrun_restart
+    from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
+
+    rec = Recorder(args.out)
+    kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
+    prepare_torchrun_restart()  # neighbor_ckpt: a fresh rendezvous store per torchrun attempt
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.1, hidden_dropout=0.1,
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage()).cuda()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.dist_opt, bucket_size=4096,
+                                               overlap_grad_reduce=args.overlap,
+                                               overlap_param_gather=args.overlap and args.dist_opt)
+    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01,
+                                                       clip_grad=1.0, use_distributed_optimizer=args.dist_opt),
+                                       [ddp_model])
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    mbs, n_mb = args.micro_batch_size, args.micro_batches
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    global_batch = mbs * n_mb * dp_size
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                                        lr_warmup_steps=3 * global_batch, lr_decay_steps=args.steps * global_batch,
+                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
+                                        wd_incr_style="constant")
+
+    # neighbor_ckpt: the state adapter, mcore's DP group, step tags + training-traffic signal, recovery.
+    groups = mcore_groups()
+    ckpt = NeighborCheckpointer(NeighborCkptConfig.from_dict({"job_id": args.job_id} if args.job_id else {}),
+                                adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
+                                dp_group=groups.dp_group, model_parallel_coord=groups.coord)
+    if kill is not None and kill[0] == RANK and ATTEMPT == 0 and args.kill_phase == "optimizer":
+        _kill_inside_optimizer_step(optimizer, ckpt, kill[1])  # before install_hooks: runs inside its step tag
+    hooks = install_hooks(ckpt, optimizer)
+    result = ckpt.recover()
+    consumed = 0
+    if result.restored:
+        scheduler.load_state_dict(result.user_state["scheduler"])
+        consumed = result.user_state["consumed_samples"]
+    rec.json(f"report.rank{RANK}.attempt{ATTEMPT}.json", result.report.to_dict())
+
+    def batches(step: int) -> Iterator[dict[str, torch.Tensor]]:
+        # A deterministic stand-in for Megatron's pretraining sampler: position = consumed samples.
+        g = torch.Generator().manual_seed(consumed * 7919 + dp_rank)
+        for _ in range(n_mb):
+            tokens = torch.randint(0, VOCAB, (mbs, SEQ + 1), generator=g)
+            yield {"tokens": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda(),
+                   "position_ids": torch.arange(SEQ).unsqueeze(0).expand(mbs, SEQ).cuda()}
+
+    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
+        batch = next(data_iterator)
+        if kill == (RANK, step) and ATTEMPT == 0 and args.kill_phase == "forward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+        def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
+            loss = output_tensor.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    try:
+        for step in range(result.next_step, args.steps):
+            ddp_model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(step), model=[ddp_model],
+                                      num_microbatches=n_mb, seq_length=SEQ, micro_batch_size=mbs,
+                                      decoder_seq_length=SEQ, forward_only=False)
+            rec.loss(step, float(torch.stack([d["lm loss"] for d in losses]).mean()) if losses else None)
+            ok, _, _ = optimizer.step()
+            if not ok:
+                raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
+            scheduler.step(increment=global_batch)
+            consumed += global_batch
+            ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(),  # neighbor_ckpt
+                                            "consumed_samples": consumed})
+    except Exception as e:
+        ckpt.on_failure(f"{type(e).__name__}: {e}")
+        raise
+    hooks.remove()
+    plan, engine = ckpt.plan, ckpt.engine
+    ckpt.close(success=True)  # drains the engine: its stats are final
+    inner = [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    rec.json(f"final.rank{RANK}.json", {
+        "params": _sha(dict(ddp_model.module.named_parameters())),
+        "optim": _sha({f"{i}.{j}.{k}": v for i, o in enumerate(inner) for j, st in enumerate(o.state.values())
+                       for k, v in st.items() if isinstance(v, torch.Tensor)}),
+        "scheduler": scheduler.state_dict()["num_steps"],
+        "param_groups": [[float(g["lr"]).hex(), g.get("step")] for o in inner for g in o.param_groups],
+    })
+    rec.json(f"plan.rank{RANK}.json", {
+        "coord": list(groups.coord), "dp_size": groups.dp_size,
+        "local_params": sum(p.numel() for p in ddp_model.module.parameters()),
+        "plan": None if plan is None else {
+            "unique_bytes": plan.unique_bytes, "lazy_bytes": plan.lazy_bytes,
+            "extras_bytes": engine.stats.extras_bytes if engine is not None else None,
+            "unique": [[p.meta.name, p.meta.kind.value, p.meta.nbytes] for p in plan.unique],
+            "unique_tensor_bytes": sum(p.meta.nbytes for p in plan.unique),
+            "regenerable": [m.name for m in plan.regenerable]},
+    })
+    dist.destroy_process_group()
+
+
+def _kill_inside_optimizer_step(optimizer: Any, ckpt: Any, at_step: int) -> None:
+    """Fault injection: SIGKILL this rank once it is inside optimizer step ``at_step`` (after the step tag)."""
+    from megatron_patches import tag_optimizer_steps
+
+    def maybe_kill() -> None:
+        if ckpt.last_iteration is not None and ckpt.last_iteration + 1 == at_step or \
+                ckpt.last_iteration is None and at_step == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    tag_optimizer_steps(optimizer, on_enter=maybe_kill, on_exit=lambda: None)
+
+
+if __name__ == "__main__":
+    main()
