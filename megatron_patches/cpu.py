@@ -397,10 +397,28 @@ class _Attr:
     name: str
     replacement: Callable[[], Any]  # built at enable time (some need torch.default_generator etc.)
     why: str
+    optional: bool = False
+    """Skipped when its package is not installed (NeMo is an optional extra)."""
 
 
 def _const(value: Any) -> Callable[[], Any]:
     return lambda: value
+
+
+def _nemo_set_random_seed() -> Callable[[int], None]:
+    """NeMo seeds mcore's RNG tracker only ``if torch.cuda.device_count() > 0``; on a GPU it always does.
+    Seed it as NeMo would on a GPU (same seed: ``seed + 100 * pipeline rank``), so tracker-forked dropout runs."""
+    from megatron.core import parallel_state, tensor_parallel
+    from nemo.lightning import megatron_init
+
+    original = megatron_init._set_random_seed
+
+    def set_random_seed(seed_: int) -> None:
+        original(seed_)
+        if torch.cuda.device_count() == 0:
+            tensor_parallel.model_parallel_cuda_manual_seed(seed_ + 100 * parallel_state.get_pipeline_model_parallel_rank())
+
+    return set_random_seed
 
 
 _MCORE_RANDOM = "megatron.core.tensor_parallel.random"
@@ -440,6 +458,9 @@ PATCHED_ATTRIBUTES: tuple[_Attr, ...] = (
     _Attr(_MCORE_DISTOPT, "Adam", _const(FusedAdamSemanticsAdam), "DistributedOptimizer isinstance check"),
     _Attr(_MCORE_DISTOPT, "HAVE_APEX_OR_TE", _const(True), "state_dict: 'step' from param_groups"),
     _Attr(_MCORE_DISTOPT, "USING_APEX_OPTIMIZER", _const(True), "state_dict: 'step' from param_groups"),
+    # NeMo 2 (only when installed)
+    _Attr("nemo.lightning.megatron_init", "_set_random_seed", _nemo_set_random_seed,
+          "NeMo seeds the RNG tracker only when torch.cuda.device_count() > 0", optional=True),
 )
 
 _MISSING = object()
@@ -475,7 +496,12 @@ class CpuPatch:
     def _apply(self) -> None:
         try:
             for attr in PATCHED_ATTRIBUTES:
-                module = importlib.import_module(attr.module)
+                try:
+                    module = importlib.import_module(attr.module)
+                except ModuleNotFoundError:
+                    if attr.optional:
+                        continue
+                    raise
                 original = module.__dict__.get(attr.name, _MISSING)
                 if original is _MISSING:
                     raise RuntimeError(f"megatron_patches.cpu: {attr.module}.{attr.name} does not exist; "

@@ -106,8 +106,8 @@ def shim() -> Iterator[cpu.CpuPatch]:
 
 @needs_mcore
 def test_refuses_on_cuda_machine_and_patches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _snapshot()  # imports every patched module first (NeMo's imports probe CUDA)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    before = _snapshot()
     with pytest.raises(UnsupportedPlatformError, match="smoke runs and tests"):
         cpu.enable_cpu()
     assert not _same(before, _snapshot())

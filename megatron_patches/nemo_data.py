@@ -1,0 +1,48 @@
+"""The data position of NeMo 2's Megatron samplers (``MegatronDataSampler``), read and restored.
+
+NeMo's pretraining samplers start at ``data_sampler.init_consumed_samples``; NeMo itself only restores it
+through ``PreTrainingDataModule.load_state_dict`` from a disk checkpoint (``MockDataModule`` has no such
+state at all). This does the same from a neighbor_ckpt snapshot: set the sampler's counters and megatron's
+micro-batch calculator before the training dataloader is built (``on_fit_start``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["megatron_data_sampler", "consumed_samples", "resume_consumed_samples"]
+
+
+def megatron_data_sampler(trainer: Any) -> Any:
+    """The datamodule's (or strategy's) ``MegatronDataSampler``, or None."""
+    for owner in (getattr(trainer, "datamodule", None), getattr(trainer, "strategy", None)):
+        sampler = getattr(owner, "data_sampler", None)
+        if sampler is not None and hasattr(sampler, "compute_consumed_samples"):
+            return sampler
+    return None
+
+
+def consumed_samples(trainer: Any) -> int | None:
+    """Samples consumed after ``trainer.global_step`` optimizer steps (None without a Megatron sampler)."""
+    sampler = megatron_data_sampler(trainer)
+    if sampler is None:
+        return None
+    return int(sampler.compute_consumed_samples(trainer.global_step - getattr(sampler, "init_global_step", 0)))
+
+
+def resume_consumed_samples(trainer: Any, consumed: int) -> bool:
+    """Make the next training dataloader start after ``consumed`` samples; False without a Megatron sampler."""
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+    sampler = megatron_data_sampler(trainer)
+    if sampler is None:
+        return False
+    sampler.init_consumed_samples = consumed
+    sampler.prev_consumed_samples = consumed
+    sampler.if_first_step = 1
+    sampler.init_global_step = trainer.global_step
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and hasattr(datamodule, "init_global_step"):
+        datamodule.init_global_step = trainer.global_step
+    update_num_microbatches(consumed_samples=consumed, consistency_check=False)
+    return True
