@@ -38,6 +38,7 @@ from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 from neighbor_ckpt.launch import prepare_torchrun_restart
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
+from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup
 from neighbor_ckpt.rng import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self._last_state: dict[str, Any] | None = None
         self._insurance_state: dict[str, Any] | None = None
         self._trainer: Any = None
+        self._megatron = False
+        self._hooks: Any = None
         if self.config.enabled:
             # Must happen before the strategy creates its process group (the trainer has not connected yet).
             prepare_torchrun_restart()
@@ -108,11 +111,26 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             self.config.enabled = False
             return
         self._trainer = trainer
-        # Same DDP bucket layout in every run, so the first step after a restart reduces like the original.
-        pin_bucket_layout(trainer.strategy.model)
         insurance = self._load_insurance if self._insurance_dir(trainer) is not None else None
-        self.checkpointer = NeighborCheckpointer(self.config, adapter=self._adapter(trainer, pl_module),
-                                                 insurance=insurance, capture_rng_state=False)
+        self._megatron = is_megatron_strategy(trainer.strategy)
+        if self._megatron:
+            from megatron_patches import install_hooks
+
+            if insurance is not None:
+                raise ConfigError("neighbor_ckpt.insurance under NeMo's MegatronStrategy: use NeMo's ModelCheckpoint "
+                                  "(distributed checkpoint) as the insurance checkpoint and leave "
+                                  "neighbor_ckpt.insurance.every_n_steps at 0")
+            mc = megatron_setup(trainer)
+            self.checkpointer = NeighborCheckpointer(self.config, adapter=mc.adapter, dp_group=mc.dp_group,
+                                                     model_parallel_coord=mc.coord, capture_rng_state=False)
+            # NeMo runs backward inside training_step (no on_before_backward): the wait point and the step tags
+            # come from mcore's gradient collectives and the mcore optimizer's step.
+            self._hooks = install_hooks(self.checkpointer, mc.optimizer)
+        else:
+            # Same DDP bucket layout in every run, so the first step after a restart reduces like the original.
+            pin_bucket_layout(trainer.strategy.model)
+            self.checkpointer = NeighborCheckpointer(self.config, adapter=self._adapter(trainer, pl_module),
+                                                     insurance=insurance, capture_rng_state=False)
         result = self.checkpointer.recover()
         self.last_recovery = result
         if result.restored:
@@ -134,7 +152,15 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         for cfg, sd in zip(configs, state["schedulers"]):
             cfg.scheduler.load_state_dict(sd)
         self._pending_rng = state["rng"]
-        self._skip_batches = int(state["batches_in_epoch"])
+        if state.get("consumed_samples") is not None:
+            # NeMo's Megatron sampler resumes from a consumed-samples counter (set before the dataloader is built).
+            from megatron_patches.nemo_data import resume_consumed_samples
+
+            if not resume_consumed_samples(trainer, int(state["consumed_samples"])):
+                raise NeighborCkptError("the snapshot carries a Megatron data position but this job has no "
+                                        "MegatronDataSampler")
+        else:
+            self._skip_batches = int(state["batches_in_epoch"])
 
     def _insurance_dir(self, trainer: Any) -> Path | None:
         if self.config.insurance.every_n_steps <= 0 and self.config.insurance.dirpath is None:
@@ -200,12 +226,17 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             self.checkpointer.phase = Phase.OPTIMIZER
 
     def _training_state(self, trainer: Any) -> dict[str, Any]:
-        return {
+        state = {
             "fit_loop": _mark_batch_completed(trainer.fit_loop.state_dict()),
             "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
             "rng": capture_rng(),
             "batches_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
         }
+        if self._megatron:
+            from megatron_patches.nemo_data import consumed_samples
+
+            state["consumed_samples"] = consumed_samples(trainer)
+        return state
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -239,8 +270,15 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.checkpointer is not None:
             self.checkpointer.on_failure(f"{type(exception).__name__}: {exception}")
+        self._remove_hooks()
 
     @override
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._remove_hooks()
         if self.checkpointer is not None:
             self.checkpointer.close(success=True)
+
+    def _remove_hooks(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None

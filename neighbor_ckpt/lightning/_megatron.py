@@ -1,0 +1,45 @@
+"""What :class:`~neighbor_ckpt.NeighborCheckpoint` does differently under NeMo 2's ``MegatronStrategy``.
+
+The state adapter is the Megatron one (the mcore optimizer inside NeMo's wrapper), the DP ring is mcore's
+data-parallel group, the wait point and the step tags come from :mod:`megatron_patches` (NeMo runs the
+backward pass inside ``training_step``, so Lightning's ``on_before_backward`` never fires), and the data
+position is the Megatron sampler's consumed-samples counter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from neighbor_ckpt.adapters.base import StateAdapter
+from neighbor_ckpt.errors import NeighborCkptError
+
+__all__ = ["is_megatron_strategy", "MegatronSetup", "megatron_setup"]
+
+
+def is_megatron_strategy(strategy: Any) -> bool:
+    """True for NeMo's ``MegatronStrategy`` (and subclasses), without importing NeMo."""
+    return any(c.__name__ == "MegatronStrategy" and c.__module__.startswith("nemo.") for c in type(strategy).__mro__)
+
+
+@dataclass(frozen=True)
+class MegatronSetup:
+    adapter: StateAdapter
+    dp_group: Any
+    coord: tuple[int, ...]
+    optimizer: Any
+    """The megatron-core optimizer NeMo steps (its ``step`` gets the step tags)."""
+
+
+def megatron_setup(trainer: Any) -> MegatronSetup:
+    from megatron_patches import check_versions, mcore_groups
+    from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
+
+    check_versions(require_nemo=True)
+    optimizers = trainer.strategy.optimizers
+    if len(optimizers) != 1:
+        raise NeighborCkptError(f"NeighborCheckpoint supports exactly one optimizer, MegatronStrategy has "
+                                f"{len(optimizers)}")
+    adapter = MegatronOptimizerAdapter(list(trainer.strategy.model), optimizers[0])
+    groups = mcore_groups()
+    return MegatronSetup(adapter, groups.dp_group, groups.coord, adapter.optimizer)
