@@ -318,3 +318,81 @@ def test_one_rank_gpt_trains_with_distributed_optimizer(monkeypatch: pytest.Monk
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+# -- step tags and training-traffic hooks ------------------------------------------------------------------------
+
+class _Gate:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def train_begin(self) -> None:
+        self.log.append("closed")
+
+    def train_end(self) -> None:
+        self.log.append("open")
+
+
+class _Ckpt:
+    """Records what the hooks call, in order."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.gate = _Gate(self.log)
+
+    def wait(self) -> None:
+        self.log.append("wait")
+
+    def begin_optimizer_step(self) -> None:
+        self.log.append("begin")
+
+    def end_optimizer_step(self) -> None:
+        self.log.append("end")
+
+
+@needs_mcore
+def test_step_tags_wrap_one_optimizer_instance_and_are_reversible() -> None:
+    from megatron_patches import tag_optimizer_steps
+
+    class Opt:
+        def step(self) -> str:
+            ckpt.log.append("step")
+            return "ok"
+
+    ckpt, opt, other = _Ckpt(), Opt(), Opt()
+    tags = tag_optimizer_steps(opt, on_enter=ckpt.begin_optimizer_step, on_exit=ckpt.end_optimizer_step)
+    assert opt.step() == "ok" and ckpt.log == ["begin", "step", "end"]
+    other.step()
+    assert ckpt.log[-1] == "step", "another instance of the class is not tagged"
+    tags.remove()
+    tags.remove()  # idempotent
+    assert "step" not in vars(opt) and type(opt).step is Opt.step
+
+
+@needs_mcore
+def test_traffic_hooks_close_the_gate_during_collectives_wait_first_and_are_reversible() -> None:
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as Group
+
+    from megatron_patches import mark_training_traffic
+
+    names = ("start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_param_sync")
+    before = {n: Group.__dict__[n] for n in names}
+    ckpt = _Ckpt()
+    hooks = mark_training_traffic(ckpt.gate, before_grad_sync=ckpt.wait)
+    assert all(Group.__dict__[n] is not before[n] for n in names)
+    fake = object.__new__(Group)  # the wrappers only look at the handles; the originals are stubbed below
+    fake.grad_reduce_handle = None
+    fake.param_gather_handle = None
+    from megatron_patches import traffic
+
+    saved = dict(traffic._originals)
+    traffic._originals.update({n: (lambda self, *a, **k: ckpt.log.append("collective")) for n in names})
+    try:
+        Group.start_grad_sync(fake)
+        Group.start_param_sync(fake)
+    finally:
+        traffic._originals.update(saved)
+    assert ckpt.log == ["wait", "closed", "collective", "open", "closed", "collective", "open"]
+    hooks.remove()
+    hooks.remove()
+    assert all(Group.__dict__[n] is before[n] for n in names)

@@ -2,7 +2,8 @@
 ``MegatronStrategy`` and the ``NeighborCheckpoint`` callback, on CPU gloo ranks (``megatron_patches.enable_cpu``).
 
 Environment: OUT_DIR, TEST_STORE_BASE, WIPE_RANKS (see ``common.setup_store_env``), STEPS, TP, PP, DIST_OPT (1|0),
-KILL_RANK, KILL_STEP (first attempt only; the rank is SIGKILLed inside that optimizer step).
+KILL_RANK, KILL_STEP, KILL_PHASE (first attempt only; ``optimizer``: SIGKILL inside that optimizer step, after
+the gradient collectives; ``forward``: at the start of that step).
 Writes per rank: losses.rank<r>.jsonl (``reduced_train_loss`` of every step), report/final JSON.
 """
 
@@ -50,6 +51,7 @@ def main() -> None:
     tp, pp = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
     dist_opt = os.environ.get("DIST_OPT", "1") == "1"
     kill_step = int(os.environ["KILL_STEP"]) if os.environ.get("KILL_RANK") == str(RANK) and attempt() == 0 else None
+    kill_phase = os.environ.get("KILL_PHASE", "optimizer")
 
     class CpuMockData(llm.MockDataModule):
         """NeMo 2.7.3's MockDataModule.setup passes create_attention_mask in the ``seed`` position; without
@@ -63,10 +65,14 @@ def main() -> None:
             self._validation_ds = self._test_ds = self._train_ds
 
     class Record(pl.Callback):
-        """Losses as NeMo reports them, and a SIGKILL inside the chosen optimizer step."""
+        """Losses as NeMo reports them, and the SIGKILL."""
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if kill_step == trainer.global_step and kill_phase == "forward":
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            if kill_step is not None and trainer.global_step == kill_step:
+            if kill_step == trainer.global_step and kill_phase == "optimizer":
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
