@@ -39,6 +39,7 @@ from neighbor_ckpt.launch import prepare_torchrun_restart
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup
+from neighbor_ckpt.lightning._resume import skip_pending_disk_restore
 from neighbor_ckpt.rng import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
                 raise NeighborCkptError("restored version carries no Lightning training state")
             self._apply(trainer, state)
             self._last_step = trainer.global_step
+            if result.report.outcome == "restored":
+                skip_pending_disk_restore(trainer, trainer.global_step)
             if trainer.is_global_zero:
                 logger.warning("NeighborCheckpoint: resumed at global step %d (%s)", trainer.global_step,
                                result.report.summary())

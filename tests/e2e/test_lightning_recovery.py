@@ -112,3 +112,15 @@ def test_pytorch_lightning_package_trainer_recovers_bit_exact(tmp_path: Path) ->
                        WIPE_RANKS=2, **KILL)
     _restarted(res)
     assert_same_training(base, res)
+
+
+def test_disk_resume_of_an_older_checkpoint_does_not_roll_back_the_in_memory_version(tmp_path: Path) -> None:
+    """fit(ckpt_path="last") on the restart (what AutoResume does): the disk checkpoint of step 6 is older than the
+    in-memory version of step 7, so it is not loaded over it; training continues bit-for-bit."""
+    base = run_torchrun("train_lightning.py", tmp_path / "base", DISK_EVERY=3)
+    assert base.returncode == 0, base.log[-6000:]
+    res = run_torchrun("train_lightning.py", tmp_path / "fault", max_restarts=1, DISK_EVERY=3, WIPE_RANKS=2, **KILL)
+    _restarted(res)
+    assert_same_training(base, res)
+    assert recomputed_steps(res) <= {7}
+    assert "skipping the disk restore of" in res.log

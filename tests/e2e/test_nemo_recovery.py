@@ -28,7 +28,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_nemo_kill_inside_optimizer_step_with_replaced_store_is_bit_exact(case: str, tmp_path: Path) -> None:
+def test_nemo_kill_at_step_5_with_replaced_store_is_bit_exact(case: str, tmp_path: Path) -> None:
     env = dict(CASES[case], STEPS=STEPS)
     base = run_torchrun("train_nemo.py", tmp_path / "base", **env)
     assert base.returncode == 0, base.log[-6000:]

@@ -1,7 +1,8 @@
 """Lightning DDP worker: tiny model with dropout + StepLR, map-style data, NeighborCheckpoint, optional SIGKILL.
 
 Run under torchrun. Environment: OUT_DIR, TEST_STORE_BASE, STEPS, PL_PACKAGE (lightning|pytorch_lightning),
-KILL_*, WIPE_RANKS, INSURANCE_EVERY, OPTIM (adam|zero).
+KILL_*, WIPE_RANKS, INSURANCE_EVERY, OPTIM (adam|zero), DISK_EVERY (a Lightning ModelCheckpoint every N steps,
+and a restarted attempt calls ``fit(ckpt_path="last")``, as a user resuming from disk would).
 """
 
 from __future__ import annotations
@@ -77,12 +78,17 @@ def main() -> None:
         "insurance": {"every_n_steps": every, "dirpath": str(OUT / "insurance") if every else None},
     })
     cb = NeighborCheckpoint(cfg)
+    callbacks = [KillAfterStep(), cb]
+    disk_every = int(os.environ.get("DISK_EVERY", "0"))
+    if disk_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(OUT / "disk"), every_n_train_steps=disk_every,
+                                                      save_last=True, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy="ddp", max_steps=int(os.environ.get("STEPS", "12")),
-                         callbacks=[KillAfterStep(), cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(OUT / "root"))
+                         callbacks=callbacks, logger=False, enable_checkpointing=bool(disk_every),
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(OUT / "root"))
     model = Module()
     try:
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path="last" if disk_every and attempt() > 0 else None)
     except NeighborCkptError as e:
         write_json(OUT / f"error.rank{RANK}.json", {"type": type(e).__name__, "message": str(e)})
         raise
