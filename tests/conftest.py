@@ -71,17 +71,29 @@ def run_torchrun(worker: str, tmp: Path, *, nproc: int = 4, max_restarts: int = 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            "--monitor-interval=0.5", str(WORKERS / worker)]
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=tmp)
+    # Output goes to a file, not a pipe: a helper process that outlives its worker (NeMo's checkpoint writers
+    # are orphaned when torchrun SIGTERMs a worker) would keep a pipe open after torchrun exited.
+    log_path = tmp / "torchrun.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, cwd=tmp)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            proc.wait()
+            log = log_path.read_text()
+            pytest.fail(f"torchrun {worker} timed out after {timeout}s; log: {log_path}\n{log[-6000:]}")
+        finally:
+            _kill_group(proc.pid)  # reap whatever the job left behind
+    return RunResult(proc.returncode, out, log_path.read_text())
+
+
+def _kill_group(pgid: int) -> None:
     try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        (tmp / "torchrun.log").write_text(log)
-        pytest.fail(f"torchrun {worker} timed out after {timeout}s; log: {tmp / 'torchrun.log'}\n{log[-6000:]}")
-    (tmp / "torchrun.log").write_text(log)
-    return RunResult(proc.returncode, out, log)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def assert_same_training(baseline: RunResult, faulted: RunResult, *, nranks: int = 4) -> None:

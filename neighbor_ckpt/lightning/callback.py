@@ -18,6 +18,12 @@ Hook order (one training step)::
     on_before_optimizer_step  step tag: weights are torn from here ...
     on_train_batch_end     ... to here: snapshot of iteration ``global_step`` (returns at once)
     on_exception           lazy backup of the redundant state, then Lightning re-raises
+
+Under NeMo 2's ``MegatronStrategy`` the same callback uses the Megatron adapter (distributed optimizer shards,
+weights regenerated), mcore's DP group, and :mod:`megatron_patches` hooks: the wait point runs before mcore's
+first gradient collective and the step tags wrap the mcore optimizer's ``step`` (NeMo never calls
+``on_before_backward``); the data position is the Megatron sampler's consumed samples. After an in-memory
+restore, a pending disk resume of an older checkpoint (``fit(ckpt_path=...)``, NeMo's ``AutoResume``) is skipped.
 """
 
 from __future__ import annotations

@@ -49,3 +49,17 @@ def _assert_recovered(base: RunResult, res: RunResult, *, distributed_optimizer:
         assert rep["lazy_bytes"] == 0, "weights are regenerated from the fp32 shards, never backed up"
     else:
         assert rep["lazy_bytes"] > 0 and rep["lazy_from"] not in (None, 1), rep
+
+
+def test_nemo_autoresume_of_an_older_disk_checkpoint_does_not_roll_back_the_in_memory_version(tmp_path: Path) -> None:
+    """NeMo's ModelCheckpoint (every 3 steps) + AutoResume stay the insurance: on the restart AutoResume points the
+    trainer at the step-3 checkpoint, the in-memory version of step 5 is newer and wins, bit-for-bit."""
+    env = dict(CASES["distopt-dp4"], STEPS=STEPS, DISK_EVERY=3)
+    base = run_torchrun("train_nemo.py", tmp_path / "base", **env)
+    assert base.returncode == 0, base.log[-6000:]
+    res = run_torchrun("train_nemo.py", tmp_path / "fault", max_restarts=1, KILL_RANK=1, KILL_STEP=5, WIPE_RANKS=1,
+                       **env)
+    assert res.returncode == 0, res.log[-6000:]
+    assert "exitcode: -9" in res.log, "the kill did not happen"
+    _assert_recovered(base, res, distributed_optimizer=True)
+    assert "skipping the disk restore of" in res.log

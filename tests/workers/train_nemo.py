@@ -99,12 +99,23 @@ def main() -> None:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, bucket_size=4096),
         ckpt_async_save=False)
+    disk_every = int(os.environ.get("DISK_EVERY", "0"))
     ckpt_cb = NeighborCheckpoint(NeighborCkptConfig.from_dict({"job_id": "nemo",
                                                                 "store": {"cleanup_on_success": False}}))
     trainer = nl.Trainer(devices=4, num_nodes=1, accelerator="cpu", strategy=strategy, max_steps=steps,
-                         callbacks=[ckpt_cb, Record()], log_every_n_steps=1, enable_progress_bar=False, logger=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[ckpt_cb, Record()], log_every_n_steps=1, enable_progress_bar=False,
+                         logger=False, enable_checkpointing=bool(disk_every), num_sanity_val_steps=0, limit_val_batches=0,
                          val_check_interval=None, plugins=nl.MegatronMixedPrecision(precision="32"))
+    if disk_every:
+        # NeMo's insurance: ModelCheckpoint through NeMoLogger, AutoResume on a restart (what llm.train sets up).
+        ckpt = nl.ModelCheckpoint(every_n_train_steps=disk_every, save_last=True, save_top_k=-1,
+                                  save_optim_on_train_end=False, always_save_context=False)
+        nemo_logger = nl.NeMoLogger(log_dir=str(out / "nemo"), name="tiny", use_datetime_version=False, ckpt=ckpt)
+        nemo_logger.setup(trainer, resume_if_exists=True)
+        nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True).setup(trainer, model)
+        from nemo.lightning.callback_group import CallbackGroup
+
+        CallbackGroup.get_instance().update_config(nemo_version="v2", trainer=trainer, data=data)  # as llm.train
     trainer.fit(model, data)
 
     cb = next(c for c in trainer.callbacks if isinstance(c, NeighborCheckpoint))  # nl.Trainer copies callbacks
@@ -124,7 +135,7 @@ def main() -> None:
         "param_groups": [[float(g["lr"]).hex(), g.get("step")] for o in inner for g in o.param_groups],
         "global_step": trainer.global_step,
     })
-    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(90, exit=True)  # a hang at interpreter exit prints every thread's stack
 
 
 if __name__ == "__main__":
