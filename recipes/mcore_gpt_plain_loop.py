@@ -6,7 +6,7 @@ An mcore ``GPTModel`` wrapped in mcore ``DistributedDataParallel``, built with `
 
     torchrun --nproc-per-node 4 --max-restarts 2 recipes/mcore_gpt_plain_loop.py --steps 20 --out runs/mcore
 
-What neighbor_ckpt adds to the loop is marked ``# neighbor_ckpt`` below: six lines. On a machine without
+What neighbor_ckpt adds to the loop is marked ``# neighbor_ckpt`` below: a handful of lines. On a machine without
 CUDA the recipe calls ``megatron_patches.enable_cpu()`` first (gloo, CPU tensors; for smoke runs and tests).
 
 Options: ``--tp``/``--pp`` (model parallelism; DP = world / (TP x PP)), ``--no-dist-opt`` (replicated
