@@ -30,6 +30,8 @@ __all__ = [
     "TransportConfig",
     "LazyBackupConfig",
     "InsuranceConfig",
+    "ReportConfig",
+    "FaultInjectionConfig",
     "NeighborCkptConfig",
     "STORE_DIR_ENV",
     "JOB_ID_ENV",
@@ -117,6 +119,54 @@ class InsuranceConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ReportConfig:
+    """What a user sees: status line, metrics to the trainer's loggers, recovery report and timeline."""
+
+    status_every_n_steps: int | None = None
+    """Log one neighbor-checkpoint status line (rank 0) every N steps. None: the trainer's
+    ``log_every_n_steps`` (50 in a plain loop); 0: never."""
+
+    log_metrics: bool = True
+    """Send snapshot time, bytes, replica lag, stream throughput and recovery phase times to the
+    trainer's loggers (TensorBoard, W&B, CSV, ...) at the same interval."""
+
+    timeline: bool = True
+    """After every recovery, rank 0 writes the recovery timeline (PNG, with the MTTR breakdown: detect,
+    restart, rendezvous, reconcile, transfer, restore, first step) and its JSON next to the logs."""
+
+    dir: str | None = None
+    """Where reports go. None: ``<trainer.log_dir or default_root_dir>/neighbor_ckpt``."""
+
+    progress: Literal["auto", "rich", "none"] = "auto"
+    """Progress bars for recovery phases (rank 0). ``auto``: rich bars on a terminal, plain log lines
+    otherwise."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultInjectionConfig:
+    """For demos and fault campaigns only: kill one rank once, on the first attempt of the job."""
+
+    enabled: bool = False
+    """Inject the fault. Never on in production."""
+
+    rank: int = 1
+    """Global rank that is killed."""
+
+    step: int = 5
+    """Global step (0-based) in which it is killed."""
+
+    phase: Literal["forward", "backward", "optimizer"] = "optimizer"
+    """Where in the step: start of the forward pass, before the backward pass, or inside the optimizer
+    step (weights torn)."""
+
+    signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
+    """SIGKILL: the process dies. SIGSTOP: it hangs."""
+
+    replace_store: bool = True
+    """The killed rank restarts with an empty host store, as a replaced node would."""
+
+
+@dataclass(kw_only=True, slots=True)
 class NeighborCkptConfig:
     """Top-level configuration; the ``neighbor_ckpt:`` section of a YAML file."""
 
@@ -141,6 +191,12 @@ class NeighborCkptConfig:
 
     insurance: InsuranceConfig = field(default_factory=InsuranceConfig)
     """Persistent fallback checkpoints."""
+
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """Status line, metrics, recovery report and timeline."""
+
+    fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    """Demo / campaign fault injection (off by default)."""
 
     def __post_init__(self) -> None:
         _validate(self, "neighbor_ckpt")
@@ -274,6 +330,9 @@ _RULES: dict[str, list[tuple[str, Any, str]]] = {
                   ("timeout_s", lambda v: v > 0, "must be > 0"),
                   ("rate_limit_mbps", lambda v: v >= 0, "must be >= 0 (0 = unlimited)")],
     "insurance": [("every_n_steps", lambda v: v >= 0, "must be >= 0 (0 = off)")],
+    "report": [("status_every_n_steps", lambda v: v is None or v >= 0, "must be >= 0 (0 = never, null = "
+                "the trainer's log interval)")],
+    "fault_injection": [("rank", lambda v: v >= 0, "must be >= 0"), ("step", lambda v: v >= 0, "must be >= 0")],
 }
 
 
