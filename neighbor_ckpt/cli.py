@@ -1,5 +1,9 @@
 """The ``neighbor-ckpt`` command.
 
+* ``neighbor-ckpt launch CONFIG [key.path=value ...]`` validates a job file (``configs/``) and runs its recipe under
+  torchrun with restarts on this node; ``--slurm FILE`` writes a multi-node Slurm batch script instead.
+* ``neighbor-ckpt plan CONFIG [key.path=value ...]`` prints, per rank class, the bytes snapshotted per iteration,
+  the host memory needed, the predicted copy and network time, and whether the snapshot hides in an iteration.
 * ``neighbor-ckpt inspect STORE_DIR`` lists every slot file under a host store: role, owner, iteration,
   sizes, job, and whether header, commit marker and checksums validate. It reads headers as JSON and never
   unpickles anything.
@@ -15,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
+from neighbor_ckpt.errors import ConfigError, SnapshotCorruptError, SnapshotMismatchError
 from neighbor_ckpt.store import SlotFile
 
 __all__ = ["main", "inspect_store"]
@@ -74,10 +78,51 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from neighbor_ckpt import runner
+
+    plan = runner.plan_launch(args.config, args.overrides, run_dir=args.run_dir, record=args.record)
+    if args.slurm:
+        runner.write_run_dir(plan)
+        args.slurm.write_text(runner.slurm_script(plan))
+        print(f"wrote {args.slurm} (run directory {plan.run_dir}); submit it with: sbatch {args.slurm}")
+        return 0
+    if args.dry_run:
+        print(" ".join(runner.torchrun_command(plan)))
+        return 0
+    print(f"neighbor-ckpt: {plan.job.name}: {plan.job.world_size} ranks, run directory {plan.run_dir}", flush=True)
+    return runner.run_local(plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from neighbor_ckpt.jobspec import load_job
+
+    job = load_job(args.config, args.overrides)
+    plan = job.plan()
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    print(plan.format_table())
+    for w in plan.warnings:
+        print(f"WARNING: {w}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="neighbor-ckpt", description="Per-iteration neighbor checkpointing tools.")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("launch", help="validate a job file and run its recipe under torchrun (or write a Slurm script)")
+    p.add_argument("config", type=Path, help="job file, e.g. configs/gpt_tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="key.path=value, e.g. trainer.max_steps=20")
+    p.add_argument("--run-dir", type=Path, default=None, help="default: <launch.log_dir>/<name>-<timestamp>")
+    p.add_argument("--slurm", type=Path, default=None, metavar="FILE", help="write a Slurm batch script, do not run")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run")
+    p.add_argument("--record", action="store_true", help="record per-step losses and final fingerprints")
+    p = sub.add_parser("plan", help="bytes, host memory and time per iteration of a job file, per rank class")
+    p.add_argument("config", type=Path)
+    p.add_argument("overrides", nargs="*", help="key.path=value")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("inspect", help="list the versions held by a host store and check them")
     p.add_argument("store_dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -94,7 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return micro.main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return _inspect(args)
+    try:
+        return {"launch": _launch, "plan": _plan, "inspect": _inspect}[args.cmd](args)
+    except ConfigError as e:
+        print(f"neighbor-ckpt: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

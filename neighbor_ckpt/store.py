@@ -38,7 +38,7 @@ from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, Snapshot
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "slot_file_size"]
+__all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "slot_file_size", "rank_dir"]
 
 MAGIC = b"NCKPTSLT"
 MARKER_MAGIC = b"NCKPTCMT"
@@ -297,6 +297,11 @@ def _user() -> str:
         return f"uid{os.getuid()}"
 
 
+def rank_dir(root: Path, job_id: str, rank: int) -> Path:
+    """Directory of one rank's slot files: ``<root>/<user>/<job_id>/rank<rank>``."""
+    return Path(root) / _user() / job_id / f"rank{rank}"
+
+
 class HostStore:
     """The slot files of one rank: ``versions`` own slots, ``versions`` replica slots, lazy backups.
 
@@ -314,8 +319,8 @@ class HostStore:
         self.rank = rank
         self.versions = versions
         self.use_checksum = use_checksum
-        self.job_dir = self.root / _user() / job_id
-        self.dir = self.job_dir / f"rank{rank}"
+        self.dir = rank_dir(self.root, job_id, rank)
+        self.job_dir = self.dir.parent
         self.root.mkdir(parents=True, exist_ok=True)
         for d in (self.root / _user(), self.job_dir, self.dir):
             d.mkdir(mode=0o700, exist_ok=True)

@@ -53,11 +53,7 @@ class RunResult:
         return json.loads(p.read_text()) if p.exists() else None
 
 
-def run_torchrun(worker: str, tmp: Path, *, nproc: int = 4, max_restarts: int = 0, timeout: float = 420,
-                 **env: Any) -> RunResult:
-    """Run ``tests/workers/<worker>`` under ``torchrun --max-restarts``; kill the whole group on timeout."""
-    out = tmp / "out"
-    out.mkdir(parents=True, exist_ok=True)
+def job_env(tmp: Path, out: Path, env: dict[str, Any]) -> dict[str, str]:
     full_env = dict(os.environ)
     full_env.update({
         "PYTHONPATH": os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")]),
@@ -68,14 +64,17 @@ def run_torchrun(worker: str, tmp: Path, *, nproc: int = 4, max_restarts: int = 
         "PYTHONUNBUFFERED": "1",
     })
     full_env.update({k: str(v) for k, v in env.items()})
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-           "--monitor-interval=0.5", str(WORKERS / worker)]
-    # Output goes to a file, not a pipe: a helper process that outlives its worker (NeMo's checkpoint writers
-    # are orphaned when torchrun SIGTERMs a worker) would keep a pipe open after torchrun exited.
+    return full_env
+
+
+def run_logged(cmd: list[str], tmp: Path, out: Path, *, timeout: float, env: dict[str, str]) -> RunResult:
+    """Run ``cmd`` in its own process group with output to ``tmp/torchrun.log``; kill the whole group on timeout
+    and afterwards. Output goes to a file, not a pipe: a helper process that outlives its worker (NeMo's checkpoint
+    writers are orphaned when torchrun SIGTERMs a worker) would keep a pipe open after torchrun exited."""
+    out.mkdir(parents=True, exist_ok=True)
     log_path = tmp / "torchrun.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, env=full_env, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, cwd=tmp)
         try:
             proc.wait(timeout=timeout)
@@ -83,10 +82,31 @@ def run_torchrun(worker: str, tmp: Path, *, nproc: int = 4, max_restarts: int = 
             _kill_group(proc.pid)
             proc.wait()
             log = log_path.read_text()
-            pytest.fail(f"torchrun {worker} timed out after {timeout}s; log: {log_path}\n{log[-6000:]}")
+            pytest.fail(f"{' '.join(cmd[:6])} ... timed out after {timeout}s; log: {log_path}\n{log[-6000:]}")
         finally:
             _kill_group(proc.pid)  # reap whatever the job left behind
     return RunResult(proc.returncode, out, log_path.read_text())
+
+
+def run_torchrun(worker: str, tmp: Path, *, nproc: int = 4, max_restarts: int = 0, timeout: float = 420,
+                 **env: Any) -> RunResult:
+    """Run ``tests/workers/<worker>`` under ``torchrun --max-restarts``."""
+    out = tmp / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           "--monitor-interval=0.5", str(WORKERS / worker)]
+    tmp.mkdir(parents=True, exist_ok=True)
+    return run_logged(cmd, tmp, out, timeout=timeout, env=job_env(tmp, out, env))
+
+
+def run_launch(config: str, tmp: Path, *overrides: str, timeout: float = 480, **env: Any) -> RunResult:
+    """``neighbor-ckpt launch configs/<config> OVERRIDES --run-dir tmp/run --record``: the user's command."""
+    run_dir = tmp / "run"
+    out = run_dir / "record"
+    cmd = [sys.executable, "-m", "neighbor_ckpt.cli", "launch", str(REPO / "configs" / config), *overrides,
+           "--run-dir", str(run_dir), "--record"]
+    tmp.mkdir(parents=True, exist_ok=True)
+    return run_logged(cmd, tmp, out, timeout=timeout, env=job_env(tmp, out, env))
 
 
 def _kill_group(pgid: int) -> None:

@@ -1,0 +1,369 @@
+"""A whole training job in one YAML file: what ``neighbor-ckpt launch`` runs and ``neighbor-ckpt plan`` plans.
+
+The file (see ``configs/``) has the sections of :class:`JobSpec`: ``model``, ``parallelism``, ``trainer``,
+``data``, ``checkpoint`` (NeMo's persistent checkpoint, our insurance), ``hardware`` (for the planner),
+``launch`` and ``neighbor_ckpt`` (:class:`~neighbor_ckpt.config.NeighborCkptConfig`). Command-line
+overrides ``key.path=value`` are applied to the YAML document before validation; values are parsed as YAML
+(``true``, ``4``, ``null``, ``[a, b]``).
+
+Everything is checked before any process starts, and every problem is one line naming the key path:
+unknown keys, wrong types, values outside their allowed set, and parallelism the world size cannot hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+
+from neighbor_ckpt._schema import from_dict, to_dict
+from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.errors import ConfigError
+
+__all__ = ["ModelSpec", "ParallelismSpec", "TrainerSpec", "DataSpec", "CheckpointSpec", "HardwareSpec",
+           "LaunchSpec", "JobSpec", "load_job", "apply_overrides"]
+
+Preset = Literal["gpt_tiny", "llama_tiny", "llama3_8b", "llama3_70b", "gpt3_175b"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSpec:
+    """The model: a preset, optionally resized (any field left null keeps the preset's value)."""
+
+    preset: Preset = "gpt_tiny"
+    """Architecture and size. ``gpt_*``: LayerNorm, GELU, learned positions; ``llama*``: RMSNorm, SwiGLU,
+    RoPE, grouped-query attention."""
+
+    num_layers: int | None = None
+    """Transformer layers."""
+
+    hidden_size: int | None = None
+    """Hidden size."""
+
+    ffn_hidden_size: int | None = None
+    """MLP hidden size."""
+
+    num_attention_heads: int | None = None
+    """Attention heads."""
+
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); null: the preset's."""
+
+    seq_length: int | None = None
+    """Sequence length in tokens."""
+
+    dropout: float | None = None
+    """Hidden and attention dropout (null: the preset's; the tiny presets use 0.1 so RNG restoration is
+    exercised)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismSpec:
+    """Model parallelism; data parallelism is what the world size leaves: DP = world / (TP x PP x CP)."""
+
+    tensor: int = 1
+    """Tensor-parallel size."""
+
+    pipeline: int = 1
+    """Pipeline-parallel size."""
+
+    context: int = 1
+    """Context-parallel size."""
+
+    virtual_pipeline: int | None = None
+    """Interleaved pipeline chunks per stage (null: no interleaving)."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tensor > 1)."""
+
+    distributed_optimizer: bool = True
+    """megatron-core's distributed optimizer (ZeRO-1). With it each rank snapshots 12 bytes per local param / DP
+    per iteration; without it the snapshot is small state only and redundant state is backed up lazily."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerSpec:
+    """The Lightning / NeMo trainer."""
+
+    accelerator: Literal["gpu", "cpu"] = "gpu"
+    """``cpu`` runs megatron-core on CPU tensors and gloo through ``megatron_patches.enable_cpu()``: smoke runs
+    and tests only."""
+
+    devices: int = 8
+    """Processes (GPUs) per node."""
+
+    num_nodes: int = 1
+    """Nodes."""
+
+    max_steps: int = 1000
+    """Optimizer steps."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all DP ranks and micro-batches."""
+
+    precision: Literal["32", "bf16-mixed", "16-mixed"] = "bf16-mixed"
+    """Training precision (quote it in YAML: ``"32"``)."""
+
+    lr: float = 3e-4
+    """Peak learning rate (Adam, cosine schedule with warm-up)."""
+
+    warmup_steps: int = 2
+    """Warm-up steps of the LR schedule."""
+
+    log_every_n_steps: int = 10
+    """Trainer log interval; the neighbor-checkpoint status line follows it."""
+
+    seed: int = 1234
+    """Global seed."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSpec:
+    """Training data."""
+
+    kind: Literal["mock", "indexed"] = "mock"
+    """``mock``: NeMo's MockDataModule (random tokens, deterministic); ``indexed``: Megatron indexed datasets at
+    ``paths`` (NeMo PreTrainingDataModule)."""
+
+    paths: list[str] | None = None
+    """Indexed dataset prefixes (``kind: indexed``)."""
+
+    tokenizer: str | None = None
+    """HuggingFace tokenizer name or path (``kind: indexed``); mock data uses a null tokenizer."""
+
+    num_train_samples: int = 10_000
+    """Samples in the mock dataset."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSpec:
+    """NeMo's persistent (disk) checkpoint: the insurance for the rare failures in-memory copies cannot
+    cover. ``AutoResume`` restarts from it only when no in-memory version is newer."""
+
+    every_n_train_steps: int = 0
+    """Persistent checkpoint interval (0: none)."""
+
+    dir: str | None = None
+    """Checkpoint directory (null: ``<launch.log_dir>/<name>/checkpoints``)."""
+
+    async_save: bool = True
+    """NeMo's asynchronous distributed checkpointing (GPU only; always off on CPU)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HardwareSpec:
+    """The machines, for ``neighbor-ckpt plan``: a known GPU, optionally with measured figures."""
+
+    gpu: Literal["h100", "a100", "cpu"] = "h100"
+    """Hardware preset."""
+
+    gpu_tflops: float | None = None
+    """Dense peak TFLOPS per GPU (null: the preset's)."""
+
+    mfu: float | None = None
+    """Model FLOPS utilisation expected (null: the preset's)."""
+
+    pcie_gbytes_per_s: float | None = None
+    """Device-to-host copy bandwidth per GPU, GB/s (null: the preset's)."""
+
+    nic_gbits_per_s: float | None = None
+    """Network bandwidth per GPU, Gb/s (null: the preset's)."""
+
+    host_memory_gb: float | None = None
+    """Host memory per node, GB (null: the preset's)."""
+
+    shm_gb: float | None = None
+    """Size of /dev/shm per node, GB (null: the preset's)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchSpec:
+    """How ``neighbor-ckpt launch`` starts the job."""
+
+    max_restarts: int = 3
+    """torchrun worker-group restarts (each recovers from the neighbor copies)."""
+
+    log_dir: str = "runs"
+    """Where the run directory ``<log_dir>/<name>`` goes (logs, reports, resolved config)."""
+
+    rdzv_port: int = 29500
+    """c10d rendezvous port on the first node (multi-node)."""
+
+    slurm_partition: str | None = None
+    """Slurm partition for ``--slurm`` (null: the cluster's default)."""
+
+    slurm_account: str | None = None
+    """Slurm account for ``--slurm``."""
+
+    slurm_time: str = "04:00:00"
+    """Slurm time limit for ``--slurm``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    """One training job: the top level of a file in ``configs/``."""
+
+    name: str = "job"
+    """Run name (directory names, Slurm job name)."""
+
+    recipe: Literal["gpt", "llama"] = "gpt"
+    """Which recipe builds the NeMo objects (``recipes/nemo_pretrain.py``)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """Model."""
+
+    parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
+    """TP / PP / CP and the distributed optimizer."""
+
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    """Trainer."""
+
+    data: DataSpec = field(default_factory=DataSpec)
+    """Data."""
+
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    """Persistent insurance checkpoint."""
+
+    hardware: HardwareSpec = field(default_factory=HardwareSpec)
+    """Machines, for the planner."""
+
+    launch: LaunchSpec = field(default_factory=LaunchSpec)
+    """Launcher."""
+
+    neighbor_ckpt: NeighborCkptConfig = field(default_factory=NeighborCkptConfig)
+    """The neighbor-checkpoint switches."""
+
+    def __post_init__(self) -> None:
+        _check_job(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.devices * self.trainer.num_nodes
+
+    @property
+    def data_parallel(self) -> int:
+        p = self.parallelism
+        return self.world_size // (p.tensor * p.pipeline * p.context)
+
+    def model_shape(self) -> Any:
+        """The :class:`~neighbor_ckpt.planner.ModelShape` of the preset with this spec's resizes applied."""
+        from neighbor_ckpt.planner import PRESETS
+
+        shape = PRESETS[self.model.preset]
+        changes = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model)
+                   if f.name not in ("preset", "dropout") and getattr(self.model, f.name) is not None}
+        return dataclasses.replace(shape, **changes)
+
+    def hardware_preset(self) -> Any:
+        """The :class:`~neighbor_ckpt.planner.Hardware` of ``hardware.gpu`` with this spec's figures applied."""
+        from neighbor_ckpt.planner import HARDWARE
+
+        changes = {f.name: getattr(self.hardware, f.name) for f in dataclasses.fields(self.hardware)
+                   if f.name != "gpu" and getattr(self.hardware, f.name) is not None}
+        return dataclasses.replace(HARDWARE[self.hardware.gpu], gpus_per_node=self.trainer.devices, **changes)
+
+    def plan(self) -> Any:
+        """The planner's :class:`~neighbor_ckpt.planner.JobPlan` for this job (``neighbor-ckpt plan``)."""
+        from neighbor_ckpt.planner import Parallelism, plan_job
+
+        p, t = self.parallelism, self.trainer
+        par = Parallelism(tp=p.tensor, pp=p.pipeline, cp=p.context, dp=self.data_parallel,
+                          distributed_optimizer=p.distributed_optimizer, micro_batch_size=t.micro_batch_size,
+                          global_batch_size=t.global_batch_size)
+        return plan_job(self.model_shape(), par, self.hardware_preset(), versions=self.neighbor_ckpt.store.versions,
+                        param_dtype_bytes=4 if t.precision == "32" else 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Set ``key.path=value`` overrides into a parsed YAML document (a new dict; values parsed as YAML)."""
+    out = yaml.safe_load(yaml.safe_dump(doc))  # deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected key.path=value, e.g. trainer.max_steps=20")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({e.__class__.__name__})") from None
+        node = out
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
+    """Read, override and validate a job file. Raises :class:`ConfigError` with one line naming the problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    doc = apply_overrides(doc, overrides)
+    return from_dict(JobSpec, doc, "config")
+
+
+def _check_job(job: JobSpec) -> None:
+    p, t = job.parallelism, job.trainer
+    for name in ("tensor", "pipeline", "context"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"config.parallelism.{name}: {getattr(p, name)} must be >= 1")
+    for name in ("devices", "num_nodes", "max_steps", "micro_batch_size", "global_batch_size", "log_every_n_steps"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"config.trainer.{name}: {getattr(t, name)} must be >= 1")
+    mp = p.tensor * p.pipeline * p.context
+    world = job.world_size
+    if world % mp:
+        raise ConfigError(
+            f"config.parallelism: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {mp} "
+            f"does not divide the world size trainer.devices x trainer.num_nodes = {t.devices} x {t.num_nodes} "
+            f"= {world}")
+    dp = world // mp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"config.trainer.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x "
+            f"data-parallel size = {t.micro_batch_size} x {dp}")
+    if p.sequence_parallel and p.tensor == 1:
+        raise ConfigError("config.parallelism.sequence_parallel: needs parallelism.tensor > 1")
+    if t.accelerator == "cpu" and t.precision != "32":
+        raise ConfigError(f"config.trainer.precision: {t.precision!r} on accelerator cpu; use \"32\"")
+    if job.data.kind == "indexed" and not job.data.paths:
+        raise ConfigError("config.data.paths: required when data.kind is 'indexed'")
+    shape = job.model_shape()
+    if shape.num_layers % p.pipeline:
+        raise ConfigError(f"config.parallelism.pipeline: {p.pipeline} does not divide model.num_layers = "
+                          f"{shape.num_layers}")
+    if p.virtual_pipeline is not None and (p.virtual_pipeline < 1 or p.pipeline == 1
+                                           or shape.num_layers % (p.pipeline * p.virtual_pipeline)):
+        raise ConfigError(f"config.parallelism.virtual_pipeline: {p.virtual_pipeline} needs pipeline > 1 and "
+                          f"pipeline x virtual_pipeline to divide model.num_layers = {shape.num_layers}")
+    groups = shape.num_query_groups or shape.num_attention_heads
+    if shape.num_attention_heads % p.tensor or groups % p.tensor:
+        raise ConfigError(f"config.parallelism.tensor: {p.tensor} does not divide the attention heads "
+                          f"({shape.num_attention_heads}) and query groups ({groups}) of the model")
+    if shape.seq_length % (2 * p.context) and p.context > 1:
+        raise ConfigError(f"config.parallelism.context: model.seq_length {shape.seq_length} must be a multiple of "
+                          f"2 x context = {2 * p.context}")

@@ -1,0 +1,292 @@
+"""NeMo 2 pre-training of GPT and Llama with neighbor checkpointing, driven by one job file from ``configs/``.
+
+Launch it through the command, which validates the file first and runs torchrun with restarts::
+
+    neighbor-ckpt launch configs/llama_tiny_cpu.yaml trainer.max_steps=20
+    neighbor-ckpt launch configs/llama3_70b.yaml --slurm job.sbatch      # multi-node: a Slurm batch script
+
+or directly under torchrun: ``torchrun ... recipes/nemo_pretrain.py --config CONFIG --run-dir DIR``.
+
+:func:`build_recipe` returns a ``nemo_run.Partial`` of ``llm.pretrain``. The full-size models start from NeMo's
+own recipe factories (``llm.llama3_8b``, ``llm.llama3_70b``, ``llm.gpt3_175b``) and get the job's parallelism,
+batch, steps and checkpointing applied, plus ``NeighborCheckpoint`` in ``trainer.callbacks``; nothing else of
+NeMo's tuning changes. The tiny presets (``gpt_tiny``, ``llama_tiny``: RMSNorm, SwiGLU, RoPE, GQA) use
+megatron-core's local layer spec and run on CPU ranks (``megatron_patches.enable_cpu``) for smoke runs and
+tests. NeMo's ``ModelCheckpoint`` every ``checkpoint.every_n_train_steps`` steps and ``AutoResume`` stay the
+insurance: a restart resumes from the newest in-memory version when there is one, else from disk.
+
+``--record`` writes, per rank, every step's ``reduced_train_loss`` (hex, exact) and fingerprints of the final
+weights and optimizer state under ``<run-dir>/record/``: what the demo and the tests compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from neighbor_ckpt.jobspec import JobSpec, load_job
+
+logger = logging.getLogger("recipes.nemo_pretrain")
+
+_NEMO_FACTORIES = {"llama3_8b": "llama3_8b", "llama3_70b": "llama3_70b", "gpt3_175b": "gpt3_175b"}
+_TINY_VOCAB = 128
+
+
+def _neighbor_callbacks(job: JobSpec) -> list[Any]:
+    import nemo_run as run
+
+    from neighbor_ckpt import NeighborCheckpoint, NeighborCkptConfig
+    from neighbor_ckpt.lightning.faults import FaultInjector
+
+    cfg = run.Config(NeighborCkptConfig.from_dict, job.neighbor_ckpt.to_dict())
+    cbs = [run.Config(NeighborCheckpoint, config=cfg)]
+    if job.neighbor_ckpt.fault_injection.enabled:
+        cbs.insert(0, run.Config(FaultInjector, config=cfg))
+    return cbs
+
+
+def _tiny_model(job: JobSpec) -> Any:
+    import nemo_run as run
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from nemo.collections import llm
+
+    shape = job.model_shape()
+    dropout = 0.1 if job.model.dropout is None else job.model.dropout
+    common = dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+                  num_attention_heads=shape.num_attention_heads, seq_length=shape.seq_length,
+                  hidden_dropout=dropout, attention_dropout=dropout, init_method_std=0.02,
+                  make_vocab_size_divisible_by=_TINY_VOCAB, gradient_accumulation_fusion=False,
+                  masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+                  persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False)
+    if job.model.preset == "llama_tiny":
+        config = run.Config(llm.Llama3Config8B, **common, num_query_groups=shape.num_query_groups,
+                            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                            position_embedding_type="rope", add_bias_linear=False,
+                            share_embeddings_and_output_weights=False,
+                            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"))
+        return run.Config(llm.LlamaModel, config=config)
+    config = run.Config(llm.GPTConfig, **common, share_embeddings_and_output_weights=True,
+                        transformer_layer_spec=get_gpt_layer_local_spec())
+    return run.Config(llm.GPTModel, config=config)
+
+
+def _mock_data_cls(cpu: bool) -> Any:
+    from nemo.collections import llm
+
+    if not cpu:
+        return llm.MockDataModule
+
+    class CpuMockData(llm.MockDataModule):
+        """NeMo 2.7.3's MockDataModule.setup passes ``create_attention_mask`` in the ``seed`` position; without
+        Transformer Engine the local attention needs the mask."""
+
+        def setup(self, stage: str = "") -> None:
+            from nemo.collections.llm.gpt.data.mock import _MockGPTDataset
+
+            self._train_ds = _MockGPTDataset(self.tokenizer, "train", self.num_train_samples, self.seq_length,
+                                             create_attention_mask=True)
+            self._validation_ds = self._test_ds = self._train_ds
+
+    return CpuMockData
+
+
+def _data(job: JobSpec) -> Any:
+    import nemo_run as run
+    from nemo.collections import llm
+
+    t, seq = job.trainer, job.model_shape().seq_length
+    cpu = t.accelerator == "cpu"
+    tokenizer = None
+    if job.model.preset in ("gpt_tiny", "llama_tiny"):
+        from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+
+        tokenizer = run.Config(NullTokenizer, vocab_size=_TINY_VOCAB)
+    elif job.data.tokenizer:
+        from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+
+        tokenizer = run.Config(AutoTokenizer, pretrained_model_name=job.data.tokenizer)
+    common = dict(seq_length=seq, micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                  num_workers=0 if cpu else 2, pin_memory=not cpu)
+    if job.data.kind == "indexed":
+        return run.Config(llm.PreTrainingDataModule, paths=list(job.data.paths or []), tokenizer=tokenizer,
+                          seed=t.seed, **common)
+    return run.Config(_mock_data_cls(cpu), tokenizer=tokenizer, num_train_samples=job.data.num_train_samples,
+                      **common)
+
+
+def _tiny_recipe(job: JobSpec, run_dir: Path) -> Any:
+    import nemo_run as run
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
+
+    cpu = job.trainer.accelerator == "cpu"
+    strategy = run.Config(nl.MegatronStrategy, pipeline_dtype=torch.float32 if cpu else torch.bfloat16,
+                          ddp=run.Config(DistributedDataParallelConfig, bucket_size=4096 if cpu else None),
+                          ckpt_async_save=False)
+    trainer = run.Config(nl.Trainer, accelerator=job.trainer.accelerator, strategy=strategy, callbacks=[],
+                         enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         val_check_interval=None, logger=False,
+                         plugins=run.Config(nl.MegatronMixedPrecision, precision=job.trainer.precision))
+    optim = run.Config(nl.MegatronOptimizerModule,
+                       config=run.Config(OptimizerConfig, optimizer="adam", lr=job.trainer.lr, weight_decay=0.01,
+                                         clip_grad=1.0, bf16=job.trainer.precision.startswith("bf16"),
+                                         fp16=job.trainer.precision.startswith("16")),
+                       lr_scheduler=run.Config(CosineAnnealingScheduler, max_steps=job.trainer.max_steps,
+                                               warmup_steps=job.trainer.warmup_steps, min_lr=job.trainer.lr / 10))
+    log = run.Config(nl.NeMoLogger, name=job.name, log_dir=str(run_dir / "nemo"), use_datetime_version=False)
+    resume = run.Config(nl.AutoResume, resume_if_exists=True, resume_ignore_no_checkpoint=True)
+    return run.Partial(llm.pretrain, model=_tiny_model(job), data=_data(job), trainer=trainer, log=log,
+                       resume=resume, optim=optim)
+
+
+def _nemo_factory_recipe(job: JobSpec, run_dir: Path) -> Any:
+    import importlib
+
+    mod = importlib.import_module(f"nemo.collections.llm.recipes.{_NEMO_FACTORIES[job.model.preset]}")
+    return mod.pretrain_recipe(dir=str(run_dir / "nemo"), name=job.name, num_nodes=job.trainer.num_nodes,
+                               num_gpus_per_node=job.trainer.devices)
+
+
+def build_recipe(job: JobSpec, run_dir: Path) -> Any:
+    """The ``nemo_run.Partial`` of ``llm.pretrain`` for ``job``, with the neighbor-checkpoint callback attached."""
+    import nemo_run as run
+    from nemo import lightning as nl
+
+    tiny = job.model.preset in ("gpt_tiny", "llama_tiny")
+    if job.trainer.accelerator == "cpu" and not tiny:
+        raise SystemExit(f"{job.model.preset} is GPU-only; the CPU presets are gpt_tiny and llama_tiny")
+    recipe = _tiny_recipe(job, run_dir) if tiny else _nemo_factory_recipe(job, run_dir)
+    p, t, ck = job.parallelism, job.trainer, job.checkpoint
+    shape = job.model_shape()
+
+    # model size (a resized preset)
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "seq_length"):
+        if getattr(job.model, name) is not None:
+            setattr(recipe.model.config, name, getattr(shape, name))
+    if job.model.dropout is not None:
+        recipe.model.config.hidden_dropout = recipe.model.config.attention_dropout = job.model.dropout
+
+    # parallelism
+    s = recipe.trainer.strategy
+    s.tensor_model_parallel_size, s.pipeline_model_parallel_size = p.tensor, p.pipeline
+    s.context_parallel_size, s.sequence_parallel = p.context, p.sequence_parallel
+    s.virtual_pipeline_model_parallel_size = p.virtual_pipeline
+    s.ddp.use_distributed_optimizer = p.distributed_optimizer
+    recipe.optim.config.use_distributed_optimizer = p.distributed_optimizer
+
+    # trainer, data, seed
+    tr = recipe.trainer
+    tr.devices, tr.num_nodes, tr.max_steps = t.devices, t.num_nodes, t.max_steps
+    tr.log_every_n_steps = t.log_every_n_steps
+    recipe.data.micro_batch_size, recipe.data.global_batch_size = t.micro_batch_size, t.global_batch_size
+    recipe.data.seq_length = shape.seq_length
+    if not tiny:
+        recipe.data = _data(job) if job.data.kind == "indexed" else recipe.data
+        recipe.optim.config.lr = t.lr
+        recipe.optim.lr_scheduler.max_steps = t.max_steps
+        recipe.optim.lr_scheduler.warmup_steps = t.warmup_steps
+
+    # insurance: NeMo's persistent checkpoint (+ AutoResume, already in the recipe)
+    if ck.every_n_train_steps:
+        recipe.log.ckpt = run.Config(nl.ModelCheckpoint, every_n_train_steps=ck.every_n_train_steps,
+                                     save_last=True, save_top_k=-1, save_optim_on_train_end=False,
+                                     always_save_context=False, dirpath=ck.dir)
+        tr.enable_checkpointing = True
+        s.ckpt_async_save = ck.async_save and t.accelerator == "gpu"
+    elif tiny:
+        tr.enable_checkpointing = False
+    tr.val_check_interval = None if tiny else tr.val_check_interval
+
+    # neighbor checkpointing
+    if job.neighbor_ckpt.enabled:
+        tr.callbacks = [*(tr.callbacks or []), *_neighbor_callbacks(job)]
+    return recipe
+
+
+class _Record:
+    """``--record``: per-step losses as NeMo reports them and final fingerprints (for the demo and tests)."""
+
+    @staticmethod
+    def callback(out: Path) -> Any:
+        import lightning.pytorch as pl
+
+        rank = int(os.environ.get("RANK", "0"))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+        class Record(pl.Callback):
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+                loss = trainer.callback_metrics.get("reduced_train_loss")
+                with open(out / f"losses.rank{rank}.jsonl", "a") as f:
+                    f.write(json.dumps({"step": trainer.global_step - 1, "attempt": attempt,
+                                        "loss": None if loss is None else float(loss).hex()}) + "\n")
+
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                _Record.final(trainer, out / f"final.rank{rank}.json")
+                from neighbor_ckpt import NeighborCheckpoint
+
+                cb = next((c for c in trainer.callbacks if isinstance(c, NeighborCheckpoint)), None)
+                if cb is not None and cb.last_recovery is not None:
+                    rep = {**cb.last_recovery.report.to_dict(), "iteration": cb.last_recovery.iteration,
+                           "summary": cb.last_recovery.report.summary()}
+                    (out / f"report.rank{rank}.attempt{attempt}.json").write_text(json.dumps(rep, indent=1))
+
+        return Record()
+
+    @staticmethod
+    def final(trainer: Any, path: Path) -> None:
+        import torch
+
+        def sha(t: torch.Tensor) -> str:
+            raw = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            return hashlib.sha256(raw).hexdigest()[:24]
+
+        mcore_opt = trainer.strategy.optimizers[0].mcore_optimizer
+        inner = [o.optimizer for o in getattr(mcore_opt, "chained_optimizers", [mcore_opt])]
+        path.write_text(json.dumps({
+            "params": {n: sha(p) for n, p in trainer.lightning_module.named_parameters()},
+            "optim": {f"{i}.{j}.{k}": sha(v) for i, o in enumerate(inner) for j, st in enumerate(o.state.values())
+                      for k, v in st.items() if isinstance(v, torch.Tensor)},
+            "global_step": trainer.global_step}, indent=1, sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, required=True, help="job file (configs/*.yaml), already resolved")
+    ap.add_argument("--run-dir", type=Path, required=True, help="logs, reports and NeMo checkpoints go here")
+    ap.add_argument("--record", action="store_true", help="write per-step losses and final fingerprints")
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(name)s %(levelname)s %(message)s")
+    job = load_job(args.config)
+    if job.trainer.accelerator == "cpu":
+        from megatron_patches import enable_cpu
+
+        enable_cpu()
+    import fiddle as fdl
+    import torch
+
+    torch.manual_seed(job.trainer.seed)
+    recipe = build_recipe(job, args.run_dir)
+    if args.record:
+        out = args.run_dir / "record"
+        out.mkdir(parents=True, exist_ok=True)
+        fn = fdl.build(recipe)
+        fn.keywords["trainer"].callbacks.append(_Record.callback(out))
+        fn()
+    else:
+        fdl.build(recipe)()
+
+
+if __name__ == "__main__":
+    main()

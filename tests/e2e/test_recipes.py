@@ -1,0 +1,57 @@
+"""End to end through the user's commands: ``neighbor-ckpt demo`` (the tiny GPT recipe: a failure-free run, then
+rank 1 SIGKILLed inside optimizer step 5 and restarted on an empty host store) and ``neighbor-ckpt launch`` of
+the tiny Llama recipe (RMSNorm, SwiGLU, RoPE, GQA; TP2 x DP2; rank 1 SIGKILLed in the backward pass of step 5).
+Every per-step loss, the final weights and the optimizer state must equal the failure-free run exactly."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RunResult, job_env, assert_same_training, recomputed_steps, run_launch, \
+    run_logged
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("nemo.collections.llm")
+
+STEPS = "trainer.max_steps=8"
+FAULT = ["neighbor_ckpt.fault_injection.enabled=true", "neighbor_ckpt.fault_injection.rank=1",
+         "neighbor_ckpt.fault_injection.step=5"]
+
+
+def _assert_rank1_restored_from_its_successor(res: RunResult) -> None:
+    assert recomputed_steps(res) <= {5}
+    rep = res.report(1, 1)
+    assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 5, "replica"), rep
+    assert rep["lazy_bytes"] == 0, "weights are regenerated from the fp32 shards, never backed up"
+
+
+def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "neighbor_ckpt.cli", "demo", "--out", str(out), STEPS]
+    res = run_logged(cmd, tmp_path, out, timeout=900, env=job_env(tmp_path, out, {
+        "NEIGHBOR_CKPT_STORE_DIR": tmp_path / "store"}))
+    assert res.returncode == 0, res.log[-6000:]
+    assert "bit-identical to the failure-free run" in res.log
+    assert "recovery report (attempt 1):" in res.log and "rank 1: restored iteration 5 from the replica" in res.log
+    base = RunResult(0, out / "baseline" / "record", "")
+    fault = RunResult(0, out / "faulted" / "record", (out / "faulted" / "torchrun.log").read_text())
+    assert "exitcode: -9" in fault.log, "the kill did not happen"
+    assert_same_training(base, fault)
+    _assert_rank1_restored_from_its_successor(fault)
+
+
+def test_tiny_llama_recipe_tp2_killed_in_backward_recovers_bit_exactly(tmp_path: Path) -> None:
+    store = {"NEIGHBOR_CKPT_STORE_DIR": tmp_path / "store"}
+    base = run_launch("llama_tiny_cpu.yaml", tmp_path / "base", STEPS, "parallelism.tensor=2", **store)
+    assert base.returncode == 0, base.log[-6000:]
+    res = run_launch("llama_tiny_cpu.yaml", tmp_path / "fault", STEPS, "parallelism.tensor=2", *FAULT,
+                     "neighbor_ckpt.fault_injection.phase=backward", **store)
+    assert res.returncode == 0, res.log[-6000:]
+    assert "exitcode: -9" in res.log and "in the backward phase of step 5" in res.log
+    assert_same_training(base, res)
+    _assert_rank1_restored_from_its_successor(res)
+    resolved = (tmp_path / "fault" / "run" / "config.yaml").read_text()
+    assert "preset: llama_tiny" in resolved

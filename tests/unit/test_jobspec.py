@@ -1,0 +1,163 @@
+"""Tier 1: job files in configs/ and the checks that run before any process starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.jobspec import JobSpec, apply_overrides, load_job
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_the_five_shipped_configs_exist() -> None:
+    assert {p.stem for p in CONFIGS} >= {"gpt_tiny_cpu", "llama_tiny_cpu", "llama3_8b", "llama3_70b", "gpt3_175b"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_validates_and_round_trips(path: Path, tmp_path: Path) -> None:
+    job = load_job(path)
+    assert job.data_parallel >= 1
+    again = tmp_path / "resolved.yaml"
+    again.write_text(job.to_yaml())
+    assert load_job(again) == job
+
+
+def test_overrides_set_nested_values_parsed_as_yaml() -> None:
+    job = load_job(REPO / "configs/gpt_tiny_cpu.yaml",
+                   ["trainer.max_steps=20", "neighbor_ckpt.transport.enabled=false", "neighbor_ckpt.job_id=x1",
+                    "data.paths=[a, b]", "data.kind=indexed"])
+    assert job.trainer.max_steps == 20
+    assert job.neighbor_ckpt.transport.enabled is False
+    assert job.neighbor_ckpt.job_id == "x1"
+    assert job.data.paths == ["a", "b"]
+
+
+def test_overrides_do_not_modify_the_document() -> None:
+    doc = {"trainer": {"max_steps": 3}}
+    assert apply_overrides(doc, ["trainer.max_steps=4"]) == {"trainer": {"max_steps": 4}}
+    assert doc == {"trainer": {"max_steps": 3}}
+
+
+BAD = {
+    "unknown top-level key": (["trainr.max_steps=3"], "config.trainr: unknown key"),
+    "unknown nested key": (["neighbor_ckpt.transport.chunk_mbb=4"], "config.neighbor_ckpt.transport.chunk_mbb: unknown key"),
+    "wrong type": (["trainer.max_steps=many"], "config.trainer.max_steps: expected an integer, got 'many'"),
+    "value outside its set": (["neighbor_ckpt.ring.policy=random"], "config.neighbor_ckpt.ring.policy: 'random' is not allowed (allowed values: 'cross_node', 'next')"),
+    "bad neighbor_ckpt value": (["neighbor_ckpt.store.versions=1"], "config.neighbor_ckpt.store.versions: 1 must be >= 2"),
+    "TP x PP does not divide the world": (["parallelism.tensor=3"], "tensor x pipeline x context = 3 x 1 x 1 = 3 does not divide the world size"),
+    "pipeline does not divide the layers": (["parallelism.pipeline=4"], "config.parallelism.pipeline: 4 does not divide model.num_layers = 2"),
+    "batch not divisible by micro x DP": (["trainer.global_batch_size=6"], "config.trainer.global_batch_size: 6 is not a multiple of micro_batch_size x data-parallel size = 2 x 4"),
+    "heads not divisible by TP": (["trainer.devices=3", "parallelism.tensor=3", "trainer.global_batch_size=2"], "config.parallelism.tensor: 3 does not divide the attention heads"),
+    "bf16 on cpu": (["trainer.precision=bf16-mixed"], "config.trainer.precision: 'bf16-mixed' on accelerator cpu"),
+    "override without =": (["trainer.max_steps"], "expected key.path=value"),
+    "override into a value": (["trainer.max_steps.x=1"], "trainer.max_steps is not a section"),
+    "unknown preset": (["model.preset=gpt5"], "config.model.preset: 'gpt5' is not allowed"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_config_gives_one_clear_line(case: str) -> None:
+    overrides, expected = BAD[case]
+    with pytest.raises(ConfigError) as e:
+        load_job(REPO / "configs/gpt_tiny_cpu.yaml", overrides)
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_command_prints_one_error_line_and_exits_2_before_starting_anything(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "launch", str(REPO / "configs/gpt_tiny_cpu.yaml"),
+                           "parallelism.tensor=3", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].startswith("neighbor-ckpt: error: config.parallelism:"), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_job(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_job(bad)
+    bad.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_job(bad)
+
+
+def test_defaults_alone_are_a_valid_job() -> None:
+    assert JobSpec().world_size == 8
+
+
+def test_slurm_script_runs_one_torchrun_per_node_with_c10d_rendezvous(tmp_path: Path) -> None:
+    from neighbor_ckpt import runner
+
+    plan = runner.plan_launch(REPO / "configs/llama3_70b.yaml", ["launch.slurm_partition=batch"],
+                              run_dir=tmp_path / "run")
+    script = runner.slurm_script(plan)
+    assert "#SBATCH --nodes=16" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --partition=batch" in script
+    assert "--nnodes=16 --nproc-per-node=8 --max-restarts=10" in script
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:29500"' in script
+    assert f"--rdzv-id={plan.run_id}" in script and plan.run_id == plan.job.neighbor_ckpt.job_id
+    assert str(tmp_path / "run" / "config.yaml") in script
+    proc = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_each_launch_gets_its_own_job_id_unless_the_file_sets_one(tmp_path: Path) -> None:
+    from neighbor_ckpt import runner
+
+    plan = runner.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", run_dir=tmp_path)
+    assert plan.run_id.startswith("gpt_tiny_cpu-")
+    plan = runner.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", ["neighbor_ckpt.job_id=fixed"], run_dir=tmp_path)
+    assert plan.run_id == "fixed"
+    cmd = runner.torchrun_command(plan)
+    assert "--rdzv-id=fixed" in cmd and "--nproc-per-node=4" in cmd and "--max-restarts=2" in cmd
+    runner.write_run_dir(plan)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["neighbor_ckpt"]["job_id"] == "fixed"
+
+
+def test_plan_of_llama3_70b_matches_a_hand_computation() -> None:
+    """configs/llama3_70b.yaml: 80 layers, hidden 8192, FFN 28672 (SwiGLU), 64 heads, 8 KV groups, head dim 128,
+    vocab 128256, untied; TP 4, PP 4, CP 2 on 16 x 8 GPUs -> DP 4; distributed optimizer over DP x CP = 8."""
+    h, f, v, tp = 8192, 28672, 128256, 4
+    per_layer = (h * (64 + 2 * 8) * 128 + h * h + h * 2 * f + f * h) // tp + 2 * h  # norms replicated over TP
+    middle = 20 * per_layer
+    first = middle + v * h // tp
+    last = middle + h + v * h // tp
+    proc = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs/llama3_70b.yaml"),
+                           "--json"], capture_output=True, text=True, cwd=REPO, check=True)
+    import json
+
+    plan = json.loads(proc.stdout)
+    rows = {c["kind"]: c for c in plan["classes"]}
+    assert plan["world_size"] == 128 and plan["parallel"]["dp"] == 4
+    for kind, params in (("first", first), ("middle", middle), ("last", last)):
+        row = rows[kind]
+        assert row["params_per_rank"] == params
+        assert row["unique_payload_bytes"] == 12 * params // (4 * 2)  # fp32 main + exp_avg + exp_avg_sq / (DP x CP)
+        assert row["host_memory_bytes"] == 4 * row["unique_bytes"]  # 2 own + 2 replica versions
+        assert row["d2h_seconds"] == pytest.approx(row["unique_bytes"] / 50e9)  # H100 PCIe preset
+        assert row["network_seconds"] == pytest.approx(row["unique_bytes"] * 8 / 400e9)  # 400 Gb/s per GPU
+        tokens = 1 * (512 // (1 * 4)) * 8192 // 2  # micro x grad-accum x seq / CP
+        assert row["compute_seconds"] == pytest.approx(6 * params * tokens / (989e12 * 0.4))
+        assert row["hides"] is True
+    assert sum(rows[k]["ranks"] for k in rows) == 128
+    text = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs/llama3_70b.yaml")],
+                          capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert "first" in text and "middle" in text and "last" in text and "FCR" in text
+
+
+def test_plan_warns_when_the_store_does_not_fit_in_host_memory() -> None:
+    proc = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs/llama3_70b.yaml"),
+                           "hardware.shm_gb=64"], capture_output=True, text=True, cwd=REPO, check=True)
+    assert "WARNING" in proc.stdout and "shm" in proc.stdout.lower(), proc.stdout
