@@ -1,0 +1,547 @@
+"""Plan a job before launching it: per-rank snapshot sizes, host memory, and whether the snapshot hides.
+
+Pure and framework-agnostic (stdlib + math). Inputs are a :class:`ModelShape` (a megatron-core GPTModel),
+a :class:`Parallelism` and a :class:`Hardware`; :func:`plan_job` returns a frozen :class:`JobPlan` with one
+:class:`RankClassPlan` per kind of pipeline stage (ranks of one stage kind hold the same amount of state).
+
+What is modelled (reconstructed from FFTrainer §2 "Communication and computation overlap" and §4.2; the
+paper's formulas did not survive text extraction):
+
+* compute per iteration: "the number of floating-point operations on each parameter" is 2 per token
+  forward and 4 backward, so ``compute_s = 6 * params_per_rank * tokens_per_rank / (peak_flops * mfu)``
+  with ``tokens_per_rank = micro_batch * grad_accum * seq_length / cp``. This ignores attention-score
+  FLOPs (undercount, grows with ``seq_length``) and counts embedding lookups as matmuls (overcount on the
+  first stage); both are second order next to the mfu guess.
+* unique state per iteration (FFTrainer §4.2 "12 Phi / D for the Adam optimizer"): with the distributed
+  optimizer, fp32 main params + exp_avg + exp_avg_sq of this rank's shard,
+  ``12 * ceil(params_per_rank / (dp * cp))`` bytes. megatron-core shards the distributed optimizer over the
+  data-parallel-*with-context-parallel* group, so the shard factor is ``dp * cp`` (CP does not shard the
+  parameters themselves); the neighbor ring runs over the same group.
+* FFTrainer eq. 1-2: the snapshot hides inside one iteration when its transfer time does not exceed the
+  compute time. We define ``fcr = compute_s / max(d2h_s, network_s)``; ``fcr >= 1`` means it hides. This
+  matches the paper's prose: higher GPU FLOPS lower FCR, longer sequences and larger batches raise it,
+  faster NICs raise it (``fcr = b * s * dp * cp * BW / (2 * F)`` for Adam when the network is the
+  bottleneck: the parameter count cancels).
+
+Failure/goodput arithmetic (FlashRecovery eq. 1-4, FFTrainer eq. 3-5, Table 2) is in
+:mod:`neighbor_ckpt.planner_sim` and re-exported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.planner_sim import (LossBreakdown, cluster_mtbf, goodput_loss, loss_breakdown, mfu_loss,
+                                       min_goodput_loss, monte_carlo_p_unrecoverable, node_failure_probability,
+                                       optimal_interval, p_cluster_failure, p_k_node_failures, p_recovery,
+                                       p_unrecoverable, ring_nodes_for)
+
+__all__ = [
+    "ModelShape", "Hardware", "Parallelism", "RankClassPlan", "JobPlan", "plan_job", "PRESETS", "HARDWARE",
+    "OPTIMIZER_STATE_BYTES", "EXTRAS_BYTES",
+    # re-exported from planner_sim
+    "LossBreakdown", "cluster_mtbf", "loss_breakdown", "goodput_loss", "mfu_loss", "optimal_interval",
+    "min_goodput_loss", "p_cluster_failure", "node_failure_probability", "p_k_node_failures", "ring_nodes_for",
+    "p_unrecoverable", "monte_carlo_p_unrecoverable", "p_recovery",
+]
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_STATE_BYTES: dict[str, int] = {"adam": 8, "sgd": 4}
+"""fp32 optimizer state per parameter, besides the master copy: Adam's exp_avg + exp_avg_sq, SGD's momentum."""
+
+EXTRAS_BYTES = 1 << 20
+"""Allowance per snapshot for small per-rank state (RNG states, counters, scheduler, data position, headers)."""
+
+
+def _int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _num(owner: str, name: str, value: Any, *, upper: float | None = None) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    if not ok or (upper is not None and value > upper):
+        bound = f" and <= {upper}" if upper is not None else ""
+        raise ConfigError(f"{owner}.{name} must be a positive number{bound}, got {value!r}")
+
+
+# -- model -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """The shape of a megatron-core GPTModel, enough to count its parameters exactly."""
+
+    num_layers: int
+    """Transformer layers."""
+
+    hidden_size: int
+    """Hidden size ``h``."""
+
+    ffn_hidden_size: int
+    """MLP hidden size (per branch; SwiGLU's fc1 has twice as many outputs)."""
+
+    num_attention_heads: int
+    """Query heads. The head dimension is ``hidden_size / num_attention_heads``."""
+
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); None: as many as query heads (multi-head attention)."""
+
+    vocab_size: int
+    """Vocabulary size *after* Megatron's padding (divisible by the tensor-parallel size)."""
+
+    seq_length: int
+    """Sequence length in tokens (also the size of learned absolute position embeddings)."""
+
+    gated_linear_unit: bool = False
+    """SwiGLU-style MLP: fc1 produces ``2 * ffn_hidden_size`` outputs."""
+
+    add_bias_linear: bool = True
+    """Biases on QKV, proj, fc1 and fc2 (GPT: True, Llama: False)."""
+
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """``LayerNorm`` has a weight and a bias per norm, ``RMSNorm`` only a weight."""
+
+    share_embeddings_and_output_weights: bool = True
+    """Tied input embedding and output layer. With pipeline parallelism the last stage still holds its own
+    copy of the word embedding (megatron-core keeps it in sync with an all-reduce)."""
+
+    position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """``learned_absolute`` adds a ``seq_length x hidden_size`` table (replicated across TP); ``rope`` none."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+                     "seq_length"):
+            _int("ModelShape", name, getattr(self, name))
+        if self.num_query_groups is not None:
+            _int("ModelShape", "num_query_groups", self.num_query_groups)
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"ModelShape.hidden_size={self.hidden_size} is not divisible by "
+                              f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.query_groups:
+            raise ConfigError(f"ModelShape.num_attention_heads={self.num_attention_heads} is not divisible by "
+                              f"num_query_groups={self.num_query_groups}")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"ModelShape.normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
+        if self.position_embedding not in ("learned_absolute", "rope"):
+            raise ConfigError("ModelShape.position_embedding must be 'learned_absolute' or 'rope', "
+                              f"got {self.position_embedding!r}")
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads actually used."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def _check_tp(self, tp: int) -> None:
+        _int("Parallelism", "tp", tp)
+        for name, value in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.query_groups),
+                            ("ffn_hidden_size", self.ffn_hidden_size), ("vocab_size", self.vocab_size)):
+            if value % tp:
+                raise ConfigError(f"tensor parallelism tp={tp} does not divide ModelShape.{name}={value}")
+
+    def _layer(self, tp: int) -> tuple[int, int]:
+        """(params split over TP held by one TP rank, params replicated on every TP rank) of one layer."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        qkv_out = (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+        fc1_out = 2 * f if self.gated_linear_unit else f
+        split = qkv_out * h + h * self.num_attention_heads * self.head_dim + fc1_out * h + h * f
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        replicated = 2 * norm  # input_layernorm, pre_mlp_layernorm
+        if self.add_bias_linear:
+            split += qkv_out + fc1_out  # column-parallel biases are split
+            replicated += 2 * h  # row-parallel biases (proj, fc2) are not
+        return split // tp, replicated
+
+    def params_per_stage(self, tp: int = 1, pp: int = 1) -> list[int]:
+        """Parameters held by ONE tensor-parallel rank of each pipeline stage (megatron-core GPTModel).
+
+        The first stage holds the word embedding (vocab-parallel) and learned position embeddings
+        (replicated); the last stage the final norm and the output layer (column-parallel, no bias), which
+        is absent when embeddings are shared and ``pp == 1`` but is a full copy of the word embedding on the
+        last stage when they are shared and ``pp > 1``. Layers are split evenly over the stages.
+        """
+        self._check_tp(tp)
+        _int("Parallelism", "pp", pp)
+        if self.num_layers % pp:
+            raise ConfigError(f"pipeline parallelism pp={pp} does not divide ModelShape.num_layers={self.num_layers}")
+        h = self.hidden_size
+        split, replicated = self._layer(tp)
+        per_layer = split + replicated
+        stages = [self.num_layers // pp * per_layer for _ in range(pp)]
+        stages[0] += self.vocab_size * h // tp
+        if self.position_embedding == "learned_absolute":
+            stages[0] += self.seq_length * h
+        stages[-1] += 2 * h if self.normalization == "LayerNorm" else h
+        if not (self.share_embeddings_and_output_weights and pp == 1):
+            stages[-1] += self.vocab_size * h // tp
+        return stages
+
+    def total_params(self) -> int:
+        """Parameters of the whole model (``tp = pp = 1``; tied embeddings counted once)."""
+        return self.params_per_stage(1, 1)[0]
+
+
+PRESETS: dict[str, ModelShape] = {
+    "gpt_tiny": ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=128,
+                           seq_length=64),
+    "llama_tiny": ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+                             num_query_groups=2, vocab_size=128, seq_length=64, gated_linear_unit=True,
+                             add_bias_linear=False, normalization="RMSNorm",
+                             share_embeddings_and_output_weights=False, position_embedding="rope"),
+    "llama3_8b": ModelShape(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                            num_query_groups=8, vocab_size=128256, seq_length=8192, gated_linear_unit=True,
+                            add_bias_linear=False, normalization="RMSNorm",
+                            share_embeddings_and_output_weights=False, position_embedding="rope"),
+    "llama3_70b": ModelShape(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                             num_query_groups=8, vocab_size=128256, seq_length=8192, gated_linear_unit=True,
+                             add_bias_linear=False, normalization="RMSNorm",
+                             share_embeddings_and_output_weights=False, position_embedding="rope"),
+    "gpt3_175b": ModelShape(num_layers=96, hidden_size=12288, ffn_hidden_size=49152, num_attention_heads=96,
+                            vocab_size=51200, seq_length=2048),
+}
+"""Model shapes by name (the ``model.preset`` of a job file). GPT: LayerNorm, biases, learned positions,
+tied embeddings; Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings."""
+
+
+# -- hardware ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """One kind of machine. Sizes and bandwidths are decimal (GB = 1e9 bytes, Gb = 1e9 bits)."""
+
+    name: str
+    """Display name."""
+
+    gpu_tflops: float
+    """Dense bf16 peak per GPU, TFLOPS."""
+
+    mfu: float = 0.4
+    """Model FLOPS utilisation expected of the training step (fraction of the peak)."""
+
+    pcie_gbytes_per_s: float
+    """Effective device-to-host copy bandwidth per GPU, GB/s."""
+
+    nic_gbits_per_s: float
+    """Network bandwidth per GPU towards the ring successor, Gb/s."""
+
+    host_memory_gb: float
+    """Host memory per node, GB."""
+
+    shm_gb: float
+    """Size of ``/dev/shm`` per node, GB (the host store lives there)."""
+
+    gpus_per_node: int = 8
+    """GPUs (training processes) per node."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_tflops", "pcie_gbytes_per_s", "nic_gbits_per_s", "host_memory_gb", "shm_gb"):
+            _num("Hardware", name, getattr(self, name))
+        _num("Hardware", "mfu", self.mfu, upper=1.0)
+        _int("Hardware", "gpus_per_node", self.gpus_per_node)
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(name="h100", gpu_tflops=989.0, pcie_gbytes_per_s=50.0, nic_gbits_per_s=400.0,
+                     host_memory_gb=2048.0, shm_gb=1024.0, gpus_per_node=8),
+    "a100": Hardware(name="a100", gpu_tflops=312.0, pcie_gbytes_per_s=25.0, nic_gbits_per_s=200.0,
+                     host_memory_gb=1024.0, shm_gb=512.0, gpus_per_node=8),
+    # Order-of-magnitude figures for the small CPU test machines (2 cores, ~24 GB RAM): torch matmul on a
+    # couple of cores, memcpy into /dev/shm, gloo over loopback TCP.
+    "cpu": Hardware(name="cpu", gpu_tflops=0.1, mfu=0.2, pcie_gbytes_per_s=5.0, nic_gbits_per_s=10.0,
+                    host_memory_gb=16.0, shm_gb=8.0, gpus_per_node=2),
+}
+"""Hardware presets by name (the ``hardware.gpu`` of a job file): H100 SXM (PCIe Gen5, one 400 Gb/s NIC per
+GPU), A100 SXM (PCIe Gen4, 200 Gb/s), and the CPU test machines."""
+
+
+# -- parallelism -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Parallelism:
+    """How the model and the batch are split over ranks (megatron-core's TP x CP x DP x PP)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size (layers split evenly)."""
+
+    cp: int = 1
+    """Context-parallel size (splits the sequence; does not shard parameters)."""
+
+    dp: int = 1
+    """Data-parallel size (without CP)."""
+
+    distributed_optimizer: bool = True
+    """megatron-core's distributed optimizer: optimizer state and fp32 main params sharded over DP x CP."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch per DP rank."""
+
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all DP ranks; None: ``micro_batch_size * dp`` (no accumulation)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "dp", "micro_batch_size"):
+            _int("Parallelism", name, getattr(self, name))
+        if self.global_batch_size is not None:
+            _int("Parallelism", "global_batch_size", self.global_batch_size)
+            if self.global_batch_size % (self.micro_batch_size * self.dp):
+                raise ConfigError(f"Parallelism.global_batch_size={self.global_batch_size} is not divisible by "
+                                  f"micro_batch_size * dp = {self.micro_batch_size} * {self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step: ``global / (micro * dp)``."""
+        if self.global_batch_size is None:
+            return 1
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def shard_factor(self) -> int:
+        """Ranks that share one copy of the parameters' optimizer state: DP x CP (the neighbor ring too)."""
+        return self.dp * self.cp
+
+
+# -- plan --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankClassPlan:
+    """What one rank of a kind of pipeline stage snapshots, holds and spends per iteration."""
+
+    kind: Literal["first", "middle", "last", "all"]
+    """Pipeline stage kind; ``all`` when ``pp == 1``."""
+
+    stages: int
+    """Pipeline stages of this kind."""
+
+    ranks: int
+    """Ranks of this kind: ``stages * tp * cp * dp``."""
+
+    params_per_rank: int
+    """Parameters held by one rank (one TP rank of the stage; CP and DP replicate them)."""
+
+    unique_payload_bytes: int
+    """Unique tensor bytes snapshotted per iteration. Distributed optimizer: ``12 * ceil(params / (dp*cp))``
+    for Adam (fp32 main param + exp_avg + exp_avg_sq). Replicated optimizer: 0 when DP x CP > 1 (all of it is
+    redundant), otherwise everything (weights + master + state)."""
+
+    extras_bytes: int
+    """Allowance for the small per-rank state carried in every snapshot (RNG, counters, data position)."""
+
+    lazy_backup_bytes: int
+    """Replicated optimizer only: redundant state written at failure time by one live holder per DP group
+    (weights in param dtype + fp32 master + optimizer state). Any rank may be the holder, so every rank
+    reserves room."""
+
+    host_memory_bytes: int
+    """Host (shared) memory one rank needs: ``versions`` own slots + ``versions`` replica slots of
+    ``unique_bytes`` each, plus the lazy-backup room."""
+
+    d2h_seconds: float
+    """``unique_bytes / pcie``: device-to-host copy time of one snapshot."""
+
+    network_seconds: float
+    """``unique_bytes / nic``: streaming time of one snapshot to the ring successor."""
+
+    compute_seconds: float
+    """``6 * params_per_rank * tokens_per_rank / (peak * mfu)``: one iteration's compute."""
+
+    @property
+    def unique_bytes(self) -> int:
+        """Bytes per snapshot: payload + extras."""
+        return self.unique_payload_bytes + self.extras_bytes
+
+    @property
+    def fcr(self) -> float:
+        """Free checkpointing ratio: ``compute / max(d2h, network)``; ``inf`` when nothing is transferred."""
+        transfer = max(self.d2h_seconds, self.network_seconds)
+        return self.compute_seconds / transfer if transfer > 0 else math.inf
+
+    @property
+    def hides(self) -> bool:
+        """The snapshot (copy and stream) fits in one iteration's compute: ``fcr >= 1``."""
+        return self.fcr >= 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-safe: an infinite ``fcr`` becomes None)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(unique_bytes=self.unique_bytes, fcr=None if math.isinf(self.fcr) else self.fcr, hides=self.hides)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobPlan:
+    """The plan of a whole job: one :class:`RankClassPlan` per stage kind, and what to worry about."""
+
+    model: ModelShape
+    """The model planned."""
+
+    parallel: Parallelism
+    """Its parallel layout."""
+
+    hardware: Hardware
+    """The machines."""
+
+    versions: int
+    """Snapshot versions kept per rank (own and replica alike)."""
+
+    classes: tuple[RankClassPlan, ...]
+    """One entry per pipeline stage kind, first to last."""
+
+    warnings: tuple[str, ...]
+    """Human-readable problems (host memory over /dev/shm or RAM, snapshot not hidden by compute)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.world_size / self.hardware.gpus_per_node)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.hardware.gpus_per_node, self.world_size)
+
+    def format_table(self) -> str:
+        """A plain-text table, one row per rank class, followed by the warnings."""
+        header = ("class", "stages", "ranks", "params/rank", "unique/iter", "host/rank", "host/node", "D2H s",
+                  "net s", "compute s", "FCR", "hides")
+        rows = [header]
+        for c in self.classes:
+            fcr = "inf" if math.isinf(c.fcr) else f"{c.fcr:.2f}"
+            rows.append((c.kind, str(c.stages), str(c.ranks), _si(c.params_per_rank), _bytes(c.unique_bytes),
+                         _bytes(c.host_memory_bytes), _bytes(c.host_memory_bytes * self.ranks_per_node),
+                         f"{c.d2h_seconds:.3g}", f"{c.network_seconds:.3g}", f"{c.compute_seconds:.3g}", fcr,
+                         "yes" if c.hides else "NO"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        p, hw = self.parallel, self.hardware
+        lines.insert(0, f"world {self.world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp} on {self.nodes} "
+                        f"{hw.name} node(s); {self.versions} versions; distributed optimizer "
+                        f"{'on' if p.distributed_optimizer else 'off'}; grad accum {p.grad_accum}")
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON/YAML."""
+        return {
+            "model": dataclasses.asdict(self.model),
+            "parallel": dataclasses.asdict(self.parallel),
+            "hardware": dataclasses.asdict(self.hardware),
+            "versions": self.versions,
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "classes": [c.to_dict() for c in self.classes],
+            "warnings": list(self.warnings),
+        }
+
+
+def _si(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _bytes(n: float) -> str:
+    return _si(n) + "B"
+
+
+def _stage_kinds(pp: int) -> list[tuple[str, list[int]]]:
+    if pp == 1:
+        return [("all", [0])]
+    kinds = [("first", [0])]
+    if pp > 2:
+        kinds.append(("middle", list(range(1, pp - 1))))
+    return kinds + [("last", [pp - 1])]
+
+
+def plan_job(model: ModelShape, parallel: Parallelism, hw: Hardware, *, versions: int = 2,
+             optimizer: Literal["adam", "sgd"] = "adam", master_dtype_bytes: int = 4, param_dtype_bytes: int = 2,
+             extras_bytes: int = EXTRAS_BYTES) -> JobPlan:
+    """Plan the per-iteration neighbor snapshot of every kind of rank (see the module docstring).
+
+    Args:
+        model, parallel, hw: what is trained, how it is split, on what.
+        versions: snapshot versions kept per rank (own and replica alike).
+        optimizer: ``adam`` (2 fp32 states per parameter) or ``sgd`` (momentum: 1).
+        master_dtype_bytes: bytes of the optimizer's master copy of a parameter (fp32: 4).
+        param_dtype_bytes: bytes of a model weight as trained (bf16: 2); lazy backups only.
+        extras_bytes: allowance per snapshot for small per-rank state.
+    """
+    _int("plan_job", "versions", versions)
+    _int("plan_job", "master_dtype_bytes", master_dtype_bytes)
+    _int("plan_job", "param_dtype_bytes", param_dtype_bytes)
+    _int("plan_job", "extras_bytes", extras_bytes, minimum=0)
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ConfigError(f"plan_job.optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    p = parallel
+    if p.cp > 1 and model.seq_length % (2 * p.cp):
+        raise ConfigError(f"context parallelism cp={p.cp} needs ModelShape.seq_length={model.seq_length} "
+                          f"divisible by 2 * cp")
+    per_stage = model.params_per_stage(p.tp, p.pp)
+    optim_bytes = master_dtype_bytes + OPTIMIZER_STATE_BYTES[optimizer]  # 12 for Adam with an fp32 master
+    shard = p.shard_factor
+    tokens = p.micro_batch_size * p.grad_accum * model.seq_length / p.cp
+    flops = hw.gpu_tflops * 1e12 * hw.mfu
+    pcie = hw.pcie_gbytes_per_s * 1e9
+    nic = hw.nic_gbits_per_s * 1e9 / 8
+
+    classes = []
+    for kind, stages in _stage_kinds(p.pp):
+        params = max(per_stage[s] for s in stages)  # middle stages are identical
+        if p.distributed_optimizer:
+            payload, lazy = optim_bytes * -(-params // shard), 0
+        elif shard == 1:  # nothing redundant: weights, master and state are all unique
+            payload, lazy = (param_dtype_bytes + optim_bytes) * params, 0
+        else:
+            payload, lazy = 0, (param_dtype_bytes + optim_bytes) * params
+        unique = payload + extras_bytes
+        classes.append(RankClassPlan(
+            kind=kind, stages=len(stages), ranks=len(stages) * p.tp * p.cp * p.dp, params_per_rank=params,
+            unique_payload_bytes=payload, extras_bytes=extras_bytes, lazy_backup_bytes=lazy,
+            host_memory_bytes=2 * versions * unique + lazy, d2h_seconds=unique / pcie, network_seconds=unique / nic,
+            compute_seconds=6 * params * tokens / flops))
+
+    plan_warnings = []
+    ranks_per_node = min(hw.gpus_per_node, p.world_size)
+    for c in classes:
+        per_node = c.host_memory_bytes * ranks_per_node
+        if per_node > hw.host_memory_gb * 1e9:
+            plan_warnings.append(f"{c.kind} stage: host store needs {_bytes(per_node)} per node "
+                                 f"({ranks_per_node} ranks x {_bytes(c.host_memory_bytes)}), more than the node's "
+                                 f"{hw.host_memory_gb:g} GB of memory")
+        elif per_node > hw.shm_gb * 1e9:
+            plan_warnings.append(f"{c.kind} stage: host store needs {_bytes(per_node)} per node, more than "
+                                 f"/dev/shm ({hw.shm_gb:g} GB): enlarge /dev/shm or keep fewer versions")
+        if not c.hides:
+            bottleneck = "device-to-host copy" if c.d2h_seconds >= c.network_seconds else "network"
+            plan_warnings.append(f"{c.kind} stage: FCR {c.fcr:.2f} < 1, the snapshot ({_bytes(c.unique_bytes)}) "
+                                 f"takes longer than one iteration's compute ({c.compute_seconds:.3g} s; bottleneck: "
+                                 f"{bottleneck}); more DP, larger batches or longer sequences raise FCR")
+    plan = JobPlan(model=model, parallel=parallel, hardware=hw, versions=versions, classes=tuple(classes),
+                   warnings=tuple(plan_warnings))
+    for w in plan.warnings:
+        log.debug("plan: %s", w)
+    return plan
