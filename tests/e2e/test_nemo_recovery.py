@@ -27,7 +27,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# DP4 with the distributed optimizer runs through the user's commands in tests/e2e/test_recipes.py (the demo).
+@pytest.mark.parametrize("case", [c for c in CASES if c != "distopt-dp4"])
 def test_nemo_kill_at_step_5_with_replaced_store_is_bit_exact(case: str, tmp_path: Path) -> None:
     env = dict(CASES[case], STEPS=STEPS)
     base = run_torchrun("train_nemo.py", tmp_path / "base", **env)

@@ -21,10 +21,11 @@ FAULT = ["neighbor_ckpt.fault_injection.enabled=true", "neighbor_ckpt.fault_inje
          "neighbor_ckpt.fault_injection.step=5"]
 
 
-def _assert_rank1_restored_from_its_successor(res: RunResult) -> None:
-    assert recomputed_steps(res) <= {5}
+def _assert_rank1_restored_from_its_successor(res: RunResult, *, iterations: tuple[int, ...] = (5,)) -> None:
+    """Restored from the successor's replica, recomputing nothing before the newest iteration it could hold."""
     rep = res.report(1, 1)
-    assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 5, "replica"), rep
+    assert (rep["outcome"], rep["source"]) == ("restored", "replica") and rep["iteration"] in iterations, rep
+    assert recomputed_steps(res) <= set(range(rep["iteration"], 6))
     assert rep["lazy_bytes"] == 0, "weights are regenerated from the fp32 shards, never backed up"
 
 
@@ -52,6 +53,8 @@ def test_tiny_llama_recipe_tp2_killed_in_backward_recovers_bit_exactly(tmp_path:
     assert res.returncode == 0, res.log[-6000:]
     assert "exitcode: -9" in res.log and "in the backward phase of step 5" in res.log
     assert_same_training(base, res)
-    _assert_rank1_restored_from_its_successor(res)
+    # Killed at its first gradient, before the wait point of step 5: its snapshot of iteration 5 (steps 0..4 done)
+    # may not have reached its successor yet, and then iteration 4 is the newest one every rank can restore.
+    _assert_rank1_restored_from_its_successor(res, iterations=(4, 5))
     resolved = (tmp_path / "fault" / "run" / "config.yaml").read_text()
     assert "preset: llama_tiny" in resolved
