@@ -16,6 +16,11 @@ Example (Megatron-LM / Megatron-Bridge style loop)::
 On a failure, call :meth:`NeighborCheckpointer.on_failure` (the Lightning callback does it for you): the
 redundant state is written to the host store by the surviving ranks, then the process exits and the
 launcher restarts it; :meth:`recover` on the next attempt restores everything.
+
+Reporting (rank 0, see :mod:`neighbor_ckpt.report`): a status line every ``report.status_every_n_steps``
+snapshots (None: 50), :meth:`NeighborCheckpointer.stats` at any time, and after every recovery the timeline
+(:attr:`NeighborCheckpointer.last_timeline`), written to ``report.dir`` or, for a plain loop,
+``<store root>/<user>/reports/<job_id>/`` (next to the host store, on the node of rank 0).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -39,11 +45,16 @@ import torch.distributed as dist
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.engine import SnapshotEngine, write_lazy_backup
-from neighbor_ckpt.errors import NoRecoverableStateError, TopologyError
+from neighbor_ckpt.errors import HostMemoryError, NoRecoverableStateError, TopologyError
+from neighbor_ckpt.preflight import check_host_memory, store_bytes_per_rank
 from neighbor_ckpt.razor import ShardPlan, StateKind, plan_shards
-from neighbor_ckpt.recovery import RecoveryReport, run_recovery
+from neighbor_ckpt.recovery import RecoveryReport, Restored, run_recovery
+from neighbor_ckpt.report import Reporter, SnapshotStats, replica_lag, resolve_status_interval
 from neighbor_ckpt.rng import capture_rng, restore_rng
 from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
+from neighbor_ckpt.timeline import (EVENTS_FILE, RankEvents, RecoveryTimeline, gather_rank_events,
+                                    newest_commit_unix, process_start_unix, record_failure_event,
+                                    take_failure_event)
 from neighbor_ckpt.topology import Topology, discover_topology
 from neighbor_ckpt.transport import GlooRingTransport, TrafficGate
 
@@ -112,6 +123,7 @@ class NeighborCheckpointer:
         self.config = config or NeighborCkptConfig()
         if not dist.is_available() or not dist.is_initialized():
             raise TopologyError("NeighborCheckpointer needs torch.distributed to be initialized first")
+        group_ready = time.time()  # the default process group exists: a marker of the recovery timeline
         self.adapter = adapter
         self.dp_group = dp_group
         self.insurance = insurance
@@ -130,6 +142,17 @@ class NeighborCheckpointer:
         self.phase = Phase.IDLE
         self.last_iteration: int | None = None
         self.last_report: RecoveryReport | None = None
+        self.last_timeline: RecoveryTimeline | None = None
+        """Timeline of the last recovery (rank 0, once the first step after it ended; None elsewhere)."""
+        self.reporter = Reporter(
+            self.config.report, rank_zero=self.topology.rank == 0, attempt=_restart_count(),
+            every_n_steps=resolve_status_interval(self.config.report.status_every_n_steps, None),
+            report_dir=Path(self.config.report.dir) if self.config.report.dir
+            else self.store.job_dir.parent / "reports" / self.store.job_id,
+            process_group_ready=group_ready)
+        """Status line, metrics and recovery timeline; the Lightning callback attaches the trainer's."""
+        self._first_snapshot: int | None = None
+        self._failure_noticed: float | None = None
         self._closed = False
         self._backed_up = False
         self._prev_sigterm: Any = None
@@ -158,29 +181,60 @@ class NeighborCheckpointer:
 
     def recover(self) -> RecoveryResult:
         """Collective: restore the latest version every rank can restore, or fall back to insurance."""
-        t0 = time.perf_counter()
-        report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group,
-                                        layout=self.layout(), chunk_bytes=int(self.config.transport.chunk_mb * 2**20))
-        self.last_report = report
-        if restored is not None:
-            t1 = time.perf_counter()
-            extras = restored.extras
-            self.adapter.load(restored.tensors, extras["adapter"])
-            self.adapter.regenerate(self.dp_group)
-            if self.capture_rng_state and "rng" in extras:
-                restore_rng(extras["rng"])
-            report.phases["restore"] = time.perf_counter() - t1
-            report.phases["total"] = time.perf_counter() - t0
-            self.last_iteration = restored.iteration
-            self._drop_newer(restored.iteration)
-            logger.info("rank %d: neighbor_ckpt %s", self.topology.rank, report.summary())
-            return RecoveryResult(report, restored.iteration, extras.get("user"))
-        if report.outcome == "insurance":
-            return self._fall_back(report)
-        self._drop_newer(None)
+        started, t0 = time.time(), time.perf_counter()
+        last_commit = newest_commit_unix(self.store)
+        noticed = take_failure_event(self._events_path(), not_after=started)
+        with self.reporter.progress() as progress:
+            report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group,
+                                            layout=self.layout(),
+                                            chunk_bytes=int(self.config.transport.chunk_mb * 2**20),
+                                            on_phase=progress.phase)
+            self.last_report = report
+            if restored is not None:
+                progress.phase("restore")
+                result = self._restore(report, restored, t0)
+            elif report.outcome == "insurance":
+                progress.phase("insurance")
+                result = self._fall_back(report)
+            else:
+                self._drop_newer(None)
+                report.phases["total"] = time.perf_counter() - t0
+                logger.info("rank %d: neighbor_ckpt: fresh start (%s)", self.topology.rank, report.reason)
+                return RecoveryResult(report, None)
+        if self.reporter.wants_recovery_events:
+            # Same outcome on every rank (the decision is collective), so every rank takes part.
+            self._gather_recovery_events(report, started=started, last_commit=last_commit, noticed=noticed)
+        return result
+
+    def _restore(self, report: RecoveryReport, restored: Restored, t0: float) -> RecoveryResult:
+        t1 = time.perf_counter()
+        extras = restored.extras
+        self.adapter.load(restored.tensors, extras["adapter"])
+        self.adapter.regenerate(self.dp_group)
+        if self.capture_rng_state and "rng" in extras:
+            restore_rng(extras["rng"])
+        report.phases["restore"] = time.perf_counter() - t1
         report.phases["total"] = time.perf_counter() - t0
-        logger.info("rank %d: neighbor_ckpt: fresh start (%s)", self.topology.rank, report.reason)
-        return RecoveryResult(report, None)
+        self.last_iteration = restored.iteration
+        self._drop_newer(restored.iteration)
+        logger.info("rank %d: neighbor_ckpt %s", self.topology.rank, report.summary())
+        return RecoveryResult(report, restored.iteration, extras.get("user"))
+
+    def _gather_recovery_events(self, report: RecoveryReport, *, started: float, last_commit: float | None,
+                                noticed: float | None) -> None:
+        """Collective: every rank's wall-clock events of this recovery to rank 0 (one small all-gather)."""
+        ph = report.phases
+        reconcile_end = started + ph.get("inventory", 0.0) + ph.get("exchange", 0.0)
+        mine = RankEvents(last_snapshot=last_commit, failure_noticed=noticed, process_start=process_start_unix(),
+                          process_group_ready=self.reporter.process_group_ready, recovery_start=started,
+                          reconcile_end=reconcile_end, transfer_end=reconcile_end + ph.get("transfer", 0.0),
+                          restore_end=time.time())
+        per_rank = gather_rank_events(mine, self.group)
+        self.reporter.begin_timeline(per_rank, outcome=report.outcome, iteration=report.iteration,
+                                     recovery_phases=ph)
+
+    def _events_path(self) -> Path:
+        return self.store.dir / EVENTS_FILE
 
     def _fall_back(self, report: RecoveryReport) -> RecoveryResult:
         if self.insurance is None:
@@ -214,6 +268,7 @@ class NeighborCheckpointer:
                                 distributed_optimizer=self.adapter.distributed_optimizer)
         live = {m.name: t for m, t in tensors}
         self._lazy_sources = [live[p.meta.name] for p in self.plan.lazy]
+        self._preflight_host_memory()
         if self.config.transport.enabled and self.topology.dp_size > 1:
             self.transport = GlooRingTransport(self.topology, self.store, self.group,
                                                chunk_bytes=int(self.config.transport.chunk_mb * 2**20),
@@ -232,6 +287,23 @@ class NeighborCheckpointer:
         logger.info("rank %d: neighbor_ckpt plan: %d unique tensors (%d bytes), %d regenerable, %d lazy (%d bytes)",
                     self.topology.rank, len(self.plan.unique), self.plan.unique_bytes, len(self.plan.regenerable),
                     len(self.plan.lazy), self.plan.lazy_bytes)
+
+    def _preflight_host_memory(self) -> None:
+        """Collective: every rank raises :class:`HostMemoryError` before allocating a slot if the store does not fit
+        on any rank's node (a rank that failed alone would leave the others hanging in the next collective)."""
+        assert self.plan is not None  # noqa: S101
+        ecap = self.config.store.extras_capacity_mb
+        chk = check_host_memory(self.store.root, self.store.job_dir, need_per_rank=store_bytes_per_rank(
+            unique_bytes=self.plan.unique_bytes, lazy_bytes=self.plan.lazy_bytes if self.plan.has_lazy else 0,
+            versions=self.store.versions, extras_bytes=None if ecap is None else int(ecap * 2**20)))
+        failed = torch.tensor([0 if chk.ok else 1], dtype=torch.int64)
+        dist.all_reduce(failed, group=self.group)
+        if not chk.ok:
+            raise HostMemoryError(f"rank {self.topology.rank}: {chk.message()}")
+        if int(failed.item()):
+            raise HostMemoryError(f"rank {self.topology.rank}: the host store does not fit on the node of "
+                                  f"{int(failed.item())} other rank(s); their error gives the numbers")
+        logger.debug("rank %d: host-memory preflight: %s", self.topology.rank, chk)
 
     def wait(self) -> None:
         """The wait point: call before this step's gradient collectives (``snapshot`` calls it too)."""
@@ -255,12 +327,20 @@ class NeighborCheckpointer:
         self.end_optimizer_step()
 
     def snapshot(self, iteration: int, user_state: Any = None) -> None:
-        """Snapshot the state after optimizer step ``iteration``. Returns at once; the copy runs behind."""
+        """Snapshot the state after optimizer step ``iteration``. Returns at once; the copy runs behind.
+
+        On rank 0 this is also where the status line is due (every ``report.status_every_n_steps``
+        iterations, about the previous, completed snapshot) and where the first step after a recovery ends
+        (the recovery timeline is written then)."""
         if not self.config.enabled:
             return
+        step_end = time.time() if self.reporter.timeline_pending else None
         if self.engine is None:
             self._start()
+            self._first_snapshot = iteration
         assert self.engine is not None  # noqa: S101
+        if self.reporter.status_due(iteration):
+            self.reporter.emit_status(iteration, self.stats())
         extras: dict[str, Any] = {"adapter": self.adapter.capture_extras(), "user": user_state}
         if self.capture_rng_state:
             extras["rng"] = capture_rng()
@@ -272,6 +352,28 @@ class NeighborCheckpointer:
             self.engine.drain()
         self.last_iteration = iteration
         self.phase = Phase.IDLE
+        if step_end is not None:
+            self.last_timeline = self.reporter.finish_timeline(step_end, step=iteration)
+
+    def stats(self) -> SnapshotStats:
+        """This rank's snapshot figures now: last snapshot and wait times, bytes, replica lag, streaming.
+
+        Cheap (no collective, a few ``stat`` calls for the host store size); meant for the log interval."""
+        eng, tr = self.engine, self.transport
+        if eng is None:
+            return SnapshotStats(iteration=-1, snapshot_s=0.0, wait_s=0.0,
+                                 unique_bytes=self.plan.unique_bytes if self.plan is not None else 0, extras_bytes=0,
+                                 replicated_iteration=None, replica_lag=None, streaming=False, stream_bytes=0,
+                                 stream_seconds=0.0, host_store_bytes=self.store.host_bytes())
+        es = eng.stats
+        replicated = es.replicated_iteration if tr is not None and es.replicated_iteration >= 0 else None
+        return SnapshotStats(
+            iteration=es.iteration, snapshot_s=es.stage_seconds + es.commit_seconds, wait_s=es.wait_seconds,
+            unique_bytes=es.unique_bytes, extras_bytes=es.extras_bytes, replicated_iteration=replicated,
+            replica_lag=None if tr is None else replica_lag(es.iteration, replicated, self._first_snapshot),
+            streaming=tr is not None and tr.healthy, stream_bytes=tr.bytes_sent if tr is not None else 0,
+            stream_seconds=tr.send_seconds if tr is not None else 0.0, host_store_bytes=self.store.host_bytes(),
+            failures=es.failures)
 
     # -- failure ---------------------------------------------------------------------------------------
 
@@ -289,6 +391,11 @@ class NeighborCheckpointer:
 
         Safe to call from an exception handler or a SIGTERM handler on the main thread. Never raises.
         """
+        if self._failure_noticed is None:
+            # The start of the next recovery's timeline; this file survives the restart (the store does).
+            self._failure_noticed = time.time()
+            record_failure_event(self._events_path(), rank=self.topology.rank, attempt=_restart_count(),
+                                 reason=reason, when=self._failure_noticed)
         if self._backed_up:
             return True
         try:
@@ -314,6 +421,8 @@ class NeighborCheckpointer:
         if self._closed:
             return
         self._closed = True
+        if self.reporter.timeline_pending:  # no training step ran after the restore
+            self.last_timeline = self.reporter.finish_timeline(None, step=self.last_iteration)
         if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._prev_sigterm)
         if self.engine is not None:

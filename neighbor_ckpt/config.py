@@ -134,7 +134,8 @@ class ReportConfig:
     restart, rendezvous, reconcile, transfer, restore, first step) and its JSON next to the logs."""
 
     dir: str | None = None
-    """Where reports go. None: ``<trainer.log_dir or default_root_dir>/neighbor_ckpt``."""
+    """Where reports go. None: ``<trainer.log_dir or default_root_dir>/neighbor_ckpt_reports`` (Lightning, NeMo),
+    ``<store.dir>/<user>/reports/<job_id>`` (plain loop, on rank 0's node)."""
 
     progress: Literal["auto", "rich", "none"] = "auto"
     """Progress bars for recovery phases (rank 0). ``auto``: rich bars on a terminal, plain log lines

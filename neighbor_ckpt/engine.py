@@ -259,7 +259,8 @@ class SnapshotEngine:
         hdr = SlotHeader(job_id=self.store.job_id, owner_rank=self.store.rank, layout=self.layout,
                          iteration=job.iteration, role=ROLE_OWN, payload_nbytes=self.plan.unique_bytes,
                          payload_xxh3=psum, extras_json_nbytes=jn, extras_tensors=metas, extras_nbytes=en,
-                         extras_xxh3=esum, meta=self.meta)
+                         # committed_unix: wall-clock commit time, the start of a recovery timeline
+                         extras_xxh3=esum, meta=dict(self.meta, committed_unix=time.time()))
         slot.commit(hdr)
         t2 = time.perf_counter()
         job.committed.set()

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -164,15 +164,23 @@ def _check(slot: SlotFile | None, store: HostStore, *, iteration: int, layout: s
     return hdr
 
 
+def _no_progress(phase: str) -> None:
+    pass
+
+
 def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGroup, layout: str,
-                 chunk_bytes: int) -> tuple[RecoveryReport, Restored | None]:
-    """Collective over ``group`` (all ranks). Returns the report and, if restorable, the validated version."""
+                 chunk_bytes: int, on_phase: Callable[[str], None] = _no_progress
+                 ) -> tuple[RecoveryReport, Restored | None]:
+    """Collective over ``group`` (all ranks). Returns the report and, if restorable, the validated version.
+    ``on_phase`` is told the name of each phase as it starts (progress display)."""
     rep = RecoveryReport()
+    on_phase("inventory")
     t0 = time.perf_counter()
     rejected: dict[int, str] = {}
     row, where = _inventory(store, topology, layout, rejected)
     rep.phases["inventory"] = time.perf_counter() - t0
 
+    on_phase("exchange")
     t0 = time.perf_counter()
     table = _all_gather_rows(row, store.versions, group)
     rep.phases["exchange"] = time.perf_counter() - t0
@@ -196,10 +204,12 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
             return rep, None
         it = decision.iteration
         assert it is not None  # noqa: S101
+        on_phase("transfer")
         t1 = time.perf_counter()
         (pulled, lazy_pulled), own_idx, lazy_idx, lazy_owner, errors = _transfer(
             store, topology, group, table, decision, where, chunk_bytes, exclude, rejected)
         transfer_s += time.perf_counter() - t1
+        on_phase("verify")
         t1 = time.perf_counter()
         own_fail = lazy_fail = 0
         own_hdr = lazy_hdr = None
@@ -234,6 +244,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
             rep.pulled_bytes, rep.lazy_bytes = pulled, lazy_pulled
             rep.reason, rep.notes = decision.reason, errors
             rep.phases["transfer"], rep.phases["verify"] = transfer_s, verify_s
+            on_phase("load")
             t1 = time.perf_counter()
             assert own_slot is not None and own_hdr is not None  # noqa: S101
             tensors = read_tensors(own_slot, own_hdr)

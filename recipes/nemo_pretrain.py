@@ -134,6 +134,7 @@ def _tiny_recipe(job: JobSpec, run_dir: Path) -> Any:
                           ddp=run.Config(DistributedDataParallelConfig, bucket_size=4096 if cpu else None),
                           ckpt_async_save=False)
     trainer = run.Config(nl.Trainer, accelerator=job.trainer.accelerator, strategy=strategy, callbacks=[],
+                         default_root_dir=str(run_dir),
                          enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
                          val_check_interval=None, logger=False,
                          plugins=run.Config(nl.MegatronMixedPrecision, precision=job.trainer.precision))
@@ -143,7 +144,11 @@ def _tiny_recipe(job: JobSpec, run_dir: Path) -> Any:
                                          fp16=job.trainer.precision.startswith("16")),
                        lr_scheduler=run.Config(CosineAnnealingScheduler, max_steps=job.trainer.max_steps,
                                                warmup_steps=job.trainer.warmup_steps, min_lr=job.trainer.lr / 10))
-    log = run.Config(nl.NeMoLogger, name=job.name, log_dir=str(run_dir / "nemo"), use_datetime_version=False)
+    from lightning.pytorch.loggers import CSVLogger
+
+    # metrics (loss, lr, neighbor_ckpt/*) in <run-dir>/nemo/metrics/version_<attempt>/metrics.csv
+    log = run.Config(nl.NeMoLogger, name=job.name, log_dir=str(run_dir / "nemo"), use_datetime_version=False,
+                     extra_loggers=[run.Config(CSVLogger, save_dir=str(run_dir / "nemo"), name="metrics")])
     resume = run.Config(nl.AutoResume, resume_if_exists=True, resume_ignore_no_checkpoint=True)
     return run.Partial(llm.pretrain, model=_tiny_model(job), data=_data(job), trainer=trainer, log=log,
                        resume=resume, optim=optim)
@@ -189,6 +194,7 @@ def build_recipe(job: JobSpec, run_dir: Path) -> Any:
     tr = recipe.trainer
     tr.devices, tr.num_nodes, tr.max_steps = t.devices, t.num_nodes, t.max_steps
     tr.log_every_n_steps = t.log_every_n_steps
+    tr.default_root_dir = str(run_dir)
     recipe.data.micro_batch_size, recipe.data.global_batch_size = t.micro_batch_size, t.global_batch_size
     recipe.data.seq_length = shape.seq_length
     if not tiny:

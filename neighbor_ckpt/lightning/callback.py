@@ -24,12 +24,20 @@ weights regenerated), mcore's DP group, and :mod:`megatron_patches` hooks: the w
 first gradient collective and the step tags wrap the mcore optimizer's ``step`` (NeMo never calls
 ``on_before_backward``); the data position is the Megatron sampler's consumed samples. After an in-memory
 restore, a pending disk resume of an older checkpoint (``fit(ckpt_path=...)``, NeMo's ``AutoResume``) is skipped.
+
+What it reports (global rank 0, ``neighbor_ckpt.report``): a status line every ``trainer.log_every_n_steps``
+steps (``report.status_every_n_steps`` overrides; 0 = never); the same figures as metrics to every trainer
+logger (``neighbor_ckpt/snapshot_ms``, ``wait_ms``, ``unique_bytes``, ``replica_lag``, ``stream_gbps``); after a
+recovery, at the end of the first resumed step, the MTTR breakdown as one log line, as metrics
+(``neighbor_ckpt/recovery/<phase>_s``) and as ``recovery_timeline.attempt<N>.png`` / ``.json`` in ``report.dir``
+or ``<trainer.log_dir or default_root_dir>/neighbor_ckpt_reports/`` (:attr:`NeighborCheckpoint.last_timeline`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +54,21 @@ from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup
 from neighbor_ckpt.lightning._resume import skip_pending_disk_restore
+from neighbor_ckpt.report import resolve_status_interval
 from neighbor_ckpt.rng import capture_rng, restore_rng
+from neighbor_ckpt.timeline import RecoveryTimeline
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NeighborCheckpoint"]
 
 _INSURANCE_RE = re.compile(r"neighbor-insurance-step(\d+)\.ckpt$")
+
+
+def default_report_dir(log_dir: str | Path) -> Path:
+    """``<log_dir>/neighbor_ckpt_reports`` (not ``neighbor_ckpt``: a run started without a logger from a checkout of
+    this repository has the package's source directory there)."""
+    return Path(log_dir) / "neighbor_ckpt_reports"
 
 
 def _mark_batch_completed(fit_loop_state: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +108,7 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self._trainer: Any = None
         self._megatron = False
         self._hooks: Any = None
+        self._group_ready: float | None = None
         if self.config.enabled:
             # Must happen before the strategy creates its process group (the trainer has not connected yet).
             prepare_torchrun_restart()
@@ -108,6 +125,18 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         if isinstance(opt, ZeroRedundancyOptimizer):
             return ZeroOptimizerAdapter(pl_module, opt)
         return TorchOptimizerAdapter(pl_module, opt)
+
+    @property
+    def last_timeline(self) -> RecoveryTimeline | None:
+        """MTTR breakdown of the recovery of this run (global rank 0, from the end of the first resumed step;
+        ``.phases``, ``.path_png``, ``.path_json``). None on other ranks, and when nothing was recovered."""
+        return self.checkpointer.last_timeline if self.checkpointer is not None else None
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # The first hook after the strategy created the process group: a marker of the recovery timeline.
+        if self._group_ready is None:
+            self._group_ready = time.time()
 
     @override
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -138,6 +167,7 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             pin_bucket_layout(trainer.strategy.model)
             self.checkpointer = NeighborCheckpointer(self.config, adapter=self._adapter(trainer, pl_module),
                                                      insurance=insurance, capture_rng_state=False)
+        self._attach_reporting(trainer)
         result = self.checkpointer.recover()
         self.last_recovery = result
         if result.restored:
@@ -151,6 +181,28 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             if trainer.is_global_zero:
                 logger.warning("NeighborCheckpoint: resumed at global step %d (%s)", trainer.global_step,
                                result.report.summary())
+
+    def _attach_reporting(self, trainer: Any) -> None:
+        """The trainer's log interval, loggers and log directory for the checkpointer's reporter (all ranks:
+        ``trainer.log_dir`` is a broadcast)."""
+        assert self.checkpointer is not None  # noqa: S101
+        rep = self.config.report
+        report_dir = Path(rep.dir) if rep.dir else None
+        if report_dir is None and rep.timeline:
+            report_dir = default_report_dir(self._log_dir(trainer))
+        self.checkpointer.reporter.attach(
+            every_n_steps=resolve_status_interval(rep.status_every_n_steps, trainer.log_every_n_steps),
+            loggers=list(trainer.loggers) if rep.log_metrics else [], report_dir=report_dir,
+            process_group_ready=self._group_ready)
+
+    @staticmethod
+    def _log_dir(trainer: Any) -> str:
+        try:
+            log_dir = trainer.log_dir
+        except Exception as e:  # noqa: BLE001 - a logger without a directory
+            logger.debug("NeighborCheckpoint: trainer.log_dir unavailable (%s)", e)
+            log_dir = None
+        return str(log_dir or trainer.default_root_dir)
 
     def _apply(self, trainer: Any, state: dict[str, Any]) -> None:
         trainer.fit_loop.load_state_dict(state["fit_loop"])

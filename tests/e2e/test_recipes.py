@@ -5,6 +5,7 @@ Every per-step loss, the final weights and the optimizer state must equal the fa
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -37,6 +38,15 @@ def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly(tmp_p
     assert res.returncode == 0, res.log[-6000:]
     assert "bit-identical to the failure-free run" in res.log
     assert "recovery report (attempt 1):" in res.log and "rank 1: restored iteration 5 from the replica" in res.log
+    # what a user sees: the timeline PNG, the status line, the metrics in the trainer's logger (CSV here)
+    png = [line.split("recovery timeline: ", 1)[1].strip() for line in res.log.splitlines()
+           if line.startswith("recovery timeline: ")]
+    assert png and Path(png[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", res.log[-3000:]
+    timeline = json.loads(Path(png[0]).with_suffix(".json").read_text())
+    assert set(timeline["phases"]) >= {"detect", "restart", "rendezvous", "reconcile", "transfer", "restore"}
+    assert "neighbor_ckpt: step 2 | snapshot" in (out / "faulted" / "torchrun.log").read_text()
+    csvs = list((out / "faulted").rglob("metrics.csv"))
+    assert any("neighbor_ckpt/snapshot_ms" in c.read_text().splitlines()[0] for c in csvs), csvs
     base = RunResult(0, out / "baseline" / "record", "")
     fault = RunResult(0, out / "faulted" / "record", (out / "faulted" / "torchrun.log").read_text())
     assert "exitcode: -9" in fault.log, "the kill did not happen"

@@ -127,3 +127,33 @@ def _other_layout(rank: int, world: int, tmp: Path) -> None:
 def test_recovery_refuses_snapshots_of_another_layout_on_every_rank(tmp_path: Path) -> None:
     _spawn(_other_layout, tmp_path)
     assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]
+
+
+def _host_memory_refused(rank: int, world: int, tmp: Path) -> None:
+    import dataclasses
+
+    from torch import nn
+
+    import neighbor_ckpt.checkpointer as checkpointer_mod
+    from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig
+    from neighbor_ckpt.adapters import TorchOptimizerAdapter
+    from neighbor_ckpt.errors import HostMemoryError
+
+    if rank == 1:  # this rank's node has almost no memory available
+        real = checkpointer_mod.check_host_memory
+        checkpointer_mod.check_host_memory = lambda *a, **k: dataclasses.replace(real(*a, **k), mem_available=1)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    cfg = NeighborCkptConfig.from_dict({"job_id": "mem", "store": {"dir": str(tmp / "store")}})
+    ckpt = NeighborCheckpointer(cfg, adapter=TorchOptimizerAdapter(model, opt))
+    ckpt.recover()
+    with pytest.raises(HostMemoryError) as e:
+        ckpt.snapshot(0)
+    expected = "the node has 0.00 GB available" if rank == 1 else "does not fit on the node of 1 other rank(s)"
+    assert expected in str(e.value), str(e.value)
+    assert not list((tmp / "store").rglob(f"rank{rank}/*.slot")), "nothing may be allocated"
+
+
+def test_host_memory_preflight_refuses_on_every_rank_before_allocating_anything(tmp_path: Path) -> None:
+    _spawn(_host_memory_refused, tmp_path)
+    assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]

@@ -1,0 +1,117 @@
+"""Host-memory preflight: before the first snapshot, check that the host store fits.
+
+One rank's store holds ``versions`` own slots, ``versions`` replica slots (its predecessor's snapshots are the
+same size under an even shard) and, when the plan has redundant state, room for one lazy backup. Every rank of
+the node puts its store on the same memory-backed filesystem, so the node needs that times the ranks on it.
+Slot files this job already holds there (a restart reuses them) do not count twice.
+
+The check compares with the free space of the store's filesystem (``statvfs``: the ``/dev/shm`` size limit)
+and with the node's available memory (``MemAvailable``: tmpfs pages are RAM). The verdict is collective in
+:class:`~neighbor_ckpt.checkpointer.NeighborCheckpointer`: if any rank fails, every rank raises
+:class:`~neighbor_ckpt.errors.HostMemoryError` before anything is written, so nothing hangs half-allocated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from neighbor_ckpt.store import slot_file_size
+
+__all__ = ["HostMemoryCheck", "store_bytes_per_rank", "check_host_memory", "mem_available_bytes"]
+
+_HEADER_ALLOWANCE = 1 << 20  # JSON header with the tensor table: generous for thousands of tensors
+_MIN_EXTRAS = 64 << 10
+
+
+def store_bytes_per_rank(*, unique_bytes: int, lazy_bytes: int, versions: int, extras_bytes: int | None) -> int:
+    """Bytes of one rank's slot files: versions x (own + replica) slots, plus one lazy-backup slot if needed."""
+    extras = max(_MIN_EXTRAS, extras_bytes or 0)
+    slot = slot_file_size(_HEADER_ALLOWANCE, unique_bytes, extras)
+    lazy = slot_file_size(_HEADER_ALLOWANCE, lazy_bytes, extras) if lazy_bytes else 0
+    return 2 * versions * slot + lazy
+
+
+def mem_available_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _existing_bytes(job_dir: Path) -> int:
+    if not job_dir.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in job_dir.glob("rank*/*.slot") if p.is_file())
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostMemoryCheck:
+    """The numbers of one rank's preflight and its verdict."""
+
+    need_per_rank: int
+    """Bytes of this rank's store."""
+
+    ranks_on_node: int
+    """Ranks of this job on the node (``LOCAL_WORLD_SIZE``)."""
+
+    existing: int
+    """Bytes of this job's slot files already on the filesystem (reused on a restart)."""
+
+    fs_path: str
+    """The store's directory."""
+
+    fs_free: int
+    """Free bytes of its filesystem."""
+
+    fs_total: int
+    """Size of its filesystem."""
+
+    mem_available: int | None
+    """Node's ``MemAvailable`` (None: unknown)."""
+
+    @property
+    def need_on_node(self) -> int:
+        """New bytes the node's stores still need."""
+        return max(0, self.need_per_rank * self.ranks_on_node - self.existing)
+
+    @property
+    def ok(self) -> bool:
+        fits_fs = self.need_on_node <= self.fs_free
+        fits_mem = self.mem_available is None or self.need_on_node <= self.mem_available
+        return fits_fs and fits_mem
+
+    def message(self) -> str:
+        """One line with the numbers and what to do."""
+        mem = "unknown" if self.mem_available is None else _gb(self.mem_available)
+        return (f"the host store needs {_gb(self.need_per_rank)} per rank x {self.ranks_on_node} ranks on this node "
+                f"= {_gb(self.need_per_rank * self.ranks_on_node)} ({_gb(self.existing)} already allocated by this "
+                f"job), but {self.fs_path} has {_gb(self.fs_free)} free of {_gb(self.fs_total)} and the node has "
+                f"{mem} available. Give the store more room (docker --shm-size, a larger tmpfs for "
+                f"neighbor_ckpt.store.dir), keep fewer versions (neighbor_ckpt.store.versions), or shard the optimizer "
+                f"over more ranks")
+
+
+def check_host_memory(store_dir: Path, job_dir: Path, *, need_per_rank: int, ranks_on_node: int | None = None,
+                      mem_available: int | None | bool = True) -> HostMemoryCheck:
+    """Measure and judge. ``ranks_on_node`` defaults to ``LOCAL_WORLD_SIZE`` (1 outside a launcher);
+    ``mem_available=True`` reads /proc/meminfo, a number or None is used as given (tests)."""
+    path = Path(store_dir)
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    ranks = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return HostMemoryCheck(need_per_rank=need_per_rank, ranks_on_node=ranks, existing=_existing_bytes(job_dir),
+                           fs_path=str(path), fs_free=st.f_bavail * st.f_frsize, fs_total=st.f_blocks * st.f_frsize,
+                           mem_available=mem_available_bytes() if mem_available is True else
+                           (None if mem_available is False else mem_available))
