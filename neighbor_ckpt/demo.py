@@ -9,7 +9,9 @@ Usage: ``neighbor-ckpt demo [--config configs/gpt_tiny_cpu.yaml] [--kill-rank 1]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +24,16 @@ def _run(plan: runner.LaunchPlan, what: str) -> None:
     print(f"demo: {what} (log: {plan.run_dir / 'torchrun.log'}) ...", flush=True)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    rc = runner.run_local(plan, log=plan.run_dir / "torchrun.log")
+    status = contextlib.nullcontext()
+    if sys.stdout.isatty():
+        try:
+            from rich.console import Console
+
+            status = Console().status(f"training on {plan.job.world_size} CPU ranks (about a minute per attempt)")
+        except ImportError:
+            pass
+    with status:
+        rc = runner.run_local(plan, log=plan.run_dir / "torchrun.log")
     if rc != 0:
         raise SystemExit(f"demo: torchrun failed (exit {rc}); see {plan.run_dir / 'torchrun.log'}")
     print(f"demo: done in {time.time() - t0:.0f} s", flush=True)

@@ -43,7 +43,7 @@ def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly(tmp_p
            if line.startswith("recovery timeline: ")]
     assert png and Path(png[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", res.log[-3000:]
     timeline = json.loads(Path(png[0]).with_suffix(".json").read_text())
-    assert set(timeline["phases"]) >= {"detect", "restart", "rendezvous", "reconcile", "transfer", "restore"}
+    assert set(timeline["phases_s"]) >= {"detect", "restart", "rendezvous", "reconcile", "transfer", "restore"}
     assert "neighbor_ckpt: step 2 | snapshot" in (out / "faulted" / "torchrun.log").read_text()
     csvs = list((out / "faulted").rglob("metrics.csv"))
     assert any("neighbor_ckpt/snapshot_ms" in c.read_text().splitlines()[0] for c in csvs), csvs
