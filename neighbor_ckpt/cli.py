@@ -8,7 +8,8 @@
   sizes, job, and whether header, commit marker and checksums validate. It reads headers as JSON and never
   unpickles anything.
 * ``neighbor-ckpt demo [...]``: the 4-rank kill-and-recover demo (``scripts/demo``).
-* ``neighbor-ckpt bench [...]``: the micro-benchmark (``scripts/bench``).
+* ``neighbor-ckpt bench [...]``: the micro-benchmark (``scripts/bench``); ``bench --compare [...]``: step time with
+  neighbor_ckpt vs torch DCP, mcore dist_checkpointing, Lightning and NVRx local checkpointing (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -127,13 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("store_dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("demo", help="4 CPU ranks, a real kill and a bit-exact recovery", add_help=False)
-    sub.add_parser("bench", help="staging / streaming / memory micro-benchmark", add_help=False)
+    sub.add_parser("bench", help="micro-benchmark; --compare: side by side with DCP, mcore, Lightning, NVRx",
+                   add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "demo":
         from neighbor_ckpt import demo
 
         return demo.main(rest)
     if args.cmd == "bench":
+        if "--compare" in rest:
+            from neighbor_ckpt.bench import compare
+
+            return compare.main([a for a in rest if a != "--compare"])
         from neighbor_ckpt.bench import micro
 
         return micro.main(rest)
