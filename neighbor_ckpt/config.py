@@ -160,7 +160,7 @@ class FaultInjectionConfig:
     step (weights torn)."""
 
     signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
-    """SIGKILL: the process dies. SIGSTOP: it hangs."""
+    """SIGKILL: the process dies. SIGSTOP: it hangs (today noticed only when the job's collectives time out)."""
 
     replace_store: bool = True
     """The killed rank restarts with an empty host store, as a replaced node would."""

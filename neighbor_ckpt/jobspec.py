@@ -350,6 +350,9 @@ def _check_job(job: JobSpec) -> None:
         raise ConfigError("config.parallelism.sequence_parallel: needs parallelism.tensor > 1")
     if t.accelerator == "cpu" and t.precision != "32":
         raise ConfigError(f"config.trainer.precision: {t.precision!r} on accelerator cpu; use \"32\"")
+    if t.accelerator == "cpu" and job.model.preset not in ("gpt_tiny", "llama_tiny"):
+        raise ConfigError(f"config.model.preset: {job.model.preset!r} needs trainer.accelerator gpu (the CPU presets "
+                          "are 'gpt_tiny' and 'llama_tiny')")
     if job.data.kind == "indexed" and not job.data.paths:
         raise ConfigError("config.data.paths: required when data.kind is 'indexed'")
     shape = job.model_shape()

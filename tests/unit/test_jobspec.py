@@ -59,6 +59,7 @@ BAD = {
     "override without =": (["trainer.max_steps"], "expected key.path=value"),
     "override into a value": (["trainer.max_steps.x=1"], "trainer.max_steps is not a section"),
     "unknown preset": (["model.preset=gpt5"], "config.model.preset: 'gpt5' is not allowed"),
+    "a full-size model on cpu": (["model.preset=llama3_8b", "parallelism.pipeline=1"], "config.model.preset: 'llama3_8b' needs trainer.accelerator gpu"),
 }
 
 
