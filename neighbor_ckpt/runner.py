@@ -10,6 +10,7 @@ and stable across its restarts: it is the neighbor-checkpoint job id (unless the
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import shlex
 import socket
 import subprocess
@@ -55,7 +56,7 @@ def plan_launch(config: str | Path, overrides: Sequence[str] = (), *, run_dir: P
         raise ConfigError(f"the recipe {RECIPE} is missing: `neighbor-ckpt launch` runs from a source checkout "
                           "of neighbor_ckpt (recipes/ is not part of the installed package)")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_id = job.neighbor_ckpt.job_id or f"{job.name}-{stamp}"
+    run_id = job.neighbor_ckpt.job_id or f"{job.name}-{stamp}-{secrets.token_hex(2)}"  # unique per launch
     if job.neighbor_ckpt.job_id is None:
         job = dataclasses.replace(job, neighbor_ckpt=dataclasses.replace(job.neighbor_ckpt, job_id=run_id))
     rd = run_dir or Path(job.launch.log_dir) / f"{job.name}-{stamp}"
