@@ -76,7 +76,8 @@ def _tiny_model(job: JobSpec) -> Any:
     return run.Config(llm.GPTModel, config=config)
 
 
-def _mock_data_cls(cpu: bool) -> Any:
+def mock_data_module(cpu: bool) -> Any:
+    """NeMo's MockDataModule, or on CPU a subclass that builds the attention mask the local spec needs."""
     from nemo.collections import llm
 
     if not cpu:
@@ -116,7 +117,7 @@ def _data(job: JobSpec) -> Any:
     if job.data.kind == "indexed":
         return run.Config(llm.PreTrainingDataModule, paths=list(job.data.paths or []), tokenizer=tokenizer,
                           seed=t.seed, **common)
-    return run.Config(_mock_data_cls(cpu), tokenizer=tokenizer, num_train_samples=job.data.num_train_samples,
+    return run.Config(mock_data_module(cpu), tokenizer=tokenizer, num_train_samples=job.data.num_train_samples,
                       **common)
 
 

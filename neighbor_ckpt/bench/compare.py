@@ -1315,20 +1315,10 @@ def main(argv: list[str] | None = None) -> int:
         print(render(res, res.get("machine", info), args))
         return 0
 
-    from neighbor_ckpt.bench.micro import cpu_sample, foreign_load
+    from neighbor_ckpt.bench.micro import cpu_sample, foreign_load, wait_until_quiet
 
     if args.wait_quiet > 0:
-        quiet_deadline = time.monotonic() + args.wait_quiet
-        while True:
-            a = cpu_sample()
-            time.sleep(2.0)
-            fl = foreign_load(a, cpu_sample(), info["nproc"] or 1)
-            if fl["other_cpu_frac"] < 0.10:
-                break
-            if time.monotonic() > quiet_deadline:
-                print(f"other processes still use {100 * fl['other_cpu_frac']:.0f}% of the CPUs after "
-                      f"{args.wait_quiet:g} s; starting anyway", flush=True)
-                break
+        wait_until_quiet(args.wait_quiet, info["nproc"] or 1, poll_s=2.0)
     root = Path(tempfile.mkdtemp(prefix="neighbor_ckpt_compare-", dir=base_dir))
     t0 = time.perf_counter()
     cpu0 = cpu_sample()

@@ -142,6 +142,21 @@ def cpu_sample() -> tuple[float, float, float, float]:
     return time.perf_counter(), busy, steal, t.user + t.system + t.children_user + t.children_system
 
 
+def wait_until_quiet(seconds: float, ncpu: int, *, poll_s: float = 1.0, threshold: float = 0.10) -> None:
+    """Wait until other processes use less than ``threshold`` of the CPUs, at most ``seconds``; say so if not."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        a = cpu_sample()
+        time.sleep(poll_s)
+        fl = foreign_load(a, cpu_sample(), ncpu)
+        if fl["other_cpu_frac"] < threshold:
+            return
+        if time.perf_counter() > deadline:
+            print(f"other processes still use {100 * fl['other_cpu_frac']:.0f}% of the CPUs after "
+                  f"{seconds:g} s; starting anyway", flush=True)
+            return
+
+
 def foreign_load(a: tuple[float, float, float, float], b: tuple[float, float, float, float],
                  ncpu: int) -> dict[str, float]:
     """CPU used by other processes (and stolen by the hypervisor) between two :func:`cpu_sample` calls."""
@@ -631,18 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     global _STAT
     _STAT = args.stat
     if args.wait_quiet > 0:
-        deadline = time.perf_counter() + args.wait_quiet
         ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        while True:
-            a = cpu_sample()
-            time.sleep(1.0)
-            fl = foreign_load(a, cpu_sample(), ncpu)
-            if fl["other_cpu_frac"] < 0.10:
-                break
-            if time.perf_counter() > deadline:
-                print(f"other processes still use {100 * fl['other_cpu_frac']:.0f}% of the CPUs after "
-                      f"{args.wait_quiet:g}s; starting anyway", flush=True)
-                break
+        wait_until_quiet(args.wait_quiet, ncpu)
     base = Path(args.store_dir or os.environ.get(STORE_DIR_ENV) or "/dev/shm")
     base.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="neighbor_ckpt_bench-", dir=base))

@@ -53,16 +53,10 @@ def main() -> None:
     kill_step = int(os.environ["KILL_STEP"]) if os.environ.get("KILL_RANK") == str(RANK) and attempt() == 0 else None
     kill_phase = os.environ.get("KILL_PHASE", "optimizer")
 
-    class CpuMockData(llm.MockDataModule):
-        """NeMo 2.7.3's MockDataModule.setup passes create_attention_mask in the ``seed`` position; without
-        Transformer Engine the local attention needs the mask."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+    from nemo_pretrain import mock_data_module  # the recipe's CPU fix of NeMo's MockDataModule
 
-        def setup(self, stage: str = "") -> None:
-            from nemo.collections.llm.gpt.data.mock import _MockGPTDataset
-
-            self._train_ds = _MockGPTDataset(self.tokenizer, "train", self.num_train_samples, self.seq_length,
-                                             create_attention_mask=True)
-            self._validation_ds = self._test_ds = self._train_ds
+    CpuMockData = mock_data_module(cpu=True)
 
     class Record(pl.Callback):
         """Losses as NeMo reports them, and the SIGKILL."""
