@@ -162,3 +162,13 @@ def test_plan_warns_when_the_store_does_not_fit_in_host_memory() -> None:
     proc = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs/llama3_70b.yaml"),
                            "hardware.shm_gb=64"], capture_output=True, text=True, cwd=REPO, check=True)
     assert "WARNING" in proc.stdout and "shm" in proc.stdout.lower(), proc.stdout
+
+
+def test_launching_a_multi_node_job_from_one_shell_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    from neighbor_ckpt import runner
+
+    plan = runner.plan_launch(REPO / "configs/llama3_8b.yaml", run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"config.trainer.num_nodes: 2 nodes cannot run from one shell; use "
+                                          r"`neighbor-ckpt launch CONFIG --slurm FILE`"):
+        runner.run_local(plan)
+    assert not (tmp_path / "run").exists()
