@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
 from neighbor_ckpt.engine import SnapshotEngine, write_lazy_backup
 from neighbor_ckpt.errors import HostMemoryError, NoRecoverableStateError, TopologyError
 from neighbor_ckpt.preflight import check_host_memory, store_bytes_per_rank
@@ -129,6 +130,11 @@ class NeighborCheckpointer:
         self.insurance = insurance
         self.capture_rng_state = capture_rng_state
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.transport.timeout_s))
+        self._tag: tuple[int, int | None, str] = (0, None, "startup")
+        self._weights_seq = 0
+        self._failure_lock = threading.RLock()
+        self.detector = self._make_detector()
+        """Heartbeat failure detection (None when off or the rendezvous store is not reachable by address)."""
         self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
                                                     policy=self.config.ring.policy,
                                                     model_parallel_coord=model_parallel_coord)
@@ -139,7 +145,7 @@ class NeighborCheckpointer:
         self.plan: ShardPlan | None = None
         self.engine: SnapshotEngine | None = None
         self.transport: GlooRingTransport | None = None
-        self.phase = Phase.IDLE
+        self._phase = Phase.IDLE
         self.last_iteration: int | None = None
         self.last_report: RecoveryReport | None = None
         self.last_timeline: RecoveryTimeline | None = None
@@ -158,8 +164,55 @@ class NeighborCheckpointer:
         self._prev_sigterm: Any = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.detector is not None:
+            # Every rank published its heartbeat before discover_topology's collective: all keys exist now.
+            self.detector.cache_local_peers()
+            self.detector.start()
         logger.info("rank %d: neighbor_ckpt store %s, DP ring %s (successor %d)", self.topology.rank,
                     self.store.dir, list(self.topology.ring), self.topology.successor)
+
+    def _make_detector(self) -> FailureDetector | None:
+        cfg = self.config.detector
+        if not cfg.enabled or dist.get_world_size() < 2:
+            return None
+        try:
+            store = connect_store(cfg.timeout_s)
+        except Exception as e:  # noqa: BLE001 - detection is an addition; training goes on without it
+            logger.warning("neighbor_ckpt: failure detector off: cannot connect to the rendezvous store: %s", e)
+            return None
+        if store is None:
+            logger.warning("neighbor_ckpt: failure detector off: MASTER_ADDR/MASTER_PORT are not set (a process group "
+                           "initialized without env://); hangs are noticed only when collectives time out")
+            return None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return FailureDetector(
+            store, prefix=f"neighbor_ckpt/{self.config.resolved_job_id()}/{_restart_count()}", rank=rank,
+            world_size=world, local_ranks=local_ranks_from_env(rank, world), node=os_instance(),
+            progress=lambda: self._tag, on_failure=self._on_detected, interval_s=cfg.interval_s,
+            timeout_s=cfg.timeout_s, hang_timeout_s=cfg.hang_timeout_s, kill_local=cfg.kill_local)
+
+    @property
+    def phase(self) -> Phase:
+        """Step tag of the live weights (see :class:`Phase`); set by the training thread."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: Phase) -> None:
+        self._weights_seq += 1  # a backup taken by the detector thread across this change is discarded
+        self._phase = value
+        self.mark("done" if value is Phase.IDLE else value.value)
+
+    def mark(self, phase: str) -> None:
+        """Progress tag for the failure detector (``forward``, ``backward``, ``paused`` during validation, ...).
+
+        One tuple assignment on the training thread; the step tags and :meth:`snapshot` set theirs."""
+        counter, _, _ = self._tag
+        self._tag = (counter + 1, self.last_iteration, phase)
+
+    def _on_detected(self, failure: Failure) -> None:
+        """Detector thread: back up the redundant state before the process leaves (the main thread may be blocked
+        inside a collective with the failed rank)."""
+        self.on_failure(f"{failure.kind}: {failure.reason}", background=True)
 
     # -- identity --------------------------------------------------------------------------------------
 
@@ -386,38 +439,52 @@ class NeighborCheckpointer:
         else:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def on_failure(self, reason: str = "") -> bool:
+    def on_failure(self, reason: str = "", *, background: bool = False) -> bool:
         """Write the redundant state (lazy backup) of this rank's DP group; True if written.
 
-        Safe to call from an exception handler or a SIGTERM handler on the main thread. Never raises.
+        Safe to call from an exception handler or a SIGTERM handler on the main thread, and from the failure
+        detector's thread (``background``) while the main thread is blocked in a collective: a backup during which
+        the training thread changed the step tag (it may have touched the weights) is discarded. Never raises.
         """
-        if self._failure_noticed is None:
-            # The start of the next recovery's timeline; this file survives the restart (the store does).
-            self._failure_noticed = time.time()
-            record_failure_event(self._events_path(), rank=self.topology.rank, attempt=_restart_count(),
-                                 reason=reason, when=self._failure_noticed)
-        if self._backed_up:
-            return True
-        try:
-            if self.plan is None or not self.plan.has_lazy or not self.config.lazy_backup.enabled:
+        with self._failure_lock:
+            if self._failure_noticed is None:
+                # The start of the next recovery's timeline; this file survives the restart (the store does).
+                self._failure_noticed = time.time()
+                record_failure_event(self._events_path(), rank=self.topology.rank, attempt=_restart_count(),
+                                     reason=reason, when=self._failure_noticed)
+            if self._backed_up:
+                return True
+            try:
+                return self._write_lazy_backup(reason, background=background)
+            except Exception as e:  # noqa: BLE001 - failure path: report, never mask the original error
+                logger.error("rank %d: lazy backup failed: %s", self.topology.rank, e)
                 return False
-            if self.phase is Phase.OPTIMIZER or self.last_iteration is None:
-                logger.warning("rank %d: no lazy backup: weights are inside an optimizer step", self.topology.rank)
-                return False
-            iteration = self.last_iteration + (1 if self.phase is Phase.STEPPED else 0)
-            hdr = write_lazy_backup(self.store, planned=self.plan.lazy, sources=self._lazy_sources,
-                                    payload_bytes=self.plan.lazy_bytes, iteration=iteration, layout=self._layout,
-                                    meta={"dp_group": min(self.topology.dp_ranks), "reason": reason[:200]})
-            self._backed_up = True
-            logger.warning("rank %d: wrote lazy backup of iteration %d (%d bytes) after: %s", self.topology.rank,
-                           hdr.iteration, hdr.payload_nbytes, reason or "failure")
-            return True
-        except Exception as e:  # noqa: BLE001 - failure path: report, never mask the original error
-            logger.error("rank %d: lazy backup failed: %s", self.topology.rank, e)
+
+    def _write_lazy_backup(self, reason: str, *, background: bool) -> bool:
+        if self.plan is None or not self.plan.has_lazy or not self.config.lazy_backup.enabled:
             return False
+        seq, phase, last = self._weights_seq, self._phase, self.last_iteration
+        if phase is Phase.OPTIMIZER or last is None:
+            logger.warning("rank %d: no lazy backup: weights are inside an optimizer step", self.topology.rank)
+            return False
+        iteration = last + (1 if phase is Phase.STEPPED else 0)
+        hdr = write_lazy_backup(self.store, planned=self.plan.lazy, sources=self._lazy_sources,
+                                payload_bytes=self.plan.lazy_bytes, iteration=iteration, layout=self._layout,
+                                meta={"dp_group": min(self.topology.dp_ranks), "reason": reason[:200]})
+        if background and self._weights_seq != seq:
+            self.store.invalidate_except(ROLE_LAZY, None)
+            logger.warning("rank %d: discarded the lazy backup of iteration %d: the training thread entered another "
+                           "step phase while it was written", self.topology.rank, iteration)
+            return False
+        self._backed_up = True
+        logger.warning("rank %d: wrote lazy backup of iteration %d (%d bytes) after: %s", self.topology.rank,
+                       hdr.iteration, hdr.payload_nbytes, reason or "failure")
+        return True
 
     def close(self, *, success: bool = True) -> None:
-        """Stop the engine and transport; on success, optionally remove the host store."""
+        """Stop the engine, transport and failure detector; on success, optionally remove the host store.
+
+        ``success=True`` is collective (a barrier): call it on every rank at the end of training."""
         if self._closed:
             return
         self._closed = True
@@ -429,8 +496,13 @@ class NeighborCheckpointer:
             self.engine.close()
         if self.transport is not None:
             self.transport.close()
+        if success and (self.config.store.cleanup_on_success or self.detector is not None):
+            # Every rank is done: nobody reads a replica any more, and no detector mistakes a finished rank (or
+            # rank 0's store going away with it) for a failure.
+            dist.barrier(group=self.group)
+        if self.detector is not None:
+            self.detector.stop(done=success)
         if success and self.config.store.cleanup_on_success:
-            dist.barrier(group=self.group)  # nobody may still be reading a replica
             self.store.destroy()
         else:
             self.store.close()

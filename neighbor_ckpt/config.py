@@ -30,6 +30,7 @@ __all__ = [
     "LazyBackupConfig",
     "InsuranceConfig",
     "ReportConfig",
+    "DetectorConfig",
     "FaultInjectionConfig",
     "NeighborCkptConfig",
     "STORE_DIR_ENV",
@@ -143,6 +144,32 @@ class ReportConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DetectorConfig:
+    """Failure detection through heartbeats in the job's c10d store (one daemon thread per rank)."""
+
+    enabled: bool = True
+    """Run the detector. Off: a dead rank is noticed when the launcher sees its process exit, a hung one when
+    the job's collectives time out (10-30 minutes)."""
+
+    interval_s: float = 1.0
+    """Heartbeat period: each rank publishes its heartbeat and step/phase tag and reads the ones it watches."""
+
+    timeout_s: float = 5.0
+    """A watched rank without a new heartbeat for this long (SIGKILL, SIGSTOP, a lost node), or a c10d store
+    that does not answer for this long, is a failure. Detection takes at most about this plus one interval."""
+
+    hang_timeout_s: float | None = 900.0
+    """A rank whose step/phase tag (forward, backward, optimizer step, snapshot) does not change for this long
+    during training is stuck, or waits in a collective with a stuck rank. Counted from the first completed
+    iteration; stopped during validation. Must exceed the longest step plus a synchronous persistent
+    checkpoint. None: off."""
+
+    kill_local: bool = True
+    """SIGKILL a failed rank of this node (a stopped process ignores the launcher's SIGTERM for its whole grace
+    period); the launcher then restarts the job at once."""
+
+
+@dataclass(kw_only=True, slots=True)
 class FaultInjectionConfig:
     """For demos and fault campaigns only: kill one rank once, on the first attempt of the job."""
 
@@ -160,7 +187,7 @@ class FaultInjectionConfig:
     step (weights torn)."""
 
     signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
-    """SIGKILL: the process dies. SIGSTOP: it hangs (today noticed only when the job's collectives time out)."""
+    """SIGKILL: the process dies. SIGSTOP: it hangs (the detector notices within ``detector.timeout_s``)."""
 
     replace_store: bool = True
     """The killed rank restarts with an empty host store, as a replaced node would."""
@@ -194,6 +221,9 @@ class NeighborCkptConfig:
 
     report: ReportConfig = field(default_factory=ReportConfig)
     """Status line, metrics, recovery report and timeline."""
+
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    """Heartbeat failure detection."""
 
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     """Demo / campaign fault injection (off by default)."""
@@ -254,6 +284,9 @@ _RULES: dict[str, list[tuple[str, Any, str]]] = {
     "insurance": [("every_n_steps", lambda v: v >= 0, "must be >= 0 (0 = off)")],
     "report": [("status_every_n_steps", lambda v: v is None or v >= 0, "must be >= 0 (0 = never, null = "
                 "the trainer's log interval)")],
+    "detector": [("interval_s", lambda v: v > 0, "must be > 0"),
+                 ("timeout_s", lambda v: v > 0, "must be > 0"),
+                 ("hang_timeout_s", lambda v: v is None or v > 0, "must be > 0 (or null for off)")],
     "fault_injection": [("rank", lambda v: v >= 0, "must be >= 0"), ("step", lambda v: v >= 0, "must be >= 0")],
 }
 
@@ -265,3 +298,7 @@ def _validate(cfg: NeighborCkptConfig, path: str) -> None:
             value = getattr(sub, name)
             if not ok(value):
                 raise ConfigError(f"{path}.{section}.{name}: {value!r} {why}")
+    det = cfg.detector
+    if det.timeout_s <= det.interval_s:
+        raise ConfigError(f"{path}.detector.timeout_s: {det.timeout_s!r} must exceed detector.interval_s "
+                          f"({det.interval_s!r}): a rank is declared silent only after missing a few heartbeats")

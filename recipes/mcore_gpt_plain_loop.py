@@ -11,9 +11,10 @@ CUDA the recipe calls ``megatron_patches.enable_cpu()`` first (gloo, CPU tensors
 
 Options: ``--tp``/``--pp`` (model parallelism; DP = world / (TP x PP)), ``--no-dist-opt`` (replicated
 optimizer: the lazy-backup path), ``--steps``, ``--out DIR`` (per-rank losses, recovery report, plan and
-final fingerprints as JSON). Fault injection for demos and tests, first attempt only: ``--kill RANK:STEP``
-SIGKILLs that rank, ``--kill-phase forward|optimizer`` says where in the step (default: inside the
-optimizer step, after the wait point).
+final fingerprints as JSON), ``--config FILE`` (a YAML file whose ``neighbor_ckpt:`` section configures the
+checkpointer). Fault injection for demos and tests, first attempt only: ``--kill RANK:STEP`` signals that rank,
+``--kill-phase forward|optimizer`` says where in the step (default: inside the optimizer step, after the wait
+point), ``--kill-signal SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="write per-rank losses, report, plan and final state here")
     ap.add_argument("--kill", default=None, metavar="RANK:STEP", help="SIGKILL RANK at STEP (first attempt only)")
     ap.add_argument("--kill-phase", choices=("forward", "optimizer"), default="optimizer")
+    ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP"), default="SIGKILL")
+    ap.add_argument("--config", type=Path, default=None, help="YAML file with a neighbor_ckpt: section")
     return ap.parse_args(argv)
 
 
@@ -136,11 +140,15 @@ def main(argv: list[str] | None = None) -> None:
 
     # neighbor_ckpt: the state adapter, mcore's DP group, step tags + training-traffic signal, recovery.
     groups = mcore_groups()
-    ckpt = NeighborCheckpointer(NeighborCkptConfig.from_dict({"job_id": args.job_id} if args.job_id else {}),
+    nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
+    if args.job_id:
+        nc_config.job_id = args.job_id
+    ckpt = NeighborCheckpointer(nc_config,
                                 adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
                                 dp_group=groups.dp_group, model_parallel_coord=groups.coord)
     if kill is not None and kill[0] == RANK and ATTEMPT == 0 and args.kill_phase == "optimizer":
-        _kill_inside_optimizer_step(optimizer, ckpt, kill[1])  # before install_hooks: runs inside its step tag
+        _kill_inside_optimizer_step(optimizer, ckpt, kill[1], lambda: fault(rec, args, "optimizer"))  # before
+        # install_hooks: runs inside its step tag
     hooks = install_hooks(ckpt, optimizer)
     result = ckpt.recover()
     consumed = 0
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
         batch = next(data_iterator)
         if kill == (RANK, step) and ATTEMPT == 0 and args.kill_phase == "forward":
-            os.kill(os.getpid(), signal.SIGKILL)
+            fault(rec, args, "forward")
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
         def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
@@ -212,14 +220,21 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def _kill_inside_optimizer_step(optimizer: Any, ckpt: Any, at_step: int) -> None:
-    """Fault injection: SIGKILL this rank once it is inside optimizer step ``at_step`` (after the step tag)."""
+def fault(rec: Recorder, args: argparse.Namespace, phase: str) -> None:
+    """Fault injection: record when, then SIGKILL (dies) or SIGSTOP (hangs) this process."""
+    rec.json("fault.json", {"rank": RANK, "step": int(args.kill.split(":")[1]), "phase": phase,
+                            "signal": args.kill_signal, "unix": time.time()})
+    os.kill(os.getpid(), getattr(signal, args.kill_signal))
+
+
+def _kill_inside_optimizer_step(optimizer: Any, ckpt: Any, at_step: int, kill: Any) -> None:
+    """Fault injection: signal this rank once it is inside optimizer step ``at_step`` (after the step tag)."""
     from megatron_patches import tag_optimizer_steps
 
     def maybe_kill() -> None:
         if ckpt.last_iteration is not None and ckpt.last_iteration + 1 == at_step or \
                 ckpt.last_iteration is None and at_step == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill()
 
     tag_optimizer_steps(optimizer, on_enter=maybe_kill, on_exit=lambda: None)
 

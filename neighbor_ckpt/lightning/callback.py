@@ -48,12 +48,13 @@ from typing_extensions import override
 from neighbor_ckpt.adapters import StateAdapter, TorchOptimizerAdapter, ZeroOptimizerAdapter, pin_bucket_layout
 from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.detector import PAUSED
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 from neighbor_ckpt.launch import prepare_torchrun_restart
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup
-from neighbor_ckpt.lightning._resume import skip_pending_disk_restore
+from neighbor_ckpt.lightning._resume import disk_checkpoint_step, skip_pending_disk_restore
 from neighbor_ckpt.report import resolve_status_interval
 from neighbor_ckpt.rng import capture_rng, restore_rng
 from neighbor_ckpt.timeline import RecoveryTimeline
@@ -158,7 +159,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
                                   "neighbor_ckpt.insurance.every_n_steps at 0")
             mc = megatron_setup(trainer)
             self.checkpointer = NeighborCheckpointer(self.config, adapter=mc.adapter, dp_group=mc.dp_group,
-                                                     model_parallel_coord=mc.coord, capture_rng_state=False)
+                                                     model_parallel_coord=mc.coord, capture_rng_state=False,
+                                                     insurance=self._nemo_disk_resume)
             # NeMo runs backward inside training_step (no on_before_backward): the wait point and the step tags
             # come from mcore's gradient collectives and the mcore optimizer's step.
             self._hooks = install_hooks(self.checkpointer, mc.optimizer)
@@ -170,7 +172,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self._attach_reporting(trainer)
         result = self.checkpointer.recover()
         self.last_recovery = result
-        if result.restored:
+        if result.restored and self._megatron and result.report.outcome == "insurance":
+            pass  # NeMo's own resume loads everything (weights, optimizer, loops, data position) right after this hook
+        elif result.restored:
             state = result.user_state if result.report.outcome == "restored" else self._insurance_state
             if state is None:
                 raise NeighborCkptError("restored version carries no Lightning training state")
@@ -237,6 +241,19 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _INSURANCE_RE.search(p.name))]
         return sorted(found)
 
+    def _nemo_disk_resume(self) -> int | None:
+        """Insurance under NeMo: the distributed checkpoint ``AutoResume`` points the trainer at (``trainer.ckpt_path``),
+        which Lightning loads right after ``on_fit_start``. Nothing is loaded here; returns its step (None: none)."""
+        path = self._trainer.ckpt_path if self._trainer is not None else None
+        if not path:
+            return None
+        step = disk_checkpoint_step(path)
+        if step is None:
+            raise NeighborCkptError(f"NeMo resumes from {path}, whose name carries no step=N: cannot tell which "
+                                    f"iteration it restores. Keep NeMo's checkpoint filename pattern (it has step=)")
+        logger.warning("NeighborCheckpoint: NeMo loads its distributed checkpoint %s (step %d) next", path, step)
+        return step
+
     def _load_insurance(self) -> int | None:
         trainer = self._trainer
         files = self._insurance_files(trainer)
@@ -263,6 +280,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._apply_pending_rng()
+        if self.checkpointer is not None:
+            self.checkpointer.mark("forward")
 
     def _apply_pending_rng(self) -> None:
         if self._pending_rng is not None:
@@ -279,7 +298,18 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self.checkpointer is not None:
+            self.checkpointer.mark("backward")
             self.checkpointer.wait()
+
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.mark(PAUSED)  # no step tags during validation: the hang clock stops
+
+    @override
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.mark("validated")
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

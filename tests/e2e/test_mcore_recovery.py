@@ -96,3 +96,38 @@ def test_distributed_optimizer_snapshot_is_12_bytes_per_local_param_over_dp(
     for coord, ranks in by_coord.items():
         # The DP shards of one model-parallel slice partition it exactly: 12 bytes per param, no overlap.
         assert sum(f["plan"]["unique_tensor_bytes"] for f in ranks) == 12 * ranks[0]["local_params"], coord
+
+
+HANGS = {"distopt-rank2": {"victim": 2, "DIST_OPT": 1, "wipe": False},
+         "replicated-rank0-replaced-store": {"victim": 0, "DIST_OPT": 0, "wipe": True}}
+
+
+@pytest.mark.parametrize("case", list(HANGS))
+def test_hung_rank_is_detected_by_heartbeat_killed_and_the_job_resumes_bit_exact(
+        case: str, baselines: dict[str, RunResult], tmp_path: Path) -> None:
+    """A SIGSTOPped rank never fails a collective: its peers wait in the gradient collective of step 5 with their
+    main threads inside gloo. Their detector threads notice its silent heartbeat within the configured bound,
+    SIGKILL it (same machine) and leave; torchrun restarts the job at once instead of after the collective
+    timeout. Under the replicated optimizer the redundant state is backed up by the detector threads (the main
+    threads are blocked), and the hung rank, restarted with an empty store, loads it: bit-for-bit."""
+    c = HANGS[case]
+    victim = c["victim"]
+    cfg = tmp_path / "nckpt.yaml"
+    cfg.write_text("neighbor_ckpt:\n  detector:\n    interval_s: 0.5\n    timeout_s: 3\n")
+    base = baselines[f"{'distopt' if c['DIST_OPT'] else 'replicated'}/dp4"]
+    wipe = {"WIPE_RANKS": victim} if c["wipe"] else {}
+    res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=c["DIST_OPT"],
+                       KILL_RANK=victim, KILL_STEP=5, KILL_PHASE="forward", KILL_SIGNAL="SIGSTOP", NCKPT_CONFIG=cfg,
+                       timeout=300, **wipe)
+    assert res.returncode == 0, res.log[-6000:]
+    fault = json.loads((res.out / "fault.json").read_text())
+    assert fault["signal"] == "SIGSTOP" and fault["rank"] == victim
+    assert "neighbor_ckpt detected a failure (silent)" in res.log, res.log[-6000:]
+    assert f"SIGKILLed rank {victim}" in res.log
+    assert_same_training(base, res)
+    assert recomputed_steps(res) <= {5}
+    rep = res.report(victim, 1)
+    assert (rep["outcome"], rep["iteration"]) == ("restored", 4), rep
+    if not c["DIST_OPT"]:
+        assert "wrote lazy backup of iteration 4" in res.log
+        assert rep["lazy_bytes"] > 0 and rep["lazy_from"] not in (None, victim), rep

@@ -1,7 +1,8 @@
 """Test worker: runs ``recipes/mcore_gpt_plain_loop.py`` unmodified, after giving this rank its own store root.
 
 Environment: OUT_DIR, TEST_STORE_BASE, WIPE_RANKS (see ``common.setup_store_env``), STEPS, TP, PP,
-DIST_OPT (1|0), KILL_RANK, KILL_STEP, KILL_PHASE (forward|optimizer).
+DIST_OPT (1|0), KILL_RANK, KILL_STEP, KILL_PHASE (forward|optimizer), KILL_SIGNAL (SIGKILL|SIGSTOP),
+NCKPT_CONFIG (a YAML file with a neighbor_ckpt: section).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def main() -> None:
     if env.get("DIST_OPT", "1") == "0":
         argv.append("--no-dist-opt")
     if env.get("KILL_RANK"):
-        argv += ["--kill", f"{env['KILL_RANK']}:{env['KILL_STEP']}", "--kill-phase", env.get("KILL_PHASE", "optimizer")]
+        argv += ["--kill", f"{env['KILL_RANK']}:{env['KILL_STEP']}", "--kill-phase", env.get("KILL_PHASE", "optimizer"),
+                 "--kill-signal", env.get("KILL_SIGNAL", "SIGKILL")]
+    if env.get("NCKPT_CONFIG"):
+        argv += ["--config", env["NCKPT_CONFIG"]]
     spec = importlib.util.spec_from_file_location("mcore_gpt_plain_loop", RECIPE)
     assert spec is not None and spec.loader is not None  # noqa: S101 - the file is in this repository
     recipe = importlib.util.module_from_spec(spec)

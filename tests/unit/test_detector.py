@@ -1,0 +1,192 @@
+"""The failure detector: its pure decisions with an injected clock, and its thread against a real c10d TCPStore in
+one process (the peers are keys this test writes, the way other ranks' threads would)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.detector import (EXIT_FAILURE_DETECTED, PAUSED, Failure, FailureDetector, ProgressClock, Watch,
+                                    local_ranks_from_env, os_instance, watched_ranks)
+from neighbor_ckpt.errors import ConfigError
+from tests.conftest import free_port
+
+# -- pure decisions -----------------------------------------------------------------------------------------
+
+
+def test_watch_declares_a_rank_silent_only_after_its_beat_stops_changing_for_the_timeout() -> None:
+    w = Watch((1, 2), timeout_s=3.0, now=0.0)
+    for t in range(0, 10):
+        w.observe(1, f"{t} 0 4 forward", float(t))  # rank 1 beats every second
+        w.observe(2, "7 0 4 forward", float(t))  # rank 2 is stuck on beat 7 since t=0
+        silent = dict(w.silent(float(t)))
+        assert 1 not in silent
+        assert (2 in silent) == (t > 3), (t, silent)
+    assert dict(w.silent(9.0))[2] == pytest.approx(9.0)
+
+
+def test_watch_counts_a_never_seen_rank_from_its_own_start_and_stops_watching_a_finished_one() -> None:
+    w = Watch((3,), timeout_s=2.0, now=10.0)
+    w.observe(3, None, 11.0)
+    assert w.silent(12.0) == []
+    assert [r for r, _ in w.silent(12.5)] == [3]
+    w.observe(3, "done", 13.0)
+    assert w.silent(100.0) == [] and w.done == {3}
+
+
+def test_progress_clock_is_armed_by_the_first_iteration_and_stopped_while_paused() -> None:
+    c = ProgressClock(5.0)
+    c.observe((1, None, "startup"), 0.0)
+    assert c.stalled(100.0) is None, "model build and recovery are not steps"
+    c.observe((2, 0, "done"), 100.0)
+    assert c.stalled(104.0) is None and c.stalled(106.0) == pytest.approx(6.0)
+    c.observe((3, 0, "forward"), 106.0)
+    assert c.stalled(110.0) is None
+    c.observe((4, 0, PAUSED), 110.0)
+    assert c.stalled(1000.0) is None, "validation does not count"
+    assert ProgressClock(None).stalled(1e9) is None
+
+
+@pytest.mark.parametrize(("rank", "world", "local", "expected"), [
+    (0, 4, (0, 1, 2, 3), (1, 2, 3)),
+    (0, 8, (0, 1, 2, 3), (1, 2, 3, 7)),  # predecessor 7 is on the other node
+    (5, 8, (4, 5, 6, 7), (4, 6, 7)),
+    (0, 1, (0,), ()),
+])
+def test_every_rank_watches_its_ring_predecessor_and_its_node(rank: int, world: int, local: tuple[int, ...],
+                                                              expected: tuple[int, ...]) -> None:
+    assert watched_ranks(rank, world, local) == expected
+
+
+def test_every_rank_is_watched_by_someone_on_any_layout() -> None:
+    for world in (2, 3, 8, 16):
+        for per_node in (1, 2, 4, 8):
+            watchers: set[int] = set()
+            for rank in range(world):
+                first = rank - rank % per_node
+                local = tuple(r for r in range(first, first + per_node) if r < world)
+                watchers.update(watched_ranks(rank, world, local))
+            assert watchers == set(range(world)), (world, per_node)
+
+
+def test_local_ranks_come_from_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert local_ranks_from_env(5, 8) == (4, 5, 6, 7)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert local_ranks_from_env(5, 8) == (5,)
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"timeout_s": 1.0, "interval_s": 1.0}, "must exceed detector.interval_s"),
+    ({"interval_s": 0}, "neighbor_ckpt.detector.interval_s"),
+    ({"hang_timeout_s": -1}, "neighbor_ckpt.detector.hang_timeout_s"),
+    ({"timeout": 3}, "neighbor_ckpt.detector.timeout"),
+])
+def test_bad_detector_settings_are_one_line_config_errors(section: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        NeighborCkptConfig.from_dict({"detector": section})
+
+
+# -- the thread against a real TCPStore --------------------------------------------------------------------------
+
+
+class _Exit(Exception):
+    pass
+
+
+class Harness:
+    """Rank 1 of a 4-rank "job" whose other ranks are keys written by the test."""
+
+    def __init__(self, *, hang_timeout_s: float | None = None) -> None:
+        self.server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=5))
+        self.client = dist.TCPStore("127.0.0.1", self.server.port, is_master=False, timeout=timedelta(seconds=2))
+        self.tag: tuple[int, int | None, str] = (0, None, "startup")
+        self.failures: list[Failure] = []
+        self.exits: list[int] = []
+        self.exited = threading.Event()
+        for r in (0, 2, 3):
+            self.beat(r, 0)
+        self.det = FailureDetector(self.client, prefix="neighbor_ckpt/job/0", rank=1, world_size=4,
+                                   local_ranks=(0, 1, 2, 3), node=os_instance(), progress=lambda: self.tag,
+                                   on_failure=self.failures.append, interval_s=0.1, timeout_s=0.6,
+                                   hang_timeout_s=hang_timeout_s, exit=self._exit)
+
+    def _exit(self, code: int) -> None:
+        self.exits.append(code)
+        self.exited.set()
+
+    def beat(self, rank: int, n: int) -> None:
+        self.server.set(f"neighbor_ckpt/job/0/hb/{rank}", f"{n} 0 3 forward")
+
+    def run_peers(self, beating: tuple[int, ...], seconds: float) -> None:
+        end, n = time.monotonic() + seconds, 1
+        while time.monotonic() < end and not self.exited.is_set():
+            for r in beating:
+                self.beat(r, n)
+            n += 1
+            time.sleep(0.05)
+
+
+def test_detector_acts_once_when_a_watched_rank_goes_silent() -> None:
+    h = Harness()
+    h.det.start()
+    h.run_peers((0, 2, 3), 1.0)
+    assert h.exits == [] and h.failures == [], "beating peers are not a failure"
+    h.run_peers((0, 3), 5.0)  # rank 2 stops (SIGSTOP)
+    assert h.exited.wait(5)
+    (f,) = h.failures
+    assert (f.kind, f.ranks) == ("silent", (2,)) and h.exits == [EXIT_FAILURE_DETECTED]
+    rec = json.loads(h.server.get("neighbor_ckpt/job/0/failed/1"))
+    assert rec == {"by": 1, "kind": "silent", "ranks": [2], "reason": f.reason}, "announced to every rank"
+    info = json.loads(h.server.get("neighbor_ckpt/job/0/info/1"))
+    assert info["pid"] == os.getpid()
+
+
+def test_detector_follows_a_failure_another_rank_announced() -> None:
+    h = Harness()
+    h.det.start()
+    h.server.set("neighbor_ckpt/job/0/failed/1", json.dumps({"by": 3, "kind": "silent", "ranks": [7],
+                                                            "reason": "rank(s) [7] sent no heartbeat"}))
+    h.server.add("neighbor_ckpt/job/0/failed_n", 1)
+    h.run_peers((0, 2, 3), 3.0)
+    assert h.exited.is_set()
+    (f,) = h.failures
+    assert (f.kind, f.ranks) == ("reported", (7,)) and "rank 3: rank(s) [7]" in f.reason
+
+
+def test_detector_leaves_when_its_own_progress_stops_during_training() -> None:
+    h = Harness(hang_timeout_s=0.5)
+    h.tag = (5, 3, "backward")
+    h.det.start()
+    h.run_peers((0, 2, 3), 4.0)
+    (f,) = h.failures
+    assert f.kind == "hung" and f.ranks == () and "iteration 3 (backward)" in f.reason
+
+
+def test_detector_declares_the_store_failed_when_it_stops_answering() -> None:
+    h = Harness()
+    h.det.start()
+    h.run_peers((0, 2, 3), 0.5)
+    del h.server  # the store host dies (rank 0 under torchrun restarts, the agent otherwise)
+    assert h.exited.wait(10)
+    (f,) = h.failures
+    assert f.kind == "store" and "did not answer" in f.reason
+
+
+def test_a_finished_rank_is_not_a_failure_and_stop_publishes_done() -> None:
+    h = Harness()
+    h.det.start()
+    h.server.set("neighbor_ckpt/job/0/hb/2", "done")
+    h.run_peers((0, 3), 2.0)
+    h.det.stop(done=True)
+    assert h.failures == [] and h.exits == []
+    assert h.server.get("neighbor_ckpt/job/0/hb/1") == b"done"
