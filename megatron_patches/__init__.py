@@ -8,7 +8,9 @@
   "training traffic in flight" signal from mcore DDP collectives; :mod:`megatron_patches.hooks` — both at once;
 * :mod:`megatron_patches.groups` — the DP group and (TP, PP) coordinate mcore created;
 * :mod:`megatron_patches.optimizer_state` / :mod:`megatron_patches.rng` — where mcore optimizers keep each
-  rank's state, and mcore's RNG tracker streams (read-only access used by the Megatron adapter).
+  rank's state, and mcore's RNG tracker streams (read-only access used by the Megatron adapter);
+* :mod:`megatron_patches.distopt_load` — loading a distributed-optimizer checkpoint into an fp32 model under
+  ``no_grad`` (NeMo's disk resume, our insurance fallback).
 
 ``import megatron_patches`` imports neither megatron nor NeMo.
 """

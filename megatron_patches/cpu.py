@@ -431,6 +431,8 @@ PATCHED_ATTRIBUTES: tuple[_Attr, ...] = (
     _Attr("torch.cuda", "current_device", _const(_current_device), "device=torch.cuda.current_device() everywhere"),
     _Attr("torch.cuda", "set_device", _const(_set_device),
           "training scripts' torch.cuda.set_device(local_rank); nemo/lightning/fabric/strategies.py"),
+    _Attr("torch.cuda", "is_initialized", _const(lambda: True),
+          "nemo/lightning/io/pl.py:_fix_tensors_device asserts it when NeMo resumes from its disk checkpoint"),
     _Attr("torch.cuda", "synchronize", _const(_synchronize),
           "pipeline_parallel/p2p_communication.py (every PP send/recv), parallel_state.py, timers.py"),
     _Attr("torch.cuda", "Stream", _const(_Stream),

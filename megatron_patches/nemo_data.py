@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["megatron_data_sampler", "consumed_samples", "resume_consumed_samples"]
+__all__ = ["megatron_data_sampler", "consumed_samples", "resume_consumed_samples", "steps_for_consumed_samples"]
 
 
 def megatron_data_sampler(trainer: Any) -> Any:
@@ -28,6 +28,16 @@ def consumed_samples(trainer: Any) -> int | None:
     if sampler is None:
         return None
     return int(sampler.compute_consumed_samples(trainer.global_step - getattr(sampler, "init_global_step", 0)))
+
+
+def steps_for_consumed_samples(trainer: Any, consumed: int) -> int | None:
+    """Optimizer steps that consumed ``consumed`` samples at a constant global batch (None: no Megatron sampler,
+    a batch-size ramp-up, or a count that is not a whole number of global batches)."""
+    sampler = megatron_data_sampler(trainer)
+    gbs = getattr(sampler, "global_batch_size", None)
+    if sampler is None or not gbs or getattr(sampler, "rampup_batch_size", None) or consumed % gbs:
+        return None
+    return consumed // gbs
 
 
 def resume_consumed_samples(trainer: Any, consumed: int) -> bool:

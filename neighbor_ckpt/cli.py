@@ -10,6 +10,8 @@
 * ``neighbor-ckpt demo [...]``: the 4-rank kill-and-recover demo (``scripts/demo``).
 * ``neighbor-ckpt bench [...]``: the micro-benchmark (``scripts/bench``); ``bench --compare [...]``: step time with
   neighbor_ckpt vs torch DCP, mcore dist_checkpointing, Lightning and NVRx local checkpointing (BENCHMARKS.md).
+* ``neighbor-ckpt campaign [--faults N --seed S]``: randomized faults against the tiny mcore GPT recipe on 4 CPU
+  ranks; every case compared bit for bit with a failure-free run (README, "Fault campaign").
 """
 
 from __future__ import annotations
@@ -130,7 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("demo", help="4 CPU ranks, a real kill and a bit-exact recovery", add_help=False)
     sub.add_parser("bench", help="micro-benchmark; --compare: side by side with DCP, mcore, Lightning, NVRx",
                    add_help=False)
+    sub.add_parser("campaign", help="randomized faults (kill, hang, replaced store, damaged snapshot) and a table",
+                   add_help=False)
     args, rest = ap.parse_known_args(argv)
+    if args.cmd == "campaign":
+        from neighbor_ckpt.bench import campaign
+
+        return campaign.main(rest)
     if args.cmd == "demo":
         from neighbor_ckpt import demo
 

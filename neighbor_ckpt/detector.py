@@ -11,8 +11,8 @@ rank runs one daemon thread that, every ``interval_s``:
   the job's failure count: one ``multi_get`` and one ``add``;
 * watches its own progress tag: no new tag for ``hang_timeout_s`` during training means this rank, or the
   collective it waits in, is stuck;
-* wakes up at once when the launcher's SIGTERM arrives (``signal.set_wakeup_fd``), even if the main thread
-  sits in C++ and its Python handler cannot run.
+* wakes up at once when the launcher's SIGTERM arrives (``signal.set_wakeup_fd``) and writes the lazy backup, even
+  if the main thread sits in C++ and its Python handler cannot run before the launcher's grace period ends.
 
 On a failure it announces it in the store (every other rank learns it within one interval), writes the lazy
 backup of the redundant state from this thread (the checkpointer refuses weights from inside an optimizer step
@@ -359,11 +359,10 @@ class FailureDetector:
             for r in failure.ranks:
                 self._kill_if_local(r)
         if failure.kind == "sigterm":
-            # The main thread's handler runs as soon as it returns to Python; give it the chance, then leave.
-            time.sleep(min(2.0, self.interval_s * 2))
-            code = 128 + signal.SIGTERM
-        else:
-            code = EXIT_FAILURE_DETECTED
+            # The backup is written; stopping the process is the launcher's business (its handler on the main thread
+            # runs as soon as that thread is back in Python, or the launcher's SIGKILL ends the grace period).
+            return
+        code = EXIT_FAILURE_DETECTED
         logger.error("rank %d: leaving with exit status %d so the launcher restarts the job", self.rank, code)
         for h in logging.getLogger().handlers:
             try:

@@ -14,7 +14,9 @@ optimizer: the lazy-backup path), ``--steps``, ``--out DIR`` (per-rank losses, r
 final fingerprints as JSON), ``--config FILE`` (a YAML file whose ``neighbor_ckpt:`` section configures the
 checkpointer). Fault injection for demos and tests, first attempt only: ``--kill RANK:STEP`` signals that rank,
 ``--kill-phase forward|optimizer`` says where in the step (default: inside the optimizer step, after the wait
-point), ``--kill-signal SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when).
+point), ``--kill-signal SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when); on the restart,
+``--replace-store`` gives that rank an empty host store (a replaced node) and ``--damage bitflip|truncate|header``
+damages its newest own snapshot (see :mod:`neighbor_ckpt.chaos`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill", default=None, metavar="RANK:STEP", help="SIGKILL RANK at STEP (first attempt only)")
     ap.add_argument("--kill-phase", choices=("forward", "optimizer"), default="optimizer")
     ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP"), default="SIGKILL")
+    ap.add_argument("--replace-store", action="store_true", help="the killed rank restarts with an empty host store")
+    ap.add_argument("--damage", choices=("bitflip", "truncate", "header"), default=None,
+                    help="on the restart, damage the killed rank's newest own snapshot")
     ap.add_argument("--config", type=Path, default=None, help="YAML file with a neighbor_ckpt: section")
     return ap.parse_args(argv)
 
@@ -143,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
     if args.job_id:
         nc_config.job_id = args.job_id
+    if kill is not None and kill[0] == RANK and ATTEMPT == 1:
+        _damage_own_store(nc_config, args)
     ckpt = NeighborCheckpointer(nc_config,
                                 adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
                                 dp_group=groups.dp_group, model_parallel_coord=groups.coord)
@@ -225,6 +232,20 @@ def fault(rec: Recorder, args: argparse.Namespace, phase: str) -> None:
     rec.json("fault.json", {"rank": RANK, "step": int(args.kill.split(":")[1]), "phase": phase,
                             "signal": args.kill_signal, "unix": time.time()})
     os.kill(os.getpid(), getattr(signal, args.kill_signal))
+
+
+def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
+    """Fault injection on the first restart of the killed rank: a replaced node, or a damaged newest snapshot."""
+    import shutil
+
+    from neighbor_ckpt.chaos import damage_newest_slot
+    from neighbor_ckpt.store import rank_dir
+
+    own = rank_dir(config.resolved_store_dir(), config.resolved_job_id(), RANK)
+    if args.replace_store:
+        shutil.rmtree(own, ignore_errors=True)
+    if args.damage:
+        damage_newest_slot(own, args.damage)
 
 
 def _kill_inside_optimizer_step(optimizer: Any, ckpt: Any, at_step: int, kill: Any) -> None:

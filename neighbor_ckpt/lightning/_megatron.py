@@ -33,9 +33,11 @@ class MegatronSetup:
 
 def megatron_setup(trainer: Any) -> MegatronSetup:
     from megatron_patches import check_versions, mcore_groups
+    from megatron_patches.distopt_load import fix_fp32_distopt_load
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
 
     check_versions(require_nemo=True)
+    fix_fp32_distopt_load()  # so that falling back to NeMo's disk checkpoint works for fp32 models too
     optimizers = trainer.strategy.optimizers
     if len(optimizers) != 1:
         raise NeighborCkptError(f"NeighborCheckpoint supports exactly one optimizer, MegatronStrategy has "

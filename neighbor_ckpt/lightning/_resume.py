@@ -19,14 +19,21 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["disk_checkpoint_step", "skip_pending_disk_restore"]
+__all__ = ["disk_checkpoint_step", "disk_checkpoint_consumed_samples", "skip_pending_disk_restore"]
 
 _STEP_RE = re.compile(r"step[=_-]?(\d+)")
+_CONSUMED_RE = re.compile(r"consumed_samples=(\d+)(?:\.0)?(?!\d)")
 
 
 def disk_checkpoint_step(path: Any) -> int | None:
     """The global step a checkpoint path names (NeMo: ``...-step=99-...``, ours: ``...step99.ckpt``), or None."""
     found = _STEP_RE.findall(str(path))
+    return int(found[-1]) if found else None
+
+
+def disk_checkpoint_consumed_samples(path: Any) -> int | None:
+    """The consumed-samples count a NeMo checkpoint path names (``...-consumed_samples=24.0-...``), or None."""
+    found = _CONSUMED_RE.findall(str(path))
     return int(found[-1]) if found else None
 
 

@@ -54,7 +54,8 @@ from neighbor_ckpt.launch import prepare_torchrun_restart
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup
-from neighbor_ckpt.lightning._resume import disk_checkpoint_step, skip_pending_disk_restore
+from neighbor_ckpt.lightning._resume import (disk_checkpoint_consumed_samples, disk_checkpoint_step,
+                                              skip_pending_disk_restore)
 from neighbor_ckpt.report import resolve_status_interval
 from neighbor_ckpt.rng import capture_rng, restore_rng
 from neighbor_ckpt.timeline import RecoveryTimeline
@@ -248,9 +249,15 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         if not path:
             return None
         step = disk_checkpoint_step(path)
+        consumed = disk_checkpoint_consumed_samples(path)
+        if step is None and consumed is not None:
+            from megatron_patches.nemo_data import steps_for_consumed_samples
+
+            step = steps_for_consumed_samples(self._trainer, consumed)
         if step is None:
-            raise NeighborCkptError(f"NeMo resumes from {path}, whose name carries no step=N: cannot tell which "
-                                    f"iteration it restores. Keep NeMo's checkpoint filename pattern (it has step=)")
+            raise NeighborCkptError(f"NeMo resumes from {path}, whose name carries neither step=N nor a whole number "
+                                    f"of global batches in consumed_samples=: cannot tell which iteration it "
+                                    f"restores. Keep {{step}} or {{consumed_samples}} in ModelCheckpoint's filename")
         logger.warning("NeighborCheckpoint: NeMo loads its distributed checkpoint %s (step %d) next", path, step)
         return step
 

@@ -64,3 +64,23 @@ def test_nemo_autoresume_of_an_older_disk_checkpoint_does_not_roll_back_the_in_m
     assert "exitcode: -9" in res.log, "the kill did not happen"
     _assert_recovered(base, res, distributed_optimizer=True)
     assert "skipping the disk restore of" in res.log
+
+
+def test_nemo_losing_a_rank_and_its_successor_falls_back_to_nemos_disk_checkpoint(tmp_path: Path) -> None:
+    """Rank 1 and its ring successor (rank 2) both come back with empty host stores: no complete in-memory version
+    exists. The callback says so in one line and lets NeMo's AutoResume load its distributed checkpoint of step 3;
+    the run re-trains steps 3..7 and finishes. Nothing from the host store is loaded."""
+    env = dict(CASES["distopt-dp4"], STEPS=STEPS, DISK_EVERY=3)
+    res = run_torchrun("train_nemo.py", tmp_path / "fault", max_restarts=1, KILL_RANK=1, KILL_STEP=5,
+                       WIPE_RANKS="1,2", **env)
+    assert res.returncode == 0, res.log[-6000:]
+    assert "exitcode: -9" in res.log, "the kill did not happen"
+    assert "falling back to the insurance checkpoint of iteration 3 because" in res.log, res.log[-6000:]
+    assert "NeMo loads its distributed checkpoint" in res.log
+    for rank in range(4):
+        rep = res.report(rank, 1)
+        assert (rep["outcome"], rep["iteration"]) == ("insurance", 3), rep
+        assert rep["pulled_bytes"] == 0 and rep["lazy_bytes"] == 0
+    # The steps after the disk checkpoint that the first attempt had trained (step 5 on the ranks that logged it).
+    assert {3, 4} <= recomputed_steps(res) <= {3, 4, 5}
+    assert res.final(0)["global_step"] == STEPS

@@ -136,6 +136,22 @@ class Harness:
             time.sleep(0.05)
 
 
+@pytest.fixture(autouse=True)
+def _stop_detectors(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """Every harness's detector is stopped after its test (it owns the process's SIGTERM wake-up fd)."""
+    made: list[Harness] = []
+    original = Harness.__init__
+
+    def init(self: Harness, **kw: object) -> None:
+        original(self, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(Harness, "__init__", init)
+    yield
+    for h in made:
+        h.det.stop(done=False)
+
+
 def test_detector_acts_once_when_a_watched_rank_goes_silent() -> None:
     h = Harness()
     h.det.start()
@@ -190,3 +206,26 @@ def test_a_finished_rank_is_not_a_failure_and_stop_publishes_done() -> None:
     h.det.stop(done=True)
     assert h.failures == [] and h.exits == []
     assert h.server.get("neighbor_ckpt/job/0/hb/1") == b"done"
+
+
+def test_sigterm_wakes_the_detector_thread_which_backs_up_and_leaves_the_exit_to_the_launcher() -> None:
+    """The launcher's SIGTERM reaches the detector thread through the wake-up fd even when the main thread cannot
+    run Python (here it sleeps in C); the thread writes the backup at once and does not exit the process."""
+    import signal
+
+    h = Harness()
+    seen: list[int] = []
+    prev = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        h.det.start()  # on the main thread: owns the wake-up fd
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not h.failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (f,) = h.failures
+        assert f.kind == "sigterm" and h.exits == []
+        assert seen == [signal.SIGTERM], "the Python handler still runs"
+        h.det.stop(done=False)
+        assert signal.set_wakeup_fd(-1) == -1, "stop() gave the wake-up fd back"
+    finally:
+        signal.signal(signal.SIGTERM, prev)

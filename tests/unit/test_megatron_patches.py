@@ -396,3 +396,30 @@ def test_traffic_hooks_close_the_gate_during_collectives_wait_first_and_are_reve
     hooks.remove()
     hooks.remove()
     assert all(Group.__dict__[n] is before[n] for n in names)
+
+
+def test_fp32_distopt_load_patch_runs_the_state_copy_without_autograd_and_is_reversible() -> None:
+    """The copy mcore 0.15 does into fp32 main params (views of leaf parameters) fails with autograd on; under the
+    patch it runs under no_grad, once per process, and remove() puts the original back."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_patches.distopt_load import fix_fp32_distopt_load, without_autograd
+
+    leaf = torch.nn.Parameter(torch.zeros(8))
+
+    def copy_into_main_param(src: torch.Tensor) -> None:  # what mcore's method body does
+        leaf.view(-1)[2:6].copy_(src)
+
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        copy_into_main_param(torch.ones(4))
+    without_autograd(copy_into_main_param)(torch.ones(4))
+    assert leaf.detach().tolist() == [0, 0, 1, 1, 1, 1, 0, 0] and leaf.requires_grad
+
+    original = DistributedOptimizer.__dict__["_set_main_param_and_optimizer_states"]
+    patch = fix_fp32_distopt_load()
+    try:
+        assert fix_fp32_distopt_load() is patch
+        assert DistributedOptimizer.__dict__["_set_main_param_and_optimizer_states"].__wrapped__ is original
+    finally:
+        patch.remove()
+    assert DistributedOptimizer.__dict__["_set_main_param_and_optimizer_states"] is original

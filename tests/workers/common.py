@@ -92,28 +92,10 @@ def append_jsonl(path: Path, obj: Any) -> None:
 
 
 def flip_byte_in_newest_own_slot(rank: int) -> None:
-    """Corrupt one byte of this rank's newest committed own snapshot (payload, else extras): what a bit flip in
+    """Corrupt one bit of this rank's newest committed own snapshot (payload, else extras): what a bit flip in
     host memory would do. Runs before recovery on a restart."""
-    from neighbor_ckpt.store import HostStore, SlotFile
+    from neighbor_ckpt.chaos import damage_newest_slot
 
-    root = Path(os.environ["NEIGHBOR_CKPT_STORE_DIR"])
-    slots = []
-    for p in root.glob(f"*/*/rank{rank}/own.*.slot"):
-        s = SlotFile.open(p)
-        try:
-            slots.append((s.read_header().iteration, p))
-        except Exception:  # noqa: BLE001 - uncommitted slot
-            pass
-        s.close()
-    iteration, path = max(slots)
-    s = SlotFile.open(path)
-    hdr = s.read_header()
-    off = s.payload_off if hdr.payload_nbytes else s.extras_off + hdr.extras_nbytes - 1
-    s.close()
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x01]))
-    print(f"[test] flipped byte {off} of {path} (iteration {iteration})", flush=True)
-    del HostStore
+    (rank_dir,) = Path(os.environ["NEIGHBOR_CKPT_STORE_DIR"]).glob(f"*/*/rank{rank}")
+    iteration, path = damage_newest_slot(rank_dir, "bitflip")
+    print(f"[test] flipped a bit of {path} (iteration {iteration})", flush=True)
