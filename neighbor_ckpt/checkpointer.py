@@ -61,6 +61,9 @@ from neighbor_ckpt.transport import GlooRingTransport, TrafficGate
 
 logger = logging.getLogger(__name__)
 
+RESTORE_JOURNAL = "restoring.json"
+"""In a rank's store directory while a restored state has not yet completed a step (restart-loop guard)."""
+
 __all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader"]
 
 InsuranceLoader = Callable[[], "int | None"]
@@ -158,6 +161,7 @@ class NeighborCheckpointer:
             process_group_ready=group_ready)
         """Status line, metrics and recovery timeline; the Lightning callback attaches the trainer's."""
         self._first_snapshot: int | None = None
+        self._journal_open = False
         self._failure_noticed: float | None = None
         self._closed = False
         self._backed_up = False
@@ -241,7 +245,7 @@ class NeighborCheckpointer:
             report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group,
                                             layout=self.layout(),
                                             chunk_bytes=int(self.config.transport.chunk_mb * 2**20),
-                                            on_phase=progress.phase)
+                                            on_phase=progress.phase, failed_iterations=self._failed_restores())
             self.last_report = report
             if restored is not None:
                 progress.phase("restore")
@@ -251,6 +255,7 @@ class NeighborCheckpointer:
                 result = self._fall_back(report)
             else:
                 self._drop_newer(None)
+                self._clear_journal()
                 report.phases["total"] = time.perf_counter() - t0
                 logger.info("rank %d: neighbor_ckpt: fresh start (%s)", self.topology.rank, report.reason)
                 return RecoveryResult(report, None)
@@ -262,6 +267,7 @@ class NeighborCheckpointer:
     def _restore(self, report: RecoveryReport, restored: Restored, t0: float) -> RecoveryResult:
         t1 = time.perf_counter()
         extras = restored.extras
+        self._write_journal(restored.iteration)
         self.adapter.load(restored.tensors, extras["adapter"])
         self.adapter.regenerate(self.dp_group)
         if self.capture_rng_state and "rng" in extras:
@@ -305,13 +311,55 @@ class NeighborCheckpointer:
         report.iteration = it
         self.last_iteration = it
         self._drop_newer(None)
+        self._clear_journal()
         return RecoveryResult(report, it)
 
     def _drop_newer(self, keep: int | None) -> None:
-        """After a restore (or a fallback) no other version may be mistaken for this timeline."""
-        self.store.invalidate_except(ROLE_OWN, keep)
-        self.store.invalidate_except(ROLE_REPLICA, keep)
-        self.store.invalidate_except(ROLE_LAZY, None)
+        """After a restore (or a fallback) no newer version may be mistaken for this timeline; older ones are its
+        history and stay (the next choice if the restored one fails)."""
+        self.store.invalidate_after(ROLE_OWN, keep)
+        self.store.invalidate_after(ROLE_REPLICA, keep)
+        self.store.invalidate_after(ROLE_LAZY, None)
+
+    # A restore in progress: written before the restored state is loaded, removed when the first step after it
+    # completes. Found by the next attempt, it means that state failed once: it is never chosen again.
+
+    def _journal_path(self) -> Path:
+        return self.store.dir / RESTORE_JOURNAL
+
+    def _failed_restores(self) -> frozenset[int]:
+        """Collective: iterations that any rank's previous attempt restored and then died before a step ended."""
+        mine = -1
+        path = self._journal_path()
+        try:
+            mine = int(json.loads(path.read_text())["iteration"])
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("rank %d: ignoring unreadable restore journal %s: %s", self.topology.rank, path, e)
+        flags = [torch.tensor([mine], dtype=torch.int64) for _ in range(self.topology.world_size)]
+        dist.all_gather(flags, torch.tensor([mine], dtype=torch.int64), group=self.group)
+        failed = frozenset(int(f.item()) for f in flags if int(f.item()) >= 0)
+        if failed:
+            logger.warning("rank %d: iteration(s) %s were restored by the previous attempt, which died before "
+                           "completing a step after them: they are not chosen again", self.topology.rank,
+                           sorted(failed))
+        return failed
+
+    def _write_journal(self, iteration: int) -> None:
+        path = self._journal_path()
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps({"iteration": iteration, "attempt": _restart_count()}).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._journal_open = True
+
+    def _clear_journal(self) -> None:
+        self._journal_open = False
+        self._journal_path().unlink(missing_ok=True)
 
     # -- per iteration ---------------------------------------------------------------------------------
 
@@ -398,6 +446,8 @@ class NeighborCheckpointer:
         if self.capture_rng_state:
             extras["rng"] = capture_rng()
         self.engine.snapshot(iteration, extras)
+        if self._journal_open:
+            self._clear_journal()  # a step completed after the restore: that state did not fail
         if self.plan is not None and self.plan.has_lazy:
             # Survivors back up their weights as of their last optimizer step. For a lost rank's state to
             # match them, its snapshot of this iteration must reach the successor before it moves on. Under
@@ -472,7 +522,7 @@ class NeighborCheckpointer:
                                 payload_bytes=self.plan.lazy_bytes, iteration=iteration, layout=self._layout,
                                 meta={"dp_group": min(self.topology.dp_ranks), "reason": reason[:200]})
         if background and self._weights_seq != seq:
-            self.store.invalidate_except(ROLE_LAZY, None)
+            self.store.invalidate_after(ROLE_LAZY, None)
             logger.warning("rank %d: discarded the lazy backup of iteration %d: the training thread entered another "
                            "step phase while it was written", self.topology.rank, iteration)
             return False

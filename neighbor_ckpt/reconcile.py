@@ -55,8 +55,11 @@ class RecoveryDecision:
         return self.iteration is not None
 
 
-def reconcile(table: Sequence[RankVersions], exclude: frozenset[tuple[int, int, str]] = frozenset()) -> RecoveryDecision:
-    """Pick the target iteration. ``exclude`` holds (rank, iteration, source) that failed verification."""
+def reconcile(table: Sequence[RankVersions], exclude: frozenset[tuple[int, int, str]] = frozenset(),
+              failed_iterations: frozenset[int] = frozenset()) -> RecoveryDecision:
+    """Pick the target iteration. ``exclude`` holds (rank, iteration, source) that failed verification;
+    ``failed_iterations`` the iterations a previous attempt restored and then died before completing a step
+    (never chosen again: no restart loop)."""
     by_rank = {r.rank: r for r in table}
     holder_of = {r.successor: r.rank for r in table}  # successor -> owner; replica of owner lives there
     groups: dict[int, list[RankVersions]] = {}
@@ -72,6 +75,10 @@ def reconcile(table: Sequence[RankVersions], exclude: frozenset[tuple[int, int, 
 
     why_not: dict[int, str] = {}
     for it in sorted(candidates, reverse=True):
+        if it in failed_iterations:
+            why_not[it] = (f"iteration {it} was restored by a previous attempt that died before completing a step "
+                           f"after it; a state that failed once is not chosen again")
+            continue
         sources: dict[int, str] = {}
         missing = None
         for r in table:

@@ -169,10 +169,11 @@ def _no_progress(phase: str) -> None:
 
 
 def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGroup, layout: str,
-                 chunk_bytes: int, on_phase: Callable[[str], None] = _no_progress
-                 ) -> tuple[RecoveryReport, Restored | None]:
+                 chunk_bytes: int, on_phase: Callable[[str], None] = _no_progress,
+                 failed_iterations: frozenset[int] = frozenset()) -> tuple[RecoveryReport, Restored | None]:
     """Collective over ``group`` (all ranks). Returns the report and, if restorable, the validated version.
-    ``on_phase`` is told the name of each phase as it starts (progress display)."""
+    ``on_phase`` is told the name of each phase as it starts (progress display); ``failed_iterations`` (the same
+    on every rank) are never chosen."""
     rep = RecoveryReport()
     on_phase("inventory")
     t0 = time.perf_counter()
@@ -197,7 +198,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
     exclude: frozenset[tuple[int, int, str]] = frozenset()
     transfer_s = verify_s = 0.0
     for _ in range(_MAX_ROUNDS):
-        decision = reconcile(table, exclude)
+        decision = reconcile(table, exclude, failed_iterations)
         rep.decision = decision
         if not decision.recoverable:
             rep.outcome, rep.reason = "insurance", decision.reason

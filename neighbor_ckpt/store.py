@@ -419,8 +419,8 @@ class HostStore:
             raise ValueError(f"every {role} slot holds an iteration in {sorted(keep or ())}; nothing may be overwritten")
         return best
 
-    def invalidate_except(self, role: str, keep_iteration: int | None) -> None:
-        """Invalidate every committed slot of ``role`` except the one holding ``keep_iteration``."""
+    def invalidate_after(self, role: str, iteration: int | None) -> None:
+        """Invalidate every committed slot of ``role`` newer than ``iteration`` (None: all of them)."""
         for i in range(self.versions):
             s = self.slot(role, i)
             if s is None:
@@ -429,7 +429,7 @@ class HostStore:
                 it = s.read_header().iteration
             except (SnapshotCorruptError, SnapshotMismatchError):
                 continue
-            if it != keep_iteration:
+            if iteration is None or it > iteration:
                 s.invalidate()
 
     def close(self) -> None:

@@ -157,3 +157,43 @@ def _host_memory_refused(rank: int, world: int, tmp: Path) -> None:
 def test_host_memory_preflight_refuses_on_every_rank_before_allocating_anything(tmp_path: Path) -> None:
     _spawn(_host_memory_refused, tmp_path)
     assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]
+
+
+def _restart_loop(rank: int, world: int, tmp: Path) -> None:
+    from torch import nn
+
+    from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig
+    from neighbor_ckpt.adapters import TorchOptimizerAdapter
+
+    # Each rank its own DP group: its whole state is unique (snapshotted every step, no lazy backup needed).
+    groups = [dist.new_group([r]) for r in range(world)]
+
+    def attempt(n: int) -> NeighborCheckpointer:
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(n)
+        torch.manual_seed(0)
+        model = nn.Linear(16, 16)
+        opt = torch.optim.Adam(model.parameters())
+        cfg = NeighborCkptConfig.from_dict({"job_id": "loop", "store": {"dir": str(tmp / "store"),
+                                                                        "cleanup_on_success": False}})
+        return NeighborCheckpointer(cfg, adapter=TorchOptimizerAdapter(model, opt), dp_group=groups[rank],
+                                    handle_sigterm=False)
+
+    first = attempt(0)
+    assert not first.recover().restored
+    for it in range(3):
+        first.snapshot(it)
+    first.wait()
+    first.engine.drain()
+    second = attempt(1)  # "restarted": restores 2, then dies before completing a step (no snapshot, no close)
+    assert second.recover().iteration == 2
+    third = attempt(2)
+    res = third.recover()
+    assert res.iteration == 1, "the state that failed to restore is not chosen twice; its predecessor is"
+    third.snapshot(2)  # a step completes: the guard is lifted
+    assert not (third.store.dir / "restoring.json").exists()
+    third.close(success=True)
+
+
+def test_a_restored_state_whose_attempt_died_before_a_step_is_never_restored_again(tmp_path: Path) -> None:
+    _spawn(_restart_loop, tmp_path)
+    assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]

@@ -227,3 +227,13 @@ def test_rows_of_every_rank_have_the_same_size_for_all_gather():
     rows = table(ONE_GROUP, {0: {1}, 1: {1, 2}, 2: set(), 3: {2}}, lazy={0: {1}})
     assert len({encode_row(r, versions=3).shape for r in rows}) == 1
     assert [decode_row(encode_row(r, 3), 3) for r in rows] == rows
+
+
+def test_an_iteration_whose_restore_failed_on_the_previous_attempt_is_never_chosen_again():
+    """Restart-loop guard: 7 was restored and the attempt died before completing a step; 6 is chosen instead, and
+    with 6 gone too the decision is the insurance, with the reason, instead of 7 a second time."""
+    rows = table(ONE_GROUP, {r: {6, 7} for r in range(4)})
+    d = reconcile(rows, failed_iterations=frozenset({7}))
+    assert d.iteration == 6 and d.sources == {r: SOURCE_OWN for r in range(4)}
+    d = reconcile(table(ONE_GROUP, {r: {7} for r in range(4)}), failed_iterations=frozenset({7}))
+    assert not d.recoverable and "not chosen again" in d.reason

@@ -632,12 +632,14 @@ def test_writes_alternate_between_slots_and_keep_the_two_newest(store):
         assert got == list(range(max(1, it - 1), it + 1))
 
 
-def test_invalidate_except_keeps_only_the_given_iteration(store):
+def test_invalidate_after_drops_newer_versions_and_keeps_the_history(store):
     write(store, 6)
     write(store, 7)
-    store.invalidate_except(ROLE_OWN, 6)
+    store.invalidate_after(ROLE_OWN, 7)
+    assert sorted(r.header.iteration for r in store.committed(ROLE_OWN, verify=True)) == [6, 7]
+    store.invalidate_after(ROLE_OWN, 6)
     assert [r.header.iteration for r in store.committed(ROLE_OWN, verify=True)] == [6]
-    store.invalidate_except(ROLE_OWN, None)
+    store.invalidate_after(ROLE_OWN, None)
     assert list(store.committed(ROLE_OWN, verify=True)) == []
 
 
