@@ -253,6 +253,14 @@ class NeighborCheckpointer:
             elif report.outcome == "insurance":
                 progress.phase("insurance")
                 result = self._fall_back(report)
+            elif self.insurance is not None and _restart_count() > 0:
+                # A restart that finds no snapshot anywhere (every store lost) is not a fresh start if an insurance
+                # checkpoint exists: training must not silently begin again from step 0.
+                report.outcome = "insurance"
+                progress.phase("insurance")
+                result = self._fall_back(report, fresh_if_none=True)
+                if result.iteration is None:
+                    return result
             else:
                 self._drop_newer(None)
                 self._clear_journal()
@@ -295,13 +303,20 @@ class NeighborCheckpointer:
     def _events_path(self) -> Path:
         return self.store.dir / EVENTS_FILE
 
-    def _fall_back(self, report: RecoveryReport) -> RecoveryResult:
+    def _fall_back(self, report: RecoveryReport, *, fresh_if_none: bool = False) -> RecoveryResult:
         if self.insurance is None:
             raise NoRecoverableStateError(
                 f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "
                 f"checkpoint is configured. Nothing was loaded. Configure neighbor_ckpt.insurance.every_n_steps (or "
                 f"a ModelCheckpoint) so such failures resume from disk, or delete {self.store.job_dir} to start over.")
         it = self.insurance()
+        if it is None and fresh_if_none:
+            report.outcome = "fresh"
+            self._drop_newer(None)
+            self._clear_journal()
+            logger.info("rank %d: neighbor_ckpt: fresh start (%s; no insurance checkpoint yet)", self.topology.rank,
+                        report.reason)
+            return RecoveryResult(report, None)
         if it is None:
             raise NoRecoverableStateError(
                 f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "

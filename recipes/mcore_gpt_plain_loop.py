@@ -11,7 +11,8 @@ CUDA the recipe calls ``megatron_patches.enable_cpu()`` first (gloo, CPU tensors
 
 Options: ``--tp``/``--pp`` (model parallelism; DP = world / (TP x PP)), ``--no-dist-opt`` (replicated
 optimizer: the lazy-backup path), ``--steps``, ``--out DIR`` (per-rank losses, recovery report, plan and
-final fingerprints as JSON), ``--config FILE`` (a YAML file whose ``neighbor_ckpt:`` section configures the
+final fingerprints as JSON), ``--insurance-every N`` (a megatron-core distributed checkpoint every N steps,
+loaded only when no in-memory version is complete), ``--config FILE`` (a YAML file whose ``neighbor_ckpt:`` section configures the
 checkpointer). Fault injection for demos and tests, first attempt only: ``--kill RANK:STEP`` signals that rank,
 ``--kill-phase forward|optimizer`` says where in the step (default: inside the optimizer step, after the wait
 point), ``--kill-signal SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when); on the restart,
@@ -51,12 +52,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--overlap", action="store_true", help="overlap grad reduce-scatter and param all-gather")
     ap.add_argument("--job-id", default=None, help="host-store namespace (default: the launcher's run id)")
     ap.add_argument("--out", type=Path, default=None, help="write per-rank losses, report, plan and final state here")
-    ap.add_argument("--kill", default=None, metavar="RANK:STEP", help="SIGKILL RANK at STEP (first attempt only)")
+    ap.add_argument("--kill", default=None, metavar="RANK[,RANK]:STEP",
+                    help="signal these ranks at STEP (first attempt only)")
     ap.add_argument("--kill-phase", choices=("forward", "optimizer"), default="optimizer")
     ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP"), default="SIGKILL")
     ap.add_argument("--replace-store", action="store_true", help="the killed rank restarts with an empty host store")
     ap.add_argument("--damage", choices=("bitflip", "truncate", "header"), default=None,
                     help="on the restart, damage the killed rank's newest own snapshot")
+    ap.add_argument("--insurance-every", type=int, default=0,
+                    help="megatron-core distributed checkpoint every N steps: the insurance (0: none)")
+    ap.add_argument("--insurance-dir", type=Path, default=None, help="where insurance checkpoints go (default: --out)")
     ap.add_argument("--config", type=Path, default=None, help="YAML file with a neighbor_ckpt: section")
     return ap.parse_args(argv)
 
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
 
     rec = Recorder(args.out)
-    kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
+    victims, kill_step = _parse_kill(args.kill)
     prepare_torchrun_restart()  # neighbor_ckpt: a fresh rendezvous store per torchrun attempt
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
@@ -148,20 +153,27 @@ def main(argv: list[str] | None = None) -> None:
     nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
     if args.job_id:
         nc_config.job_id = args.job_id
-    if kill is not None and kill[0] == RANK and ATTEMPT == 1:
+    if RANK in victims and ATTEMPT == 1:
         _damage_own_store(nc_config, args)
-    ckpt = NeighborCheckpointer(nc_config,
+    insurance = None
+    if args.insurance_every:
+        from megatron_patches.distopt_load import fix_fp32_distopt_load
+
+        fix_fp32_distopt_load()  # mcore 0.15 cannot load a DistributedOptimizer checkpoint into fp32 params otherwise
+        insurance = Insurance(args.insurance_dir or args.out / "insurance", args.insurance_every, ddp_model, optimizer)
+    ckpt = NeighborCheckpointer(nc_config, insurance=insurance.load if insurance else None,
                                 adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
                                 dp_group=groups.dp_group, model_parallel_coord=groups.coord)
-    if kill is not None and kill[0] == RANK and ATTEMPT == 0 and args.kill_phase == "optimizer":
-        _kill_inside_optimizer_step(optimizer, ckpt, kill[1], lambda: fault(rec, args, "optimizer"))  # before
+    if RANK in victims and ATTEMPT == 0 and args.kill_phase == "optimizer":
+        _kill_inside_optimizer_step(optimizer, ckpt, kill_step, lambda: fault(rec, args, "optimizer"))  # before
         # install_hooks: runs inside its step tag
     hooks = install_hooks(ckpt, optimizer)
     result = ckpt.recover()
     consumed = 0
     if result.restored:
-        scheduler.load_state_dict(result.user_state["scheduler"])
-        consumed = result.user_state["consumed_samples"]
+        state = result.user_state if result.report.outcome == "restored" else insurance.state  # type: ignore[union-attr]
+        scheduler.load_state_dict(state["scheduler"])
+        consumed = state["consumed_samples"]
     rec.json(f"report.rank{RANK}.attempt{ATTEMPT}.json", result.report.to_dict())
 
     def batches(step: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
         batch = next(data_iterator)
-        if kill == (RANK, step) and ATTEMPT == 0 and args.kill_phase == "forward":
+        if RANK in victims and step == kill_step and ATTEMPT == 0 and args.kill_phase == "forward":
             fault(rec, args, "forward")
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
@@ -200,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
             consumed += global_batch
             ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(),  # neighbor_ckpt
                                             "consumed_samples": consumed})
+            if insurance is not None:
+                insurance.maybe_save(step, {"scheduler": scheduler.state_dict(), "consumed_samples": consumed})
     except Exception as e:
         ckpt.on_failure(f"{type(e).__name__}: {e}")
         raise
@@ -227,10 +241,59 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
+class Insurance:
+    """The persistent insurance checkpoint: megatron-core ``dist_checkpointing`` every N steps (Megatron-LM's
+    ``--save``), loaded by neighbor_ckpt only when no complete in-memory version exists."""
+
+    def __init__(self, root: Path, every: int, model: Any, optimizer: Any) -> None:
+        self.root, self.every, self.model, self.optimizer = Path(root), every, model, optimizer
+        self.state: dict[str, Any] | None = None
+
+    def _sharded(self, is_loading: bool) -> dict[str, Any]:
+        model_sd = self.model.module.sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
+
+    def maybe_save(self, step: int, user: dict[str, Any]) -> None:
+        from megatron.core import dist_checkpointing
+
+        if (step + 1) % self.every:
+            return
+        path = self.root / f"iter_{step:07d}"
+        if RANK == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({**self._sharded(False), "user": json.dumps(user), "iteration": step}, str(path))
+        dist.barrier()
+        if RANK == 0:
+            (path / "complete").touch()
+
+    def load(self) -> int | None:
+        from megatron.core import dist_checkpointing
+
+        done = sorted(d for d in self.root.glob("iter_*") if (d / "complete").exists())
+        if not done:
+            return None
+        loaded = dist_checkpointing.load(self._sharded(True), str(done[-1]))
+        self.model.module.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.state = json.loads(loaded["user"])
+        return int(loaded["iteration"])
+
+
+def _parse_kill(spec: str | None) -> tuple[frozenset[int], int]:
+    """``RANK[,RANK...]:STEP`` -> (ranks, step); no fault: (empty, -1)."""
+    if not spec:
+        return frozenset(), -1
+    ranks, step = spec.split(":")
+    return frozenset(int(r) for r in ranks.split(",")), int(step)
+
+
 def fault(rec: Recorder, args: argparse.Namespace, phase: str) -> None:
     """Fault injection: record when, then SIGKILL (dies) or SIGSTOP (hangs) this process."""
-    rec.json("fault.json", {"rank": RANK, "step": int(args.kill.split(":")[1]), "phase": phase,
-                            "signal": args.kill_signal, "unix": time.time()})
+    rec.json(f"fault.rank{RANK}.json" if RANK != min(_parse_kill(args.kill)[0]) else "fault.json",
+             {"rank": RANK, "step": _parse_kill(args.kill)[1], "phase": phase, "signal": args.kill_signal,
+              "unix": time.time()})
     os.kill(os.getpid(), getattr(signal, args.kill_signal))
 
 

@@ -8,7 +8,8 @@ header). Its per-step losses and final parameters / optimizer state are compared
 run of the same configuration.
 
 Outcomes: ``exact`` (the job finished and every loss, recomputed ones included, and the final state equal the
-failure-free run), ``fallback`` (the job finished from an insurance checkpoint and said so), ``FAILED``
+failure-free run), ``fallback`` (the job said it fell back to the insurance checkpoint, a megatron-core distributed
+checkpoint every ``--insurance-every`` steps, and finished every step), ``FAILED``
 (anything else: divergence, a crash, a hang past the deadline). For hangs the table also gives the detection
 time: from the moment the victim stopped (``fault.json``) to the first rank's detection log line.
 
@@ -39,8 +40,10 @@ __all__ = ["Case", "Outcome", "KINDS", "draw_cases", "run_case", "summarize", "m
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "mcore_gpt_plain_loop.py"
 
 KINDS = ("kill-forward", "kill-optimizer", "hang-forward", "hang-optimizer", "kill-replaced-store",
-         "kill-bitflip", "kill-truncate", "kill-bad-header")
-"""Fault kinds: signal + phase, and what the victim finds in its host store on the restart."""
+         "kill-bitflip", "kill-truncate", "kill-bad-header", "lose-adjacent-pair", "lose-all-stores")
+"""Fault kinds: signal + phase, and what the victims find in their host stores on the restart. The two ``lose-``
+kinds leave no complete in-memory version (a rank and its ring successor, or every rank, restart with empty
+stores): the expected outcome is the announced fallback to the insurance checkpoint."""
 
 _DETECTED_RE = re.compile(r"detected a failure \((\w+)\) at unix ([0-9.]+)")
 _MTTR_RE = re.compile(r"recovery MTTR ([0-9.]+) s")
@@ -68,9 +71,18 @@ class Case:
     def damage(self) -> str | None:
         return {"kill-bitflip": "bitflip", "kill-truncate": "truncate", "kill-bad-header": "header"}.get(self.kind)
 
+    @property
+    def victims(self) -> tuple[int, ...]:
+        if self.kind == "lose-adjacent-pair":
+            return tuple(sorted({self.rank, (self.rank + 1) % 4}))
+        if self.kind == "lose-all-stores":
+            return (0, 1, 2, 3)
+        return (self.rank,)
+
     def recipe_args(self) -> list[str]:
-        args = ["--kill", f"{self.rank}:{self.step}", "--kill-phase", self.phase, "--kill-signal", self.signal]
-        if self.kind == "kill-replaced-store":
+        args = ["--kill", f"{','.join(map(str, self.victims))}:{self.step}", "--kill-phase", self.phase,
+                "--kill-signal", self.signal]
+        if self.kind in ("kill-replaced-store", "lose-adjacent-pair", "lose-all-stores"):
             args.append("--replace-store")
         if self.damage:
             args += ["--damage", self.damage]
@@ -90,10 +102,15 @@ class Outcome:
 
 def draw_cases(n: int, seed: int, *, steps: int, world: int = 4, kinds: Sequence[str] = KINDS) -> list[Case]:
     """``n`` cases from ``seed``: every kind in turn (so any prefix covers the kinds evenly), random rank, step
-    (1 .. steps-2: a snapshot exists before and a step remains after) and optimizer flavour."""
+    (1 .. steps-2: a snapshot exists before and a step remains after; at least 2 for the ``lose-`` kinds, so the
+    insurance checkpoint of step 1 exists) and optimizer flavour."""
     rng = random.Random(seed)
-    return [Case(index=i, kind=kinds[i % len(kinds)], rank=rng.randrange(world), step=rng.randrange(1, steps - 1),
-                 dist_opt=rng.random() < 0.75) for i in range(n)]
+    cases = []
+    for i in range(n):
+        kind, rank, step = kinds[i % len(kinds)], rng.randrange(world), rng.randrange(1, steps - 1)
+        cases.append(Case(index=i, kind=kind, rank=rank, step=max(step, 2) if kind.startswith("lose-") else step,
+                          dist_opt=rng.random() < 0.75))
+    return cases
 
 
 def _free_port() -> int:
@@ -103,11 +120,12 @@ def _free_port() -> int:
 
 
 def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int, timeout: float,
-              max_restarts: int) -> tuple[int, str]:
+              max_restarts: int, insurance_every: int = 0) -> tuple[int, str]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", f"--max-restarts={max_restarts}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--monitor-interval=0.5", str(RECIPE),
-           "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config), *args]
+           "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
+           "--insurance-every", str(insurance_every), *args]
     env = dict(os.environ, NEIGHBOR_CKPT_STORE_DIR=str(store), PYTHONUNBUFFERED="1")
     log = out / "torchrun.log"
     with open(log, "w") as f:
@@ -140,14 +158,18 @@ def _finals(out: Path) -> dict[int, Any]:
     return {int(p.name.split(".")[1][4:]): json.loads(p.read_text()) for p in out.glob("final.rank*.json")}
 
 
-def compare(base: Path, run: Path) -> str:
-    """'' when ``run`` trained exactly what ``base`` did (every loss, recomputations included, and finals)."""
+def compare(base: Path, run: Path, *, steps_only: bool = False) -> str:
+    """'' when ``run`` trained exactly what ``base`` did (every loss, recomputations included, and finals);
+    ``steps_only``: only that every rank trained every step."""
     b, r = _losses(base), _losses(run)
     if sorted(b) != sorted(r):
         return f"ranks {sorted(r)} != {sorted(b)}"
     for rank in b:
         if sorted(b[rank]) != sorted(r[rank]):
             return f"rank {rank} trained steps {sorted(r[rank])}, expected {sorted(b[rank])}"
+    if steps_only:
+        return ""
+    for rank in b:
         for step, losses in r[rank].items():
             if any(x != b[rank][step][-1] for x in losses):
                 return f"rank {rank} step {step}: loss {losses} != {b[rank][step][-1]}"
@@ -156,11 +178,12 @@ def compare(base: Path, run: Path) -> str:
     return ""
 
 
-def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, timeout: float = 420) -> Outcome:
+def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, timeout: float = 420,
+             insurance_every: int = 0) -> Outcome:
     out = work / f"case{case.index:04d}-{case.kind}-r{case.rank}-s{case.step}"
     t0 = time.time()
     rc, log = _torchrun(out, case.recipe_args(), job_id=f"campaign-{case.index}", store=work / "store",
-                        config=config, steps=steps, timeout=timeout, max_restarts=1)
+                        config=config, steps=steps, timeout=timeout, max_restarts=1, insurance_every=insurance_every)
     wall = time.time() - t0
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
     detection = None
@@ -174,6 +197,9 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
         tail = " | ".join(log.strip().splitlines()[-3:])[-300:]
         return Outcome(case, "FAILED", f"exit {rc}: {tail}", **common)
     if "falling back to the insurance checkpoint" in log:
+        missing = compare(base, out, steps_only=True)
+        if missing:
+            return Outcome(case, "FAILED", f"fell back to insurance but did not finish training: {missing}", **common)
         return Outcome(case, "fallback", "announced fallback to insurance", **common)
     diff = compare(base, out)
     return Outcome(case, "FAILED" if diff else "exact", diff, **common)
@@ -209,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {', '.join(KINDS)}")
     ap.add_argument("--detector-timeout", type=float, default=3.0, help="detector.timeout_s (the bound)")
     ap.add_argument("--detector-interval", type=float, default=0.5, help="detector.interval_s")
+    ap.add_argument("--insurance-every", type=int, default=2,
+                    help="megatron-core distributed checkpoint every N steps in every run (the insurance)")
     ap.add_argument("--out", type=Path, default=Path("runs/campaign"))
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
@@ -222,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flavour in sorted({c.dist_opt for c in cases}, reverse=True):
         out = work / f"baseline-{'distopt' if flavour else 'replicated'}"
         rc, log = _torchrun(out, [] if flavour else ["--no-dist-opt"], job_id=f"campaign-base-{int(flavour)}",
-                            store=work / "store", config=config, steps=args.steps, timeout=420, max_restarts=0)
+                            store=work / "store", config=config, steps=args.steps, timeout=420, max_restarts=0,
+                            insurance_every=args.insurance_every)
         if rc != 0:
             print(f"campaign: the failure-free run failed (exit {rc}); see {out / 'torchrun.log'}", file=sys.stderr)
             return 1
@@ -231,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = work / "outcomes.jsonl"
     results.unlink(missing_ok=True)
     for case in cases:
-        o = run_case(case, base=bases[case.dist_opt], work=work, steps=args.steps, config=config)
+        o = run_case(case, base=bases[case.dist_opt], work=work, steps=args.steps, config=config,
+                     insurance_every=args.insurance_every)
         outcomes.append(o)
         with open(results, "a") as f:
             f.write(json.dumps(asdict(o)) + "\n")
