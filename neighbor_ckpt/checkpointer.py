@@ -15,7 +15,10 @@ Example (Megatron-LM / Megatron-Bridge style loop)::
 
 On a failure, call :meth:`NeighborCheckpointer.on_failure` (the Lightning callback does it for you): the
 redundant state is written to the host store by the surviving ranks, then the process exits and the
-launcher restarts it; :meth:`recover` on the next attempt restores everything.
+launcher restarts it; :meth:`recover` on the next attempt restores everything. The failure detector
+(:mod:`neighbor_ckpt.detector`, on by default under ``env://`` rendezvous) notices a dead, stopped or stuck rank
+within ``detector.timeout_s``, writes that backup from its own thread (the main thread may be blocked in a
+collective) and makes the job restart; the launcher's SIGTERM triggers the same backup.
 
 Reporting (rank 0, see :mod:`neighbor_ckpt.report`): a status line every ``report.status_every_n_steps``
 snapshots (None: 50), :meth:`NeighborCheckpointer.stats` at any time, and after every recovery the timeline
