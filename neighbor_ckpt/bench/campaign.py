@@ -21,6 +21,7 @@ Cases are drawn from ``random.Random(seed)``: the seed reproduces the campaign. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -79,6 +80,12 @@ class Case:
             return (0, 1, 2, 3)
         return (self.rank,)
 
+    @property
+    def needs_insurance(self) -> bool:
+        """Only the insurance checkpoint can cover it: stores lost on both ends of a ring edge, or the replicated
+        optimizer stopped inside its step (the survivors finish the step the victim never snapshotted)."""
+        return self.kind.startswith("lose-") or (not self.dist_opt and self.phase == "optimizer")
+
     def recipe_args(self) -> list[str]:
         args = ["--kill", f"{','.join(map(str, self.victims))}:{self.step}", "--kill-phase", self.phase,
                 "--kill-signal", self.signal]
@@ -102,14 +109,16 @@ class Outcome:
 
 def draw_cases(n: int, seed: int, *, steps: int, world: int = 4, kinds: Sequence[str] = KINDS) -> list[Case]:
     """``n`` cases from ``seed``: every kind in turn (so any prefix covers the kinds evenly), random rank, step
-    (1 .. steps-2: a snapshot exists before and a step remains after; at least 2 for the ``lose-`` kinds, so the
-    insurance checkpoint of step 1 exists) and optimizer flavour."""
+    (1 .. steps-2: a snapshot exists before and a step remains after; at least 2 for the cases only insurance can
+    cover, so the insurance checkpoint of step 1 exists) and optimizer flavour."""
     rng = random.Random(seed)
     cases = []
     for i in range(n):
         kind, rank, step = kinds[i % len(kinds)], rng.randrange(world), rng.randrange(1, steps - 1)
-        cases.append(Case(index=i, kind=kind, rank=rank, step=max(step, 2) if kind.startswith("lose-") else step,
-                          dist_opt=rng.random() < 0.75))
+        case = Case(index=i, kind=kind, rank=rank, step=step, dist_opt=rng.random() < 0.75)
+        if case.needs_insurance:
+            case = dataclasses.replace(case, step=max(step, 2))
+        cases.append(case)
     return cases
 
 

@@ -57,3 +57,10 @@ def test_table_counts_outcomes_per_kind_and_reports_detection_times() -> None:
     assert rows["hang-forward"] == ["2", "2", "0", "0", "3.20 / 3.30", "20.0"]
     assert rows["kill-forward"][:4] == ["1", "0", "0", "1"]
     assert rows["all"][:4] == ["3", "2", "0", "1"]
+
+
+def test_cases_only_insurance_can_cover_come_after_the_first_insurance_checkpoint() -> None:
+    cases = draw_cases(200, 2026, steps=6)
+    covered = [c for c in cases if c.needs_insurance]
+    assert covered and all(c.step >= 2 for c in covered)
+    assert any(c.step == 1 for c in cases if not c.needs_insurance)
