@@ -570,6 +570,8 @@ class NeighborCheckpointer:
             dist.barrier(group=self.group)
         if self.detector is not None:
             self.detector.stop(done=success)
+        if success and self._journal_open:
+            self._clear_journal()  # training ended right after a restore: that state did not fail
         if success and self.config.store.cleanup_on_success:
             self.store.destroy()
         else:
