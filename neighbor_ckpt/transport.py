@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from neighbor_ckpt import chaos
 from neighbor_ckpt.store import ROLE_REPLICA, HostStore, SlotFile, SlotHeader
 from neighbor_ckpt.topology import Topology
 
@@ -109,6 +110,8 @@ def send_image(slot: SlotFile, header: SlotHeader, dst: int, group: dist.Process
                 gate.wait_idle(1.0)
             part = view[s:s + chunk]
             dist.send(part, dst=dst, group=group, tag=TAG_DATA)
+            if not sent:
+                chaos.failpoint("snapshot.stream")
             sent += part.numel()
             if rate_bps > 0:
                 ahead = sent / rate_bps - (time.perf_counter() - t0)
