@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from neighbor_ckpt import _codec
+from neighbor_ckpt import _codec, chaos
 from neighbor_ckpt.razor import PlannedTensor, ShardPlan
 from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, HostStore, SlotFile, SlotHeader
 from neighbor_ckpt.transport import NeighborTransport
@@ -211,9 +211,15 @@ class SnapshotEngine:
         views = _typed_views(slot, self.plan.unique)
         self._views[idx] = (slot, views)
         if self._cuda and slot.payload_cap:
-            # Page-lock the slot once so D2H copies run at full PCIe speed, asynchronously.
-            torch.cuda.cudart().cudaHostRegister(slot.payload.data_ptr(), slot.payload_cap, 0)
+            # Page-lock the slot once so D2H copies run at full PCIe speed, asynchronously; the slot unpins itself
+            # when it is closed or re-created. If CUDA refuses, the slot says so once and stays pageable (correct,
+            # slower): ``slot.pinned``.
+            slot.pin_for_cuda(self._cuda_device(), self._stream)
         return views
+
+    def _cuda_device(self) -> torch.device:
+        """The device of the CUDA sources (this worker thread's current device would be cuda:0)."""
+        return next(s.device for s in self.sources if s.is_cuda)
 
     def _run(self) -> None:
         while True:
@@ -241,18 +247,24 @@ class SnapshotEngine:
                                  payload_cap=self.plan.unique_bytes, extras_cap=self.extras_capacity)
         views = self._slot_views(idx, slot)
         slot.invalidate()
+        if not views:
+            chaos.failpoint("snapshot.copy")  # no tensor to copy (e.g. plain DDP: the snapshot is small state only)
         t0 = time.perf_counter()
         with torch.no_grad():
             if self._cuda:
                 assert self._stream is not None  # noqa: S101 - internal invariant
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(job.event)
-                    for dst, src in zip(views, self.sources):
+                    for i, (dst, src) in enumerate(zip(views, self.sources)):
                         dst.copy_(src, non_blocking=True)
+                        if i == 0:
+                            chaos.failpoint("snapshot.copy")
                     self._stream.synchronize()
             else:
-                for dst, src in zip(views, self.sources):
+                for i, (dst, src) in enumerate(zip(views, self.sources)):
                     dst.copy_(src)
+                    if i == 0:
+                        chaos.failpoint("snapshot.copy")
         t1 = time.perf_counter()
         jn, metas, en = slot.write_extras(job.text, job.tensors)
         psum, esum = slot.checksums(self.plan.unique_bytes, en) if self.store.use_checksum else (None, None)

@@ -18,6 +18,7 @@ the user and namespaced per job.
 
 from __future__ import annotations
 
+import errno
 import getpass
 import json
 import logging
@@ -136,21 +137,32 @@ class SlotFile:
         # Views created once; the engine copies into them every iteration without allocating.
         self.payload = torch.frombuffer(mm, dtype=torch.uint8, count=payload_cap, offset=self.payload_off) \
             if payload_cap else torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+        """Whether the payload is page-locked for CUDA (:meth:`pin_for_cuda`); False: pageable memory."""
+        self._pin: tuple[int, int, Any] | None = None  # (address, device index, copy stream) of the registration
 
     # -- creation / opening ------------------------------------------------------------------------
 
     @classmethod
     def create(cls, path: Path, *, header_cap: int, payload_cap: int, extras_cap: int) -> SlotFile:
-        """Create (or re-create) a zeroed slot file of the given capacities, mode 0600."""
+        """Create (or re-create) a zeroed slot file of the given capacities, mode 0600.
+
+        Its memory is reserved up front (``posix_fallocate``): a full ``/dev/shm`` is a :class:`HostMemoryError`
+        here, never a SIGBUS later when a snapshot is copied into a sparse mapping, and the first copy into the
+        slot does not pay for allocating its pages."""
         size = slot_file_size(header_cap, payload_cap, extras_cap)
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
+            _reserve(fd, size, tmp)
             os.pwrite(fd, PREAMBLE.pack(MAGIC, FORMAT_VERSION, header_cap, payload_cap, extras_cap), 0)
-        finally:
+        except BaseException:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
         os.replace(tmp, path)
         return cls.open(path)
 
@@ -177,10 +189,65 @@ class SlotFile:
         return cls(path, mm, hcap, pcap, ecap)
 
     def close(self) -> None:
-        """Drop this object's references. The mapping itself is released when the last tensor view of it
-        is gone (``torch.frombuffer`` keeps the mmap object alive), so outstanding views never dangle."""
+        """Unpin the payload if it was pinned, then drop this object's references. The mapping itself is released
+        when the last tensor view of it is gone (``torch.frombuffer`` keeps the mmap object alive), so outstanding
+        views never dangle; they are pageable memory from here on."""
+        self.unpin()
         self.payload = torch.empty(0, dtype=torch.uint8)
         self._buf.release()
+
+    # -- page-locking for CUDA -------------------------------------------------------------------------
+
+    def pin_for_cuda(self, device: torch.device | int | None = None, stream: Any = None) -> bool:
+        """Page-lock the payload region, exactly ``[payload_off, payload_off + payload_cap)`` of the mapping
+        (``cudaHostRegister``), so device-to-host copies into it are asynchronous DMA at full speed. Registered
+        with ``device`` current (default: the calling thread's current device), so a worker thread never
+        creates a context on device 0. ``stream``: the CUDA stream that copies into the payload are issued on;
+        :meth:`unpin` waits for it (None: for the whole device). Idempotent; undone by :meth:`unpin` /
+        :meth:`close`.
+
+        Returns :attr:`pinned`. When CUDA refuses, one warning names the error and the slot, and the payload
+        stays pageable: copies into it are still correct, only slower. Never raises a CUDA error.
+        """
+        if self.pinned:
+            return True
+        if not self.payload_cap:
+            return False
+        index = _cuda_index(device)
+        ptr = self.payload.data_ptr()
+        err = _cudart_call(index, "cudaHostRegister", ptr, self.payload_cap, 0)
+        if err is not None:
+            logger.warning("cudaHostRegister of the payload of %s (%d bytes) failed with %s: this slot stays in "
+                           "pageable memory; snapshots into it are correct, only slower", self.path,
+                           self.payload_cap, err)
+            return False
+        self._pin = (ptr, index, stream)
+        self.pinned = True
+        logger.debug("page-locked the payload of %s (%d bytes) for cuda:%d", self.path, self.payload_cap, index)
+        return True
+
+    def unpin(self) -> None:
+        """Undo :meth:`pin_for_cuda` (``cudaHostUnregister``) once the copies still in flight into the payload
+        (on the pinning stream) are done. Nothing when the payload is not pinned: no CUDA call on a CPU-only
+        machine. Never raises a CUDA error (a failure is logged)."""
+        if self._pin is None:
+            return
+        ptr, index, stream = self._pin
+        self._pin = None
+        self.pinned = False
+        if not torch.cuda.is_initialized():  # e.g. a forked child: the registration is its parent's
+            return
+        try:
+            with torch.cuda.device(index):
+                if stream is not None:
+                    stream.synchronize()
+                else:
+                    torch.cuda.synchronize(index)
+            err = _cudart_call(index, "cudaHostUnregister", ptr)
+        except RuntimeError as e:  # a sticky CUDA error: the process is failing anyway
+            err = str(e)
+        if err is not None:
+            logger.warning("cudaHostUnregister of the payload of %s failed with %s", self.path, err)
 
     # -- write protocol ------------------------------------------------------------------------------
 
@@ -279,6 +346,60 @@ class SlotFile:
     @property
     def capacities(self) -> tuple[int, int, int]:
         return self.header_cap, self.payload_cap, self.extras_cap
+
+
+def _reserve(fd: int, size: int, path: Path) -> None:
+    """Allocate the file's blocks now; :class:`HostMemoryError` if the filesystem is full."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+            raise HostMemoryError(
+                f"{path}: cannot reserve {size / 2**20:.1f} MiB for a host slot ({os.strerror(e.errno)}). Free shared "
+                f"memory (e.g. remove old jobs under the store root), enlarge /dev/shm, or point "
+                f"NEIGHBOR_CKPT_STORE_DIR at a larger tmpfs.") from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: stays sparse
+            raise
+
+
+def _cuda_index(device: torch.device | int | None) -> int:
+    """Index of a CUDA device given as a ``torch.device``, an int or None (the current device)."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"not a CUDA device: {d}")
+    return torch.cuda.current_device() if d.index is None else d.index
+
+
+# The codes cudaHostRegister / cudaHostUnregister return in practice (torch binds no cudaGetErrorName).
+_CUDA_ERROR_NAMES = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation", 3: "cudaErrorInitializationError",
+                     101: "cudaErrorInvalidDevice", 712: "cudaErrorHostMemoryAlreadyRegistered",
+                     713: "cudaErrorHostMemoryNotRegistered", 800: "cudaErrorNotPermitted",
+                     801: "cudaErrorNotSupported"}
+
+
+def _cudart_call(index: int, name: str, *args: Any) -> str | None:
+    """``torch.cuda.cudart().<name>(*args)`` with device ``index`` current: None on success, else the error as
+    ``"<name> (<code>: <description>)"``, with the calling thread's CUDA last error reset.
+
+    A failed runtime call leaves its code in the thread's last error, and PyTorch's next kernel-launch check in
+    this thread would report it as that kernel's failure. torch binds no ``cudaGetLastError``: a no-op kernel
+    launch reads (and so resets) it through its launch check, and the exception that check raises is discarded.
+    """
+    cudart = torch.cuda.cudart()
+    with torch.cuda.device(index):
+        rc = getattr(cudart, name)(*args)
+        code = int(rc)
+        if code == 0:
+            return None
+        try:
+            torch.cuda._sleep(0)
+        except RuntimeError:
+            pass
+    return f"{_CUDA_ERROR_NAMES.get(code, 'cudaError')} ({code}: {cudart.cudaGetErrorString(rc)})"
 
 
 @dataclass(frozen=True)

@@ -790,3 +790,18 @@ def test_snapshot_engine_survives_small_state_growth_that_recreates_its_slots():
     proc = subprocess.run([sys.executable, "-c", _GROWTH_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                           timeout=120, preexec_fn=no_core_dump)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.returncode, proc.stderr[-2000:])
+
+
+def test_slot_memory_is_reserved_at_creation_and_a_full_filesystem_is_a_host_memory_error(store, monkeypatch):
+    """A sparse slot on a full /dev/shm would SIGBUS the first copy into it; reserving its blocks up front turns that
+    into a typed error with advice, and leaves no half-created file."""
+    slot = store.ensure(ROLE_OWN, 0, header_cap=4096, payload_cap=1 << 20, extras_cap=65536)
+    assert os.stat(slot.path).st_blocks * 512 >= slot.size  # allocated, not sparse
+
+    def full(fd, offset, length):
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(HostMemoryError, match="cannot reserve .* enlarge /dev/shm"):
+        store.ensure(ROLE_OWN, 1, header_cap=4096, payload_cap=1 << 20, extras_cap=65536)
+    assert not list(store.dir.glob("*.tmp")) and not (store.dir / "own.1.slot").exists()

@@ -2,7 +2,8 @@
 
 Run under torchrun. Environment: OUT_DIR, TEST_STORE_BASE, STEPS, PL_PACKAGE (lightning|pytorch_lightning),
 KILL_*, WIPE_RANKS, INSURANCE_EVERY, OPTIM (adam|zero), DISK_EVERY (a Lightning ModelCheckpoint every N steps,
-and a restarted attempt calls ``fit(ckpt_path="last")``, as a user resuming from disk would).
+and a restarted attempt calls ``fit(ckpt_path="last")``, as a user resuming from disk would), ACCELERATOR and
+DEVICES (the Trainer's, default cpu and 4: ``--nproc-per-node`` must match DEVICES).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def main() -> None:
     if disk_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(OUT / "disk"), every_n_train_steps=disk_every,
                                                       save_last=True, save_top_k=-1))
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy="ddp", max_steps=int(os.environ.get("STEPS", "12")),
+    trainer = pl.Trainer(accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=int(os.environ.get("DEVICES", "4")),
+                         strategy="ddp", max_steps=int(os.environ.get("STEPS", "12")),
                          callbacks=callbacks, logger=False, enable_checkpointing=bool(disk_every),
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(OUT / "root"))
     model = Module()
