@@ -1,12 +1,13 @@
 """The restore flow, run collectively by every rank after a (re)start.
 
-1. inventory: every committed slot of this rank is validated (header, commit marker, job, layout,
-   checksums); corrupted copies are reported and skipped, never loaded;
+1. inventory: every committed slot of this rank is validated (header, commit marker, job, layout); a slot that
+   fails is reported and skipped, never loaded. Payload checksums are left to step 5: hashing every version of
+   every role here would make every rank hash 4x its state before the exchange, and the slowest would hold up all;
 2. exchange: one all-gather of every rank's versions;
 3. reconcile (pure, identical everywhere): target iteration and the source of every rank's state;
 4. transfer: a rank without its own copy receives the replica from its successor; DP groups with lazy
    state receive the holder's lazy backup;
-5. verify: received copies are checked; any failure is excluded and we reconcile again;
+5. verify: the chosen copies (local or received) are checksummed; any failure is excluded and we reconcile again;
 6. load: tensors are handed out as views of host memory (the adapter copies them in).
 
 If no iteration is restorable by every rank the caller falls back to insurance.
@@ -34,7 +35,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RecoveryReport", "Restored", "run_recovery", "read_tensors"]
 
-_MAX_ROUNDS = 4
+
+
+def _max_rounds(versions: int) -> int:
+    """Reconciliation rounds before giving up on in-memory state. Every round but the last excludes at least one
+    copy on every rank whose chosen copy failed, and a rank walks through at most own + replica for each of
+    ``versions`` iterations (plus a lazy backup each): beyond that no copy is left to try."""
+    return 4 * versions + 2
 
 
 @dataclass
@@ -106,7 +113,7 @@ def _inventory(store: HostStore, topology: Topology, layout: str, rejected: dict
     lazy: set[int] = set()
     needs_lazy: bool | None = None
     mismatch = False
-    for ref in store.committed(ROLE_OWN, verify=True, rejected=rejected):
+    for ref in store.committed(ROLE_OWN, verify=False, rejected=rejected):
         if ref.header.layout != layout:
             logger.error("rank %d: own slot %d holds iteration %d of another layout (%s, expected %s)",
                          store.rank, ref.index, ref.header.iteration, ref.header.layout, layout)
@@ -115,14 +122,14 @@ def _inventory(store: HostStore, topology: Topology, layout: str, rejected: dict
         own.add(ref.header.iteration)
         where[(ROLE_OWN, ref.header.iteration)] = ref.index
         needs_lazy = bool(ref.header.meta.get("has_lazy", False))
-    for ref in store.committed(ROLE_REPLICA, verify=True):
+    for ref in store.committed(ROLE_REPLICA, verify=False):
         if ref.header.owner_rank != topology.predecessor:
             logger.warning("rank %d: replica slot %d belongs to rank %d, not to my predecessor %d; ignored",
                            store.rank, ref.index, ref.header.owner_rank, topology.predecessor)
             continue
         replica.add(ref.header.iteration)
         where[(ROLE_REPLICA, ref.header.iteration)] = ref.index
-    for ref in store.committed(ROLE_LAZY, verify=True):
+    for ref in store.committed(ROLE_LAZY, verify=False):
         if ref.header.layout != layout or ref.header.meta.get("dp_group") != min(topology.dp_ranks):
             logger.warning("rank %d: lazy backup %d is of another layout or DP group; ignored", store.rank, ref.index)
             continue
@@ -197,7 +204,9 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
 
     exclude: frozenset[tuple[int, int, str]] = frozenset()
     transfer_s = verify_s = 0.0
-    for _ in range(_MAX_ROUNDS):
+    rounds = _max_rounds(store.versions)
+    notes: list[str] = []  # every round's, so the report says why an earlier choice was dropped
+    for _ in range(rounds):
         decision = reconcile(table, exclude, failed_iterations)
         rep.decision = decision
         if not decision.recoverable:
@@ -232,6 +241,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         verify_s += time.perf_counter() - t1
         for e in errors:
             logger.warning("rank %d: %s", topology.rank, e)
+        notes.extend(e for e in errors if e not in notes)
         flags = _all_gather_flags([own_fail, lazy_fail, lazy_owner if lazy_owner is not None else -1], group)
         failed = set(exclude)
         for r, (of, lf, h) in enumerate(flags):
@@ -243,7 +253,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
             rep.outcome, rep.iteration = "restored", it
             rep.source, rep.lazy_from = decision.sources[topology.rank], lazy_owner
             rep.pulled_bytes, rep.lazy_bytes = pulled, lazy_pulled
-            rep.reason, rep.notes = decision.reason, errors
+            rep.reason, rep.notes = decision.reason, notes
             rep.phases["transfer"], rep.phases["verify"] = transfer_s, verify_s
             on_phase("load")
             t1 = time.perf_counter()
@@ -258,7 +268,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
                                it, topology.successor)
             return rep, Restored(it, tensors, extras)
         exclude = frozenset(failed)
-    rep.outcome, rep.reason = "insurance", f"copies kept failing verification after {_MAX_ROUNDS} rounds"
+    rep.outcome, rep.reason = "insurance", f"copies kept failing verification after {rounds} rounds"
     return rep, None
 
 
