@@ -12,8 +12,11 @@ __all__ = ["capture_rng", "restore_rng"]
 
 
 def capture_rng() -> dict[str, Any]:
+    version, words, gauss_next = random.getstate()
     state: dict[str, Any] = {
-        "python": random.getstate(),
+        # Mersenne Twister: 624 state words + the position, all < 2**32; one array instead of a 625-int tuple
+        # keeps the snapshot call on the training thread short (the codec walks tuples element by element).
+        "python": {"version": version, "words": np.asarray(words, dtype=np.uint32), "gauss_next": gauss_next},
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
@@ -23,7 +26,10 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    py = state["python"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(int(w) for w in py["words"]), py["gauss_next"])
+    random.setstate(py)
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
