@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from neighbor_ckpt import chaos, reaper
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
@@ -147,6 +148,9 @@ class NeighborCheckpointer:
         self.store = HostStore(self.config.resolved_store_dir(), job_id=self.config.resolved_job_id(),
                                rank=self.topology.rank, versions=self.config.store.versions,
                                use_checksum=self.config.store.checksum != "none")
+        if self.config.store.reap_orphans:
+            reaper.reap_previous(self.store.dir, rank=self.topology.rank)
+        reaper.record(self.store.dir)
         self.gate = TrafficGate()
         self.plan: ShardPlan | None = None
         self.engine: SnapshotEngine | None = None
@@ -280,6 +284,7 @@ class NeighborCheckpointer:
         extras = restored.extras
         self._write_journal(restored.iteration)
         self.adapter.load(restored.tensors, extras["adapter"])
+        chaos.failpoint("recovery.load")
         self.adapter.regenerate(self.dp_group)
         if self.capture_rng_state and "rng" in extras:
             restore_rng(extras["rng"])

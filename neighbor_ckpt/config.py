@@ -65,6 +65,11 @@ class StoreConfig:
     cleanup_on_success: bool = True
     """Remove this job's host store when training finishes without error."""
 
+    reap_orphans: bool = True
+    """On a restart, SIGKILL what this rank's previous process left running on this machine: its process group,
+    once the process itself is gone (checkpoint writers and ``multiprocessing`` servers of a killed worker, which
+    otherwise hold host memory until the node reboots). See :mod:`neighbor_ckpt.reaper`."""
+
 
 @dataclass(kw_only=True, slots=True)
 class RingConfig:

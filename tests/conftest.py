@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from neighbor_ckpt.bench._procs import RUN_TAG_ENV, kill_tagged, new_run_tag
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "workers"
 
@@ -73,6 +75,8 @@ def run_logged(cmd: list[str], tmp: Path, out: Path, *, timeout: float, env: dic
     writers are orphaned when torchrun SIGTERMs a worker) would keep a pipe open after torchrun exited."""
     out.mkdir(parents=True, exist_ok=True)
     log_path = tmp / "torchrun.log"
+    tag = new_run_tag()
+    env = {**env, RUN_TAG_ENV: tag}
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, cwd=tmp)
@@ -84,7 +88,8 @@ def run_logged(cmd: list[str], tmp: Path, out: Path, *, timeout: float, env: dic
             log = log_path.read_text()
             pytest.fail(f"{' '.join(cmd[:6])} ... timed out after {timeout}s; log: {log_path}\n{log[-6000:]}")
         finally:
-            _kill_group(proc.pid)  # reap whatever the job left behind
+            _kill_group(proc.pid)  # reap whatever the job left behind: the launcher's group, and what its workers
+            kill_tagged(tag)  # (each in a session of its own) started
     return RunResult(proc.returncode, out, log_path.read_text())
 
 

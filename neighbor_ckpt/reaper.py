@@ -1,0 +1,107 @@
+"""What a rank's previous process left running on this machine.
+
+A worker that dies abruptly (SIGKILL, the failure detector's ``os._exit``, the launcher's SIGTERM taking its
+default action) runs no finalizers, so its helper processes stay behind: megatron-core's ``dist_checkpointing``
+starts a ``multiprocessing`` Manager server in every process that saves, NeMo its checkpoint writers. torchrun
+starts each worker in a session of its own, so those helpers are left in the dead worker's process group, orphaned,
+about 200 MB each, for as long as the machine runs; every restart adds more, until the node runs out of memory.
+
+So at startup every rank records its process in its host-store directory (which survives restarts, see
+:mod:`neighbor_ckpt.store`), and the next process of the same rank on the same machine reaps what the recorded one
+left: if that process is gone, led its own process group, and the group still has members, the group is SIGKILLed.
+A process group id stays reserved while any member lives, so the group can only hold the dead worker's descendants.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROCESS_FILE", "this_process", "reap_previous", "record"]
+
+logger = logging.getLogger(__name__)
+
+PROCESS_FILE = "process.json"
+"""In a rank's store directory: the process that last ran this rank on this machine."""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (None: no such process)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                members.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return members
+
+
+def this_process() -> dict[str, Any]:
+    """What :data:`PROCESS_FILE` records: pid, process group, start time (clock ticks since boot), boot id."""
+    pid = os.getpid()
+    return {"pid": pid, "pgid": os.getpgrp(), "start_ticks": _start_ticks(pid), "boot_id": _boot_id()}
+
+
+def reap_previous(rank_dir: Path, *, rank: int) -> int:
+    """SIGKILL the orphaned process group of the process recorded in ``rank_dir``; returns how many processes were
+    in it (0: nothing to do). Never raises: a record that cannot be read or trusted is left alone."""
+    try:
+        rec = json.loads((Path(rank_dir) / PROCESS_FILE).read_text())
+        pid, pgid, ticks, boot = int(rec["pid"]), int(rec["pgid"]), rec.get("start_ticks"), str(rec["boot_id"])
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.debug("rank %d: ignoring unreadable %s: %s", rank, PROCESS_FILE, e)
+        return 0
+    me = this_process()
+    if boot != me["boot_id"] or pid == me["pid"] or pgid != pid or pgid == me["pgid"] or pgid <= 1:
+        return 0  # another machine or boot, this very process, or a worker that did not lead its own group
+    if _start_ticks(pid) == ticks:
+        return 0  # the previous process still runs (the launcher will stop it): not ours to kill
+    members = _group_members(pgid)
+    if not members:
+        return 0
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return 0
+    except PermissionError as e:
+        logger.warning("rank %d: may not stop the %d leftover process(es) of its previous process (process group "
+                       "%d): %s", rank, len(members), pgid, e)
+        return 0
+    logger.warning("rank %d: stopped %d leftover process(es) of its previous process %d (process group %d, e.g. "
+                   "checkpoint writers orphaned when it died)", rank, len(members), pid, pgid)
+    return len(members)
+
+
+def record(rank_dir: Path) -> None:
+    """Record this process in ``rank_dir`` (0600, replaced atomically)."""
+    path = Path(rank_dir) / PROCESS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, json.dumps(this_process()).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
