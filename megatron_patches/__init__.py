@@ -10,7 +10,9 @@
 * :mod:`megatron_patches.optimizer_state` / :mod:`megatron_patches.rng` — where mcore optimizers keep each
   rank's state, and mcore's RNG tracker streams (read-only access used by the Megatron adapter);
 * :mod:`megatron_patches.distopt_load` — loading a distributed-optimizer checkpoint into an fp32 model under
-  ``no_grad`` (NeMo's disk resume, our insurance fallback).
+  ``no_grad`` (NeMo's disk resume, our insurance fallback);
+* :mod:`megatron_patches.fused_adam` — apex FusedAdam's semantics for mcore's Adam on a GPU image without
+  Transformer Engine or apex (the GPU benchmark).
 
 ``import megatron_patches`` imports neither megatron nor NeMo.
 """

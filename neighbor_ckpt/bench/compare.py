@@ -52,6 +52,12 @@ bytes the live ``NeighborCheckpointer`` planned at DP = ``--world``).
 per-iteration neighbor checkpointing vs a 30-minute disk checkpoint); ``--from-json`` takes the measured ratios
 from an earlier run's ``--json``.
 
+``--device cuda`` runs the same benchmark on GPUs: one rank per GPU (``--world`` defaults to every visible GPU,
+1 is allowed), NCCL as the default process group (the benchmark's dedicated groups, DCP's and neighbor_ckpt's,
+stay gloo), a GPU-sized model (``GPU_SHAPE``) in bf16 with fp32 main params in the distributed optimizer, and a
+shorter protocol (``CUDA_PROTOCOL``) so that a run fits a 10-minute call; every timed step ends with a
+synchronization of the training stream before the host clock is read. See :class:`Trainer` for the bf16 lines.
+
 Run ``python -m neighbor_ckpt.bench.compare`` (``--quick`` for a shorter run; ``neighbor-ckpt bench --compare``).
 """
 
@@ -100,6 +106,19 @@ DESCRIPTIONS = {
 # The recipe's shape (recipes/mcore_gpt_plain_loop.py): SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 32, 128, 64, 4, 2.
 SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 32, 128, 64, 4, 2
 
+# Model and protocol defaults per --device (a flag given on the command line always wins).
+SHAPE_KEYS = ("hidden", "layers", "heads", "seq", "vocab", "micro_batches", "micro_batch_size")
+CPU_SHAPE = {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "seq": SEQ, "vocab": VOCAB, "micro_batches": 2,
+             "micro_batch_size": 2}
+GPU_SHAPE = {"hidden": 1024, "layers": 16, "heads": 16, "seq": 2048, "vocab": 32768, "micro_batches": 4,
+             "micro_batch_size": 4}
+"""--device cuda: a GPT of about 270 M params (12 B/param of unique state: 3.2 GB per snapshot at DP = 1)."""
+CPU_PROTOCOL = {"steps": 20, "quick_steps": 8, "warmup": 3, "block": 5, "scales": "2,4", "quick_scales": "2"}
+CUDA_PROTOCOL = {"steps": 8, "quick_steps": 4, "warmup": 2, "block": 4, "scales": "", "quick_scales": ""}
+"""--device cuda: short enough for a 10-minute call with model building (11 steps per variant: on one H100 the default
+variants took about 7.5 min at 13 steps each, lightning_save's 19 s per step half of it); scaling runs only with
+--scales."""
+
 
 # ==========================================================================================================
 # worker side
@@ -110,7 +129,7 @@ class Trainer:
     """One model + optimizer + scheduler, built as recipes/mcore_gpt_plain_loop.py builds them."""
 
     def __init__(self, *, hidden: int, layers: int, heads: int, seq: int, vocab: int, mbs: int, n_mb: int,
-                 total_steps: int) -> None:
+                 total_steps: int, device: str = "cpu") -> None:
         import torch
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -123,23 +142,49 @@ class Trainer:
         from megatron.core.transformer import TransformerConfig
 
         self.hidden, self.layers, self.seq, self.vocab = hidden, layers, seq, vocab
+        self.device = device
         torch.manual_seed(1234)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        # ==== --device cuda: every difference from the recipe's lines below is here (Megatron-LM's --bf16) ====
+        # bf16 params and activations (TransformerConfig.bf16 / params_dtype / pipeline_dtype), fp32 main params
+        # and Adam moments in the distributed optimizer (OptimizerConfig.bf16), gradients reduced in fp32
+        # (Megatron-LM forces accumulate_allreduce_grads_in_fp32 under --bf16), the model wrapped in mcore's
+        # Float16Module as Megatron-LM's get_model does (casts the LayerNorms the local spec builds in fp32, returns
+        # fp32 outputs), and weights initialized on the GPU (use_cpu_initialization=False, Megatron-LM's default:
+        # mcore's CPU init of ~270 M params on one torch thread would take a good part of a 10-minute call; the
+        # values differ from a CPU init, which does not matter for timing). The local layer spec stays: no
+        # Transformer Engine is needed.
+        tc_gpu: dict[str, Any] = {}
+        opt_gpu: dict[str, Any] = {}
+        ddp_gpu: dict[str, Any] = {}
+        if device == "cuda":
+            tc_gpu = {"bf16": True, "params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16,
+                      "use_cpu_initialization": False}
+            opt_gpu = {"bf16": True, "params_dtype": torch.bfloat16}
+            ddp_gpu = {"grad_reduce_in_fp32": True}
+
+        def wrap(model: Any) -> Any:
+            if device != "cuda":
+                return model
+            from megatron.core.transformer.module import Float16Module
+
+            return Float16Module(model.config, model)
+        # ==== end of the --device cuda differences ====
         # --- from recipes/mcore_gpt_plain_loop.py (tp = pp = 1, distributed optimizer, no overlap) ---
-        config = TransformerConfig(
+        config = TransformerConfig(**{**dict(
             num_layers=layers, hidden_size=hidden, num_attention_heads=heads, attention_dropout=0.1,
             hidden_dropout=0.1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
             pipeline_dtype=torch.float32, use_cpu_initialization=True, gradient_accumulation_fusion=False,
             masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-            persist_layer_norm=False, apply_rope_fusion=False)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
-                         max_sequence_length=seq, pre_process=True, post_process=True).cuda()
+            persist_layer_norm=False, apply_rope_fusion=False), **tc_gpu})
+        model = wrap(GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+                              max_sequence_length=seq, pre_process=True, post_process=True).cuda())
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=4096,
-                                                   overlap_grad_reduce=False, overlap_param_gather=False)
+                                                   overlap_grad_reduce=False, overlap_param_gather=False, **ddp_gpu)
         self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, clip_grad=1.0,
-                            use_distributed_optimizer=True), [self.ddp])
+                            use_distributed_optimizer=True, **opt_gpu), [self.ddp])
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         self.mbs, self.n_mb = mbs, n_mb
@@ -162,8 +207,11 @@ class Trainer:
         g = torch.Generator().manual_seed(self.consumed * 7919 + self.dp_rank)
         for _ in range(self.n_mb):
             tokens = torch.randint(0, self.vocab, (self.mbs, self.seq + 1), generator=g)
-            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                   "position_ids": torch.arange(self.seq).unsqueeze(0).expand(self.mbs, self.seq)}
+            batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                     "position_ids": torch.arange(self.seq).unsqueeze(0).expand(self.mbs, self.seq)}
+            if self.device == "cuda":  # the same tokens (CPU generator), on this rank's GPU
+                batch = {k: v.cuda() for k, v in batch.items()}
+            yield batch
 
     def step(self) -> None:
         def forward_step(data_iterator: Any, model: Any) -> Any:
@@ -224,7 +272,14 @@ class Variant:
 
     def end_block(self) -> None: ...
 
+    def after_step(self) -> None:
+        """Untimed, after every step's end (all ranks have passed the step's barrier)."""
+
     def close(self) -> None: ...
+
+    @property
+    def cuda(self) -> bool:
+        return getattr(self.tr, "device", "cpu") == "cuda"
 
     def _note(self, key: str, value: float) -> None:
         self.extra.setdefault(key, []).append(value)
@@ -294,7 +349,9 @@ class Neighbor(Variant):
         eng = self.ckpt.engine
         if eng is not None:
             eng.drain()
-            self.bytes_per_save = 2 * (eng.stats.unique_bytes + eng.stats.extras_bytes)  # own + replica held
+            # own + replica held (the replica only where there is a ring: DP > 1 and transport on)
+            copies = 2 if self.ckpt.transport is not None else 1
+            self.bytes_per_save = copies * (eng.stats.unique_bytes + eng.stats.extras_bytes)
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
@@ -321,10 +378,16 @@ class NeighborNoSum(Neighbor):
 
 def _optimizer_shard(tr: Trainer, rank: int) -> dict[str, Any]:
     """This rank's unique optimizer tensors (fp32 main-param shard + Adam moments), as the neighbor adapter sees
-    them, under per-rank keys."""
+    them, under per-rank keys. The adapter's ``model/`` weight entries are left out: the weights are already under the
+    state dict's ``model`` key, and per-rank copies of them would make DCP write the weights once more per DP rank.
+    (The CPU figures of BENCHMARKS.md dated 2026-11-22 were measured before this fix and the one in
+    :class:`DcpAsync`: DCP then saved the weights once per rank extra and no Adam moments.)"""
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
+    from neighbor_ckpt.razor import StateKind
 
-    return {f"rank{rank}/{m.name}": t for m, t in MegatronOptimizerAdapter([tr.ddp], tr.optimizer).named_tensors()}
+    named = [(m, t) for m, t in MegatronOptimizerAdapter([tr.ddp], tr.optimizer).named_tensors()
+             if m.kind != StateKind.WEIGHT]
+    return {f"rank{rank}/{m.name}": t for m, t in named}
 
 
 class DcpAsync(Variant):
@@ -336,7 +399,9 @@ class DcpAsync(Variant):
 
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
         self.model_sd = {k: v for k, v in self.tr.ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
-        self.optim = _optimizer_shard(self.tr, self.rank)
+        # Taken at the first save (an untimed warm-up step), once the optimizer has stepped: Adam's moments do not
+        # exist before its first step, and a shard taken here would hold the main params only.
+        self.optim: dict[str, Any] | None = None
         self.future: Any = None
         self.n = 0
 
@@ -351,6 +416,8 @@ class DcpAsync(Variant):
         import torch.distributed.checkpoint as dcp
 
         self._wait()
+        if self.optim is None:
+            self.optim = _optimizer_shard(self.tr, self.rank)
         self.n += 1
         path = self.root / f"ckpt{self.n % 2}"
         sd = {"model": self.model_sd, "optimizer": self.optim, "scheduler": self.tr.scheduler.state_dict(),
@@ -425,6 +492,15 @@ class McoreAsync(Variant):
             self.queue.schedule_async_request(req)
         self._note("call_s", time.perf_counter() - t0)
         self.dirs.append(path)
+
+    def after_step(self) -> None:
+        # --device cuda: a checkpoint is GBs in /dev/shm (host memory); keep the last two (the one being written and
+        # the one before it, finalized by this step's save) instead of a whole block's. Untimed; rank 0 only: every
+        # rank finalized the older saves before this step's barrier.
+        if self.cuda and self.rank == 0 and len(self.dirs) > 2:
+            for d in self.dirs[:-2]:
+                shutil.rmtree(d, ignore_errors=True)
+            self.dirs = self.dirs[-2:]
 
     def end_block(self) -> None:
         import torch.distributed as dist
@@ -568,6 +644,24 @@ def _cpu_by_thread() -> dict[str, float]:
     return out
 
 
+def _release_host_memory() -> None:
+    """--device cuda, after a block (untimed, outside its CPU accounting): hand host memory the finished variant freed
+    back to the OS, so GB-sized staging copies do not pile up across variants: the CUDA caching host allocator's
+    pinned blocks (mcore's and NVRx's non-blocking D2H copies land there) and glibc's free heap. The next block's
+    first step, untimed, pins again what it needs."""
+    import torch
+
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host_cache is not None:
+        empty_host_cache()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _one_line(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".replace("\n", " ")
     return text[:300]
@@ -583,6 +677,8 @@ class Runner:
         self.failed: dict[str, str] = {}
         self.cpu: dict[str, dict[str, float]] = {k: {} for k in variants}  # CPU s over the timed steps, by thread
         self.step_no = 0
+        self.cuda = cfg.get("device", "cpu") == "cuda"
+        self.roots = [v.root for v in variants.values()]
 
     def _agree(self, err: str | None) -> str | None:
         """Collective: the first rank's error, or None when every rank succeeded."""
@@ -606,13 +702,16 @@ class Runner:
             if err:
                 self.failed[name] = f"setup failed: {err}"
                 del self.variants[name]
+                for per_variant in (self.times, self.blocks, self.cpu):
+                    per_variant.pop(name, None)
 
     def block(self, name: str, untimed: int, timed: int, rnd: int) -> str | None:
         import torch
         import torch.distributed as dist
 
         v = self.variants[name]
-        flag = torch.zeros(1)
+        # Under NCCL the default group's collectives need CUDA tensors; the flag lives on this rank's GPU.
+        flag = torch.zeros(1, device="cuda") if self.cuda else torch.zeros(1)
         err: str | None = None
         try:
             v.start_block()
@@ -637,12 +736,19 @@ class Runner:
             self.step_no += 1
             flag[0] = 1.0 if err else 0.0
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the step's end: a barrier with a failure flag
+            if self.cuda:
+                # GPU work is asynchronous: the step ends when the training stream (the step's kernels, then the
+                # flag's all-reduce) is done. Only this stream: a device-wide torch.cuda.synchronize() would also
+                # wait for copies a method runs on its own side stream (neighbor_ckpt's D2H staging) and charge its
+                # background work to the step.
+                torch.cuda.current_stream().synchronize()
             dt = time.perf_counter() - t0
             if flag[0]:
                 return self._agree(err) or "failed on another rank"
             if k >= untimed:
                 self.times[name].append(dt)
                 self.blocks[name].append(rnd)
+            v.after_step()
         cpu1 = _cpu_by_thread()
         acc = self.cpu[name]
         for key in set(cpu0) | set(cpu1):
@@ -653,6 +759,8 @@ class Runner:
             err = _one_line(e)
         err = self._agree(err)
         gc.collect()
+        if self.cuda:
+            _release_host_memory()
         return err
 
     def run(self, steps: int, block: int, warmup: int, on_fail: Callable[[str, str], bool] | None = None) -> None:
@@ -693,6 +801,16 @@ class Runner:
                 v.close()
             except Exception as e:  # noqa: BLE001
                 self.failed.setdefault(name, f"close failed: {_one_line(e)}")
+        if self.cuda:
+            # GB-sized checkpoints in /dev/shm are host memory: free them before another model is built. Every
+            # rank has closed (finalized its writes) before rank 0 removes the shared directories.
+            import torch.distributed as dist
+
+            dist.barrier()
+            if dist.get_rank() == 0:
+                for root in self.roots:
+                    shutil.rmtree(root, ignore_errors=True)
+            dist.barrier()
 
     def results(self) -> dict[str, Any]:
         """Collective: per-variant per-step times (max over ranks), extras from every rank."""
@@ -726,6 +844,23 @@ class Runner:
         return out
 
 
+def _fused_adam_without_te() -> str:
+    """--device cuda: make mcore's Adam the FusedAdam a GPU run of Megatron-LM uses; returns what runs.
+
+    Without Transformer Engine or apex (the benchmark's GPU machine) megatron-core falls back to torch's AdamW, with
+    which mcore_async and nvrx_local cannot save; :func:`megatron_patches.fused_adam.use_fused_adam_semantics` then
+    gives it apex FusedAdam's semantics in unfused torch ops (slower than a fused kernel, the same in every
+    variant). Call before ``get_megatron_optimizer``."""
+    import megatron.core.optimizer as mo
+
+    from megatron_patches.fused_adam import use_fused_adam_semantics
+
+    if use_fused_adam_semantics() is None:
+        return f"{mo.Adam.__module__}.{mo.Adam.__qualname__}"
+    return ("megatron_patches.cpu.FusedAdamSemanticsAdam (apex FusedAdam semantics in unfused torch ops: neither "
+            "Transformer Engine nor apex is installed)")
+
+
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]), GLOO_SOCKET_IFNAME="lo")
@@ -739,24 +874,34 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
 
     from megatron_patches import enable_cpu
 
-    if not torch.cuda.is_available():
+    device = cfg.get("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank)  # one GPU per rank; before NCCL and before any CUDA tensor
+    elif not torch.cuda.is_available():
         enable_cpu()
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init_file']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg["pg_timeout_s"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{cfg['init_file']}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=cfg["pg_timeout_s"]))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     root = Path(cfg["root"])
     result: dict[str, Any] = {"world": world}
+    if device == "cuda":
+        result["device"] = "cuda"
+        result["optimizer"] = _fused_adam_without_te()
     t_start = time.perf_counter()
     total_steps = 4 * (cfg["steps"] + cfg["warmup"] + 4) * len(cfg["variants"])
 
     def build(hidden: int) -> Trainer:
         return Trainer(hidden=hidden, layers=cfg["layers"], heads=cfg["heads"], seq=cfg["seq"], vocab=cfg["vocab"],
-                       mbs=cfg["micro_batch_size"], n_mb=cfg["micro_batches"], total_steps=total_steps)
+                       mbs=cfg["micro_batch_size"], n_mb=cfg["micro_batches"], total_steps=total_steps,
+                       device=device)
 
     # -- main comparison -------------------------------------------------------------------------------------
     tr = build(cfg["hidden"])
+    if device == "cuda" and cfg["verbose"] and rank == 0:
+        print(f"[compare] model built: {tr.params:,} params in {time.perf_counter() - t_start:.1f} s; GPU memory "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
     variants = {n: CLASSES[n](tr, root, rank, world, f"main-{n}") for n in cfg["variants"]}
     runner = Runner(tr, variants, cfg, "main")
     runner.setup()
@@ -764,7 +909,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     def mcore_fallback(name: str, err: str) -> bool:
         v = runner.variants.get(name)
         if isinstance(v, McoreAsync) and v.async_ok:
-            v.set_sync(f"async save failed on CPU ({err}); ran the synchronous save")
+            v.set_sync(f"async save failed on {device.upper()} ({err}); ran the synchronous save")
             return True
         return False
 
@@ -774,6 +919,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
         nb = runner.variants["neighbor"]
         assert isinstance(nb, Neighbor)  # noqa: S101
         neighbor_unique = [nb.unique_bytes]
+        del nb
     main = runner.results()
     uniq: list[Any] = [None] * world
     dist.all_gather_object(uniq, neighbor_unique[0])
@@ -783,6 +929,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     main["elapsed_s"] = time.perf_counter() - t_start
     runner.close()
     result["main"] = main
+    if device == "cuda":  # a scaling run builds a bigger model on the same GPU: free this one first
+        runner.variants.clear()
+        del tr, variants, runner
+        gc.collect()
+        torch.cuda.empty_cache()
 
     # -- scaling: base, neighbor and the best alternative at 4x / 16x parameters ---------------------------
     best = _best_alternative(main)
@@ -977,20 +1128,55 @@ def _ms(x: float) -> str:
     return "-" if x != x else f"{1e3 * x:.1f}"
 
 
+def d2h_line(res: dict[str, Any], hardware: str = "h100") -> str | None:
+    """--device cuda: neighbor_ckpt's measured D2H staging bandwidth (unique bytes per rank / median background copy
+    time) next to the bandwidth the planner assumes for ``hardware``; None for CPU runs or without the data."""
+    from neighbor_ckpt.planner import HARDWARE
+
+    main = res["main"]
+    nb = main["variants"].get("neighbor")
+    if res.get("device") != "cuda" or not nb:
+        return None
+    copy_s = nb.get("extra_median", {}).get("bg_copy_s")
+    uniq = [u for u in main.get("neighbor_unique_bytes_per_rank", []) if u]
+    if not copy_s or copy_s != copy_s or copy_s <= 0 or not uniq:
+        return None
+    ub = statistics.median(uniq)
+    assumed = HARDWARE[hardware].pcie_gbytes_per_s
+    return (f"* neighbor_ckpt D2H staging: {_fmt_bytes(ub)} of unique state per rank into its page-locked /dev/shm "
+            f"slot in {_ms(copy_s)} ms (median over steps, median over ranks; engine stats.stage_seconds: the "
+            f"side-stream copy, including any wait for the step's last kernels) = {ub / copy_s / 1e9:.1f} GB/s per "
+            f"GPU; the planner assumes "
+            f"{assumed:g} GB/s (neighbor_ckpt.planner.HARDWARE['{hardware}'].pcie_gbytes_per_s)")
+
+
 def render(res: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) -> str:
     out: list[str] = []
     main = res["main"]
     s = summarize(res)
     rows, verdict = s["rows"], s["verdict"]
-    out.append(f"neighbor_ckpt side-by-side benchmark | {info['nproc']} CPU(s) {info['cpu_model']} | torch "
-               f"{info['torch']} | {res['world']} gloo ranks, {args.threads} intra-op thread(s) each | store "
-               f"{info['store_root']}")
-    out.append(f"model: mcore GPT, {args.layers} layers, hidden {main['hidden']}, heads {args.heads}, seq {args.seq}, "
-               f"vocab {args.vocab}: {main['params']:,} params; distributed optimizer over DP={res['world']}; "
-               f"{args.micro_batches} micro-batches x {args.micro_batch_size} per rank per step")
+    cuda = res.get("device") == "cuda"
+    if cuda:
+        out.append(f"neighbor_ckpt side-by-side benchmark | {res['world']} x {info.get('gpu_name', 'GPU?')} of "
+                   f"{info.get('gpu_count', '?')} (driver {info.get('gpu_driver', '?')}, {info.get('gpu_pcie', '?')}) | "
+                   f"torch {info['torch']}, CUDA {info.get('torch_cuda')}, NCCL {info.get('nccl', '?')}, python "
+                   f"{info.get('python', '?')} | {info['nproc']} CPU(s) {info['cpu_model']} | {res['world']} NCCL "
+                   f"rank(s), one GPU and {args.threads} intra-op thread(s) each | store {info['store_root']}")
+        out.append(f"model: mcore GPT, {args.layers} layers, hidden {main['hidden']}, heads {args.heads}, seq "
+                   f"{args.seq}, vocab {args.vocab}: {main['params']:,} params, bf16 with fp32 main params; "
+                   f"distributed optimizer over DP={res['world']}; {args.micro_batches} micro-batches x "
+                   f"{args.micro_batch_size} per rank per step")
+    else:
+        out.append(f"neighbor_ckpt side-by-side benchmark | {info['nproc']} CPU(s) {info['cpu_model']} | torch "
+                   f"{info['torch']} | {res['world']} gloo ranks, {args.threads} intra-op thread(s) each | store "
+                   f"{info['store_root']}")
+        out.append(f"model: mcore GPT, {args.layers} layers, hidden {main['hidden']}, heads {args.heads}, seq "
+                   f"{args.seq}, vocab {args.vocab}: {main['params']:,} params; distributed optimizer over "
+                   f"DP={res['world']}; {args.micro_batches} micro-batches x {args.micro_batch_size} per rank per step")
     out.append(f"protocol: {args.steps} timed steps per variant in blocks of {args.block}, interleaved; "
                f"{args.warmup} warm-up steps in each variant's first block, 1 untimed step in later blocks; "
-               f"step time = slowest rank")
+               f"step time = slowest rank" + ("; a step ends when the training stream is synchronized" if cuda
+                                             else ""))
     out.append("")
     hdr = ["variant", "what", "median step ms", "x base", "overhead ms (95% CI)", "paired ovh ms",
            "ovh / neighbor ovh", "state per save (job)", "CPU ms/step/rank"]
@@ -1026,7 +1212,7 @@ def render(res: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) 
                    f"{_ms(verdict['neighbor_overhead_s'])} ms/step -> {verdict['ratio']:.1f}x lower (95% CI "
                    f"{lo:.1f}..{hi:.1f}; paired by round {verdict['paired_ratio']:.1f}x): {status}")
     bc, bs = rows.get("base", {}).get("cpu", {}).get("process"), rows.get("base", {}).get("median_s")
-    if bc and bs:
+    if bc and bs and not cuda:
         util = bc * 1e-3 * res["world"] / (info["nproc"] * bs)
         out.append(f"* CPU budget: a base step costs {bc:.0f} ms of CPU per rank; {res['world']} ranks on "
                    f"{info['nproc']} core(s) keep them {100 * util:.0f}% busy during the median step. Work a "
@@ -1040,6 +1226,11 @@ def render(res: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) 
                    f"{_ms(nbx.get('bg_copy_s', float('nan')))} ms, commit (extras + xxh3 + header) "
                    f"{_ms(nbx.get('bg_commit_s', float('nan')))} ms, stream + ack "
                    f"{_ms(nbx.get('bg_stream_s', float('nan')))} ms")
+    d2h = d2h_line(res)
+    if d2h:
+        out.append(d2h)
+    if res.get("optimizer"):
+        out.append(f"* optimizer: {res['optimizer']}, distributed (fp32 main params and moments sharded over DP)")
     for name in order:
         cpu = rows[name]["cpu"]
         if cpu and name in ("base", "neighbor", *DIAGNOSTICS):
@@ -1229,7 +1420,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _machine(store_root: Path) -> dict[str, Any]:
+def _gpu_info() -> dict[str, Any]:
+    """Which card(s), driver, CUDA and NCCL a --device cuda run used (best effort: a missing field is left out)."""
+    import subprocess
+
+    import torch
+
+    out: dict[str, Any] = {"torch_cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count()}
+    try:
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu_name=props.name, gpu_memory_bytes=int(props.total_memory),
+                   gpu_capability=f"{props.major}.{props.minor}")
+    except Exception as e:  # noqa: BLE001
+        out["gpu_error"] = _one_line(e)
+    try:
+        out["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=False)
+        lines = [line.strip() for line in q.stdout.splitlines() if line.strip()]
+        out["nvidia_smi"] = lines
+        fields = [f.strip() for f in lines[0].split(",")] if lines else []
+        if len(fields) == 4:
+            out.update(gpu_driver=fields[1], gpu_pcie=f"PCIe Gen{fields[2]} x{fields[3]}")
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def _machine(store_root: Path, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     from neighbor_ckpt.bench.micro import machine_info
@@ -1237,31 +1458,74 @@ def _machine(store_root: Path) -> dict[str, Any]:
     info = machine_info(store_root)
     info["python"] = platform.python_version()
     info["torch"] = torch.__version__
+    if device == "cuda":
+        info["device"] = "cuda"
+        info.update(_gpu_info())
     return info
+
+
+def resolve_args(args: argparse.Namespace, gpu_count: int = 0) -> None:
+    """Fill the defaults that depend on ``--device`` (shape, protocol, world) into ``args`` in place; raise
+    ``ValueError`` with the reason when the combination is invalid. ``gpu_count``: GPUs visible (cuda mode)."""
+    cuda = args.device == "cuda"
+    shape, proto = (GPU_SHAPE, CUDA_PROTOCOL) if cuda else (CPU_SHAPE, CPU_PROTOCOL)
+    for key in SHAPE_KEYS:
+        if getattr(args, key) is None:
+            setattr(args, key, shape[key])
+    if args.steps is None:
+        args.steps = proto["quick_steps"] if args.quick else proto["steps"]
+    if args.warmup is None:
+        args.warmup = proto["warmup"]
+    if args.block is None:
+        args.block = proto["block"]
+    if args.scale_steps is None:
+        args.scale_steps = args.steps
+    if args.scales is None:
+        args.scales = proto["quick_scales"] if args.quick else proto["scales"]
+    if args.world is None:
+        args.world = gpu_count if cuda else 4
+    if cuda:
+        if gpu_count < 1:
+            raise ValueError("--device cuda: no CUDA device is visible")
+        if not 1 <= args.world <= gpu_count:
+            raise ValueError(f"--device cuda: --world must be 1..{gpu_count} (one rank per visible GPU)")
+        if args.steps < 1 or args.block < 1 or args.warmup < 1:
+            raise ValueError("--steps >= 1, --block >= 1, --warmup >= 1")
+    elif args.world < 2 or args.steps < 1 or args.block < 1 or args.warmup < 1:
+        raise ValueError("--world >= 2, --steps >= 1, --block >= 1, --warmup >= 1")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="neighbor-ckpt bench --compare", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: gloo ranks on CPU tensors (default); cuda: one NCCL rank per GPU, bf16 model of "
+                         "GPU_SHAPE, the CUDA_PROTOCOL defaults below")
     ap.add_argument("--quick", action="store_true", help="8 timed steps per variant, no 16x model")
-    ap.add_argument("--world", type=int, default=4, help="ranks (default 4; DP = world)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20, --quick 8)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps in each variant's first block (default 3)")
-    ap.add_argument("--block", type=int, default=5, help="timed steps per block (default 5)")
+    ap.add_argument("--world", type=int, default=None,
+                    help="ranks (default 4; cuda: every visible GPU, 1 allowed; DP = world)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per variant (default 20, --quick 8; cuda 8, --quick 4)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps in each variant's first block (default 3; cuda 2)")
+    ap.add_argument("--block", type=int, default=None, help="timed steps per block (default 5; cuda 4)")
     ap.add_argument("--scale-steps", type=int, default=None, help="timed steps per variant in the scaling runs "
                                                                   "(default: --steps)")
     ap.add_argument("--scales", default=None, help="hidden-size multipliers of the scaling runs, comma-separated "
-                                                   "(default '2,4' = about 4x and 16x the parameters; --quick '2')")
+                                                   "(default '2,4' = about 4x and 16x the parameters; --quick '2'; "
+                                                   "cuda: none)")
     ap.add_argument("--no-scale-best", dest="scale_with_best", action="store_false",
                     help="scaling runs: base and neighbor only")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
-    ap.add_argument("--hidden", type=int, default=HIDDEN)
-    ap.add_argument("--layers", type=int, default=LAYERS)
-    ap.add_argument("--heads", type=int, default=HEADS)
-    ap.add_argument("--seq", type=int, default=SEQ)
-    ap.add_argument("--vocab", type=int, default=VOCAB)
-    ap.add_argument("--micro-batches", type=int, default=2)
-    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=None, help=f"default {HIDDEN}; cuda {GPU_SHAPE['hidden']}")
+    ap.add_argument("--layers", type=int, default=None, help=f"default {LAYERS}; cuda {GPU_SHAPE['layers']}")
+    ap.add_argument("--heads", type=int, default=None, help=f"default {HEADS}; cuda {GPU_SHAPE['heads']}")
+    ap.add_argument("--seq", type=int, default=None, help=f"default {SEQ}; cuda {GPU_SHAPE['seq']}")
+    ap.add_argument("--vocab", type=int, default=None, help=f"default {VOCAB}; cuda {GPU_SHAPE['vocab']}")
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help=f"per rank per step (default 2; cuda {GPU_SHAPE['micro_batches']})")
+    ap.add_argument("--micro-batch-size", type=int, default=None,
+                    help=f"sequences per micro-batch (default 2; cuda {GPU_SHAPE['micro_batch_size']})")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
     ap.add_argument("--store-dir", default="/dev/shm", help="where every checkpoint goes (default /dev/shm)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before the whole run is abandoned")
@@ -1270,7 +1534,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="first wait up to S seconds for other processes to use < 10%% of the CPUs")
     ap.add_argument("--verbose", action="store_true", help="progress lines, library logs and tracebacks")
     ap.add_argument("--profile-snapshot", action="store_true",
-                    help="cProfile the training thread's snapshot() call (one rank, DP=1) and exit")
+                    help="cProfile the training thread's snapshot() call (one rank, DP=1, CPU only) and exit")
     ap.add_argument("--projection", action="store_true", help="print the GPU projection (planner + goodput) only")
     ap.add_argument("--from-json", metavar="PATH", default=None,
                     help="with --projection: take the measured ratios from an earlier --json; without: re-render it")
@@ -1280,18 +1544,21 @@ def main(argv: list[str] | None = None) -> int:
         measured = json.loads(Path(args.from_json).read_text()) if args.from_json else None
         print(projection(measured))
         return 0
-    if args.steps is None:
-        args.steps = 8 if args.quick else 20
-    if args.scale_steps is None:
-        args.scale_steps = args.steps
-    if args.scales is None:
-        args.scales = "2" if args.quick else "2,4"
+    gpu_count = 0
+    if args.device == "cuda":
+        import torch
+
+        gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if args.profile_snapshot:
+            ap.error("--profile-snapshot runs on CPU only")
+    try:
+        resolve_args(args, gpu_count)
+    except ValueError as e:
+        ap.error(str(e))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or "base" not in variants:
         ap.error(f"--variants: unknown {bad}" if bad else "--variants must include base")
-    if args.world < 2 or args.steps < 1 or args.block < 1 or args.warmup < 1:
-        ap.error("--world >= 2, --steps >= 1, --block >= 1, --warmup >= 1")
     scales = [int(x) for x in args.scales.split(",") if x.strip()]
 
     base_dir = Path(args.store_dir)
@@ -1309,9 +1576,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return 0
-    info = _machine(base_dir)
+    info = _machine(base_dir, args.device)
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())
+        # The run's own shape and protocol (and device), not this command line's defaults.
+        for key in (*SHAPE_KEYS, "device", "steps", "block", "warmup", "threads"):
+            if key in res.get("args", {}):
+                setattr(args, key, res["args"][key])
         print(render(res, res.get("machine", info), args))
         return 0
 
@@ -1331,7 +1602,7 @@ def main(argv: list[str] | None = None) -> int:
             "block": args.block, "scale_steps": args.scale_steps, "scale_hidden": scales,
             "scale_with_best": args.scale_with_best, "hidden": args.hidden, "layers": args.layers,
             "heads": args.heads, "seq": args.seq, "vocab": args.vocab, "micro_batches": args.micro_batches,
-            "micro_batch_size": args.micro_batch_size,
+            "micro_batch_size": args.micro_batch_size, "device": args.device,
         }
         import torch.multiprocessing as mp
 

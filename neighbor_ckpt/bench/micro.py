@@ -16,6 +16,18 @@ One run prints one table:
    slowest rank's. The two variants alternate, iteration by iteration.
 3. **Host memory vs unique bytes.** After the streaming run, ``HostStore.host_bytes()`` of a rank
    (2 own + 2 replica slots written by the real engine + transport) over ``plan.unique_bytes``.
+4. **Restore vs raw transfer.** After the streaming run (the transport closed, as before a recovery), every
+   rank "restarts" (a new :class:`HostStore` on the surviving files) and all ranks run
+   :func:`~neighbor_ckpt.recovery.run_recovery` on the transport's group, as
+   :meth:`NeighborCheckpointer.recover` does, then copy the returned views into pre-allocated live tensors
+   (what an adapter's ``load`` does). Two cases, each alternating round by round with its baseline:
+   *lost store* (rank 0's store directory is deleted, a replaced node: inventory, all-gather, reconciliation,
+   pull of the replica from its successor over gloo, checksum verification, load) timed on rank 0 against a
+   raw ``dist.send``/``dist.recv`` of the same bytes in the same chunks between the same two ranks into a
+   pre-faulted buffer plus a ``torch.copy_`` into the live tensors, target ``restore <= 1.5x raw``; and *local*
+   (every store survived: own slot, verified, into the live tensors; slowest rank) against a ``torch.copy_``
+   of the same bytes from a /dev/shm mapping, informational (a checksum pass alone costs about half a copy).
+   The notes give the ``RecoveryReport.phases`` breakdown. ``--no-restore`` skips this.
 
 Every timing is a median over ``--iters`` iterations after warm-up (first-touch page faults of a fresh
 ``/dev/shm`` file are not steady state). Stores go under ``$NEIGHBOR_CKPT_STORE_DIR`` (default
@@ -52,7 +64,7 @@ import xxhash
 from neighbor_ckpt.config import STORE_DIR_ENV, TransportConfig
 from neighbor_ckpt.engine import SnapshotEngine
 from neighbor_ckpt.razor import ShardPlan, StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.store import ROLE_OWN, HostStore, checksum
+from neighbor_ckpt.store import ROLE_OWN, ROLE_REPLICA, HostStore, checksum
 
 MiB = 2**20
 GB = 1e9
@@ -396,6 +408,7 @@ def _stream_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     transport = GlooRingTransport(topo, store, group, chunk_bytes=chunk,
                                   on_replica=lambda _it: landed.put(time.perf_counter()))
     transport.start()
+    transport_open = True
     result: dict[str, Any] = {}
     raw_thread = None
     try:
@@ -509,8 +522,17 @@ def _stream_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
             "engine_last_snapshot_max_seconds": dict(zip(("wall", "stage", "commit", "stream"),
                                                          e2e_last.tolist())),
         }
+
+        # -- 4. restore (recovery runs before the transport starts, on the same group) ------------------------
+        if cfg.get("restore", True):
+            transport.close(timeout=cfg["timeout_s"])
+            transport_open = False
+            del neighbor_send, variants, slot, hdr, ref, send_buf, recv_buf
+            dist.barrier()
+            result["restore"], store = _restore_section(rank, world, cfg, topo, group, raw_group, plan, store)
     finally:
-        transport.close(timeout=cfg["timeout_s"])
+        if transport_open:
+            transport.close(timeout=cfg["timeout_s"])
         try:
             dist.barrier()
         finally:
@@ -518,6 +540,265 @@ def _stream_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
             dist.destroy_process_group()
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps(result))
+
+
+RESTORE_PHASES = ("inventory", "exchange", "transfer", "verify", "load", "copy")
+"""Seconds kept per restore: ``RecoveryReport.phases`` (inventory .. load) and the copy into the live tensors."""
+_RAW_RESTORE_META, _RAW_RESTORE_DATA = 21, 22
+
+
+def _restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group: Any, raw_group: Any,
+                     plan: ShardPlan, store: HostStore) -> tuple[dict[str, Any], HostStore]:
+    """Restore figures, after the streaming run left 2 own + 2 replica slots on every rank.
+
+    Every restore is a restart: each rank closes its :class:`HostStore` and opens a new one (fresh mappings of
+    the surviving files), then all ranks run :func:`~neighbor_ckpt.recovery.run_recovery` on the transport's
+    group, as :meth:`NeighborCheckpointer.recover` does, and copy the returned views into pre-allocated live
+    tensors (what the adapter's ``load`` does). Variants alternate round by round with their baselines.
+
+    * local: every store survived; each rank restores its own slot (checksummed in the verify step, the only slot
+      of the rank that is hashed). Baseline: ``torch.copy_`` of the same bytes from a
+      pre-faulted /dev/shm mapping into the same live tensors. A round's time is the slowest rank's.
+    * lost: rank ``victim`` lost its whole store (a replaced node: its directory is deleted, so the pulled image
+      lands in a new /dev/shm file); it pulls its state from the replica on its ring successor. Timed on the
+      victim. Baseline: the successor sends the same bytes (meta + the image in ``chunk_bytes`` chunks) with
+      ``dist.send`` into a pre-faulted anonymous buffer of the victim over a second gloo group, and the victim
+      ``torch.copy_``-s the payload into the live tensors.
+
+    Returns (results for rank 0, the store now open).
+    """
+    import torch.distributed as dist
+
+    from neighbor_ckpt.reconcile import SOURCE_OWN, SOURCE_REPLICA
+    from neighbor_ckpt.recovery import run_recovery
+    from neighbor_ckpt.topology import build_topology
+    from neighbor_ckpt.transport import META_LEN
+
+    chunk = cfg["chunk_bytes"]
+    rounds = cfg["warmup"] + cfg["iters"]
+    root = Path(cfg["root"])
+    victim = int(cfg.get("restore_victim", 0)) % world
+    vsucc = build_topology(rank=victim, world_size=world, dp_ranks=list(range(world)),
+                           nodes=[f"node{r}" for r in range(world)], policy="next").successor
+    # The live model / optimizer state exists before recover() runs: pre-allocated and pre-faulted.
+    live = {p.meta.name: torch.zeros(p.meta.shape, dtype=p.meta.dtype) for p in plan.unique}
+    names = [p.meta.name for p in plan.unique]
+    nbytes = plan.unique_bytes
+
+    def reopen(lose: bool) -> HostStore:
+        store.close()
+        if lose:
+            shutil.rmtree(store.dir, ignore_errors=True)
+        return HostStore(root, job_id=cfg["job_id"], rank=rank, versions=2, use_checksum=True)
+
+    def restore(expect: str) -> tuple[list[float], int, int]:
+        """One run_recovery + load; returns ([total, *phases], iteration, pulled bytes)."""
+        t0 = time.perf_counter()
+        rep, restored = run_recovery(store=store, topology=topo, group=group, layout="bench", chunk_bytes=chunk)
+        t1 = time.perf_counter()
+        if restored is None or rep.source != expect or set(restored.tensors) != set(live):
+            raise RuntimeError(f"rank {rank}: restore from {expect} failed: {rep.to_dict()}")
+        for name, t in restored.tensors.items():
+            live[name].copy_(t)
+        t2 = time.perf_counter()
+        del restored
+        ph = dict(rep.phases, copy=t2 - t1)
+        return [t2 - t0] + [ph.get(k, 0.0) for k in RESTORE_PHASES], int(rep.iteration or 0), rep.pulled_bytes
+
+    def reduce_max(v: list[float]) -> list[float]:
+        t = torch.tensor(v, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    out: dict[str, Any] = {"victim": victim, "source_rank": vsucc, "unique_bytes": nbytes,
+                           "phase_names": list(RESTORE_PHASES)}
+    zeros = [0.0] * len(RESTORE_PHASES)
+
+    # -- local restore vs copy_ from a /dev/shm map --------------------------------------------------------
+    refs = sorted(store.committed(ROLE_OWN, verify=False), key=lambda r: r.header.iteration)
+    own = store.slot(ROLE_OWN, refs[-1].index)
+    assert own is not None  # noqa: S101
+    shm = ShmBuffer(root, nbytes, tag=f"-restore{rank}")
+    try:
+        shm.tensor.copy_(own.payload[:nbytes])
+        del own, refs
+        shm_views = _views_like(shm.tensor, plan)
+        local: dict[str, list[Any]] = {"restore": [], "copy": [], "phases": []}
+        for it in range(rounds):
+            for name in (("restore", "copy") if it % 2 == 0 else ("copy", "restore")):
+                if name == "restore":
+                    store = reopen(lose=False)
+                dist.barrier()
+                if name == "restore":
+                    v, _, _ = restore(SOURCE_OWN)
+                else:
+                    t0 = time.perf_counter()
+                    for n, src in zip(names, shm_views):
+                        live[n].copy_(src)
+                    v = [time.perf_counter() - t0] + zeros
+                v = reduce_max(v)
+                if it >= cfg["warmup"]:
+                    local[name].append(v[0])
+                    if name == "restore":
+                        local["phases"].append(dict(zip(RESTORE_PHASES, v[1:])))
+    finally:
+        shm_views = []
+        shm.close()
+    out["local"] = local
+
+    # -- restore of a rank that lost its store vs raw gloo + copy_ ----------------------------------------
+    own_refs = sorted(store.committed(ROLE_OWN, verify=False), key=lambda r: r.header.iteration)
+    image = store.slot(ROLE_OWN, own_refs[-1].index)
+    assert image is not None  # noqa: S101
+    segs = image.image_segments(own_refs[-1].header)  # the victim's image has this layout on every rank
+    image_bytes = sum(n for _, n in segs)
+    payload_at = segs[0][1]  # the first segment is preamble + header, up to the payload
+    del image, own_refs
+    send_buf = recv_buf = None
+    if rank == vsucc:
+        rrefs = sorted(store.committed(ROLE_REPLICA, verify=False), key=lambda r: r.header.iteration)
+        rs = store.slot(ROLE_REPLICA, rrefs[-1].index)
+        assert rs is not None  # noqa: S101
+        rsegs = rs.image_segments(rrefs[-1].header)
+        send_buf = torch.empty(sum(n for _, n in rsegs), dtype=torch.uint8)
+        pos = 0
+        for o, n in rsegs:
+            send_buf[pos:pos + n].copy_(rs.segment(o, n))
+            pos += n
+        del rs, rrefs
+    if rank == victim:
+        recv_buf = torch.empty(image_bytes, dtype=torch.uint8)
+        recv_buf.fill_(1)
+        recv_views = _views_like(recv_buf[payload_at:payload_at + nbytes], plan)
+    spans = []
+    pos = 0
+    for _, n in segs:
+        spans.append((pos, n))
+        pos += n
+
+    def raw_pull() -> float:
+        """The baseline; returns the seconds of its gloo part on the victim (0 elsewhere)."""
+        t0 = time.perf_counter()
+        meta = torch.zeros(META_LEN, dtype=torch.int64)
+        if rank == vsucc:
+            assert send_buf is not None  # noqa: S101
+            meta[0] = send_buf.numel()
+            dist.send(meta, dst=victim, group=raw_group, tag=_RAW_RESTORE_META)
+            for p0, n in spans:
+                for s0 in range(0, n, chunk):
+                    dist.send(send_buf[p0 + s0:p0 + min(n, s0 + chunk)], dst=victim, group=raw_group,
+                              tag=_RAW_RESTORE_DATA)
+        elif rank == victim:
+            assert recv_buf is not None  # noqa: S101
+            dist.recv(meta, src=vsucc, group=raw_group, tag=_RAW_RESTORE_META)
+            if int(meta[0]) != image_bytes:
+                raise RuntimeError(f"rank {rank}: replica image of {int(meta[0])} bytes, own image {image_bytes}")
+            for p0, n in spans:
+                for s0 in range(0, n, chunk):
+                    dist.recv(recv_buf[p0 + s0:p0 + min(n, s0 + chunk)], src=vsucc, group=raw_group,
+                              tag=_RAW_RESTORE_DATA)
+            t_gloo = time.perf_counter() - t0
+            for n, src in zip(names, recv_views):
+                live[n].copy_(src)
+            return t_gloo
+        return 0.0
+
+    lost: dict[str, list[Any]] = {"restore": [], "raw": [], "raw_gloo": [], "phases": [], "slowest_rank_restore": [],
+                                  "slowest_inventory": []}
+    pulled = 0
+    for it in range(rounds):
+        for name in (("restore", "raw") if it % 2 == 0 else ("raw", "restore")):
+            if name == "restore":
+                store = reopen(lose=rank == victim)
+            dist.barrier()
+            if name == "restore":
+                v, _, got = restore(SOURCE_REPLICA if rank == victim else SOURCE_OWN)
+                if rank == victim:
+                    pulled = got
+            else:
+                t0 = time.perf_counter()
+                t_gloo = raw_pull()
+                v = [time.perf_counter() - t0, t_gloo] + zeros[1:]
+            mine = v if rank == victim else [0.0] * len(v)
+            red = reduce_max(mine + [v[0], v[1]])
+            if it >= cfg["warmup"]:
+                lost[name].append(red[0])
+                if name == "restore":
+                    lost["phases"].append(dict(zip(RESTORE_PHASES, red[1:-2])))
+                    lost["slowest_rank_restore"].append(red[-2])
+                    lost["slowest_inventory"].append(red[-1])
+                else:
+                    lost["raw_gloo"].append(red[1])
+    # What a replaced node pays before any byte can land: first touch of a new /dev/shm file of the image's size
+    # (the restore receives into one; the baseline into a pre-faulted buffer).
+    touch = []
+    if rank == victim:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            b = ShmBuffer(root, image_bytes, tag="-fresh")  # creates, maps and writes every page
+            touch.append(time.perf_counter() - t0)
+            b.close()
+    lost["fresh_file_touch"] = reduce_max([statistics.median(touch) if touch else 0.0])[0]
+    out["lost"] = lost
+    out["image_bytes"] = image_bytes
+    out["pulled_bytes"] = int(reduce_max([float(pulled)])[0])
+    return out, store
+
+
+def restore_rows(res: dict[str, Any], world: int, chunk_mib: float) -> tuple[list[Row], list[str]]:
+    """Table rows and notes of one world's restore results (pure: from :func:`_restore_section`'s output)."""
+    rr = res["restore"]
+    lost, local = rr["lost"], rr["local"]
+    nb, ub = rr["image_bytes"], rr["unique_bytes"]
+    tl, tr = _summary(lost["restore"]), _summary(lost["raw"])
+    ll, lc = _summary(local["restore"]), _summary(local["copy"])
+    rows = [
+        Row("restore", f"restore W={world}, lost store: run_recovery + copy_ into live (pulling rank)", tl, "s",
+            tr, f"raw gloo send/recv of the same {nb / MiB:.1f} MiB, {chunk_mib:g} MiB chunks, + torch.copy_",
+            tl / tr if tr else float("nan"), 1.5, "<=").judge(),
+        Row("restore", f"restore W={world}, local: own slot (xxh3 verified) -> live (slowest rank)", ll, "s",
+            lc, f"torch.copy_ of {ub / MiB:.1f} MiB from a /dev/shm map -> live", ll / lc if lc else float("nan"),
+            ).judge(),
+    ]
+    rows[0].detail = {"gbps": nb / tl / GB, "baseline_gbps": nb / tr / GB, "paired_ratio_median":
+                      _paired(lost["restore"], lost["raw"]), "phases": phase_summary(lost["phases"])}
+    rows[1].detail = {"gbps": ub / ll / GB, "baseline_gbps": ub / lc / GB, "paired_ratio_median":
+                      _paired(local["restore"], local["copy"]), "phases": phase_summary(local["phases"])}
+    gloo = _summary(lost.get("raw_gloo", []))
+    touch = lost.get("fresh_file_touch", float("nan"))
+    rows[0].detail.update({"raw_gloo_seconds": gloo, "fresh_file_touch_seconds": touch,
+                           "slowest_inventory_seconds": _summary(lost.get("slowest_inventory", [])),
+                           "ratio_less_fresh_touch": (tl - touch) / tr if tr else float("nan")})
+    notes = [
+        f"W={world} restore, rank {rr['victim']} lost its store and pulled {rr['pulled_bytes'] / MiB:.1f} MiB from "
+        f"rank {rr['source_rank']}: {_fmt_phases(rows[0].detail['phases'])} ({_STAT}s); total {tl:.3f}s "
+        f"({nb / tl / GB:.2f} GB/s) vs raw {tr:.3f}s ({nb / tr / GB:.2f} GB/s; gloo {gloo:.3f} + copy_); median of "
+        f"per-round ratios {rows[0].detail['paired_ratio_median']:.3f}x; slowest rank's restore "
+        f"{_summary(lost['slowest_rank_restore']):.3f}s; slowest rank's inventory (headers and commit markers; the "
+        f"exchange waits for it) {_summary(lost.get('slowest_inventory', [])):.3f}s; first touch of a new /dev/shm "
+        f"file of the image's size {touch:.3f}s (the restore receives into one, the baseline into a pre-faulted "
+        f"buffer; less that, the ratio would be about {rows[0].detail['ratio_less_fresh_touch']:.2f}x).",
+        f"W={world} local restore (every store intact), slowest rank: {_fmt_phases(rows[1].detail['phases'])} "
+        f"({_STAT}s); total {ll:.3f}s vs copy_ {lc:.3f}s; median of per-round ratios "
+        f"{rows[1].detail['paired_ratio_median']:.3f}x.",
+    ]
+    return rows, notes
+
+
+def _paired(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median of per-round ratios a/b (robust to load drift between rounds)."""
+    r = [x / y for x, y in zip(a, b) if y > 0]
+    return statistics.median(r) if r else float("nan")
+
+
+def phase_summary(phases: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Summary (``--stat``) of each restore phase over rounds."""
+    keys = [k for k in RESTORE_PHASES if any(k in p for p in phases)]
+    return {k: _summary([p.get(k, 0.0) for p in phases]) for k in keys}
+
+
+def _fmt_phases(ph: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in ph.items())
 
 
 def bench_stream(args: argparse.Namespace, root: Path, world: int) -> tuple[list[Row], dict[str, Any]]:
@@ -528,7 +809,7 @@ def bench_stream(args: argparse.Namespace, root: Path, world: int) -> tuple[list
             "mib": args.mib, "tensors": args.tensors, "iters": args.iters, "warmup": args.warmup,
             "chunk_bytes": int(args.chunk_mib * MiB), "root": str(root), "job_id": f"bench-ring{world}-{os.getpid()}",
             "init_file": os.path.join(tmp, "pg_init"), "out": os.path.join(tmp, "result.json"),
-            "timeout_s": args.timeout,
+            "timeout_s": args.timeout, "restore": not getattr(args, "no_restore", False),
         }
         mp.start_processes(_stream_worker, args=(world, cfg), nprocs=world, join=True, start_method="spawn")
         res = json.loads(Path(cfg["out"]).read_text())
@@ -546,6 +827,10 @@ def bench_stream(args: argparse.Namespace, root: Path, world: int) -> tuple[list
     rows[0].detail["paired_ratio_median"] = statistics.median(
         r / n for n, r in zip(res["seconds"]["neighbor"], res["seconds"]["raw"]))
     rows[1].detail = {"host_bytes": res["host_bytes_max"], "slot_files": res["slot_files_max"]}
+    if "restore" in res:
+        rrows, rnotes = restore_rows(res, world, args.chunk_mib)
+        rows += rrows
+        res["restore_notes"] = rnotes
     return rows, res
 
 
@@ -564,6 +849,25 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return f"{x:.3g}{unit}"
 
 
+def row_cells(r: Row) -> list[str]:
+    """The table cells of a row: metric, measured, baseline, ratio, target, result."""
+    if r.unit == "GB/s":
+        base = _fmt(r.baseline, "GB/s")
+    elif r.unit == "s":
+        base = f"{r.baseline:.3f} s" if r.baseline is not None and r.baseline == r.baseline else "-"
+    else:
+        base = f"{r.baseline / MiB:.1f} MiB" if r.baseline is not None else "-"
+    tgt = "-" if r.target is None else f"{r.op} {r.target:g}x"
+    val = _fmt(r.value, r.unit) if r.unit != "x" else _fmt(r.value, "x")
+    if r.unit == "s":
+        val = f"{r.value:.3f} s" if r.value == r.value else "-"
+        if "gbps" in r.detail:
+            val += f" ({r.detail['gbps']:.2f} GB/s)"
+    if r.section == "host":
+        val = f"{r.detail.get('host_bytes', 0) / MiB:.2f} MiB"
+    return [r.metric, val, f"{base} ({r.baseline_desc})", _fmt(r.ratio, "x"), tgt, r.status]
+
+
 def render(info: dict[str, Any], args: argparse.Namespace, rows: list[Row], notes: list[str]) -> None:
     head = (f"neighbor_ckpt micro-benchmark | nproc {info['nproc']} | {info['cpu_model']} | torch {info['torch']} "
             f"({info['torch_threads']} intra-op threads) | numpy {info['numpy']} | xxhash {info['xxhash']} | "
@@ -573,14 +877,7 @@ def render(info: dict[str, Any], args: argparse.Namespace, rows: list[Row], note
            f"chunk {args.chunk_mib:g} MiB | store {info['store_root']} | THP {info['thp_enabled']} / "
            f"shmem {info['thp_shmem']}")
 
-    def cells(r: Row) -> list[str]:
-        base = (_fmt(r.baseline, "GB/s") if r.unit == "GB/s" else
-                (f"{r.baseline / MiB:.1f} MiB" if r.baseline is not None else "-"))
-        tgt = "-" if r.target is None else f"{r.op} {r.target:g}x"
-        val = _fmt(r.value, r.unit) if r.unit != "x" else _fmt(r.value, "x")
-        if r.section == "host":
-            val = f"{r.detail.get('host_bytes', 0) / MiB:.2f} MiB"
-        return [r.metric, val, f"{base} ({r.baseline_desc})", _fmt(r.ratio, "x"), tgt, r.status]
+    cells = row_cells
 
     try:
         from rich.console import Console
@@ -635,6 +932,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="summary of the timed iterations (default median; min = best-of, for noisy machines)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="first wait up to S seconds for other processes to use < 10%% of the CPUs")
+    ap.add_argument("--no-restore", action="store_true",
+                    help="skip the restore figures (run after the streaming run of every --world size)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if any target is missed (2 on errors always)")
     args = ap.parse_args(argv)
     if args.iters < 1 or args.tensors < 1 or args.mib <= 0:
@@ -696,6 +995,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{w * extra['image_bytes'] / _summary(tn) / GB:.2f} GB/s; engine end-to-end (last warm-up "
                     f"snapshot, slowest rank) wall {eng['wall']:.3f}s = stage {eng['stage']:.3f} + commit "
                     f"{eng['commit']:.3f} + stream {eng['stream']:.3f}.")
+                notes += extra.get("restore_notes", [])
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rows.append(Row("stream", f"ring W={w}", float("nan"), "", None, f"failed: {e!r}", None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+import pytest
+
 from neighbor_ckpt.bench import compare
 
 
@@ -55,3 +57,110 @@ def test_projection_has_the_planner_tables_and_goodput() -> None:
     for name in ("llama3_8b", "llama3_70b", "gpt3_175b"):
         assert f"neighbor-ckpt plan configs/{name}.yaml" in text
     assert "Goodput on 1024 H100s" in text and "p_unrecoverable" in text
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    """The parser's namespace with nothing given, then ``argv``'s flags (as main() would parse them)."""
+    ns = argparse.Namespace(device="cpu", quick=False, world=None, steps=None, warmup=None, block=None,
+                            scale_steps=None, scales=None, hidden=None, layers=None, heads=None, seq=None,
+                            vocab=None, micro_batches=None, micro_batch_size=None)
+    it = iter(argv)
+    for flag in it:
+        key = flag.lstrip("-").replace("-", "_")
+        if key == "quick":
+            ns.quick = True
+        else:
+            val = next(it)
+            setattr(ns, key, val if key in ("device", "scales") else int(val))
+    return ns
+
+
+def test_cpu_defaults_are_the_recipe_shape_and_the_old_protocol() -> None:
+    a = _args()
+    compare.resolve_args(a, gpu_count=0)
+    assert (a.world, a.steps, a.warmup, a.block, a.scales, a.scale_steps) == (4, 20, 3, 5, "2,4", 20)
+    assert {k: getattr(a, k) for k in compare.SHAPE_KEYS} == compare.CPU_SHAPE
+    assert (a.hidden, a.layers, a.heads, a.seq, a.vocab) == (64, 2, 4, 32, 128)  # recipes/mcore_gpt_plain_loop.py
+    q = _args("--quick")
+    compare.resolve_args(q, gpu_count=8)  # GPUs on the machine change nothing in cpu mode
+    assert (q.world, q.steps, q.scales) == (4, 8, "2")
+
+
+def test_cuda_defaults_gpu_shape_short_protocol_one_rank_per_gpu() -> None:
+    a = _args("--device", "cuda")
+    compare.resolve_args(a, gpu_count=1)
+    assert a.world == 1  # every visible GPU; 1 is allowed with cuda
+    assert (a.steps, a.warmup, a.block, a.scales) == (8, 2, 4, "")  # no scaling runs unless --scales is given
+    assert (a.hidden, a.layers, a.heads, a.seq, a.vocab, a.micro_batch_size, a.micro_batches) == (
+        1024, 16, 16, 2048, 32768, 4, 4)
+    b = _args("--device", "cuda", "--hidden", "512", "--world", "2", "--scales", "2", "--quick")
+    compare.resolve_args(b, gpu_count=8)
+    assert (b.hidden, b.layers, b.world, b.scales, b.steps) == (512, 16, 2, "2", 4)  # flags override
+
+
+def test_world_validation_depends_on_the_device() -> None:
+    with pytest.raises(ValueError, match="--world >= 2"):
+        compare.resolve_args(_args("--world", "1"), gpu_count=8)  # cpu: a DP ring needs 2 ranks
+    with pytest.raises(ValueError, match="no CUDA device"):
+        compare.resolve_args(_args("--device", "cuda"), gpu_count=0)
+    with pytest.raises(ValueError, match="1..2"):
+        compare.resolve_args(_args("--device", "cuda", "--world", "3"), gpu_count=2)
+    with pytest.raises(ValueError, match="--steps >= 1"):
+        compare.resolve_args(_args("--device", "cuda", "--steps", "0"), gpu_count=1)
+
+
+def test_gpu_shape_is_about_a_quarter_billion_params_and_3_gb_of_unique_state() -> None:
+    from neighbor_ckpt.planner import HARDWARE, ModelShape, Parallelism, plan_job
+
+    g = compare.GPU_SHAPE
+    shape = ModelShape(num_layers=g["layers"], hidden_size=g["hidden"], ffn_hidden_size=4 * g["hidden"],
+                       num_attention_heads=g["heads"], vocab_size=g["vocab"], seq_length=g["seq"],
+                       share_embeddings_and_output_weights=False)
+    c = plan_job(shape, Parallelism(dp=1), HARDWARE["h100"], extras_bytes=0).classes[0]
+    assert 0.2e9 < c.params_per_rank < 0.3e9
+    assert c.unique_payload_bytes == 12 * c.params_per_rank  # fp32 main param + 2 Adam moments, DP = 1
+
+
+def test_cpu_render_has_no_gpu_lines_and_cuda_render_names_the_card_and_the_d2h_bandwidth() -> None:
+    args = argparse.Namespace(threads=1, layers=2, heads=4, seq=32, vocab=128, micro_batches=2,
+                              micro_batch_size=2, steps=10, block=5, warmup=3)
+    info = {"nproc": 16, "cpu_model": "test", "torch": "2.11.0+cu130", "store_root": "/dev/shm",
+            "other_cpu_frac": 0.0, "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "torch_cuda": "13.0",
+            "nccl": "2.27.7", "gpu_driver": "580.159.04", "gpu_pcie": "PCIe Gen5 x16", "python": "3.12.3"}
+    res = _result()
+    res["main"]["variants"]["neighbor"]["extra_median"] = {"snapshot_call_s": 0.001, "bg_copy_s": 0.1}
+    res["main"]["neighbor_unique_bytes_per_rank"] = [3_000_000_000] * 4
+    cpu_text = compare.render(res, info, args)
+    assert "NCCL" not in cpu_text and "D2H" not in cpu_text and compare.d2h_line(res) is None
+    res["device"] = "cuda"
+    text = compare.render(res, info, args)
+    assert "4 x NVIDIA H100 80GB HBM3" in text and "CUDA 13.0" in text and "PCIe Gen5 x16" in text
+    assert "bf16 with fp32 main params" in text and "CPU budget" not in text
+    line = compare.d2h_line(res)
+    assert line is not None and line in text
+    assert "= 30.0 GB/s per GPU" in line and "the planner assumes 50 GB/s" in line
+    del res["main"]["variants"]["neighbor"]
+    assert compare.d2h_line(res) is None
+
+
+def test_a_variant_that_fails_setup_is_dropped_from_every_per_variant_table() -> None:
+    class Broken(compare.Variant):
+        name = "dcp_async"
+
+        def setup(self) -> None:
+            raise RuntimeError("no CUDA")
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        tr = argparse.Namespace(device="cpu")
+        variants = {"base": compare.Base(tr, Path(d), 0, 1, "base"),  # type: ignore[arg-type]
+                    "dcp_async": Broken(tr, Path(d), 0, 1, "dcp")}  # type: ignore[arg-type]
+        runner = compare.Runner(tr, variants, {"verbose": False}, "main")  # type: ignore[arg-type]
+        runner._agree = lambda err: err  # type: ignore[method-assign]  # one rank, no process group
+        runner.setup()
+    assert list(runner.variants) == ["base"]
+    assert "dcp_async" not in runner.times and "dcp_async" not in runner.blocks and "dcp_async" not in runner.cpu
+    assert runner.failed["dcp_async"].startswith("setup failed: RuntimeError: no CUDA")
+    assert not runner.cuda and not variants["base"].cuda

@@ -423,3 +423,23 @@ def test_fp32_distopt_load_patch_runs_the_state_copy_without_autograd_and_is_rev
     finally:
         patch.remove()
     assert DistributedOptimizer.__dict__["_set_main_param_and_optimizer_states"] is original
+
+
+# -- FusedAdam semantics on a GPU image without TE / apex ------------------------------------------------------
+
+@needs_mcore
+def test_fused_adam_patch_replaces_exactly_the_optimizer_attributes_and_restores_them() -> None:
+    from megatron_patches import fused_adam
+
+    if cpu.active_patch() is not None:
+        pytest.skip("the CPU shim is active in this process (it already applies these attributes)")
+    before = _snapshot()
+    patch = fused_adam.use_fused_adam_semantics()
+    assert patch is not None, "neither Transformer Engine nor apex is installed here: mcore fell back to torch Adam"
+    assert set(_same(before, _snapshot())) == {f"{a.module}.{a.name}" for a in fused_adam.OPTIMIZER_ATTRIBUTES}
+    import megatron.core.optimizer as mo
+
+    assert mo.Adam is cpu.FusedAdamSemanticsAdam and mo.USING_PYTORCH_OPTIMIZER is False
+    assert fused_adam.use_fused_adam_semantics() is None  # mcore now believes it has FusedAdam: nothing to do
+    patch.restore()
+    assert not _same(before, _snapshot())
