@@ -68,7 +68,7 @@ def reap_previous(rank_dir: Path, *, rank: int) -> int:
     in it (0: nothing to do). Never raises: a record that cannot be read or trusted is left alone."""
     try:
         rec = json.loads((Path(rank_dir) / PROCESS_FILE).read_text())
-        pid, pgid, ticks, boot = int(rec["pid"]), int(rec["pgid"]), rec.get("start_ticks"), str(rec["boot_id"])
+        pid, pgid, boot = int(rec["pid"]), int(rec["pgid"]), str(rec["boot_id"])
     except FileNotFoundError:
         return 0
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -77,8 +77,10 @@ def reap_previous(rank_dir: Path, *, rank: int) -> int:
     me = this_process()
     if boot != me["boot_id"] or pid == me["pid"] or pgid != pid or pgid == me["pgid"] or pgid <= 1:
         return 0  # another machine or boot, this very process, or a worker that did not lead its own group
-    if _start_ticks(pid) == ticks:
-        return 0  # the previous process still runs (the launcher will stop it): not ours to kill
+    if _start_ticks(pid) is not None:
+        # The previous process still runs (the launcher will stop it): not ours to kill. Or its pid was reused,
+        # which the kernel allows only once its process group is gone: the group ``pid`` now is someone else's.
+        return 0
     members = _group_members(pgid)
     if not members:
         return 0

@@ -66,6 +66,14 @@ def test_a_previous_process_that_still_runs_is_left_alone(worker, tmp_path: Path
     assert _alive(worker.pid)
 
 
+def test_a_reused_pid_is_never_taken_for_the_previous_process(worker, tmp_path: Path) -> None:
+    # The record names a process that died long ago; its pid now belongs to a live group leader (the worker, with
+    # another start time): that group is someone else's, e.g. another rank's new worker.
+    ticks = reaper._start_ticks(worker.pid)
+    assert reaper.reap_previous(_record_of(worker, tmp_path, start_ticks=ticks - 1), rank=0) == 0
+    assert len(reaper._group_members(worker.pid)) == 2
+
+
 @pytest.mark.parametrize("change", [{"boot_id": "another-boot"}, {"pgid": 1}, {"pid": 999999}])
 def test_a_record_of_another_boot_or_a_process_that_did_not_lead_its_group_is_left_alone(
         worker, tmp_path: Path, change: dict) -> None:
