@@ -13,11 +13,15 @@ Options: ``--tp``/``--pp`` (model parallelism; DP = world / (TP x PP)), ``--no-d
 optimizer: the lazy-backup path), ``--steps``, ``--out DIR`` (per-rank losses, recovery report, plan and
 final fingerprints as JSON), ``--insurance-every N`` (a megatron-core distributed checkpoint every N steps,
 loaded only when no in-memory version is complete), ``--config FILE`` (a YAML file whose ``neighbor_ckpt:`` section configures the
-checkpointer). Fault injection for demos and tests, first attempt only: ``--kill RANK:STEP`` signals that rank,
-``--kill-phase forward|optimizer`` says where in the step (default: inside the optimizer step, after the wait
-point), ``--kill-signal SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when); on the restart,
-``--replace-store`` gives that rank an empty host store (a replaced node) and ``--damage bitflip|truncate|header``
-damages its newest own snapshot (see :mod:`neighbor_ckpt.chaos`).
+checkpointer). Fault injection for demos and tests, first attempt only: ``--kill RANK[,RANK]:STEP`` signals those
+ranks, ``--kill-phase`` says where in the step: ``forward``, ``backward`` (when the first gradient is computed),
+``optimizer`` (inside the optimizer step, after the wait point; the default), ``copy`` (the snapshot of STEP half
+copied into its slot) or ``stream`` (that snapshot half streamed to the ring successor); ``--kill-signal
+SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when). On the restart, ``--replace-store``
+gives the victims empty host stores (replaced nodes), ``--damage bitflip|truncate|header`` damages their newest own
+snapshot (``--damage-seed``: a random bit), and ``--kill-recovery RANK`` SIGKILLs that rank while it loads the
+restored state (needs ``--max-restarts 2``). ``--nodes N`` lays the ranks out as N "nodes" of consecutive ranks
+(``NEIGHBOR_CKPT_NODE_ID``), so the ring puts every replica on another node. See :mod:`neighbor_ckpt.chaos`.
 """
 
 from __future__ import annotations
@@ -54,11 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="write per-rank losses, report, plan and final state here")
     ap.add_argument("--kill", default=None, metavar="RANK[,RANK]:STEP",
                     help="signal these ranks at STEP (first attempt only)")
-    ap.add_argument("--kill-phase", choices=("forward", "optimizer"), default="optimizer")
+    ap.add_argument("--kill-phase", choices=("forward", "backward", "optimizer", "copy", "stream"), default="optimizer")
     ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP"), default="SIGKILL")
     ap.add_argument("--replace-store", action="store_true", help="the killed rank restarts with an empty host store")
     ap.add_argument("--damage", choices=("bitflip", "truncate", "header"), default=None,
                     help="on the restart, damage the killed rank's newest own snapshot")
+    ap.add_argument("--damage-seed", type=int, default=None, help="bitflip: a random bit drawn from this seed")
+    ap.add_argument("--kill-recovery", type=int, default=None, metavar="RANK",
+                    help="on the first restart, SIGKILL this rank while it loads the restored state")
+    ap.add_argument("--nodes", type=int, default=None, help="lay the ranks out as N nodes (fault tests on one machine)")
     ap.add_argument("--insurance-every", type=int, default=0,
                     help="megatron-core distributed checkpoint every N steps: the insurance (0: none)")
     ap.add_argument("--insurance-dir", type=Path, default=None, help="where insurance checkpoints go (default: --out)")
@@ -67,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _sha(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+    return {k: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
             for k, t in sorted(tensors.items())}
 
 
@@ -115,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
 
     rec = Recorder(args.out)
     victims, kill_step = _parse_kill(args.kill)
+    if args.nodes:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        os.environ["NEIGHBOR_CKPT_NODE_ID"] = f"node{RANK * args.nodes // world}"
     prepare_torchrun_restart()  # neighbor_ckpt: a fresh rendezvous store per torchrun attempt
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     if RANK in victims and ATTEMPT == 0 and args.kill_phase == "optimizer":
         _kill_inside_optimizer_step(optimizer, ckpt, kill_step, lambda: fault(rec, args, "optimizer"))  # before
         # install_hooks: runs inside its step tag
+    if RANK == args.kill_recovery and ATTEMPT == 1:
+        from neighbor_ckpt import chaos
+
+        chaos.arm("recovery.load", lambda: fault(rec, args, "recovery", signal_name="SIGKILL"))
     hooks = install_hooks(ckpt, optimizer)
     result = ckpt.recover()
     consumed = 0
@@ -186,9 +201,12 @@ def main(argv: list[str] | None = None) -> None:
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
         batch = next(data_iterator)
-        if RANK in victims and step == kill_step and ATTEMPT == 0 and args.kill_phase == "forward":
+        armed = RANK in victims and step == kill_step and ATTEMPT == 0
+        if armed and args.kill_phase == "forward":
             fault(rec, args, "forward")
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        if armed and args.kill_phase == "backward" and output.requires_grad:
+            output.register_hook(lambda grad: fault(rec, args, "backward"))
 
         def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
             loss = output_tensor.float().mean()
@@ -210,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
                 raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
             scheduler.step(increment=global_batch)
             consumed += global_batch
+            if RANK in victims and step == kill_step and ATTEMPT == 0 and args.kill_phase in ("copy", "stream"):
+                from neighbor_ckpt import chaos
+
+                chaos.arm(f"snapshot.{args.kill_phase}", lambda: fault(rec, args, args.kill_phase))
             ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(),  # neighbor_ckpt
                                             "consumed_samples": consumed})
             if insurance is not None:
@@ -289,12 +311,18 @@ def _parse_kill(spec: str | None) -> tuple[frozenset[int], int]:
     return frozenset(int(r) for r in ranks.split(",")), int(step)
 
 
-def fault(rec: Recorder, args: argparse.Namespace, phase: str) -> None:
-    """Fault injection: record when, then SIGKILL (dies) or SIGSTOP (hangs) this process."""
-    rec.json(f"fault.rank{RANK}.json" if RANK != min(_parse_kill(args.kill)[0]) else "fault.json",
-             {"rank": RANK, "step": _parse_kill(args.kill)[1], "phase": phase, "signal": args.kill_signal,
-              "unix": time.time()})
-    os.kill(os.getpid(), getattr(signal, args.kill_signal))
+def fault(rec: Recorder, args: argparse.Namespace, phase: str, signal_name: str | None = None) -> None:
+    """Fault injection: record when (``fault.json``; ``fault.recovery.json`` for a kill during recovery), then
+    SIGKILL (dies) or SIGSTOP (hangs) this process."""
+    victims, step = _parse_kill(args.kill)
+    sig = signal_name or args.kill_signal
+    name = "fault.recovery.json" if phase == "recovery" else \
+        "fault.json" if not victims or RANK == min(victims) else f"fault.rank{RANK}.json"
+    rec.json(name, {"rank": RANK, "step": step, "phase": phase, "signal": sig, "unix": time.time()})
+    logging.getLogger(__name__).warning("fault injection: %s of rank %d in the %s phase", sig, RANK, phase)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os.kill(os.getpid(), getattr(signal, sig))
 
 
 def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
@@ -308,7 +336,10 @@ def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
     if args.replace_store:
         shutil.rmtree(own, ignore_errors=True)
     if args.damage:
-        damage_newest_slot(own, args.damage)
+        import random
+
+        damage_newest_slot(own, args.damage,
+                           rng=None if args.damage_seed is None else random.Random(args.damage_seed * 31 + RANK))
 
 
 def _kill_inside_optimizer_step(optimizer: Any, ckpt: Any, at_step: int, kill: Any) -> None:

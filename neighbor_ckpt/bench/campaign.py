@@ -1,11 +1,13 @@
 """``neighbor-ckpt campaign``: randomized faults against the tiny mcore GPT recipe on 4 CPU ranks, and a table.
 
-Every case is one real ``torchrun --max-restarts 1`` job of ``recipes/mcore_gpt_plain_loop.py`` (megatron-core
-``GPTModel``, distributed or replicated optimizer) with one fault: a SIGKILL or a SIGSTOP (hang) of a random rank
-in the forward pass or inside the optimizer step of a random step, optionally followed on the restart by an
-empty host store for that rank (a replaced node) or a damaged newest snapshot (bit flip, truncation, malformed
-header). Its per-step losses and final parameters / optimizer state are compared (``==``) with a failure-free
-run of the same configuration.
+Every case is one real ``torchrun`` job (``--max-restarts 1``, 2 for a kill during recovery) of
+``recipes/mcore_gpt_plain_loop.py`` (megatron-core ``GPTModel``, distributed or replicated optimizer, TP 1 or 2, 4
+ranks laid out as 2 "nodes") with one fault (see :data:`KIND_SPECS`): a SIGKILL or SIGSTOP (hang) of a random rank
+in the forward pass, the backward pass, the optimizer step, the middle of its snapshot copy or the middle of
+streaming it to the ring successor; a second SIGKILL while the restarted job loads the restored state; one rank, the
+two ranks of a node, a rank and its ring successor, a whole DP group or every rank restarting with an empty host store;
+a random bit flip, a truncation or a malformed header in the victim's newest snapshot. Its per-step losses and final
+parameters / optimizer state are compared (``==``) with a failure-free run of the same configuration.
 
 Outcomes: ``exact`` (the job finished and every loss, recomputed ones included, and the final state equal the
 failure-free run), ``fallback`` (the job said it fell back to the insurance checkpoint, a megatron-core distributed
@@ -36,18 +38,70 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from neighbor_ckpt.bench._procs import RUN_TAG_ENV, kill_tagged, new_run_tag
+
 __all__ = ["Case", "Outcome", "KINDS", "draw_cases", "run_case", "summarize", "main"]
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "mcore_gpt_plain_loop.py"
 
-KINDS = ("kill-forward", "kill-optimizer", "hang-forward", "hang-optimizer", "kill-replaced-store",
-         "kill-bitflip", "kill-truncate", "kill-bad-header", "lose-adjacent-pair", "lose-all-stores")
-"""Fault kinds: signal + phase, and what the victims find in their host stores on the restart. The two ``lose-``
-kinds leave no complete in-memory version (a rank and its ring successor, or every rank, restart with empty
-stores): the expected outcome is the announced fallback to the insurance checkpoint."""
+WORLD, NODES = 4, 2
+"""Every case: 4 ranks laid out as 2 "nodes" of 2 consecutive ranks (``--nodes 2``), so the ring of a DP group puts
+every replica on the other node, as on a real cluster."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a fault kind does: the signal, where in the step it strikes (None: drawn per case), who is hit, and what
+    the victims find in their host stores on the restart."""
+
+    signal: str = "SIGKILL"
+    phase: str | None = None
+    """``forward``, ``backward``, ``optimizer``, ``copy`` (mid-snapshot copy), ``stream`` (mid-stream to the ring
+    successor); None: drawn from the first three."""
+    victims: str = "one"
+    """``one`` rank, its ``node`` (both ranks of it), an ``adjacent-pair`` (a rank and its ring successor), or its
+    whole ``dp-group`` (with TP 1 that is every rank: the job finds no snapshot anywhere)."""
+    store: str = "kept"
+    """``kept``, ``replaced`` (emptied: a new node), or damaged: ``bitflip``, ``truncate``, ``header``."""
+    recovery_kill: bool = False
+    """A second fault: on the restart, a random rank is SIGKILLed while it loads the restored state."""
+    tp: int | None = None
+    """Tensor parallelism (None: drawn, 1 or 2)."""
+
+
+KIND_SPECS: dict[str, Kind] = {
+    "kill-forward": Kind(phase="forward"),
+    "kill-backward": Kind(phase="backward"),
+    "kill-optimizer": Kind(phase="optimizer"),
+    "kill-mid-copy": Kind(phase="copy"),
+    "kill-mid-stream": Kind(phase="stream"),
+    "kill-in-recovery": Kind(phase="forward", recovery_kill=True),
+    "hang": Kind(signal="SIGSTOP"),
+    "kill-replaced-store": Kind(store="replaced"),
+    "kill-bitflip": Kind(store="bitflip"),
+    "kill-truncate": Kind(store="truncate"),
+    "kill-bad-header": Kind(store="header"),
+    "lose-node": Kind(victims="node", store="replaced"),
+    "lose-adjacent-pair": Kind(victims="adjacent-pair", store="replaced"),
+    "lose-dp-group": Kind(victims="dp-group", store="replaced"),
+}
+KINDS = tuple(KIND_SPECS)
+"""Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
+in-memory version (a rank and its ring successor, or a whole DP group, restart with empty stores): the expected
+outcome is the announced fallback to the insurance checkpoint. A lost node is covered by the replicas its ranks
+streamed to the other node."""
 
 _DETECTED_RE = re.compile(r"detected a failure \((\w+)\) at unix ([0-9.]+)")
 _MTTR_RE = re.compile(r"recovery MTTR ([0-9.]+) s")
+
+
+def dp_ring(rank: int, *, tp: int, world: int = WORLD, nodes: int = NODES) -> tuple[int, ...]:
+    """The DP ring ``rank`` belongs to, as the library builds it (mcore's DP groups: ranks with the same TP
+    coordinate; ``--nodes``: consecutive ranks per node; ``ring.policy: cross_node``)."""
+    from neighbor_ckpt.topology import ring_order
+
+    members = [r for r in range(world) if r % tp == rank % tp]
+    return ring_order(members, [f"node{r * nodes // world}" for r in range(world)], "cross_node")
 
 
 @dataclass(frozen=True)
@@ -59,41 +113,73 @@ class Case:
     rank: int
     step: int
     dist_opt: bool
+    phase: str = "optimizer"
+    tp: int = 1
+    recovery_rank: int | None = None
+    """The rank killed during the recovery (``kill-in-recovery``)."""
+    damage_seed: int | None = None
+
+    @property
+    def spec(self) -> Kind:
+        return KIND_SPECS[self.kind]
 
     @property
     def signal(self) -> str:
-        return "SIGSTOP" if self.kind.startswith("hang") else "SIGKILL"
-
-    @property
-    def phase(self) -> str:
-        return "forward" if self.kind.endswith("forward") else "optimizer"
+        return self.spec.signal
 
     @property
     def damage(self) -> str | None:
-        return {"kill-bitflip": "bitflip", "kill-truncate": "truncate", "kill-bad-header": "header"}.get(self.kind)
+        return self.spec.store if self.spec.store in ("bitflip", "truncate", "header") else None
 
     @property
     def victims(self) -> tuple[int, ...]:
-        if self.kind == "lose-adjacent-pair":
-            return tuple(sorted({self.rank, (self.rank + 1) % 4}))
-        if self.kind == "lose-all-stores":
-            return (0, 1, 2, 3)
+        how = self.spec.victims
+        if how == "node":
+            per = WORLD // NODES
+            return tuple(range(self.rank // per * per, self.rank // per * per + per))
+        if how == "adjacent-pair":
+            ring = dp_ring(self.rank, tp=self.tp)
+            return tuple(sorted({self.rank, ring[(ring.index(self.rank) + 1) % len(ring)]}))
+        if how == "dp-group":
+            return tuple(sorted(dp_ring(self.rank, tp=self.tp)))
         return (self.rank,)
 
     @property
     def needs_insurance(self) -> bool:
-        """Only the insurance checkpoint can cover it: stores lost on both ends of a ring edge, or the replicated
-        optimizer stopped inside its step (the survivors finish the step the victim never snapshotted)."""
-        return self.kind.startswith("lose-") or (not self.dist_opt and self.phase == "optimizer")
+        """Only the insurance checkpoint can cover it: both ends of a ring edge (or more) lost their stores; or the
+        replicated optimizer was hit after the victim's optimizer step began and before its snapshot committed
+        (the survivors finish the step the victim never snapshotted); or the replicated optimizer's restore was
+        killed (the restart may not choose that iteration again, and the survivors' lazy backup, written at failure
+        time, exists for that iteration only)."""
+        if self.spec.victims in ("adjacent-pair", "dp-group"):
+            return True
+        if not self.dist_opt and self.recovery_rank is not None:
+            return True
+        return not self.dist_opt and self.phase in ("optimizer", "copy")
+
+    @property
+    def max_restarts(self) -> int:
+        return 2 if self.recovery_rank is not None else 1
 
     def recipe_args(self) -> list[str]:
         args = ["--kill", f"{','.join(map(str, self.victims))}:{self.step}", "--kill-phase", self.phase,
-                "--kill-signal", self.signal]
-        if self.kind in ("kill-replaced-store", "lose-adjacent-pair", "lose-all-stores"):
+                "--kill-signal", self.signal, "--nodes", str(NODES)]
+        if self.tp != 1:
+            args += ["--tp", str(self.tp)]
+        if self.spec.store == "replaced":
             args.append("--replace-store")
         if self.damage:
             args += ["--damage", self.damage]
+        if self.damage_seed is not None:
+            args += ["--damage-seed", str(self.damage_seed)]
+        if self.recovery_rank is not None:
+            args += ["--kill-recovery", str(self.recovery_rank)]
         return args if self.dist_opt else [*args, "--no-dist-opt"]
+
+    @property
+    def flavour(self) -> tuple[bool, int]:
+        """The failure-free run this case is compared with: (distributed optimizer, TP)."""
+        return self.dist_opt, self.tp
 
 
 @dataclass(frozen=True)
@@ -107,16 +193,28 @@ class Outcome:
     wall_s: float = 0.0
 
 
-def draw_cases(n: int, seed: int, *, steps: int, world: int = 4, kinds: Sequence[str] = KINDS) -> list[Case]:
+def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequence[str] = KINDS) -> list[Case]:
     """``n`` cases from ``seed``: every kind in turn (so any prefix covers the kinds evenly), random rank, step
-    (1 .. steps-2: a snapshot exists before and a step remains after; at least 2 for the cases only insurance can
-    cover, so the insurance checkpoint of step 1 exists) and optimizer flavour."""
+    (1 .. steps-2: a snapshot exists before and a step remains after), phase where the kind leaves it open, TP (1 or
+    2), optimizer flavour, and for damage and recovery kills the bit and the second victim.
+
+    The step is at least 2 when the case is a double fault: a lost or damaged store, or a second kill during the
+    recovery. A kill before the wait point of step ``i`` can leave the newest snapshot (``i - 1``) half streamed to
+    the successor; with the victim's own copy gone too, only version ``i - 2`` or the insurance checkpoint (written
+    after step 1) is left, and at step 1 neither exists yet."""
     rng = random.Random(seed)
     cases = []
     for i in range(n):
-        kind, rank, step = kinds[i % len(kinds)], rng.randrange(world), rng.randrange(1, steps - 1)
-        case = Case(index=i, kind=kind, rank=rank, step=step, dist_opt=rng.random() < 0.75)
-        if case.needs_insurance:
+        kind = kinds[i % len(kinds)]
+        spec = KIND_SPECS[kind]
+        rank, step, dist_opt = rng.randrange(world), rng.randrange(1, steps - 1), rng.random() < 0.75
+        phase = spec.phase or rng.choice(("forward", "backward", "optimizer"))
+        tp = spec.tp or rng.choice((1, 1, 2))
+        recovery_rank = rng.randrange(world) if spec.recovery_kill else None
+        damage_seed = rng.randrange(2**31) if spec.store == "bitflip" else None
+        case = Case(index=i, kind=kind, rank=rank, step=step, dist_opt=dist_opt, phase=phase, tp=tp,
+                    recovery_rank=recovery_rank, damage_seed=damage_seed)
+        if case.needs_insurance or spec.recovery_kill or spec.store != "kept":
             case = dataclasses.replace(case, step=max(step, 2))
         cases.append(case)
     return cases
@@ -135,7 +233,8 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--monitor-interval=0.5", str(RECIPE),
            "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
            "--insurance-every", str(insurance_every), *args]
-    env = dict(os.environ, NEIGHBOR_CKPT_STORE_DIR=str(store), PYTHONUNBUFFERED="1")
+    tag = new_run_tag()
+    env = dict(os.environ, NEIGHBOR_CKPT_STORE_DIR=str(store), PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
     log = out / "torchrun.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -145,11 +244,12 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = -999
-    # A SIGSTOPped victim that nobody killed would outlive torchrun: never leave one behind.
+    # A SIGSTOPped victim that nobody killed, or the helpers of a killed worker, would outlive torchrun.
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    kill_tagged(tag)
     return rc, log.read_text(errors="replace")
 
 
@@ -187,12 +287,24 @@ def compare(base: Path, run: Path, *, steps_only: bool = False) -> str:
     return ""
 
 
+_FAILURE_RE = re.compile(r"failed \(exitcode: -?\d+\) local_rank|detected a failure \((?!sigterm)|Traceback|"
+                         r"^\[rank\d+\]:?\s*[\w.]*(Error|Exception)\b|rank \d+: .*(refused|failed|cannot)|attempt \d+")
+
+
+def failure_lines(log: str, *, limit: int = 12) -> str:
+    """The lines of a torchrun log that say which worker failed how, in every attempt (what a FAILED case reports;
+    torchrun's own exit code is 1 whatever happened)."""
+    hits = [line.strip()[:240] for line in log.splitlines() if _FAILURE_RE.search(line)]
+    return " | ".join(hits[-limit:]) or " | ".join(log.strip().splitlines()[-3:])[-300:]
+
+
 def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, timeout: float = 420,
              insurance_every: int = 0) -> Outcome:
     out = work / f"case{case.index:04d}-{case.kind}-r{case.rank}-s{case.step}"
     t0 = time.time()
     rc, log = _torchrun(out, case.recipe_args(), job_id=f"campaign-{case.index}", store=work / "store",
-                        config=config, steps=steps, timeout=timeout, max_restarts=1, insurance_every=insurance_every)
+                        config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
+                        insurance_every=insurance_every)
     wall = time.time() - t0
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
     detection = None
@@ -202,9 +314,10 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     common = dict(detection_s=detection, mttr_s=mttr[0] if mttr else None, wall_s=wall)
     if not (out / "fault.json").exists():
         return Outcome(case, "FAILED", "the fault never fired", **common)
+    if case.recovery_rank is not None and not (out / "fault.recovery.json").exists():
+        return Outcome(case, "FAILED", "the kill during recovery never fired", **common)
     if rc != 0:
-        tail = " | ".join(log.strip().splitlines()[-3:])[-300:]
-        return Outcome(case, "FAILED", f"exit {rc}: {tail}", **common)
+        return Outcome(case, "FAILED", f"exit {rc}: {failure_lines(log)}", **common)
     if "falling back to the insurance checkpoint" in log:
         missing = compare(base, out, steps_only=True)
         if missing:
@@ -215,24 +328,30 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
 
 
 def summarize(outcomes: Sequence[Outcome]) -> str:
-    """The campaign table (markdown): per kind, counts of each outcome and the detection times of hangs."""
-    lines = ["| fault | cases | exact | fallback | FAILED | detection s (median / max) | MTTR s (median) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    """The campaign table (markdown): per kind, counts of each outcome, how many fallbacks happened where an
+    in-memory version should have existed (``unexpected``: not a failure, nothing wrong was loaded, but a rollback
+    further than needed), and the detection times of hangs."""
+    lines = ["| fault | cases | exact | fallback | (unexpected) | FAILED | detection s (median / max) | MTTR s (median) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for kind in [k for k in KINDS if any(o.case.kind == k for o in outcomes)] + ["all"]:
         rows = [o for o in outcomes if kind in ("all", o.case.kind)]
         det = [o.detection_s for o in rows if o.detection_s is not None]
         mttr = [o.mttr_s for o in rows if o.mttr_s is not None]
         count = {r: sum(o.result == r for o in rows) for r in ("exact", "fallback", "FAILED")}
-        lines.append(f"| {kind} | {len(rows)} | {count['exact']} | {count['fallback']} | {count['FAILED']} | "
+        unexpected = sum(o.result == "fallback" and not o.case.needs_insurance for o in rows)
+        lines.append(f"| {kind} | {len(rows)} | {count['exact']} | {count['fallback']} | {unexpected} | "
+                     f"{count['FAILED']} | "
                      + (f"{statistics.median(det):.2f} / {max(det):.2f}" if det else "-") + " | "
                      + (f"{statistics.median(mttr):.1f}" if mttr else "-") + " |")
     return "\n".join(lines)
 
 
 def write_config(path: Path, *, interval_s: float, timeout_s: float) -> Path:
+    """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
+    middle of streaming leaves a replica really half written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
-                    "  store:\n    cleanup_on_success: true\n")
+                    "  store:\n    cleanup_on_success: true\n  transport:\n    chunk_mb: 0.0625\n")
     return path
 
 
@@ -255,27 +374,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = args.out
     config = write_config(work / "nckpt.yaml", interval_s=args.detector_interval, timeout_s=args.detector_timeout)
     cases = draw_cases(args.faults, args.seed, steps=args.steps, kinds=kinds)
-    bases: dict[bool, Path] = {}
-    for flavour in sorted({c.dist_opt for c in cases}, reverse=True):
-        out = work / f"baseline-{'distopt' if flavour else 'replicated'}"
-        rc, log = _torchrun(out, [] if flavour else ["--no-dist-opt"], job_id=f"campaign-base-{int(flavour)}",
-                            store=work / "store", config=config, steps=args.steps, timeout=420, max_restarts=0,
+    bases: dict[tuple[bool, int], Path] = {}
+    for dist_opt, tp in sorted({c.flavour for c in cases}, reverse=True):
+        out = work / f"baseline-{'distopt' if dist_opt else 'replicated'}-tp{tp}"
+        flags = ["--nodes", str(NODES), "--tp", str(tp)] + ([] if dist_opt else ["--no-dist-opt"])
+        rc, log = _torchrun(out, flags, job_id=f"campaign-base-{int(dist_opt)}-{tp}", store=work / "store",
+                            config=config, steps=args.steps, timeout=420, max_restarts=0,
                             insurance_every=args.insurance_every)
         if rc != 0:
             print(f"campaign: the failure-free run failed (exit {rc}); see {out / 'torchrun.log'}", file=sys.stderr)
             return 1
-        bases[flavour] = out
+        bases[(dist_opt, tp)] = out
     outcomes: list[Outcome] = []
     results = work / "outcomes.jsonl"
     results.unlink(missing_ok=True)
     for case in cases:
-        o = run_case(case, base=bases[case.dist_opt], work=work, steps=args.steps, config=config,
+        o = run_case(case, base=bases[case.flavour], work=work, steps=args.steps, config=config,
                      insurance_every=args.insurance_every)
         outcomes.append(o)
         with open(results, "a") as f:
             f.write(json.dumps(asdict(o)) + "\n")
-        print(f"[{case.index + 1}/{len(cases)}] {case.kind:20s} rank {case.rank} step {case.step} "
-              f"{'distopt' if case.dist_opt else 'replicated':10s} -> {o.result} "
+        print(f"[{case.index + 1}/{len(cases)}] {case.kind:20s} rank {case.rank} step {case.step} {case.phase:9s} "
+              f"tp{case.tp} {'distopt' if case.dist_opt else 'replicated':10s} -> {o.result} "
               + (f"(detected in {o.detection_s:.2f} s) " if o.detection_s is not None else "")
               + f"{o.wall_s:.0f} s {o.detail}", flush=True)
     print(f"\nseed {args.seed}, {len(cases)} faults, detector timeout {args.detector_timeout:g} s / interval "

@@ -98,8 +98,8 @@ def test_distributed_optimizer_snapshot_is_12_bytes_per_local_param_over_dp(
         assert sum(f["plan"]["unique_tensor_bytes"] for f in ranks) == 12 * ranks[0]["local_params"], coord
 
 
-HANGS = {"distopt-rank2": {"victim": 2, "DIST_OPT": 1, "wipe": False},
-         "replicated-rank0-replaced-store": {"victim": 0, "DIST_OPT": 0, "wipe": True}}
+HANGS = {"replicated-rank0-replaced-store": {"victim": 0, "DIST_OPT": 0, "wipe": True}}
+"""A distributed-optimizer rank hung in its backward pass is the fault campaign's CI case (test_campaign.py)."""
 
 
 @pytest.mark.parametrize("case", list(HANGS))

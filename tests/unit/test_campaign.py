@@ -3,10 +3,12 @@ and the table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from neighbor_ckpt.bench.campaign import KINDS, Case, Outcome, compare, draw_cases, summarize
+from neighbor_ckpt.bench.campaign import KINDS, Case, Outcome, compare, dp_ring, draw_cases, summarize
+from neighbor_ckpt.topology import build_topology
 
 
 def test_cases_are_reproducible_from_the_seed_and_cover_every_kind_in_turn() -> None:
@@ -14,19 +16,68 @@ def test_cases_are_reproducible_from_the_seed_and_cover_every_kind_in_turn() -> 
     assert a == b and a != draw_cases(40, 12, steps=8)
     assert [c.kind for c in a[:len(KINDS)]] == list(KINDS)
     assert all(0 <= c.rank < 4 and 1 <= c.step <= 6 for c in a)
-    assert {c.dist_opt for c in a} == {True, False}
+    assert {c.dist_opt for c in a} == {True, False} and {c.tp for c in a} == {1, 2}
+    assert {c.phase for c in a} >= {"forward", "backward", "optimizer", "copy", "stream"}
 
 
 def test_each_kind_becomes_the_recipe_flags_that_inject_it() -> None:
-    def args(kind: str, dist_opt: bool = True) -> list[str]:
-        return Case(index=0, kind=kind, rank=2, step=4, dist_opt=dist_opt).recipe_args()
+    def args(kind: str, dist_opt: bool = True, **kw) -> list[str]:
+        phase = {"kill-forward": "forward", "hang": "optimizer", "kill-mid-copy": "copy",
+                 "kill-mid-stream": "stream"}.get(kind, "optimizer")
+        return Case(index=0, kind=kind, rank=2, step=4, dist_opt=dist_opt, phase=phase, **kw).recipe_args()
 
-    assert args("kill-forward") == ["--kill", "2:4", "--kill-phase", "forward", "--kill-signal", "SIGKILL"]
-    assert args("hang-optimizer")[3:] == ["optimizer", "--kill-signal", "SIGSTOP"]
+    assert args("kill-forward") == ["--kill", "2:4", "--kill-phase", "forward", "--kill-signal", "SIGKILL",
+                                    "--nodes", "2"]
+    assert args("hang")[3:6] == ["optimizer", "--kill-signal", "SIGSTOP"]
+    assert args("kill-mid-copy")[2:4] == ["--kill-phase", "copy"]
+    assert args("kill-mid-stream")[2:4] == ["--kill-phase", "stream"]
     assert "--replace-store" in args("kill-replaced-store")
     assert args("kill-truncate")[-2:] == ["--damage", "truncate"]
     assert args("kill-bad-header")[-2:] == ["--damage", "header"]
+    assert args("kill-bitflip", damage_seed=9)[-4:] == ["--damage", "bitflip", "--damage-seed", "9"]
     assert args("kill-bitflip", dist_opt=False)[-1] == "--no-dist-opt"
+    assert args("kill-in-recovery", recovery_rank=1)[-2:] == ["--kill-recovery", "1"]
+    assert args("lose-dp-group", tp=2)[:2] == ["--kill", "0,2:4"] and ["--tp", "2"] == args("lose-dp-group", tp=2)[8:10]
+
+
+def test_the_campaign_ring_is_the_ring_the_library_builds() -> None:
+    for tp in (1, 2):
+        for rank in range(4):
+            dp = [r for r in range(4) if r % tp == rank % tp]
+            topo = build_topology(rank=rank, world_size=4, dp_ranks=dp, nodes=["node0", "node0", "node1", "node1"])
+            assert dp_ring(rank, tp=tp) == topo.ring
+            assert topo.cross_node_fraction() == 1.0
+
+
+def test_victims_of_each_kind() -> None:
+    def victims(kind: str, rank: int, tp: int = 1) -> tuple[int, ...]:
+        return Case(index=0, kind=kind, rank=rank, step=3, dist_opt=True, tp=tp).victims
+
+    assert victims("kill-forward", 3) == (3,)
+    assert victims("lose-node", 1) == (0, 1) and victims("lose-node", 2) == (2, 3)
+    assert victims("lose-adjacent-pair", 0) == (0, 2)  # ring 0 -> 2 -> 1 -> 3: the successor is on the other node
+    assert victims("lose-adjacent-pair", 3) == (0, 3)
+    assert victims("lose-dp-group", 3, tp=2) == (1, 3)
+    assert victims("lose-dp-group", 2, tp=1) == (0, 1, 2, 3)
+
+
+def test_only_store_losses_on_both_ends_of_a_ring_edge_or_replicated_state_torn_in_its_step_need_insurance() -> None:
+    def needs(kind: str, phase: str, dist_opt: bool = True) -> bool:
+        return Case(index=0, kind=kind, rank=0, step=3, dist_opt=dist_opt, phase=phase).needs_insurance
+
+    assert not needs("lose-node", "optimizer") and not needs("kill-mid-copy", "copy")
+    assert needs("lose-adjacent-pair", "forward") and needs("lose-dp-group", "forward")
+    assert needs("kill-optimizer", "optimizer", dist_opt=False) and needs("kill-mid-copy", "copy", dist_opt=False)
+    assert not needs("kill-mid-stream", "stream", dist_opt=False) and not needs("kill-forward", "forward", False)
+    recovery_kill = Case(index=0, kind="kill-in-recovery", rank=0, step=3, dist_opt=False, phase="forward",
+                         recovery_rank=1)
+    assert recovery_kill.needs_insurance  # the only lazy backup is of the iteration that may not be chosen again
+    assert not dataclasses.replace(recovery_kill, dist_opt=True).needs_insurance
+
+
+def test_a_kill_during_recovery_gets_a_second_restart_and_an_older_version_to_go_back_to() -> None:
+    cases = [c for c in draw_cases(160, 5, steps=6) if c.kind == "kill-in-recovery"]
+    assert cases and all(c.max_restarts == 2 and c.recovery_rank is not None and c.step >= 2 for c in cases)
 
 
 def _write_run(out: Path, losses: dict[int, list[tuple[int, float, int]]], final: dict) -> Path:
@@ -50,17 +101,25 @@ def test_compare_accepts_only_identical_losses_recomputations_included_and_ident
 
 
 def test_table_counts_outcomes_per_kind_and_reports_detection_times() -> None:
-    c = [Case(index=i, kind=k, rank=0, step=3, dist_opt=True) for i, k in enumerate(["hang-forward"] * 2 + ["kill-forward"])]
+    c = [Case(index=i, kind=k, rank=0, step=3, dist_opt=True) for i, k in enumerate(["hang"] * 2 + ["kill-forward"])]
     table = summarize([Outcome(c[0], "exact", detection_s=3.1, mttr_s=20.0), Outcome(c[1], "exact", detection_s=3.3),
                        Outcome(c[2], "FAILED", "exit 1")])
     rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
-    assert rows["hang-forward"] == ["2", "2", "0", "0", "3.20 / 3.30", "20.0"]
-    assert rows["kill-forward"][:4] == ["1", "0", "0", "1"]
-    assert rows["all"][:4] == ["3", "2", "0", "1"]
+    assert rows["hang"] == ["2", "2", "0", "0", "0", "3.20 / 3.30", "20.0"]
+    assert rows["kill-forward"][:5] == ["1", "0", "0", "0", "1"]
+    assert rows["all"][:5] == ["3", "2", "0", "0", "1"]
 
 
-def test_cases_only_insurance_can_cover_come_after_the_first_insurance_checkpoint() -> None:
+def test_a_fallback_where_an_in_memory_version_should_exist_is_counted_as_unexpected() -> None:
+    exact_kind = Case(index=0, kind="kill-forward", rank=0, step=3, dist_opt=True, phase="forward")
+    pair = Case(index=1, kind="lose-adjacent-pair", rank=0, step=3, dist_opt=True, phase="forward")
+    table = summarize([Outcome(exact_kind, "fallback"), Outcome(pair, "fallback")])
+    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    assert rows["kill-forward"][2:4] == ["1", "1"] and rows["lose-adjacent-pair"][2:4] == ["1", "0"]
+
+
+def test_double_faults_come_after_the_first_insurance_checkpoint_and_with_an_older_version_kept() -> None:
     cases = draw_cases(200, 2026, steps=6)
-    covered = [c for c in cases if c.needs_insurance]
-    assert covered and all(c.step >= 2 for c in covered)
-    assert any(c.step == 1 for c in cases if not c.needs_insurance)
+    double = [c for c in cases if c.needs_insurance or c.spec.store != "kept" or c.recovery_rank is not None]
+    assert double and all(c.step >= 2 for c in double)
+    assert any(c.step == 1 for c in cases if c not in double)
