@@ -259,7 +259,9 @@ class NeighborCheckpointer:
                 result = self._restore(report, restored, t0)
             elif report.outcome == "insurance":
                 progress.phase("insurance")
-                result = self._fall_back(report)
+                result = self._fall_back(report, fresh_if_none=self._in_startup_window(report))
+                if result.iteration is None:
+                    return result
             elif self.insurance is not None and _restart_count() > 0:
                 # A restart that finds no snapshot anywhere (every store lost) is not a fresh start if an insurance
                 # checkpoint exists: training must not silently begin again from step 0.
@@ -311,7 +313,18 @@ class NeighborCheckpointer:
     def _events_path(self) -> Path:
         return self.store.dir / EVENTS_FILE
 
+    def _in_startup_window(self, report: RecoveryReport) -> bool:
+        """No rank holds a snapshot newer than the first ``versions`` iterations: the ring never held a full set of
+        versions, and a single kill can leave nothing complete (the victim's first snapshot still being copied when
+        it died, its replica not streamed yet). Starting over then trains at most ``versions`` iterations again, and
+        reproduces them exactly (the initial state is the seeded one): better than refusing to train."""
+        return report.newest is not None and report.newest < self.store.versions
+
     def _fall_back(self, report: RecoveryReport, *, fresh_if_none: bool = False) -> RecoveryResult:
+        """Load the insurance checkpoint. ``fresh_if_none``: when there is none (not configured, or not written yet),
+        start over, announced, instead of raising :class:`NoRecoverableStateError`."""
+        if self.insurance is None and fresh_if_none:
+            return self._start_over(report, "no insurance checkpoint is configured")
         if self.insurance is None:
             raise NoRecoverableStateError(
                 f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "
@@ -319,12 +332,7 @@ class NeighborCheckpointer:
                 f"a ModelCheckpoint) so such failures resume from disk, or delete {self.store.job_dir} to start over.")
         it = self.insurance()
         if it is None and fresh_if_none:
-            report.outcome = "fresh"
-            self._drop_newer(None)
-            self._clear_journal()
-            logger.info("rank %d: neighbor_ckpt: fresh start (%s; no insurance checkpoint yet)", self.topology.rank,
-                        report.reason)
-            return RecoveryResult(report, None)
+            return self._start_over(report, "no insurance checkpoint has been written yet")
         if it is None:
             raise NoRecoverableStateError(
                 f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "
@@ -336,6 +344,19 @@ class NeighborCheckpointer:
         self._drop_newer(None)
         self._clear_journal()
         return RecoveryResult(report, it)
+
+    def _start_over(self, report: RecoveryReport, why: str) -> RecoveryResult:
+        report.outcome = "fresh"
+        self._drop_newer(None)
+        self._clear_journal()
+        if report.newest is None:
+            logger.info("rank %d: neighbor_ckpt: fresh start (%s; %s)", self.topology.rank, report.reason, why)
+        else:
+            logger.warning("rank %d: neighbor_ckpt: starting over from the initial state because %s; %s and no "
+                           "rank holds a snapshot newer than iteration %d (within the first %d iterations): training "
+                           "starts again at iteration 0", self.topology.rank, report.reason, why, report.newest,
+                           self.store.versions)
+        return RecoveryResult(report, None)
 
     def _drop_newer(self, keep: int | None) -> None:
         """After a restore (or a fallback) no newer version may be mistaken for this timeline; older ones are its

@@ -60,6 +60,8 @@ class RecoveryReport:
     lazy_bytes: int = 0
     """Bytes of redundant state received from the DP group's lazy-backup holder."""
     reason: str = ""
+    newest: int | None = None
+    """The newest iteration any rank holds any committed snapshot of (None: none anywhere)."""
     notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: inventory, exchange, transfer, verify, load."""
@@ -69,7 +71,7 @@ class RecoveryReport:
         """JSON-able form (without the decision object), for logs and tests."""
         return {"outcome": self.outcome, "iteration": self.iteration, "source": self.source,
                 "lazy_from": self.lazy_from, "pulled_bytes": self.pulled_bytes, "lazy_bytes": self.lazy_bytes,
-                "reason": self.reason, "notes": list(self.notes), "phases": dict(self.phases)}
+                "reason": self.reason, "newest": self.newest, "notes": list(self.notes), "phases": dict(self.phases)}
 
     def summary(self) -> str:
         if self.outcome == "restored":
@@ -201,6 +203,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
     if not any(r.own or r.replica or r.lazy for r in table):
         rep.reason = "no in-memory snapshot on any rank"
         return rep, None
+    rep.newest = max(max(r.own | r.replica | r.lazy, default=-1) for r in table)
 
     exclude: frozenset[tuple[int, int, str]] = frozenset()
     transfer_s = verify_s = 0.0
