@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         from megatron_patches import enable_cpu
 
-        enable_cpu()
+        enable_cpu(nemo=False)  # a plain mcore loop: no NeMo to patch (and no 5 s import of it per process)
 
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads

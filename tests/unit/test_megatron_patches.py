@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -13,6 +16,8 @@ import torch
 from megatron_patches import _versions, cpu
 from megatron_patches._versions import _check
 from neighbor_ckpt.errors import NeighborCkptError, UnsupportedPlatformError, UnsupportedVersionError
+
+REPO = Path(__file__).resolve().parents[2]
 
 OK = {"megatron-core": "0.15.3", "nemo-toolkit": "2.7.3"}
 
@@ -128,6 +133,16 @@ def test_enable_disable_restores_every_attribute_exactly() -> None:
     assert not patch.active and cpu.active_patch() is None
     patch.disable()  # idempotent
     assert not _same(before, _snapshot())
+
+
+@needs_mcore
+def test_nemo_false_leaves_nemo_alone_and_does_not_import_it() -> None:
+    code = ("import sys; from megatron_patches import cpu; p = cpu.enable_cpu(nemo=False); "
+            "assert not any(m.startswith('nemo') for m in sys.modules), 'nemo imported'; "
+            "assert all(m != 'nemo.lightning.megatron_init' for m, _ in p.replaced()); "
+            "assert len(p.replaced()) == sum(a.framework is None for a in cpu.PATCHED_ATTRIBUTES); p.disable()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @needs_mcore

@@ -56,7 +56,7 @@ def main() -> None:
     args = parse_args()
     faulthandler.dump_traceback_later(args.hang_timeout, exit=True)
     t_start = time.perf_counter()
-    enable_cpu()
+    enable_cpu(nemo=False)
 
     import torch
     import torch.distributed as dist
