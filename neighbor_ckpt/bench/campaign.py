@@ -18,6 +18,10 @@ time: from the moment the victim stopped (``fault.json``) to the first rank's de
 Cases are drawn from ``random.Random(seed)``: the seed reproduces the campaign. Usage::
 
     neighbor-ckpt campaign --faults 200 --seed 7 --out runs/campaign
+    neighbor-ckpt campaign --faults 200 --seed 7 --out runs/campaign --resume   # after a stop: the cases left
+
+``<out>/campaign.json`` records the options and the commit (``git describe --dirty``); ``--resume`` refuses to mix
+outcomes of another commit or other options into one table.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -39,8 +44,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from neighbor_ckpt.bench._procs import RUN_TAG_ENV, kill_tagged, new_run_tag
+from neighbor_ckpt.store import rank_dir
 
-__all__ = ["Case", "Outcome", "KINDS", "draw_cases", "run_case", "summarize", "main"]
+__all__ = ["Case", "Outcome", "KINDS", "draw_cases", "load_outcomes", "resume_point", "run_case", "summarize", "main"]
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "mcore_gpt_plain_loop.py"
 
@@ -301,8 +307,12 @@ def failure_lines(log: str, *, limit: int = 12) -> str:
 def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, timeout: float = 420,
              insurance_every: int = 0) -> Outcome:
     out = work / f"case{case.index:04d}-{case.kind}-r{case.rank}-s{case.step}"
+    job_id = f"campaign-{case.index}"
+    # What an interrupted earlier run of this case left (a resumed campaign) must not be found by this one.
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(rank_dir(work / "store", job_id, 0).parent, ignore_errors=True)
     t0 = time.time()
-    rc, log = _torchrun(out, case.recipe_args(), job_id=f"campaign-{case.index}", store=work / "store",
+    rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
                         config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
                         insurance_every=insurance_every)
     wall = time.time() - t0
@@ -355,6 +365,53 @@ def write_config(path: Path, *, interval_s: float, timeout_s: float) -> Path:
     return path
 
 
+def source_version() -> str:
+    """The commit the campaign runs (``git describe --always --dirty`` of the checkout), or ``unknown``."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=RECIPE.parents[1], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def _outcome_from_json(record: dict[str, Any]) -> Outcome:
+    return Outcome(**{**record, "case": Case(**record["case"])})
+
+
+def load_outcomes(path: Path) -> list[Outcome]:
+    """The outcomes a campaign appended to ``path`` (one JSON object per line), in order."""
+    if not path.exists():
+        return []
+    return [_outcome_from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _settings(args: argparse.Namespace, kinds: Sequence[str]) -> dict[str, Any]:
+    return {"seed": args.seed, "faults": args.faults, "steps": args.steps, "kinds": list(kinds),
+            "detector_timeout_s": args.detector_timeout, "detector_interval_s": args.detector_interval,
+            "insurance_every": args.insurance_every, "source": source_version()}
+
+
+def resume_point(work: Path, settings: dict[str, Any], cases: Sequence[Case]) -> list[Outcome]:
+    """The outcomes of the campaign in ``work`` that a ``--resume`` keeps. Refuses (ValueError, with what differs)
+    when that campaign ran other settings or another commit, or recorded a case that is not the one drawn now:
+    the table of a resumed campaign must be the table of one campaign."""
+    meta = work / "campaign.json"
+    if not meta.exists():
+        raise ValueError(f"--resume: {meta} does not exist; start the campaign without --resume")
+    before = json.loads(meta.read_text())
+    differ = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+    if differ:
+        raise ValueError("--resume: the campaign in " + str(work) + " ran with other settings or source: "
+                         + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in differ.items())
+                         + "; check out that commit and pass the same options, or start a new campaign")
+    done = load_outcomes(work / "outcomes.jsonl")
+    for position, o in enumerate(done):
+        if o.case.index != position or o.case != cases[position]:
+            raise ValueError(f"--resume: recorded case {o.case} is not case {position} of this campaign")
+    return done
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="neighbor-ckpt campaign", description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", type=int, default=24, help="number of randomized faults")
@@ -366,17 +423,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--insurance-every", type=int, default=2,
                     help="megatron-core distributed checkpoint every N steps in every run (the insurance)")
     ap.add_argument("--out", type=Path, default=Path("runs/campaign"))
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the stopped campaign in --out (same options and commit): keep its recorded "
+                         "outcomes and run the cases it has not")
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
     work = args.out
-    config = write_config(work / "nckpt.yaml", interval_s=args.detector_interval, timeout_s=args.detector_timeout)
     cases = draw_cases(args.faults, args.seed, steps=args.steps, kinds=kinds)
+    settings = _settings(args, kinds)
+    results = work / "outcomes.jsonl"
+    if args.resume:
+        try:
+            outcomes = resume_point(work, settings, cases)
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"campaign: resuming at case {len(outcomes)} of {len(cases)} (source {settings['source']})", flush=True)
+    else:
+        outcomes = []
+        results.unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "campaign.json").write_text(json.dumps(settings, indent=1) + "\n")
+    config = write_config(work / "nckpt.yaml", interval_s=args.detector_interval, timeout_s=args.detector_timeout)
+    todo = cases[len(outcomes):]
     bases: dict[tuple[bool, int], Path] = {}
-    for dist_opt, tp in sorted({c.flavour for c in cases}, reverse=True):
+    for dist_opt, tp in sorted({c.flavour for c in todo}, reverse=True):
         out = work / f"baseline-{'distopt' if dist_opt else 'replicated'}-tp{tp}"
+        bases[(dist_opt, tp)] = out
+        if args.resume and len(list(out.glob("final.rank*.json"))) == WORLD:
+            continue  # the failure-free run of the stopped campaign (deterministic: the same run again)
         flags = ["--nodes", str(NODES), "--tp", str(tp)] + ([] if dist_opt else ["--no-dist-opt"])
         rc, log = _torchrun(out, flags, job_id=f"campaign-base-{int(dist_opt)}-{tp}", store=work / "store",
                             config=config, steps=args.steps, timeout=420, max_restarts=0,
@@ -384,11 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rc != 0:
             print(f"campaign: the failure-free run failed (exit {rc}); see {out / 'torchrun.log'}", file=sys.stderr)
             return 1
-        bases[(dist_opt, tp)] = out
-    outcomes: list[Outcome] = []
-    results = work / "outcomes.jsonl"
-    results.unlink(missing_ok=True)
-    for case in cases:
+    for case in todo:
         o = run_case(case, base=bases[case.flavour], work=work, steps=args.steps, config=config,
                      insurance_every=args.insurance_every)
         outcomes.append(o)
@@ -399,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f"(detected in {o.detection_s:.2f} s) " if o.detection_s is not None else "")
               + f"{o.wall_s:.0f} s {o.detail}", flush=True)
     print(f"\nseed {args.seed}, {len(cases)} faults, detector timeout {args.detector_timeout:g} s / interval "
-          f"{args.detector_interval:g} s\n")
+          f"{args.detector_interval:g} s, source {settings['source']}\n")
     print(summarize(outcomes))
     (work / "table.md").write_text(summarize(outcomes) + "\n")
     return 0 if all(o.result != "FAILED" for o in outcomes) else 1

@@ -7,7 +7,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from neighbor_ckpt.bench.campaign import KINDS, Case, Outcome, compare, dp_ring, draw_cases, summarize
+import pytest
+
+from neighbor_ckpt.bench.campaign import (KINDS, Case, Outcome, compare, dp_ring, draw_cases, load_outcomes,
+                                         resume_point, summarize)
 from neighbor_ckpt.topology import build_topology
 
 
@@ -123,3 +126,34 @@ def test_double_faults_come_after_the_first_insurance_checkpoint_and_with_an_old
     double = [c for c in cases if c.needs_insurance or c.spec.store != "kept" or c.recovery_rank is not None]
     assert double and all(c.step >= 2 for c in double)
     assert any(c.step == 1 for c in cases if c not in double)
+
+
+def _stopped_campaign(work: Path, cases: list[Case], settings: dict, done: int) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "campaign.json").write_text(json.dumps(settings))
+    with open(work / "outcomes.jsonl", "w") as f:
+        for c in cases[:done]:
+            f.write(json.dumps(dataclasses.asdict(Outcome(c, "exact", wall_s=1.0, mttr_s=2.0))) + "\n")
+
+
+def test_a_resumed_campaign_keeps_the_recorded_outcomes_of_the_same_campaign(tmp_path: Path) -> None:
+    cases = draw_cases(10, 3, steps=6)
+    settings = {"seed": 3, "faults": 10, "source": "abc123"}
+    _stopped_campaign(tmp_path, cases, settings, done=4)
+    kept = resume_point(tmp_path, settings, cases)
+    assert [o.case for o in kept] == cases[:4] and kept == load_outcomes(tmp_path / "outcomes.jsonl")
+    assert all(o.result == "exact" and o.mttr_s == 2.0 for o in kept)
+
+
+def test_resume_refuses_another_commit_other_options_or_other_cases(tmp_path: Path) -> None:
+    cases = draw_cases(10, 3, steps=6)
+    settings = {"seed": 3, "faults": 10, "source": "abc123"}
+    _stopped_campaign(tmp_path, cases, settings, done=4)
+    with pytest.raises(ValueError, match="source was 'abc123', now 'def456'"):
+        resume_point(tmp_path, {**settings, "source": "def456"}, cases)
+    with pytest.raises(ValueError, match="seed was 3, now 4"):
+        resume_point(tmp_path, {**settings, "seed": 4}, cases)
+    with pytest.raises(ValueError, match="is not case 0"):
+        resume_point(tmp_path, settings, draw_cases(10, 4, steps=6))
+    with pytest.raises(ValueError, match="does not exist"):
+        resume_point(tmp_path / "elsewhere", settings, cases)
