@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.launch import prepare_torchrun_restart
+from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
 from neighbor_ckpt.errors import (ConfigError, HostMemoryError, NeighborCkptError, NoRecoverableStateError,
                                   SnapshotCorruptError, SnapshotError, SnapshotMismatchError, TopologyError,
                                   TransportError)

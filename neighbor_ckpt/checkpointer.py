@@ -16,11 +16,11 @@ Example (Megatron-LM / Megatron-Bridge style loop)::
 On a failure, call :meth:`NeighborCheckpointer.on_failure` (the Lightning callback does it for you): the
 redundant state is written to the host store by the surviving ranks, then the process exits and the
 launcher restarts it; :meth:`recover` on the next attempt restores everything. The failure detector
-(:mod:`neighbor_ckpt.detector`, on by default under ``env://`` rendezvous) notices a dead, stopped or stuck rank
+(:mod:`neighbor_ckpt.runtime.detector`, on by default under ``env://`` rendezvous) notices a dead, stopped or stuck rank
 within ``detector.timeout_s``, writes that backup from its own thread (the main thread may be blocked in a
 collective) and makes the job restart; the launcher's SIGTERM triggers the same backup.
 
-Reporting (rank 0, see :mod:`neighbor_ckpt.report`): a status line every ``report.status_every_n_steps``
+Reporting (rank 0, see :mod:`neighbor_ckpt.report.status`): a status line every ``report.status_every_n_steps``
 snapshots (None: 50), :meth:`NeighborCheckpointer.stats` at any time, and after every recovery the timeline
 (:attr:`NeighborCheckpointer.last_timeline`), written to ``report.dir`` or, for a plain loop,
 ``<store root>/<user>/reports/<job_id>/`` (next to the host store, on the node of rank 0).
@@ -45,23 +45,25 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from neighbor_ckpt import chaos, reaper
+from neighbor_ckpt.runtime import failpoints
+from neighbor_ckpt.runtime import reaper
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
-from neighbor_ckpt.engine import SnapshotEngine, write_lazy_backup
+from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
+from neighbor_ckpt.snapshot.engine import SnapshotEngine, write_lazy_backup
 from neighbor_ckpt.errors import HostMemoryError, NoRecoverableStateError, TopologyError
-from neighbor_ckpt.preflight import check_host_memory, store_bytes_per_rank
-from neighbor_ckpt.razor import ShardPlan, StateKind, plan_shards
-from neighbor_ckpt.recovery import RecoveryReport, Restored, run_recovery
-from neighbor_ckpt.report import Reporter, SnapshotStats, replica_lag, resolve_status_interval
-from neighbor_ckpt.rng import capture_rng, restore_rng
-from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
-from neighbor_ckpt.timeline import (EVENTS_FILE, RankEvents, RecoveryTimeline, gather_rank_events,
+from neighbor_ckpt.runtime.preflight import check_host_memory
+from neighbor_ckpt.snapshot.store import store_bytes_per_rank
+from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
+from neighbor_ckpt.recovery.flow import RecoveryReport, Restored, run_recovery
+from neighbor_ckpt.report.status import Reporter, SnapshotStats, replica_lag, resolve_status_interval
+from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
+from neighbor_ckpt.report.timeline import (EVENTS_FILE, RankEvents, RecoveryTimeline, gather_rank_events,
                                     newest_commit_unix, process_start_unix, record_failure_event,
                                     take_failure_event)
-from neighbor_ckpt.topology import Topology, discover_topology
-from neighbor_ckpt.transport import GlooRingTransport, TrafficGate
+from neighbor_ckpt.snapshot.topology import Topology, discover_topology
+from neighbor_ckpt.snapshot.transport import GlooRingTransport, TrafficGate
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +288,7 @@ class NeighborCheckpointer:
         extras = restored.extras
         self._write_journal(restored.iteration)
         self.adapter.load(restored.tensors, extras["adapter"])
-        chaos.failpoint("recovery.load")
+        failpoints.failpoint("recovery.load")
         self.adapter.regenerate(self.dp_group)
         if self.capture_rng_state and "rng" in extras:
             restore_rng(extras["rng"])

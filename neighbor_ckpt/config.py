@@ -68,7 +68,7 @@ class StoreConfig:
     reap_orphans: bool = True
     """On a restart, SIGKILL what this rank's previous process left running on this machine: its process group,
     once the process itself is gone (checkpoint writers and ``multiprocessing`` servers of a killed worker, which
-    otherwise hold host memory until the node reboots). See :mod:`neighbor_ckpt.reaper`."""
+    otherwise hold host memory until the node reboots). See :mod:`neighbor_ckpt.runtime.reaper`."""
 
 
 @dataclass(kw_only=True, slots=True)

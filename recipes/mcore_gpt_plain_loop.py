@@ -21,7 +21,7 @@ SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when). 
 gives the victims empty host stores (replaced nodes), ``--damage bitflip|truncate|header`` damages their newest own
 snapshot (``--damage-seed``: a random bit), and ``--kill-recovery RANK`` SIGKILLs that rank while it loads the
 restored state (needs ``--max-restarts 2``). ``--nodes N`` lays the ranks out as N "nodes" of consecutive ranks
-(``NEIGHBOR_CKPT_NODE_ID``), so the ring puts every replica on another node. See :mod:`neighbor_ckpt.chaos`.
+(``NEIGHBOR_CKPT_NODE_ID``), so the ring puts every replica on another node. See :mod:`neighbor_ckpt.runtime.failpoints` and :mod:`neighbor_ckpt.snapshot.damage`.
 """
 
 from __future__ import annotations
@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         _kill_inside_optimizer_step(optimizer, ckpt, kill_step, lambda: fault(rec, args, "optimizer"))  # before
         # install_hooks: runs inside its step tag
     if RANK == args.kill_recovery and ATTEMPT == 1:
-        from neighbor_ckpt import chaos
+        from neighbor_ckpt.runtime import failpoints
 
-        chaos.arm("recovery.load", lambda: fault(rec, args, "recovery", signal_name="SIGKILL"))
+        failpoints.arm("recovery.load", lambda: fault(rec, args, "recovery", signal_name="SIGKILL"))
     hooks = install_hooks(ckpt, optimizer)
     result = ckpt.recover()
     consumed = 0
@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> None:
             scheduler.step(increment=global_batch)
             consumed += global_batch
             if RANK in victims and step == kill_step and ATTEMPT == 0 and args.kill_phase in ("copy", "stream"):
-                from neighbor_ckpt import chaos
+                from neighbor_ckpt.runtime import failpoints
 
-                chaos.arm(f"snapshot.{args.kill_phase}", lambda: fault(rec, args, args.kill_phase))
+                failpoints.arm(f"snapshot.{args.kill_phase}", lambda: fault(rec, args, args.kill_phase))
             ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(),  # neighbor_ckpt
                                             "consumed_samples": consumed})
             if insurance is not None:
@@ -329,8 +329,8 @@ def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
     """Fault injection on the first restart of the killed rank: a replaced node, or a damaged newest snapshot."""
     import shutil
 
-    from neighbor_ckpt.chaos import damage_newest_slot
-    from neighbor_ckpt.store import rank_dir
+    from neighbor_ckpt.snapshot.damage import damage_newest_slot
+    from neighbor_ckpt.snapshot.store import rank_dir
 
     own = rank_dir(config.resolved_store_dir(), config.resolved_job_id(), RANK)
     if args.replace_store:

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from neighbor_ckpt.jobspec import JobSpec, load_job
+from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 
 logger = logging.getLogger("recipes.nemo_pretrain")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from neighbor_ckpt.bench._procs import RUN_TAG_ENV, kill_tagged, new_run_tag
+from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "workers"

@@ -1,7 +1,10 @@
 """How to read and write the state of a training setup: one adapter per optimizer family.
 
-An adapter exposes a rank's big tensors with their :class:`~neighbor_ckpt.razor.StateKind` and loads a
+An adapter exposes a rank's big tensors with their :class:`~neighbor_ckpt.snapshot.razor.StateKind` and loads a
 restored set back. The core never imports a framework; adapters for mcore live next to this one.
+
+May import: :mod:`neighbor_ckpt.snapshot` (the razor's vocabulary), :mod:`neighbor_ckpt.errors`; megatron-core only
+inside ``megatron.py``, lazily.
 """
 
 from neighbor_ckpt.adapters.base import StateAdapter

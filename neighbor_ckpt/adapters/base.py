@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from neighbor_ckpt.razor import TensorMeta
+from neighbor_ckpt.snapshot.razor import TensorMeta
 
 __all__ = ["StateAdapter"]
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.errors import SnapshotMismatchError
-from neighbor_ckpt.razor import StateKind, TensorMeta
+from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta
 
 logger = logging.getLogger(__name__)
 

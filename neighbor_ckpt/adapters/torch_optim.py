@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from neighbor_ckpt.adapters.base import StateAdapter
-from neighbor_ckpt.razor import StateKind, TensorMeta
+from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ first gradient collective and the step tags wrap the mcore optimizer's ``step`` 
 ``on_before_backward``); the data position is the Megatron sampler's consumed samples. After an in-memory
 restore, a pending disk resume of an older checkpoint (``fit(ckpt_path=...)``, NeMo's ``AutoResume``) is skipped.
 
-What it reports (global rank 0, ``neighbor_ckpt.report``): a status line every ``trainer.log_every_n_steps``
+What it reports (global rank 0, ``neighbor_ckpt.report.status``): a status line every ``trainer.log_every_n_steps``
 steps (``report.status_every_n_steps`` overrides; 0 = never); the same figures as metrics to every trainer
 logger (``neighbor_ckpt/snapshot_ms``, ``wait_ms``, ``unique_bytes``, ``replica_lag``, ``stream_gbps``); after a
 recovery, at the end of the first resumed step, the MTTR breakdown as one log line, as metrics
@@ -48,17 +48,17 @@ from typing_extensions import override
 from neighbor_ckpt.adapters import StateAdapter, TorchOptimizerAdapter, ZeroOptimizerAdapter, pin_bucket_layout
 from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.detector import PAUSED
+from neighbor_ckpt.runtime.detector import PAUSED
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
-from neighbor_ckpt.launch import prepare_torchrun_restart
+from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup
 from neighbor_ckpt.lightning._resume import (disk_checkpoint_consumed_samples, disk_checkpoint_step,
                                               skip_pending_disk_restore)
-from neighbor_ckpt.report import resolve_status_interval
-from neighbor_ckpt.rng import capture_rng, restore_rng
-from neighbor_ckpt.timeline import RecoveryTimeline
+from neighbor_ckpt.report.status import resolve_status_interval
+from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
+from neighbor_ckpt.report.timeline import RecoveryTimeline
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.lightning._compat import callback_bases
-from neighbor_ckpt.store import rank_dir
+from neighbor_ckpt.snapshot.store import rank_dir
 
 __all__ = ["FaultInjector"]
 

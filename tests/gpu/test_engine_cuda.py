@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter
-from neighbor_ckpt.engine import _MIN_EXTRAS, SnapshotEngine, header_capacity
-from neighbor_ckpt.razor import StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.recovery import read_tensors
-from neighbor_ckpt.store import PREAMBLE_BYTES, ROLE_OWN, HostStore, SlotFile
+from neighbor_ckpt.snapshot.engine import SnapshotEngine, header_capacity
+from neighbor_ckpt.snapshot.store import MIN_EXTRAS_BYTES
+from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.recovery.flow import read_tensors
+from neighbor_ckpt.snapshot.store import PREAMBLE_BYTES, ROLE_OWN, HostStore, SlotFile
 from tests.gpu.conftest import CUDA_ONLY, on_tmpfs
 
 pytestmark = [pytest.mark.gpu, CUDA_ONLY]
@@ -135,7 +136,7 @@ def test_refused_registration_warns_with_the_error_and_the_path_and_leaves_no_st
     if int(rc) != 0:
         pytest.skip(f"cannot register a /dev/shm mapping here ({cudart.cudaGetErrorString(rc)})")
     try:
-        caplog.set_level(logging.WARNING, logger="neighbor_ckpt.store")
+        caplog.set_level(logging.WARNING, logger="neighbor_ckpt.snapshot.store")
         assert s.pin_for_cuda() is False
         assert not s.pinned
         msgs = [r.getMessage() for r in caplog.records if "cudaHostRegister" in r.getMessage()]
@@ -257,10 +258,10 @@ def test_refused_registration_costs_one_warning_per_slot_and_every_snapshot_stil
     engine = make_engine(store, named)
     cudart = torch.cuda.cudart()
     slots = [store.ensure(ROLE_OWN, i, header_cap=header_capacity(engine.meta), payload_cap=engine.plan.unique_bytes,
-                          extras_cap=_MIN_EXTRAS) for i in range(store.versions)]
+                          extras_cap=MIN_EXTRAS_BYTES) for i in range(store.versions)]
     probes = [s.payload for s in slots]
     ptrs = []
-    caplog.set_level(logging.WARNING, logger="neighbor_ckpt.store")
+    caplog.set_level(logging.WARNING, logger="neighbor_ckpt.snapshot.store")
     try:
         for s in slots:
             rc = cudart.cudaHostRegister(s.payload.data_ptr(), s.payload_cap, 0)

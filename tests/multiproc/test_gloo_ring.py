@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from neighbor_ckpt.engine import write_image
+from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.errors import SnapshotMismatchError
-from neighbor_ckpt.razor import StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.recovery import read_tensors, run_recovery
-from neighbor_ckpt.store import ROLE_OWN, ROLE_REPLICA, HostStore
-from neighbor_ckpt.topology import build_topology
-from neighbor_ckpt.transport import GlooRingTransport
+from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.recovery.flow import read_tensors, run_recovery
+from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, HostStore
+from neighbor_ckpt.snapshot.topology import build_topology
+from neighbor_ckpt.snapshot.transport import GlooRingTransport
 
 pytestmark = pytest.mark.multiproc
 
@@ -200,7 +200,7 @@ def test_a_restored_state_whose_attempt_died_before_a_step_is_never_restored_aga
 
 
 def _many_bad_copies(rank: int, world: int, tmp: Path) -> None:
-    from neighbor_ckpt.chaos import damage_newest_slot
+    from neighbor_ckpt.snapshot.damage import damage_newest_slot
 
     topo = build_topology(rank=rank, world_size=world, dp_ranks=range(world))
     store = HostStore(tmp / f"store{rank}", job_id="j", rank=rank)
@@ -232,7 +232,7 @@ def _many_bad_copies(rank: int, world: int, tmp: Path) -> None:
 
 
 def _iteration(path: Path) -> int:
-    from neighbor_ckpt.store import SlotFile
+    from neighbor_ckpt.snapshot.store import SlotFile
 
     s = SlotFile.open(path)
     try:
@@ -242,7 +242,7 @@ def _iteration(path: Path) -> int:
 
 
 def _flip_payload(path: Path) -> None:
-    from neighbor_ckpt.store import SlotFile
+    from neighbor_ckpt.snapshot.store import SlotFile
 
     s = SlotFile.open(path)
     off = s.payload_off + 17

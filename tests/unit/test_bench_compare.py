@@ -1,4 +1,4 @@
-"""`neighbor_ckpt.bench.compare`: the arithmetic and the tables, without launching ranks."""
+"""`neighbor_ckpt.cli.bench.compare`: the arithmetic and the tables, without launching ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from neighbor_ckpt.bench import compare
+from neighbor_ckpt.cli.bench import compare
 
 
 def _variant(times: list[float], label: str) -> dict:
@@ -110,7 +110,7 @@ def test_world_validation_depends_on_the_device() -> None:
 
 
 def test_gpu_shape_is_about_a_quarter_billion_params_and_3_gb_of_unique_state() -> None:
-    from neighbor_ckpt.planner import HARDWARE, ModelShape, Parallelism, plan_job
+    from neighbor_ckpt.planning.planner import HARDWARE, ModelShape, Parallelism, plan_job
 
     g = compare.GPU_SHAPE
     shape = ModelShape(num_layers=g["layers"], hidden_size=g["hidden"], ffn_hidden_size=4 * g["hidden"],

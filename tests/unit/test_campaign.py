@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from neighbor_ckpt.bench.campaign import (KINDS, Case, Outcome, compare, dp_ring, draw_cases, load_outcomes,
+from neighbor_ckpt.cli.campaign import (KINDS, Case, Outcome, compare, dp_ring, draw_cases, load_outcomes,
                                          resume_point, summarize)
-from neighbor_ckpt.topology import build_topology
+from neighbor_ckpt.snapshot.topology import build_topology
 
 
 def test_cases_are_reproducible_from_the_seed_and_cover_every_kind_in_turn() -> None:

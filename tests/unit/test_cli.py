@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from neighbor_ckpt.cli import inspect_store, main
-from neighbor_ckpt.engine import write_image
-from neighbor_ckpt.razor import StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.store import ROLE_OWN, HostStore
+from neighbor_ckpt.cli.main import inspect_store, main
+from neighbor_ckpt.snapshot.engine import write_image
+from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore
 
 
 def _store_with_two_versions(tmp_path: Path) -> HostStore:

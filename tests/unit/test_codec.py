@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neighbor_ckpt import _codec
+from neighbor_ckpt.snapshot import codec as _codec
 
 
 def roundtrip(obj):

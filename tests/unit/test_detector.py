@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.detector import (EXIT_FAILURE_DETECTED, PAUSED, Failure, FailureDetector, ProgressClock, Watch,
+from neighbor_ckpt.runtime.detector import (EXIT_FAILURE_DETECTED, PAUSED, Failure, FailureDetector, ProgressClock, Watch,
                                     local_ranks_from_env, os_instance, watched_ranks)
 from neighbor_ckpt.errors import ConfigError
 from tests.conftest import free_port

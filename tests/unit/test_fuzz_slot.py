@@ -15,11 +15,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from neighbor_ckpt.engine import write_image
+from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
-from neighbor_ckpt.razor import StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.recovery import read_tensors
-from neighbor_ckpt.store import (FORMAT_VERSION, MAGIC, MARKER, MARKER_MAGIC, PREAMBLE, PREAMBLE_BYTES, ROLE_OWN,
+from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.recovery.flow import read_tensors
+from neighbor_ckpt.snapshot.store import (FORMAT_VERSION, MAGIC, MARKER, MARKER_MAGIC, PREAMBLE, PREAMBLE_BYTES, ROLE_OWN,
                                  HostStore, SlotFile, checksum, slot_file_size)
 
 TYPED = (SnapshotCorruptError, SnapshotMismatchError)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.jobspec import JobSpec, apply_overrides, load_job
+from neighbor_ckpt.planning.jobspec import JobSpec, apply_overrides, load_job
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -99,7 +99,7 @@ def test_defaults_alone_are_a_valid_job() -> None:
 
 
 def test_slurm_script_runs_one_torchrun_per_node_with_c10d_rendezvous(tmp_path: Path) -> None:
-    from neighbor_ckpt import runner
+    from neighbor_ckpt.cli import launch as runner
 
     plan = runner.plan_launch(REPO / "configs/llama3_70b.yaml", ["launch.slurm_partition=batch"],
                               run_dir=tmp_path / "run")
@@ -115,7 +115,7 @@ def test_slurm_script_runs_one_torchrun_per_node_with_c10d_rendezvous(tmp_path: 
 
 
 def test_each_launch_gets_its_own_job_id_unless_the_file_sets_one(tmp_path: Path) -> None:
-    from neighbor_ckpt import runner
+    from neighbor_ckpt.cli import launch as runner
 
     plan = runner.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", run_dir=tmp_path)
     assert plan.run_id.startswith("gpt_tiny_cpu-")
@@ -165,7 +165,7 @@ def test_plan_warns_when_the_store_does_not_fit_in_host_memory() -> None:
 
 
 def test_launching_a_multi_node_job_from_one_shell_is_refused_with_the_way_out(tmp_path: Path) -> None:
-    from neighbor_ckpt import runner
+    from neighbor_ckpt.cli import launch as runner
 
     plan = runner.plan_launch(REPO / "configs/llama3_8b.yaml", run_dir=tmp_path / "run")
     with pytest.raises(ConfigError, match=r"config.trainer.num_nodes: 2 nodes cannot run from one shell; use "

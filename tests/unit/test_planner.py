@@ -11,7 +11,7 @@ import math
 import pytest
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.planner import (HARDWARE, PRESETS, Parallelism, goodput_loss, loss_breakdown, mfu_loss, min_goodput_loss, monte_carlo_p_unrecoverable, node_failure_probability,
+from neighbor_ckpt.planning.planner import (HARDWARE, PRESETS, Parallelism, goodput_loss, loss_breakdown, mfu_loss, min_goodput_loss, monte_carlo_p_unrecoverable, node_failure_probability,
                                    optimal_interval, p_cluster_failure, p_k_node_failures, p_recovery,
                                    p_unrecoverable, plan_job, ring_nodes_for)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neighbor_ckpt.preflight import check_host_memory, store_bytes_per_rank
+from neighbor_ckpt.runtime.preflight import check_host_memory
+from neighbor_ckpt.snapshot.store import store_bytes_per_rank
 
 
 def test_store_size_is_two_own_and_two_replica_slots_plus_lazy_room() -> None:

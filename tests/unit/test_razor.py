@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from neighbor_ckpt.razor import ALIGN, Disposition, StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.topology import build_topology
+from neighbor_ckpt.snapshot.razor import ALIGN, Disposition, StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.snapshot.topology import build_topology
 
 H = 48  # hidden size of the toy model: weights are (H / tp, H) per layer
 LAYERS_PER_STAGE = 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from neighbor_ckpt import reaper
+from neighbor_ckpt.runtime import reaper
 
 # A "worker" that leads its own session (as torchrun starts them) and leaves a helper in its process group.
 WORKER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \

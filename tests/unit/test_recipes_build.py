@@ -16,7 +16,7 @@ pytest.importorskip("nemo_run")
 import fiddle as fdl  # noqa: E402
 
 from neighbor_ckpt import NeighborCheckpoint  # noqa: E402
-from neighbor_ckpt.jobspec import load_job  # noqa: E402
+from neighbor_ckpt.planning.jobspec import load_job  # noqa: E402
 from neighbor_ckpt.lightning.faults import FaultInjector  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

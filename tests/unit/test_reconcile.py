@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neighbor_ckpt.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, decode_row, encode_row, reconcile
-from neighbor_ckpt.topology import build_topology
+from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, decode_row, encode_row, reconcile
+from neighbor_ckpt.snapshot.topology import build_topology
 
 
 def table(dp_groups: list[list[int]], own: dict[int, set[int]], *, lost: set[int] = frozenset(),

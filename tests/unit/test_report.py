@@ -19,10 +19,10 @@ import torch
 
 from neighbor_ckpt.config import ReportConfig
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.report import (PLAIN_LOOP_LOG_EVERY, Reporter, SnapshotStats, format_status, log_to_loggers,
+from neighbor_ckpt.report.status import (PLAIN_LOOP_LOG_EVERY, Reporter, SnapshotStats, format_status, log_to_loggers,
                                   recovery_metrics, recovery_progress, replica_lag, resolve_progress_mode,
                                   resolve_status_interval, status_metrics, stream_gbps_between)
-from neighbor_ckpt.timeline import (EVENTS, PHASES, RankEvents, compute_timeline, newest_commit_unix,
+from neighbor_ckpt.report.timeline import (EVENTS, PHASES, RankEvents, compute_timeline, newest_commit_unix,
                                     record_failure_event, take_failure_event, write_timeline)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -162,7 +162,7 @@ def test_write_timeline_without_matplotlib_writes_only_json(tmp_path: Path, monk
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     tl = compute_timeline([rank_events()], first_step_end=T0 + 7.0, attempt=1, outcome="restored", iteration=2)
-    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.timeline"):
+    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.report.timeline"):
         out = write_timeline(tl, tmp_path)
     assert out.path_png is None and out.path_json is not None and out.path_json.exists()
     assert not list(tmp_path.glob("*.png"))
@@ -191,9 +191,9 @@ def test_failure_event_never_raises(tmp_path: Path) -> None:
 
 
 def test_snapshot_engine_stamps_the_commit_time_into_the_header(tmp_path: Path) -> None:
-    from neighbor_ckpt.engine import SnapshotEngine
-    from neighbor_ckpt.razor import StateKind, TensorMeta, plan_shards
-    from neighbor_ckpt.store import HostStore
+    from neighbor_ckpt.snapshot.engine import SnapshotEngine
+    from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
+    from neighbor_ckpt.snapshot.store import HostStore
 
     store = HostStore(tmp_path / "store", job_id="j", rank=0)
     assert newest_commit_unix(store) is None
@@ -284,7 +284,7 @@ def test_reporter_status_on_rank_zero_at_the_interval(tmp_path: Path, caplog: py
     assert not any(reporter(tmp_path, rank_zero=False).status_due(s) for s in range(31))
     assert not any(reporter(tmp_path, every=0).status_due(s) for s in range(31))
     assert rep.emit_status(0, stats(iteration=-1)) is None  # nothing snapshotted yet
-    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.report"):
+    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.report.status"):
         rep.emit_status(10, stats(stream_bytes=10**9, stream_seconds=1.0))
         line = rep.emit_status(20, stats(stream_bytes=3 * 10**9, stream_seconds=2.0))
     assert line is not None and "stream 2.0 GB/s" in line
@@ -317,7 +317,7 @@ def test_reporter_timeline_after_the_first_step(tmp_path: Path, caplog: pytest.L
     assert not rep.timeline_pending and rep.finish_timeline(T0, step=1) is None
     rep.begin_timeline([rank_events()], outcome="restored", iteration=7, recovery_phases={"load": 0.01})
     assert rep.timeline_pending
-    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.report"):
+    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.report.status"):
         tl = rep.finish_timeline(T0 + 7.0, step=8)
     assert not rep.timeline_pending and tl is not None
     assert tl.path_png == tmp_path / "reports" / "recovery_timeline.attempt1.png"
@@ -360,7 +360,7 @@ def test_progress_mode() -> None:
 
 
 def test_progress_logs_one_line_per_phase(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.report"):
+    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.report.status"):
         with recovery_progress("auto", enabled=True) as prog:  # pytest's stderr is not a TTY
             for name in ("inventory", "exchange", "transfer"):
                 prog.phase(name)
@@ -372,7 +372,7 @@ def test_progress_logs_one_line_per_phase(caplog: pytest.LogCaptureFixture) -> N
 
 @pytest.mark.parametrize(("mode", "enabled"), [("none", True), ("auto", False)])
 def test_progress_off_is_silent(mode: str, enabled: bool, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="neighbor_ckpt.report"):
+    with caplog.at_level(logging.DEBUG, logger="neighbor_ckpt.report.status"):
         with recovery_progress(mode, enabled=enabled) as prog:
             prog.phase("inventory")
     assert caplog.records == []
@@ -451,7 +451,7 @@ def test_checkpointer_reports_status_and_writes_the_timeline_after_recovery(tmp_
     assert first["restored"] is None
     assert first["stats"]["iteration"] == 5 and first["stats"]["unique_bytes"] > 0  # DP 1: everything is unique
     assert first["stats"]["replica_lag"] is None and first["stats"]["host_store_bytes"] > 0
-    status = [x for x in log.splitlines() if x.startswith("neighbor_ckpt.report neighbor_ckpt: step")]
+    status = [x for x in log.splitlines() if x.startswith("neighbor_ckpt.report.status neighbor_ckpt: step")]
     assert [x.split(" | ")[0].rsplit(" ", 1)[1] for x in status] == ["2", "4"]
     assert "replica off" in status[0]
     events = list((tmp_path / "store").rglob("events.json"))
@@ -474,7 +474,7 @@ def test_checkpointer_reports_status_and_writes_the_timeline_after_recovery(tmp_
 
 def test_process_start_time_is_on_the_wall_clock() -> None:
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", "from neighbor_ckpt.timeline import process_start_unix; "
+    out = subprocess.run([sys.executable, "-c", "from neighbor_ckpt.report.timeline import process_start_unix; "
                           "print(repr(process_start_unix()))"], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2])))
     after = time.time()

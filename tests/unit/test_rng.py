@@ -7,8 +7,8 @@ import random
 import numpy as np
 import torch
 
-from neighbor_ckpt import _codec
-from neighbor_ckpt.rng import capture_rng, restore_rng
+from neighbor_ckpt.snapshot import codec as _codec
+from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
 
 
 def _draws() -> tuple:

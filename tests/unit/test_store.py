@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter
-from neighbor_ckpt.engine import header_capacity, write_image
+from neighbor_ckpt.snapshot.engine import header_capacity, write_image
 from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, SnapshotMismatchError
-from neighbor_ckpt.razor import StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.recovery import read_tensors
-from neighbor_ckpt.store import (FORMAT_VERSION, MARKER, MARKER_BYTES, PREAMBLE_BYTES, ROLE_LAZY, ROLE_OWN,
+from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.recovery.flow import read_tensors
+from neighbor_ckpt.snapshot.store import (FORMAT_VERSION, MARKER, MARKER_BYTES, PREAMBLE_BYTES, ROLE_LAZY, ROLE_OWN,
                                  ROLE_REPLICA, HostStore, SlotFile, checksum, slot_file_size)
 
 JOB = "job-unit"
@@ -547,7 +547,7 @@ def test_commit_refuses_a_header_larger_than_its_capacity(tmp_path):
 
 
 def write_image_into(slot: SlotFile) -> None:
-    from neighbor_ckpt.store import SlotHeader
+    from neighbor_ckpt.snapshot.store import SlotHeader
 
     slot.commit(SlotHeader(job_id="j" * 200, owner_rank=0, layout="L", iteration=1, role=ROLE_OWN, payload_nbytes=0,
                            payload_xxh3=None, extras_json_nbytes=0, extras_tensors=[], extras_nbytes=0,
@@ -729,7 +729,7 @@ def test_write_image_accepts_a_zero_element_tensor_with_a_non_flat_shape(store):
 
 
 def test_snapshot_engine_commits_a_state_holding_a_zero_element_tensor(store):
-    from neighbor_ckpt.engine import SnapshotEngine
+    from neighbor_ckpt.snapshot.engine import SnapshotEngine
 
     named = _empty_state()
     plan = plan_shards([m for m, _ in named], dp_size=1, distributed_optimizer=False)
@@ -749,10 +749,10 @@ def test_snapshot_engine_commits_a_state_holding_a_zero_element_tensor(store):
 _GROWTH_SCRIPT = r"""
 import sys, tempfile, torch
 from pathlib import Path
-from neighbor_ckpt.engine import SnapshotEngine
-from neighbor_ckpt.razor import plan_shards, TensorMeta, StateKind
-from neighbor_ckpt.store import HostStore, ROLE_OWN
-from neighbor_ckpt.recovery import read_tensors
+from neighbor_ckpt.snapshot.engine import SnapshotEngine
+from neighbor_ckpt.snapshot.razor import plan_shards, TensorMeta, StateKind
+from neighbor_ckpt.snapshot.store import HostStore, ROLE_OWN
+from neighbor_ckpt.recovery.flow import read_tensors
 
 store = HostStore(Path(tempfile.mkdtemp()), job_id="j", rank=0)
 src = [torch.arange(100, dtype=torch.float32), torch.ones(7, dtype=torch.float64)]

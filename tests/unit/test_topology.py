@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from neighbor_ckpt.errors import TopologyError
-from neighbor_ckpt.topology import NODE_ID_ENV, build_topology, local_node_id, ring_order
+from neighbor_ckpt.snapshot.topology import NODE_ID_ENV, build_topology, local_node_id, ring_order
 
 
 def nodes_from_counts(counts: tuple[int, ...]) -> list[str]:

@@ -94,7 +94,7 @@ def append_jsonl(path: Path, obj: Any) -> None:
 def flip_byte_in_newest_own_slot(rank: int) -> None:
     """Corrupt one bit of this rank's newest committed own snapshot (payload, else extras): what a bit flip in
     host memory would do. Runs before recovery on a restart."""
-    from neighbor_ckpt.chaos import damage_newest_slot
+    from neighbor_ckpt.snapshot.damage import damage_newest_slot
 
     (rank_dir,) = Path(os.environ["NEIGHBOR_CKPT_STORE_DIR"]).glob(f"*/*/rank{rank}")
     iteration, path = damage_newest_slot(rank_dir, "bitflip")

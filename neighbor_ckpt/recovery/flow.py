@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
-from neighbor_ckpt.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, RecoveryDecision, decode_row, \
+from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, RecoveryDecision, decode_row, \
     encode_row, reconcile
-from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile, SlotHeader
-from neighbor_ckpt.topology import Topology
-from neighbor_ckpt.transport import recv_image, send_image
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.topology import Topology
+from neighbor_ckpt.snapshot.transport import recv_image, send_image
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +94,8 @@ class Restored:
 
 def read_tensors(slot: SlotFile, hdr: SlotHeader) -> dict[str, torch.Tensor]:
     """Tensors of a validated slot, as views of host memory (by the header's table)."""
-    out: dict[str, torch.Tensor] = {}
-    for t in hdr.meta.get("tensors", []):
-        dtype = getattr(torch, t["dtype"])
-        nbytes = int(torch.empty((), dtype=dtype).element_size())
-        for s in t["shape"]:
-            nbytes *= int(s)
-        raw = slot.payload[t["offset"]:t["offset"] + nbytes]
-        out[t["name"]] = raw.view(dtype).view(t["shape"]) if nbytes else torch.empty(t["shape"], dtype=dtype)
-    return out
+    return {t["name"]: slot.payload_view(t["offset"], getattr(torch, t["dtype"]), t["shape"])
+            for t in hdr.meta.get("tensors", [])}
 
 
 def _inventory(store: HostStore, topology: Topology, layout: str, rejected: dict[int, str]

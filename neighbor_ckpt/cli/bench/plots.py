@@ -1,6 +1,6 @@
 """The figures of BENCHMARKS.md, drawn from the benchmarks' raw JSON (and, for goodput, from the planner)::
 
-    python -m neighbor_ckpt.bench.plots --compare benchmarks/results/compare_h100_2026-11-24.json \\
+    python -m neighbor_ckpt.cli.bench.plots --compare benchmarks/results/compare_h100_2026-11-24.json \\
         --micro benchmarks/results/micro_cpu_2026-11-24.json --out benchmarks
 
 writes ``step_overhead_h100.png`` (every variant's per-step overhead, one run), ``restore_breakdown.png`` (where a
@@ -105,7 +105,7 @@ def goodput_curve(out: Path, *, iteration_s: float = 4.5, gpus: int = 1024, gpus
                   measured_pct: Sequence[float] = ()) -> Path:
     """Lost goodput vs the per-iteration overhead of neighbor checkpoints (MTTR 60 s), against disk checkpoints at
     Young's optimal interval (MTTR 15 min), with the planner's formulas (FlashRecovery eq. 1-4)."""
-    from neighbor_ckpt.planner import goodput_loss, min_goodput_loss
+    from neighbor_ckpt.planning.planner import goodput_loss, min_goodput_loss
 
     plt = _pyplot()
     nodes = gpus // gpus_per_node
@@ -142,7 +142,7 @@ def goodput_curve(out: Path, *, iteration_s: float = 4.5, gpus: int = 1024, gpus
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m neighbor_ckpt.bench.plots", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m neighbor_ckpt.cli.bench.plots", description=__doc__.split("\n\n")[0])
     ap.add_argument("--compare", type=Path, required=True, help="a `bench --compare --json` file")
     ap.add_argument("--micro", type=Path, required=True, help="a `scripts/bench --json` file")
     ap.add_argument("--out", type=Path, default=Path("benchmarks"))

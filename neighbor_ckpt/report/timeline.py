@@ -24,7 +24,7 @@ Where each time comes from:
   (every process killed at once) *detect* is unknown and folded into *restart*; the JSON says so;
 * process start: the kernel's start time of each worker (``/proc/self/stat``), latest over all ranks;
 * process group ready: the first framework hook after ``init_process_group`` (a marker inside *rendezvous*);
-* recovery phases: :class:`~neighbor_ckpt.recovery.RecoveryReport` timings (inventory + exchange ->
+* recovery phases: :class:`~neighbor_ckpt.recovery.flow.RecoveryReport` timings (inventory + exchange ->
   reconcile, transfer -> transfer, verify + load + adapter restore -> restore), latest over all ranks;
 * first step: rank 0's end of its first training step (every rank finishes it within one gradient
   all-reduce of the others).
@@ -48,7 +48,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from neighbor_ckpt.store import ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile
+from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile
 
 logger = logging.getLogger(__name__)
 

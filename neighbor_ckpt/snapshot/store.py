@@ -22,24 +22,26 @@ import errno
 import getpass
 import json
 import logging
+import math
 import mmap
 import os
 import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
-from neighbor_ckpt import _codec
+from neighbor_ckpt.snapshot import codec as _codec
 from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, SnapshotMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "slot_file_size", "rank_dir"]
+__all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "MIN_EXTRAS_BYTES", "HEADER_ALLOWANCE_BYTES",
+           "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir"]
 
 MAGIC = b"NCKPTSLT"
 MARKER_MAGIC = b"NCKPTCMT"
@@ -69,6 +71,31 @@ def _offsets(header_cap: int, payload_cap: int, extras_cap: int) -> tuple[int, i
 def slot_file_size(header_cap: int, payload_cap: int, extras_cap: int) -> int:
     """Bytes one slot file takes."""
     return _offsets(header_cap, payload_cap, extras_cap)[3]
+
+
+MIN_EXTRAS_BYTES = 64 << 10
+"""The smallest extras region of a slot: the engine allocates ``max(MIN_EXTRAS_BYTES, 2 x first extras)`` unless
+configured (``store.extras_capacity_mb``); the preflight and the planner budget the same."""
+
+HEADER_ALLOWANCE_BYTES = 1 << 20
+"""What the host-memory budget reserves for one slot's JSON header (the tensor table): generous for thousands of
+tensors. The engine sizes the real header from the plan; budgets use this."""
+
+
+def extras_capacity(extras_bytes: int | None) -> int:
+    """Extras region of a slot for extras of ``extras_bytes`` (None: not known yet): room to grow twice."""
+    return max(MIN_EXTRAS_BYTES, 2 * (extras_bytes or 0))
+
+
+def store_bytes_per_rank(*, unique_bytes: int, lazy_bytes: int, versions: int, extras_bytes: int | None) -> int:
+    """Host bytes of one rank's store: ``versions`` x (own + replica) slots, plus one lazy-backup slot if needed.
+
+    The one formula for a store's footprint: the preflight checks it against ``/dev/shm`` and ``MemAvailable``,
+    the planner prints it per rank and node."""
+    extras = max(MIN_EXTRAS_BYTES, extras_bytes or 0)
+    slot = slot_file_size(HEADER_ALLOWANCE_BYTES, unique_bytes, extras)
+    lazy = slot_file_size(HEADER_ALLOWANCE_BYTES, lazy_bytes, extras) if lazy_bytes else 0
+    return 2 * versions * slot + lazy
 
 
 def checksum(data: memoryview | bytes) -> int:
@@ -142,6 +169,15 @@ class SlotFile:
         self._pin: tuple[int, int, Any] | None = None  # (address, device index, copy stream) of the registration
 
     # -- creation / opening ------------------------------------------------------------------------
+
+    def payload_view(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """The payload bytes at ``offset`` as a tensor of ``dtype`` and ``shape``: a view of the slot's memory, the
+        one place a payload is sliced (the engine writes through it, recovery reads through it). A tensor with no
+        elements is a fresh empty tensor (there are no bytes to view)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        return self.payload[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
     @classmethod
     def create(cls, path: Path, *, header_cap: int, payload_cap: int, extras_cap: int) -> SlotFile:

@@ -43,8 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from neighbor_ckpt.bench._procs import RUN_TAG_ENV, kill_tagged, new_run_tag
-from neighbor_ckpt.store import rank_dir
+from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
+from neighbor_ckpt.snapshot.store import rank_dir
 
 __all__ = ["Case", "Outcome", "KINDS", "draw_cases", "load_outcomes", "resume_point", "run_case", "summarize", "main"]
 
@@ -104,7 +104,7 @@ _MTTR_RE = re.compile(r"recovery MTTR ([0-9.]+) s")
 def dp_ring(rank: int, *, tp: int, world: int = WORLD, nodes: int = NODES) -> tuple[int, ...]:
     """The DP ring ``rank`` belongs to, as the library builds it (mcore's DP groups: ranks with the same TP
     coordinate; ``--nodes``: consecutive ranks per node; ``ring.policy: cross_node``)."""
-    from neighbor_ckpt.topology import ring_order
+    from neighbor_ckpt.snapshot.topology import ring_order
 
     members = [r for r in range(world) if r % tp == rank % tp]
     return ring_order(members, [f"node{r * nodes // world}" for r in range(world)], "cross_node")

@@ -1,6 +1,6 @@
 """Host-memory preflight: before the first snapshot, check that the host store fits.
 
-One rank's store holds ``versions`` own slots, ``versions`` replica slots (its predecessor's snapshots are the
+One rank's store (:func:`~neighbor_ckpt.snapshot.store.store_bytes_per_rank`, computed by the caller) holds ``versions`` own slots, ``versions`` replica slots (its predecessor's snapshots are the
 same size under an even shard) and, when the plan has redundant state, room for one lazy backup. Every rank of
 the node puts its store on the same memory-backed filesystem, so the node needs that times the ranks on it.
 Slot files this job already holds there (a restart reuses them) do not count twice.
@@ -17,20 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from neighbor_ckpt.store import slot_file_size
 
-__all__ = ["HostMemoryCheck", "store_bytes_per_rank", "check_host_memory", "mem_available_bytes"]
-
-_HEADER_ALLOWANCE = 1 << 20  # JSON header with the tensor table: generous for thousands of tensors
-_MIN_EXTRAS = 64 << 10
-
-
-def store_bytes_per_rank(*, unique_bytes: int, lazy_bytes: int, versions: int, extras_bytes: int | None) -> int:
-    """Bytes of one rank's slot files: versions x (own + replica) slots, plus one lazy-backup slot if needed."""
-    extras = max(_MIN_EXTRAS, extras_bytes or 0)
-    slot = slot_file_size(_HEADER_ALLOWANCE, unique_bytes, extras)
-    lazy = slot_file_size(_HEADER_ALLOWANCE, lazy_bytes, extras) if lazy_bytes else 0
-    return 2 * versions * slot + lazy
+__all__ = ["HostMemoryCheck", "check_host_memory", "mem_available_bytes"]
 
 
 def mem_available_bytes() -> int | None:

@@ -7,7 +7,7 @@ starts each worker in a session of its own, so those helpers are left in the dea
 about 200 MB each, for as long as the machine runs; every restart adds more, until the node runs out of memory.
 
 So at startup every rank records its process in its host-store directory (which survives restarts, see
-:mod:`neighbor_ckpt.store`), and the next process of the same rank on the same machine reaps what the recorded one
+:mod:`neighbor_ckpt.snapshot.store`), and the next process of the same rank on the same machine reaps what the recorded one
 left: if that process is gone, led its own process group, and the group still has members, the group is SIGKILLed.
 A process group id stays reserved while any member lives, so the group can only hold the dead worker's descendants.
 """

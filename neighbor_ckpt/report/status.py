@@ -4,7 +4,7 @@ Everything here runs on global rank 0, at the status interval or once after a re
 of the other ranks never enters it. Per iteration the checkpointer pays one integer modulo
 (:meth:`Reporter.status_due`) and one attribute test (:attr:`Reporter.timeline_pending`).
 
-The status line (``logging.getLogger("neighbor_ckpt.report")``, INFO)::
+The status line (``logging.getLogger("neighbor_ckpt.report.status")``, INFO)::
 
     neighbor_ckpt: step 120 | snapshot 3.1 ms wait 0.2 ms | 12.4 MB unique/rank | replica lag 0 it | stream 1.3 GB/s | host store 52 MB
 
@@ -18,7 +18,7 @@ The status line (``logging.getLogger("neighbor_ckpt.report")``, INFO)::
 Metrics (``logger.log_metrics(metrics, step=global_step)`` on every trainer logger, when
 ``report.log_metrics``): ``neighbor_ckpt/snapshot_ms``, ``wait_ms``, ``unique_bytes``, ``replica_lag``,
 ``stream_gbps``, and after a recovery ``neighbor_ckpt/recovery/<phase>_s`` for every phase of
-:data:`~neighbor_ckpt.timeline.PHASES` plus ``neighbor_ckpt/recovery/total_s``.
+:data:`~neighbor_ckpt.report.timeline.PHASES` plus ``neighbor_ckpt/recovery/total_s``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 
 from neighbor_ckpt.config import ReportConfig
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.timeline import PHASES, RankEvents, RecoveryTimeline, compute_timeline, write_timeline
+from neighbor_ckpt.report.timeline import PHASES, RankEvents, RecoveryTimeline, compute_timeline, write_timeline
 
 logger = logging.getLogger(__name__)
 

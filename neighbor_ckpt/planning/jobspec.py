@@ -253,8 +253,8 @@ class JobSpec:
         return self.world_size // (p.tensor * p.pipeline * p.context)
 
     def model_shape(self) -> Any:
-        """The :class:`~neighbor_ckpt.planner.ModelShape` of the preset with this spec's resizes applied."""
-        from neighbor_ckpt.planner import PRESETS
+        """The :class:`~neighbor_ckpt.planning.planner.ModelShape` of the preset with this spec's resizes applied."""
+        from neighbor_ckpt.planning.planner import PRESETS
 
         shape = PRESETS[self.model.preset]
         changes = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model)
@@ -262,16 +262,16 @@ class JobSpec:
         return dataclasses.replace(shape, **changes)
 
     def hardware_preset(self) -> Any:
-        """The :class:`~neighbor_ckpt.planner.Hardware` of ``hardware.gpu`` with this spec's figures applied."""
-        from neighbor_ckpt.planner import HARDWARE
+        """The :class:`~neighbor_ckpt.planning.planner.Hardware` of ``hardware.gpu`` with this spec's figures applied."""
+        from neighbor_ckpt.planning.planner import HARDWARE
 
         changes = {f.name: getattr(self.hardware, f.name) for f in dataclasses.fields(self.hardware)
                    if f.name != "gpu" and getattr(self.hardware, f.name) is not None}
         return dataclasses.replace(HARDWARE[self.hardware.gpu], gpus_per_node=self.trainer.devices, **changes)
 
     def plan(self) -> Any:
-        """The planner's :class:`~neighbor_ckpt.planner.JobPlan` for this job (``neighbor-ckpt plan``)."""
-        from neighbor_ckpt.planner import Parallelism, plan_job
+        """The planner's :class:`~neighbor_ckpt.planning.planner.JobPlan` for this job (``neighbor-ckpt plan``)."""
+        from neighbor_ckpt.planning.planner import Parallelism, plan_job
 
         p, t = self.parallelism, self.trainer
         par = Parallelism(tp=p.tensor, pp=p.pipeline, cp=p.context, dp=self.data_parallel,

@@ -6,36 +6,37 @@ import random
 
 import pytest
 
-from neighbor_ckpt import chaos
+from neighbor_ckpt.runtime import failpoints
+from neighbor_ckpt.snapshot.damage import damage_newest_slot
 from neighbor_ckpt.errors import SnapshotCorruptError
-from neighbor_ckpt.store import HostStore, SlotFile
+from neighbor_ckpt.snapshot.store import HostStore, SlotFile
 from tests.unit.test_store import JOB, write
 
 
 @pytest.fixture(autouse=True)
 def _disarmed():
-    chaos.disarm()
+    failpoints.disarm()
     yield
-    chaos.disarm()
+    failpoints.disarm()
 
 
 def test_unarmed_failpoint_does_nothing_and_an_armed_one_fires_once() -> None:
     fired: list[str] = []
-    chaos.failpoint("snapshot.copy")
-    chaos.arm("snapshot.copy", lambda: fired.append("copy"))
-    chaos.failpoint("snapshot.stream")
+    failpoints.failpoint("snapshot.copy")
+    failpoints.arm("snapshot.copy", lambda: fired.append("copy"))
+    failpoints.failpoint("snapshot.stream")
     assert fired == []
-    chaos.failpoint("snapshot.copy")
-    chaos.failpoint("snapshot.copy")
+    failpoints.failpoint("snapshot.copy")
+    failpoints.failpoint("snapshot.copy")
     assert fired == ["copy"]
 
 
 def test_disarm_cancels_and_unknown_failpoints_are_refused() -> None:
-    chaos.arm("recovery.load", lambda: pytest.fail("disarmed failpoint fired"))
-    chaos.disarm("recovery.load")
-    chaos.failpoint("recovery.load")
+    failpoints.arm("recovery.load", lambda: pytest.fail("disarmed failpoint fired"))
+    failpoints.disarm("recovery.load")
+    failpoints.failpoint("recovery.load")
     with pytest.raises(ValueError, match="unknown failpoint 'engine.copy'"):
-        chaos.arm("engine.copy", lambda: None)
+        failpoints.arm("engine.copy", lambda: None)
 
 
 def _committed_bytes(path) -> tuple[bytes, int, int, int, int]:
@@ -54,7 +55,7 @@ def test_random_bitflip_changes_one_committed_bit_and_the_checksum_refuses_the_s
     path = slot.path
     store.close()
     before, poff, pn, eoff, en = _committed_bytes(path)
-    assert chaos.damage_newest_slot(path.parent, "bitflip", rng=random.Random(seed)) == (5, path)
+    assert damage_newest_slot(path.parent, "bitflip", rng=random.Random(seed)) == (5, path)
     after = path.read_bytes()
     diff = [i for i in range(len(before)) if before[i] != after[i]]
     assert len(diff) == 1 and bin(before[diff[0]] ^ after[diff[0]]).count("1") == 1
@@ -69,20 +70,20 @@ def test_random_bitflip_changes_one_committed_bit_and_the_checksum_refuses_the_s
 
 def test_damage_of_a_store_without_a_committed_slot_is_none(tmp_path) -> None:
     (tmp_path / "rank0").mkdir()
-    assert chaos.damage_newest_slot(tmp_path / "rank0", "truncate") is None
+    assert damage_newest_slot(tmp_path / "rank0", "truncate") is None
 
 
 def test_the_copy_failpoint_fires_inside_every_snapshot_even_one_without_tensors(tmp_path) -> None:
     """A plain-DDP snapshot holds small state only; a kill 'in the middle of the copy' must still happen there
     (the slot invalidated, nothing committed)."""
-    from neighbor_ckpt.engine import SnapshotEngine
-    from neighbor_ckpt.razor import plan_shards
+    from neighbor_ckpt.snapshot.engine import SnapshotEngine
+    from neighbor_ckpt.snapshot.razor import plan_shards
 
     store = HostStore(tmp_path / "store", job_id=JOB, rank=0, versions=2)
     engine = SnapshotEngine(store=store, plan=plan_shards([], dp_size=2, distributed_optimizer=False), sources=[],
                             layout="L", meta={})
     fired: list[int] = []
-    chaos.arm("snapshot.copy", lambda: fired.append(len(list(store.committed("own", verify=False)))))
+    failpoints.arm("snapshot.copy", lambda: fired.append(len(list(store.committed("own", verify=False)))))
     try:
         engine.snapshot(0, {"step": 0})
         engine.wait()

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Sequence
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.jobspec import JobSpec, load_job
+from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "RECIPE"]
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "nemo_pretrain.py"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "nemo_pretrain.py"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

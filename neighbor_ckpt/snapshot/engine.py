@@ -30,16 +30,16 @@ from typing import Any, Sequence
 
 import torch
 
-from neighbor_ckpt import _codec, chaos
-from neighbor_ckpt.razor import PlannedTensor, ShardPlan
-from neighbor_ckpt.store import ROLE_LAZY, ROLE_OWN, HostStore, SlotFile, SlotHeader
-from neighbor_ckpt.transport import NeighborTransport
+from neighbor_ckpt.snapshot import codec as _codec
+from neighbor_ckpt.runtime import failpoints
+from neighbor_ckpt.snapshot.razor import PlannedTensor, ShardPlan
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, HostStore, SlotFile, SlotHeader, extras_capacity
+from neighbor_ckpt.snapshot.transport import NeighborTransport
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SnapshotEngine", "EngineStats", "header_capacity", "write_image"]
 
-_MIN_EXTRAS = 64 * 1024
 
 
 @dataclass
@@ -73,14 +73,7 @@ def tensor_table(planned: Sequence[PlannedTensor]) -> list[dict[str, Any]]:
 
 
 def _typed_views(slot: SlotFile, planned: Sequence[PlannedTensor]) -> list[torch.Tensor]:
-    views = []
-    for p in planned:
-        if p.meta.nbytes == 0:
-            views.append(torch.empty(p.meta.shape, dtype=p.meta.dtype))
-            continue
-        raw = slot.payload[p.offset:p.offset + p.meta.nbytes]
-        views.append(raw.view(p.meta.dtype).view(p.meta.shape))
-    return views
+    return [slot.payload_view(p.offset, p.meta.dtype, p.meta.shape) for p in planned]
 
 
 def write_image(store: HostStore, role: str, *, planned: Sequence[PlannedTensor], sources: Sequence[torch.Tensor],
@@ -89,7 +82,7 @@ def write_image(store: HostStore, role: str, *, planned: Sequence[PlannedTensor]
     """Synchronously write and commit one image (used for lazy backups and by tests)."""
     text, ets = _codec.encode(extras)
     need = len(text.encode()) + sum(t.numel() * t.element_size() for t in ets) + 128
-    ecap = max(_MIN_EXTRAS, 2 * need) if extras_cap is None else extras_cap
+    ecap = extras_capacity(need) if extras_cap is None else extras_cap
     full_meta = dict(meta, tensors=tensor_table(planned))
     idx = store.slot_for_write(role)
     slot = store.ensure(role, idx, header_cap=header_capacity(full_meta), payload_cap=payload_bytes, extras_cap=ecap)
@@ -241,14 +234,14 @@ class SnapshotEngine:
         if self.extras_capacity is None or ecap_needed > self.extras_capacity:
             if self.extras_capacity is not None:
                 logger.warning("rank %d: small state grew to %d bytes; enlarging slots", self.store.rank, ecap_needed)
-            self.extras_capacity = max(_MIN_EXTRAS, 2 * ecap_needed)
+            self.extras_capacity = extras_capacity(ecap_needed)
         idx = self.store.slot_for_write(ROLE_OWN)
         slot = self.store.ensure(ROLE_OWN, idx, header_cap=header_capacity(self.meta),
                                  payload_cap=self.plan.unique_bytes, extras_cap=self.extras_capacity)
         views = self._slot_views(idx, slot)
         slot.invalidate()
         if not views:
-            chaos.failpoint("snapshot.copy")  # no tensor to copy (e.g. plain DDP: the snapshot is small state only)
+            failpoints.failpoint("snapshot.copy")  # no tensor to copy (e.g. plain DDP: the snapshot is small state only)
         t0 = time.perf_counter()
         with torch.no_grad():
             if self._cuda:
@@ -258,13 +251,13 @@ class SnapshotEngine:
                     for i, (dst, src) in enumerate(zip(views, self.sources)):
                         dst.copy_(src, non_blocking=True)
                         if i == 0:
-                            chaos.failpoint("snapshot.copy")
+                            failpoints.failpoint("snapshot.copy")
                     self._stream.synchronize()
             else:
                 for i, (dst, src) in enumerate(zip(views, self.sources)):
                     dst.copy_(src)
                     if i == 0:
-                        chaos.failpoint("snapshot.copy")
+                        failpoints.failpoint("snapshot.copy")
         t1 = time.perf_counter()
         jn, metas, en = slot.write_extras(job.text, job.tensors)
         psum, esum = slot.checksums(self.plan.unique_bytes, en) if self.store.use_checksum else (None, None)

@@ -22,9 +22,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from neighbor_ckpt import chaos
-from neighbor_ckpt.store import ROLE_REPLICA, HostStore, SlotFile, SlotHeader
-from neighbor_ckpt.topology import Topology
+from neighbor_ckpt.runtime import failpoints
+from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def send_image(slot: SlotFile, header: SlotHeader, dst: int, group: dist.Process
             part = view[s:s + chunk]
             dist.send(part, dst=dst, group=group, tag=TAG_DATA)
             if not sent:
-                chaos.failpoint("snapshot.stream")
+                failpoints.failpoint("snapshot.stream")
             sent += part.numel()
             if rate_bps > 0:
                 ahead = sent / rate_bps - (time.perf_counter() - t0)

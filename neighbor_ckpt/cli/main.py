@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from neighbor_ckpt.errors import ConfigError, SnapshotCorruptError, SnapshotMismatchError
-from neighbor_ckpt.store import SlotFile
+from neighbor_ckpt.snapshot.store import SlotFile
 
 __all__ = ["main", "inspect_store"]
 
@@ -82,23 +82,23 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from neighbor_ckpt import runner
+    from neighbor_ckpt.cli import launch
 
-    plan = runner.plan_launch(args.config, args.overrides, run_dir=args.run_dir, record=args.record)
+    plan = launch.plan_launch(args.config, args.overrides, run_dir=args.run_dir, record=args.record)
     if args.slurm:
-        runner.write_run_dir(plan)
-        args.slurm.write_text(runner.slurm_script(plan))
+        launch.write_run_dir(plan)
+        args.slurm.write_text(launch.slurm_script(plan))
         print(f"wrote {args.slurm} (run directory {plan.run_dir}); submit it with: sbatch {args.slurm}")
         return 0
     if args.dry_run:
-        print(" ".join(runner.torchrun_command(plan)))
+        print(" ".join(launch.torchrun_command(plan)))
         return 0
     print(f"neighbor-ckpt: {plan.job.name}: {plan.job.world_size} ranks, run directory {plan.run_dir}", flush=True)
-    return runner.run_local(plan)
+    return launch.run_local(plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from neighbor_ckpt.jobspec import load_job
+    from neighbor_ckpt.planning.jobspec import load_job
 
     job = load_job(args.config, args.overrides)
     plan = job.plan()
@@ -136,19 +136,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "campaign":
-        from neighbor_ckpt.bench import campaign
+        from neighbor_ckpt.cli import campaign
 
         return campaign.main(rest)
     if args.cmd == "demo":
-        from neighbor_ckpt import demo
+        from neighbor_ckpt.cli import demo
 
         return demo.main(rest)
     if args.cmd == "bench":
         if "--compare" in rest:
-            from neighbor_ckpt.bench import compare
+            from neighbor_ckpt.cli.bench import compare
 
             return compare.main([a for a in rest if a != "--compare"])
-        from neighbor_ckpt.bench import micro
+        from neighbor_ckpt.cli.bench import micro
 
         return micro.main(rest)
     if rest:

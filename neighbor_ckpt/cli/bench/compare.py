@@ -45,7 +45,7 @@ barrier, the same for every variant); its time is the slowest rank's.
 
 Then the scaling figures: the same for ``base``, ``neighbor`` and the best alternative of the main table at
 hidden sizes x2 and x4 (about 4x and 16x the parameters; x1 is the main table), and the per-rank unique bytes
-of the checkpoint razor at DP = 1 / 2 / 4 from :func:`neighbor_ckpt.planner.plan_job` (checked against the
+of the checkpoint razor at DP = 1 / 2 / 4 from :func:`neighbor_ckpt.planning.planner.plan_job` (checked against the
 bytes the live ``NeighborCheckpointer`` planned at DP = ``--world``).
 
 ``--projection`` prints the GPU projection instead (planner tables of the 8B / 70B / 175B job files, goodput of
@@ -58,7 +58,7 @@ stay gloo), a GPU-sized model (``GPU_SHAPE``) in bf16 with fp32 main params in t
 shorter protocol (``CUDA_PROTOCOL``) so that a run fits a 10-minute call; every timed step ends with a
 synchronization of the training stream before the host clock is read. See :class:`Trainer` for the bf16 lines.
 
-Run ``python -m neighbor_ckpt.bench.compare`` (``--quick`` for a shorter run; ``neighbor-ckpt bench --compare``).
+Run ``python -m neighbor_ckpt.cli.bench.compare`` (``--quick`` for a shorter run; ``neighbor-ckpt bench --compare``).
 """
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ def _optimizer_shard(tr: Trainer, rank: int) -> dict[str, Any]:
     (The CPU figures of BENCHMARKS.md dated 2026-11-22 were measured before this fix and the one in
     :class:`DcpAsync`: DCP then saved the weights once per rank extra and no Adam moments.)"""
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
-    from neighbor_ckpt.razor import StateKind
+    from neighbor_ckpt.snapshot.razor import StateKind
 
     named = [(m, t) for m, t in MegatronOptimizerAdapter([tr.ddp], tr.optimizer).named_tensors()
              if m.kind != StateKind.WEIGHT]
@@ -1131,7 +1131,7 @@ def _ms(x: float) -> str:
 def d2h_line(res: dict[str, Any], hardware: str = "h100") -> str | None:
     """--device cuda: neighbor_ckpt's measured D2H staging bandwidth (unique bytes per rank / median background copy
     time) next to the bandwidth the planner assumes for ``hardware``; None for CPU runs or without the data."""
-    from neighbor_ckpt.planner import HARDWARE
+    from neighbor_ckpt.planning.planner import HARDWARE
 
     main = res["main"]
     nb = main["variants"].get("neighbor")
@@ -1147,7 +1147,7 @@ def d2h_line(res: dict[str, Any], hardware: str = "h100") -> str | None:
             f"slot in {_ms(copy_s)} ms (median over steps, median over ranks; engine stats.stage_seconds: the "
             f"side-stream copy, including any wait for the step's last kernels) = {ub / copy_s / 1e9:.1f} GB/s per "
             f"GPU; the planner assumes "
-            f"{assumed:g} GB/s (neighbor_ckpt.planner.HARDWARE['{hardware}'].pcie_gbytes_per_s)")
+            f"{assumed:g} GB/s (neighbor_ckpt.planning.planner.HARDWARE['{hardware}'].pcie_gbytes_per_s)")
 
 
 def render(res: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) -> str:
@@ -1245,7 +1245,7 @@ def render(res: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) 
     out.append("")
 
     # -- scaling -------------------------------------------------------------------------------------------
-    from neighbor_ckpt.planner import HARDWARE, ModelShape, Parallelism, plan_job
+    from neighbor_ckpt.planning.planner import HARDWARE, ModelShape, Parallelism, plan_job
 
     def shape(hidden: int) -> Any:
         return ModelShape(num_layers=args.layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
@@ -1289,7 +1289,7 @@ def render(res: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) 
                        f"model has {sc['params']:,}")
         for name, why in sc.get("failed", {}).items():
             out.append(f"* scaling hidden {sc['hidden']}: {name} could not run: {why}")
-    out.append("Scaling (unique/rank: 12 B/param/DP from neighbor_ckpt.planner.plan_job, payload only; live plan: "
+    out.append("Scaling (unique/rank: 12 B/param/DP from neighbor_ckpt.planning.planner.plan_job, payload only; live plan: "
                "NeighborCheckpointer.plan.unique_bytes, max over ranks, incl. mcore's bucket padding):")
     out.append(_table(hdr, table))
     out.append("")
@@ -1311,12 +1311,12 @@ def projection(measured: dict[str, Any] | None = None, *, gpus: int = 1024, gpu_
                gpus_per_node: int = 8) -> str:
     """Planner tables of the full-size job files and goodput of per-iteration neighbor checkpoints vs a 30-minute
     disk checkpoint on ``gpus`` H100s (``measured``: a run's JSON, for the measured overhead ratios)."""
-    from neighbor_ckpt.jobspec import load_job
-    from neighbor_ckpt.planner import (goodput_loss, loss_breakdown, optimal_interval, p_recovery, p_unrecoverable,
+    from neighbor_ckpt.planning.jobspec import load_job
+    from neighbor_ckpt.planning.planner import (goodput_loss, loss_breakdown, optimal_interval, p_recovery, p_unrecoverable,
                                        ring_nodes_for)
 
     out: list[str] = []
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     for name in ("llama3_8b", "llama3_70b", "gpt3_175b"):
         job = load_job(repo / "configs" / f"{name}.yaml")
         out.append(f"$ neighbor-ckpt plan configs/{name}.yaml")
@@ -1453,7 +1453,7 @@ def _gpu_info() -> dict[str, Any]:
 def _machine(store_root: Path, device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    from neighbor_ckpt.bench.micro import machine_info
+    from neighbor_ckpt.cli.bench.micro import machine_info
 
     info = machine_info(store_root)
     info["python"] = platform.python_version()
@@ -1586,7 +1586,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render(res, res.get("machine", info), args))
         return 0
 
-    from neighbor_ckpt.bench.micro import cpu_sample, foreign_load, wait_until_quiet
+    from neighbor_ckpt.cli.bench.micro import cpu_sample, foreign_load, wait_until_quiet
 
     if args.wait_quiet > 0:
         wait_until_quiet(args.wait_quiet, info["nproc"] or 1, poll_s=2.0)

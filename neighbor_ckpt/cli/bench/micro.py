@@ -2,7 +2,7 @@
 
 One run prints one table:
 
-1. **Staging vs memcpy.** :class:`~neighbor_ckpt.engine.SnapshotEngine` on one rank, no transport. The copy
+1. **Staging vs memcpy.** :class:`~neighbor_ckpt.snapshot.engine.SnapshotEngine` on one rank, no transport. The copy
    into the slot (``stats.stage_seconds``) and the whole local commit (copy + extras + xxh3 + header +
    marker) are timed separately, and compared with a plain copy of the same tensors into pre-allocated,
    pre-faulted memory. Four copies are timed (``torch.Tensor.copy_`` and ``numpy.copyto``, into anonymous
@@ -18,7 +18,7 @@ One run prints one table:
    (2 own + 2 replica slots written by the real engine + transport) over ``plan.unique_bytes``.
 4. **Restore vs raw transfer.** After the streaming run (the transport closed, as before a recovery), every
    rank "restarts" (a new :class:`HostStore` on the surviving files) and all ranks run
-   :func:`~neighbor_ckpt.recovery.run_recovery` on the transport's group, as
+   :func:`~neighbor_ckpt.recovery.flow.run_recovery` on the transport's group, as
    :meth:`NeighborCheckpointer.recover` does, then copy the returned views into pre-allocated live tensors
    (what an adapter's ``load`` does). Two cases, each alternating round by round with its baseline:
    *lost store* (rank 0's store directory is deleted, a replaced node: inventory, all-gather, reconciliation,
@@ -33,7 +33,7 @@ Every timing is a median over ``--iters`` iterations after warm-up (first-touch 
 ``/dev/shm`` file are not steady state). Stores go under ``$NEIGHBOR_CKPT_STORE_DIR`` (default
 ``/dev/shm``) and are removed at the end.
 
-Run ``scripts/bench`` (or ``python -m neighbor_ckpt.bench.micro``) with ``--mib``, ``--iters``, ``--world``,
+Run ``scripts/bench`` (or ``python -m neighbor_ckpt.cli.bench.micro``) with ``--mib``, ``--iters``, ``--world``,
 ``--json PATH``.
 """
 
@@ -62,9 +62,9 @@ import torch
 import xxhash
 
 from neighbor_ckpt.config import STORE_DIR_ENV, TransportConfig
-from neighbor_ckpt.engine import SnapshotEngine
-from neighbor_ckpt.razor import ShardPlan, StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.store import ROLE_OWN, ROLE_REPLICA, HostStore, checksum
+from neighbor_ckpt.snapshot.engine import SnapshotEngine
+from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, HostStore, checksum
 
 MiB = 2**20
 GB = 1e9
@@ -389,8 +389,8 @@ _RAW_META, _RAW_DATA, _RAW_ACK = 11, 12, 13
 def _stream_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
-    from neighbor_ckpt.topology import build_topology
-    from neighbor_ckpt.transport import META_LEN, GlooRingTransport
+    from neighbor_ckpt.snapshot.topology import build_topology
+    from neighbor_ckpt.snapshot.transport import META_LEN, GlooRingTransport
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=cfg["timeout_s"])
@@ -552,7 +552,7 @@ def _restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, grou
     """Restore figures, after the streaming run left 2 own + 2 replica slots on every rank.
 
     Every restore is a restart: each rank closes its :class:`HostStore` and opens a new one (fresh mappings of
-    the surviving files), then all ranks run :func:`~neighbor_ckpt.recovery.run_recovery` on the transport's
+    the surviving files), then all ranks run :func:`~neighbor_ckpt.recovery.flow.run_recovery` on the transport's
     group, as :meth:`NeighborCheckpointer.recover` does, and copy the returned views into pre-allocated live
     tensors (what the adapter's ``load`` does). Variants alternate round by round with their baselines.
 
@@ -569,10 +569,10 @@ def _restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, grou
     """
     import torch.distributed as dist
 
-    from neighbor_ckpt.reconcile import SOURCE_OWN, SOURCE_REPLICA
-    from neighbor_ckpt.recovery import run_recovery
-    from neighbor_ckpt.topology import build_topology
-    from neighbor_ckpt.transport import META_LEN
+    from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA
+    from neighbor_ckpt.recovery.flow import run_recovery
+    from neighbor_ckpt.snapshot.topology import build_topology
+    from neighbor_ckpt.snapshot.transport import META_LEN
 
     chunk = cfg["chunk_bytes"]
     rounds = cfg["warmup"] + cfg["iters"]

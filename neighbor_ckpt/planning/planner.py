@@ -24,7 +24,7 @@ paper's formulas did not survive text extraction):
   bottleneck: the parameter count cancels).
 
 Failure/goodput arithmetic (FlashRecovery eq. 1-4, FFTrainer eq. 3-5, Table 2) is in
-:mod:`neighbor_ckpt.planner_sim` and re-exported here.
+:mod:`neighbor_ckpt.planning.goodput` and re-exported here.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.planner_sim import (LossBreakdown, cluster_mtbf, goodput_loss, loss_breakdown, mfu_loss,
+from neighbor_ckpt.planning.goodput import (LossBreakdown, cluster_mtbf, goodput_loss, loss_breakdown, mfu_loss,
                                        min_goodput_loss, monte_carlo_p_unrecoverable, node_failure_probability,
                                        optimal_interval, p_cluster_failure, p_k_node_failures, p_recovery,
                                        p_unrecoverable, ring_nodes_for)

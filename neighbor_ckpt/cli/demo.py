@@ -15,12 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from neighbor_ckpt import runner
+from neighbor_ckpt.cli import launch
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt_tiny_cpu.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt_tiny_cpu.yaml"
 
 
-def _run(plan: runner.LaunchPlan, what: str) -> None:
+def _run(plan: launch.LaunchPlan, what: str) -> None:
     print(f"demo: {what} (log: {plan.run_dir / 'torchrun.log'}) ...", flush=True)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -33,7 +33,7 @@ def _run(plan: runner.LaunchPlan, what: str) -> None:
         except ImportError:
             pass
     with status:
-        rc = runner.run_local(plan, log=plan.run_dir / "torchrun.log")
+        rc = launch.run_local(plan, log=plan.run_dir / "torchrun.log")
     if rc != 0:
         raise SystemExit(f"demo: torchrun failed (exit {rc}); see {plan.run_dir / 'torchrun.log'}")
     print(f"demo: done in {time.time() - t0:.0f} s", flush=True)
@@ -59,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key.path=value applied to both runs")
     args = ap.parse_args(argv)
 
-    base = runner.plan_launch(args.config, args.overrides, run_dir=args.out / "baseline", record=True)
+    base = launch.plan_launch(args.config, args.overrides, run_dir=args.out / "baseline", record=True)
     fault_overrides = [*args.overrides, "neighbor_ckpt.fault_injection.enabled=true",
                        f"neighbor_ckpt.fault_injection.rank={args.kill_rank}",
                        f"neighbor_ckpt.fault_injection.step={args.kill_step}",
                        f"neighbor_ckpt.fault_injection.phase={args.phase}",
                        "neighbor_ckpt.fault_injection.replace_store=true"]
-    fault = runner.plan_launch(args.config, fault_overrides, run_dir=args.out / "faulted", record=True)
+    fault = launch.plan_launch(args.config, fault_overrides, run_dir=args.out / "faulted", record=True)
     n, steps = base.job.world_size, base.job.trainer.max_steps
     _run(base, f"failure-free run: {base.job.name}, {n} CPU ranks, {steps} steps")
     _run(fault, f"same run, rank {args.kill_rank} SIGKILLed in the {args.phase} phase of step {args.kill_step} and "

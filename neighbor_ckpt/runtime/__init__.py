@@ -1,0 +1,9 @@
+"""The process around training: what notices a failure and what cleans up after one.
+
+``detector`` (heartbeats and step tags through the c10d store), ``reaper`` (what a killed predecessor process left
+behind), ``procs`` (process facts read through psutil; tagged harness processes), ``preflight`` (host memory
+before the first slot is allocated), ``torchrun`` (the restart fix for torchrun's agent store), ``failpoints``
+(named places where a campaign can kill a process).
+
+The lowest layer beside :mod:`neighbor_ckpt.errors` and :mod:`neighbor_ckpt.config`: it may import only those.
+"""
