@@ -346,7 +346,7 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
 
 def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = True) -> RecoveryTimeline:
     """Write ``recovery_timeline.attempt<N>.json`` (and ``.png``) to ``directory``; returns the timeline with
-    its paths. Without matplotlib only the JSON is written (one log line says so)."""
+    its paths. Without matplotlib only the JSON is written (one warning line says so and how to get the PNG)."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"recovery_timeline.attempt{timeline.attempt}"
     path_json = directory / f"{stem}.json"
@@ -356,8 +356,9 @@ def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = T
             _render_png(timeline, directory / f"{stem}.png")
             path_png = directory / f"{stem}.png"
         except ImportError:
-            logger.info("neighbor_ckpt: matplotlib is not installed; wrote the recovery timeline as JSON only (%s)",
-                        path_json)
+            logger.warning("neighbor_ckpt: recovery timeline written as JSON only (%s): the PNG needs matplotlib "
+                           "(pip install matplotlib, or install neighbor-ckpt with the [lightning] or [nemo] extra)",
+                           path_json)
     result = dataclasses.replace(timeline, path_png=path_png, path_json=path_json)
     tmp = path_json.with_name(path_json.name + ".tmp")
     tmp.write_text(json.dumps(dict(result.to_json(), png=str(path_png) if path_png else None), indent=1))

@@ -166,7 +166,8 @@ def test_write_timeline_without_matplotlib_writes_only_json(tmp_path: Path, monk
         out = write_timeline(tl, tmp_path)
     assert out.path_png is None and out.path_json is not None and out.path_json.exists()
     assert not list(tmp_path.glob("*.png"))
-    assert sum("matplotlib is not installed" in r.getMessage() for r in caplog.records) == 1
+    warned = [r for r in caplog.records if "needs matplotlib" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "pip install matplotlib" in warned[0].getMessage()
 
 
 # -- failure events and commit times that survive a restart ----------------------------------------------------
