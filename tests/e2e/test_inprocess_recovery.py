@@ -1,0 +1,148 @@
+"""End to end, in-process recovery with a hot spare (issue 17, plain megatron-core loop).
+
+4 active ranks + 1 hot spare, DP 4, DistributedOptimizer, one NVRx ``ft_launcher`` agent per simulated node with
+``--ft-restart-policy min-healthy`` (the other agents' workers keep running when one dies), the TCP store in a
+process of its own. Rank 1 is SIGKILLed (or raises) inside the optimizer step of step 5: the survivors stay the
+same processes, the spare becomes rank 1 and pulls rank 1's state from its ring successor, and the training is
+bit for bit the failure-free one. The MTTR (fault to the end of the first step completed after it, on the slowest
+rank) and its phases are printed."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import WORKERS, RunResult, assert_same_training, free_port, job_env, run_logged
+
+pytestmark = pytest.mark.e2e
+
+ACTIVE, SPARES = 4, 1
+PHASES = ("abort_end", "finalize_end", "initialize", "enter", "pg_ready", "mp_ready", "built", "ckpt_ready",
+          "recovered", "first_step_end")
+
+
+def launch_inprocess(tmp: Path, *, active: int = ACTIVE, spares: int = SPARES, timeout: float = 300,
+                     **env: Any) -> RunResult:
+    """The store host, then one ``ft_launcher`` agent per simulated node (``NODE_NAME=node<i>``), as a launch
+    script on a cluster would start them (one per node); exit status: the worst agent's."""
+    nodes = active + spares
+    out = tmp / "out"
+    tmp.mkdir(parents=True, exist_ok=True)
+    store_port, rdzv_port = free_port(), free_port()
+    py = shlex.quote(sys.executable)
+    ft = shlex.quote(str(Path(sys.executable).with_name("ft_launcher")))
+    worker = shlex.quote(str(WORKERS / "train_mcore_inprocess.py"))
+    ready = tmp / "store.ready"
+    agents = "\n".join(
+        f"NODE_NAME=node{i} {ft} --nnodes={active}:{nodes} --nproc-per-node=1 --rdzv-backend=c10d "
+        f"--rdzv-endpoint=127.0.0.1:{rdzv_port} --rdzv-id=inproc --max-restarts=0 --monitor-interval=0.2 "
+        f"--ft-restart-policy=min-healthy {worker} > {shlex.quote(str(tmp / f'agent{i}.log'))} 2>&1 &\n"
+        f"pids+=($!)" for i in range(nodes))
+    script = f"""
+{py} -m neighbor_ckpt.inprocess.store_host --host 127.0.0.1 --port {store_port} --parent $$ --ready {ready} &
+store=$!
+for _ in $(seq 200); do [ -f {ready} ] && break; sleep 0.05; done
+pids=()
+{agents}
+rc=0
+for p in "${{pids[@]}}"; do wait $p; r=$?; echo "agent $p exited $r"; [ $r -gt $rc ] && rc=$r; done
+kill $store
+for i in $(seq 0 {nodes - 1}); do echo "===== agent $i"; cat {shlex.quote(str(tmp))}/agent$i.log; done
+exit $rc
+"""
+    full_env = job_env(tmp, out, {"STORE_HOST": "127.0.0.1", "STORE_PORT": store_port, "SPARES": spares,
+                                  "NEIGHBOR_CKPT_JOB_ID": f"inproc-{tmp.name}", "TORCH_CPP_LOG_LEVEL": "error",
+                                  **env})
+    return run_logged(["bash", "-c", script], tmp, out, timeout=timeout, env=full_env)
+
+
+def _load(p: Path) -> Any:
+    return json.loads(p.read_text())
+
+
+def attempts(res: RunResult) -> list[dict[str, Any]]:
+    return [_load(p) for p in sorted(res.out.glob("attempt.initial*.iter*.json"))]
+
+
+def mttr(res: RunResult) -> dict[str, float]:
+    """Fault -> end of the first completed step after it (slowest rank), and the phases in between: for each
+    phase, the latest time any rank of the recovering attempt reached it, minus the fault time."""
+    fault = _load(res.out / "fault.json")["unix"]
+    rec = [a for a in attempts(res) if a["iteration"] >= 1 and "first_step_end" in a["times"]]
+    events = [_load(p) for p in res.out.glob("events.initial*.json")]
+    marks: dict[str, float] = {}
+    for name in ("abort_end", "finalize_end", "initialize"):
+        ts = [e["unix"] for ev in events for e in ev["events"] if e["name"] == name and e["unix"] >= fault]
+        if ts:
+            # abort/finalize: the failing iteration's, on the survivors; initialize: the recovering iteration's
+            marks[name] = max(ts) if name != "initialize" else max(
+                e["unix"] for ev in events for e in ev["events"] if e["name"] == name and e["iteration"] == 1)
+    for name in ("enter", "pg_ready", "mp_ready", "built", "ckpt_ready", "recovered", "first_step_end"):
+        marks[name] = max(a["times"][name] for a in rec if a["iteration"] == 1)
+    return {k: v - fault for k, v in marks.items()}
+
+
+def format_mttr(m: dict[str, float]) -> str:
+    prev, parts = 0.0, []
+    for name in PHASES:
+        if name in m:
+            parts.append(f"{name} +{m[name] - prev:.2f}s")
+            prev = m[name]
+    return f"MTTR {m['first_step_end']:.2f}s (fault -> first completed step): " + ", ".join(parts)
+
+
+def check_inprocess(base: RunResult, res: RunResult, *, kind: str) -> dict[str, float]:
+    assert res.returncode == 0, res.log[-8000:]
+    fault = _load(res.out / "fault.json")
+    assert fault["rank"] == 1 and fault["kind"] == kind
+    assert_same_training(base, res, nranks=ACTIVE)
+    atts = attempts(res)
+    by_proc: dict[int, list[dict[str, Any]]] = {}
+    for a in atts:
+        by_proc.setdefault(a["initial_rank"], []).append(a)
+    # every surviving process kept its pid and its rank through the restart
+    for initial in (0, 2, 3):
+        its = sorted(by_proc[initial], key=lambda a: a["iteration"])
+        assert [a["iteration"] for a in its] == [0, 1], its
+        assert len({a["pid"] for a in its}) == 1, f"initial rank {initial} changed process: {its}"
+        assert {a["rank"] for a in its} == {initial}, f"initial rank {initial} changed rank: {its}"
+    if kind == "kill":
+        # the spare (started as rank 4) took rank 1's place in iteration 1, and pulled its state from a peer
+        spare = by_proc[ACTIVE]
+        assert [(a["iteration"], a["rank"]) for a in spare] == [(1, 1)], spare
+        assert [a["iteration"] for a in by_proc[1]] == [0]
+        rep = res.report(1, 1)
+        assert rep["outcome"] == "restored" and rep["iteration"] == 4 and rep["source"] == "replica", rep
+    else:
+        # an exception: every process stays, rank 1 included; the spare stays idle
+        assert ACTIVE not in by_proc
+        assert len({a["pid"] for a in by_proc[1]}) == 1 and [a["iteration"] for a in by_proc[1]] == [0, 1]
+        assert res.report(1, 1)["outcome"] == "restored"
+    for r in range(ACTIVE):
+        assert res.report(r, 1)["iteration"] == 4
+    m = mttr(res)
+    print(f"\n[in-process {kind}] {format_mttr(m)}")
+    return m
+
+
+@pytest.fixture(scope="module")
+def inprocess_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    res = launch_inprocess(tmp_path_factory.mktemp("inproc-base"), STEPS=10, FAULT="none")
+    assert res.returncode == 0, res.log[-8000:]
+    return res
+
+
+def test_inprocess_kill_with_hot_spare_is_bit_exact(inprocess_baseline: RunResult, tmp_path: Path) -> None:
+    res = launch_inprocess(tmp_path, STEPS=10, FAULT="kill", KILL_RANK=1, KILL_STEP=5)
+    m = check_inprocess(inprocess_baseline, res, kind="kill")
+    assert m["first_step_end"] < 10.0
+
+
+def test_inprocess_exception_recovers_in_place(inprocess_baseline: RunResult, tmp_path: Path) -> None:
+    res = launch_inprocess(tmp_path, STEPS=10, FAULT="raise", KILL_RANK=1, KILL_STEP=5)
+    check_inprocess(inprocess_baseline, res, kind="raise")

@@ -1,0 +1,244 @@
+"""Test worker: the plain megatron-core loop (``recipes/mcore_gpt_plain_loop.py``'s tiny GPT, DistributedOptimizer)
+under in-process recovery with hot spares (:mod:`neighbor_ckpt.inprocess`).
+
+One process per rank, ``active + SPARES`` processes (NVRx ``ft_launcher``, one agent per simulated node). Heavy
+imports happen once, at process start (spares included); everything that holds a process group is built again in
+each attempt of the wrapped function: the gloo group, megatron-core's parallel state, model, DDP,
+DistributedOptimizer, scheduler and NeighborCheckpointer. Survivors find their own host slots; the spare (its own
+store root, like a fresh node) pulls the lost rank's state from the ring successor.
+
+Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<NODE_NAME>``), NODE_NAME
+(the simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS,
+NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|none),
+KILL_RANK, KILL_STEP (first attempt only: SIGKILL, or a RuntimeError, inside the optimizer step of KILL_STEP).
+
+Outputs under OUT_DIR (``rank`` is the attempt's rank, ``initial`` the rank the process started as):
+``losses.rank<r>.jsonl`` (step, loss hex, attempt = restart iteration, pid), ``final.rank<r>.json``
+(fingerprints, as tests/workers/train_mcore.py's recipe writes them), ``attempt.initial<i>.iter<k>.json``
+(pid, rank, times of this attempt's phases), ``events.initial<i>.json`` (every event of the process),
+``fault.json`` (when the fault was injected), ``report.rank<r>.attempt<k>.json`` (recovery report).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+INITIAL_RANK = int(os.environ["RANK"])
+NODE = os.environ.get("NODE_NAME", f"node{INITIAL_RANK}")
+os.environ["NEIGHBOR_CKPT_STORE_DIR"] = str(Path(os.environ["TEST_STORE_BASE"]) / NODE)
+os.environ["NEIGHBOR_CKPT_NODE_ID"] = NODE
+OUT = Path(os.environ["OUT_DIR"])
+SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 32, 128, 64, 4, 2
+MBS, N_MB = 2, 2
+
+logging.basicConfig(level=logging.INFO, format=f"[init{INITIAL_RANK}] %(asctime)s %(name)s %(levelname)s %(message)s")
+T_START = time.time()
+
+# -- heavy imports, once per process ------------------------------------------------------------------------------
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_patches import enable_cpu  # noqa: E402
+
+enable_cpu(nemo=False)
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,  # noqa: E402
+                                       finalize_model_grads)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from megatron_patches import install_hooks, mcore_groups, tag_optimizer_steps  # noqa: E402
+from neighbor_ckpt import NeighborCkptConfig  # noqa: E402
+from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter  # noqa: E402
+from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
+from neighbor_ckpt.inprocess import InprocessRecovery  # noqa: E402
+from neighbor_ckpt.inprocess.wrapper import Attempt  # noqa: E402
+
+T_IMPORTED = time.time()
+STEPS = int(os.environ.get("STEPS", "10"))
+FAULT = os.environ.get("FAULT", "none")
+KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
+KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
+log = logging.getLogger("train_mcore_inprocess")
+
+
+def write_json(name: str, obj: Any) -> None:
+    tmp = OUT / f".{name}.tmp"
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, OUT / name)
+
+
+def _sha(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+            for k, t in sorted(tensors.items())}
+
+
+inproc = InprocessRecovery(spares=int(os.environ.get("SPARES", "1")), store_host=os.environ["STORE_HOST"],
+                           store_port=int(os.environ["STORE_PORT"]), monitor_log_dir=OUT / "nvrx")
+
+
+def inject_fault(rank: int, att: Attempt) -> None:
+    write_json("fault.json", {"rank": rank, "initial_rank": INITIAL_RANK, "step": KILL_STEP, "kind": FAULT,
+                              "unix": time.time(), "pid": os.getpid()})
+    for h in logging.getLogger().handlers:
+        h.flush()
+    if FAULT == "kill":
+        log.warning("fault injection: SIGKILL of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
+        os.kill(os.getpid(), signal.SIGKILL)
+    log.warning("fault injection: RuntimeError on rank %d inside the optimizer step of step %d", rank, KILL_STEP)
+    raise RuntimeError(f"injected fault on rank {rank} at step {KILL_STEP}")
+
+
+def train(att: Attempt) -> dict[str, Any]:
+    rank, world = att.rank, att.world_size
+    times: dict[str, float] = {"enter": time.time()}
+    write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}.json",
+               {"pid": os.getpid(), "rank": rank, "world_size": world, "initial_rank": INITIAL_RANK,
+                "iteration": att.iteration, "node": NODE, "times": times})
+    inproc.init_process_group()
+    times["pg_ready"] = time.time()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    times["mp_ready"] = time.time()
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.1, hidden_dropout=0.1,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=True, post_process=True).cuda()
+    ddp_model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, bucket_size=4096), module=model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01,
+                                                       clip_grad=1.0, use_distributed_optimizer=True), [ddp_model])
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    global_batch = MBS * N_MB * dp_size
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                                        lr_warmup_steps=3 * global_batch, lr_decay_steps=STEPS * global_batch,
+                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
+                                        wd_incr_style="constant")
+    times["built"] = time.time()
+
+    groups = mcore_groups()
+    cfg = NeighborCkptConfig()  # job id and store root from NEIGHBOR_CKPT_JOB_ID / NEIGHBOR_CKPT_STORE_DIR
+    cfg.detector.enabled = False  # NVRx's monitor process and thread detect failures here
+    ckpt = NeighborCheckpointer(cfg, adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
+                                dp_group=groups.dp_group, model_parallel_coord=groups.coord, handle_sigterm=False)
+    # Closed after the abort if this attempt fails (the abort frees its streaming threads first); slots stay.
+    inproc.on_restart(lambda: ckpt.close(success=False))
+    armed = FAULT in ("kill", "raise") and att.iteration == 0 and rank == KILL_RANK
+
+    def maybe_fault() -> None:
+        if armed and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == KILL_STEP:
+            inject_fault(rank, att)
+
+    fault_tag = tag_optimizer_steps(optimizer, on_enter=maybe_fault, on_exit=lambda: None)  # inside the step tag
+    inproc.on_restart(fault_tag.remove)
+    hooks = install_hooks(ckpt, optimizer)
+    inproc.on_restart(hooks.remove)
+    times["ckpt_ready"] = time.time()
+    result = ckpt.recover()
+    times["recovered"] = time.time()
+    consumed = 0
+    if result.restored:
+        scheduler.load_state_dict(result.user_state["scheduler"])
+        consumed = result.user_state["consumed_samples"]
+    write_json(f"report.rank{rank}.attempt{att.iteration}.json", result.report.to_dict())
+
+    def batches() -> Iterator[dict[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(consumed * 7919 + dp_rank)
+        for _ in range(N_MB):
+            tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                   "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)}
+
+    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+        def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
+            loss = output_tensor.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    first = True
+    try:
+        for step in range(result.next_step, STEPS):
+            ddp_model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(), model=[ddp_model],
+                                      num_microbatches=N_MB, seq_length=SEQ, micro_batch_size=MBS,
+                                      decoder_seq_length=SEQ, forward_only=False)
+            loss = float(torch.stack([d["lm loss"] for d in losses]).mean())
+            ok, _, _ = optimizer.step()
+            if not ok:
+                raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
+            scheduler.step(increment=global_batch)
+            consumed += global_batch
+            ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(), "consumed_samples": consumed})
+            with open(OUT / f"losses.rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss.hex(), "attempt": att.iteration,
+                                    "pid": os.getpid(), "initial_rank": INITIAL_RANK, "unix": time.time()}) + "\n")
+            if first:
+                first = False
+                inproc.mark_progress()
+                times["first_step_end"] = time.time()
+                write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}.json",
+                           {"pid": os.getpid(), "rank": rank, "world_size": world, "initial_rank": INITIAL_RANK,
+                            "iteration": att.iteration, "node": NODE, "times": times,
+                            "recovery": result.report.to_dict()})
+    except BaseException as e:
+        ckpt.on_failure(f"{type(e).__name__}: {e}")  # the failure event for the timeline; never raises
+        raise
+    hooks.remove()
+    fault_tag.remove()
+    ckpt.close(success=True)
+    inner = [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    write_json(f"final.rank{rank}.json", {
+        "params": _sha(dict(ddp_model.module.named_parameters())),
+        "optim": _sha({f"{i}.{j}.{k}": v for i, o in enumerate(inner) for j, st in enumerate(o.state.values())
+                       for k, v in st.items() if isinstance(v, torch.Tensor)}),
+        "scheduler": scheduler.state_dict()["num_steps"],
+        "param_groups": [[float(g["lr"]).hex(), g.get("step")] for o in inner for g in o.param_groups],
+    })
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return {"rank": rank}
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    log.info("process %d started as rank %d on %s; imports took %.2fs", os.getpid(), INITIAL_RANK, NODE,
+             T_IMPORTED - T_START)
+    code = 0
+    try:
+        ret = inproc.run(train)
+        log.info("done: %s", "spare, never used" if ret is None else f"rank {ret['rank']}")
+    except SystemExit as e:
+        code = int(e.code or 0)
+    finally:
+        write_json(f"events.initial{INITIAL_RANK}.json", {"pid": os.getpid(), "start": T_START,
+                                                          "imported": T_IMPORTED, "events": inproc.events})
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
