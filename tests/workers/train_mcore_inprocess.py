@@ -41,6 +41,8 @@ MBS, N_MB = 2, 2
 
 logging.basicConfig(level=logging.INFO, format=f"[init{INITIAL_RANK}] %(asctime)s %(name)s %(levelname)s %(message)s")
 T_START = time.time()
+if os.environ.get("NVRX_DEBUG"):
+    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.DEBUG)
 
 # -- heavy imports, once per process ------------------------------------------------------------------------------
 import torch  # noqa: E402
@@ -138,6 +140,7 @@ def train(att: Attempt) -> dict[str, Any]:
     groups = mcore_groups()
     cfg = NeighborCkptConfig()  # job id and store root from NEIGHBOR_CKPT_JOB_ID / NEIGHBOR_CKPT_STORE_DIR
     cfg.detector.enabled = False  # NVRx's monitor process and thread detect failures here
+    cfg.report.timeline = False  # rank 0 renders its PNG inside the first snapshot after a recovery: ~1.6 s
     ckpt = NeighborCheckpointer(cfg, adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
                                 dp_group=groups.dp_group, model_parallel_coord=groups.coord, handle_sigterm=False)
     # Closed after the abort if this attempt fails (the abort frees its streaming threads first); slots stay.
