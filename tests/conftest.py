@@ -1,4 +1,12 @@
-"""Shared fixtures: run a worker under real torchrun (4 gloo processes, real restarts) and read its results."""
+"""Shared fixtures: run a worker under real torchrun (4 gloo processes, real restarts) and read its results;
+the failure-free runs they are compared with, computed once per configuration per test run (``baseline``); and the
+test tiers.
+
+Tiers: ``scripts/test`` (plain ``pytest``) runs the quick tier: every test that is not end to end, plus the
+end-to-end tests marked ``quick`` (one Lightning and one megatron-core kill-and-recover job, ...). The other
+end-to-end tests are the full tier (marker ``full``, added here): deselected unless ``--all`` is given, ``-m``
+names ``full``, or the test's file or node id is named on the command line
+(``pytest tests/e2e/test_recipes.py`` runs that file's tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +155,133 @@ def recomputed_steps(faulted: RunResult, attempt: int = 1) -> set[int]:
     return again
 
 
+# --- failure-free baselines, once per configuration per test run -------------------------------------------------
+
+
+@dataclass
+class _Baseline:
+    result: RunResult
+    seconds: float
+    users: list[str] = field(default_factory=list)
+
+
+_BASELINES: dict[tuple[str, ...], _Baseline] = {}
+"""Every failure-free run of this pytest session, by configuration: what the ``baseline`` fixture hands out."""
+
+
+def _env_key(env: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(f"{k}={v}" for k, v in sorted(env.items()))
+
+
+class Baselines:
+    """``baseline(worker, **env)``: the failure-free run of ``tests/workers/<worker>`` under torchrun with that
+    environment (what :func:`run_torchrun` returns, no restarts); ``baseline.launch(config, *overrides, **env)``:
+    the failure-free ``neighbor-ckpt launch configs/<config> OVERRIDES --record`` (its host store in its own
+    directory). Computed when a test first asks for it, then handed to every test of the session (any file) that
+    asks for the same configuration: the same :class:`RunResult`. A failed baseline fails each test that asks."""
+
+    def __init__(self, factory: pytest.TempPathFactory, user: str) -> None:
+        self._factory, self._user = factory, user
+
+    def __call__(self, worker: str, *, nproc: int = 4, timeout: float = 420, **env: Any) -> RunResult:
+        key = ("torchrun", worker, f"nproc={nproc}", *_env_key(env))
+        return self._get(key, lambda tmp: run_torchrun(worker, tmp, nproc=nproc, timeout=timeout, **env))
+
+    def launch(self, config: str, *overrides: str, timeout: float = 480, **env: Any) -> RunResult:
+        key = ("launch", config, *overrides, *_env_key(env))
+        return self._get(key, lambda tmp: run_launch(config, tmp, *overrides, timeout=timeout,
+                                                     **{"NEIGHBOR_CKPT_STORE_DIR": tmp / "store", **env}))
+
+    def _get(self, key: tuple[str, ...], run: Any) -> RunResult:
+        entry = _BASELINES.get(key)
+        if entry is None:
+            name = "base-" + "-".join(key[1:]).replace("/", "_").replace(".", "_")[:60]
+            t0 = time.monotonic()
+            res = run(self._factory.mktemp(name))
+            entry = _BASELINES[key] = _Baseline(res, time.monotonic() - t0)
+        if self._user not in entry.users:
+            entry.users.append(self._user)
+        res = entry.result
+        if res.returncode != 0:
+            pytest.fail(f"the failure-free run {' '.join(key)} failed (exit {res.returncode}); log: {res.log[-6000:]}")
+        return res
+
+
+@pytest.fixture
+def baseline(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Baselines:
+    """The failure-free runs this test compares with (see :class:`Baselines`)."""
+    return Baselines(tmp_path_factory, request.node.nodeid)
+
+
+# --- tiers --------------------------------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--all", action="store_true", dest="all_tiers",
+                     help="run every test tier (default: the quick tier; the end-to-end tests not marked quick "
+                          "are the full tier, marker 'full')")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in [("e2e", "end-to-end kill-and-recover tests (real torchrun, SIGKILL)"),
-                      ("multiproc", "multi-process gloo tests"), ("gpu", "needs CUDA")]:
+                      ("multiproc", "multi-process gloo tests"), ("gpu", "needs CUDA"),
+                      ("quick", "an end-to-end test of the quick tier (scripts/test)"),
+                      ("full", "the full tier: every e2e test not marked quick; run by --all (scripts/test --all)")]:
         config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def _named_on_command_line(config: pytest.Config) -> list[tuple[Path, str]]:
+    """(file, node id within the file or '') of every file or test named on the command line (not directories)."""
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        return []
+    named = []
+    for arg in config.args:
+        path, _, inner = arg.partition("::")
+        p = (config.invocation_params.dir / path).resolve()
+        if p.is_file():
+            named.append((p, inner))
+    return named
+
+
+def _is_named(item: pytest.Item, named: list[tuple[Path, str]]) -> bool:
+    inner = item.nodeid.partition("::")[2]
+    return any(item.path.resolve() == path and (not sel or inner == sel or inner.startswith((sel + "::", sel + "[")))
+               for path, sel in named)
+
+
+_DESELECTED: list[int] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("quick"):
+            item.add_marker(pytest.mark.full)
+    markexpr = config.getoption("markexpr", "") or ""
+    if config.getoption("all_tiers") or "full" in markexpr.replace("(", " ").replace(")", " ").split():
+        return
+    named = _named_on_command_line(config)
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("full") and not _is_named(item, named) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+        _DESELECTED.append(len(drop))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return ("test tier: all (--all)" if config.getoption("all_tiers") else
+            "test tier: quick (--all, 'scripts/test --all': every tier; naming a test file or node id runs it)")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if _DESELECTED:
+        terminalreporter.write_line(f"quick tier: {sum(_DESELECTED)} full-tier tests deselected "
+                                    "(scripts/test --all runs every tier)")
+    if not _BASELINES:
+        return
+    terminalreporter.section("failure-free baselines (each computed once, shared by the tests that compare with it)")
+    for key, entry in _BASELINES.items():
+        users = ", ".join(u.rpartition("/")[2] for u in entry.users)
+        terminalreporter.write_line(f"{entry.seconds:6.1f}s  {' '.join(key)}  <- {len(entry.users)} test(s): {users}")

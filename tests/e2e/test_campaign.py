@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from neighbor_ckpt.cli.bench import campaign
+from neighbor_ckpt.cli import campaign
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RunResult, assert_same_training, recomputed_steps, run_torchrun
+from tests.conftest import Baselines, RunResult, assert_same_training, recomputed_steps, run_torchrun
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core")
@@ -18,30 +18,20 @@ STEPS = 8
 LAYOUTS = {"dp4": {"TP": 1, "PP": 1}, "tp2-dp2": {"TP": 2, "PP": 1}, "pp2-dp2": {"TP": 1, "PP": 2}}
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
-    """Failure-free runs, computed once per layout and shared by the tests below."""
-    cache: dict[str, RunResult] = {}
-
-    class _Lazy(dict):
-        def __missing__(self, key: str) -> RunResult:
-            dist_opt, layout = key.split("/")
-            res = run_torchrun("train_mcore.py", tmp_path_factory.mktemp(f"base-{layout}-{dist_opt}"), STEPS=STEPS,
-                               DIST_OPT=int(dist_opt == "distopt"), **LAYOUTS[layout])
-            assert res.returncode == 0, res.log[-6000:]
-            cache[key] = res
-            return res
-
-    return _Lazy()
+def _base(baseline: Baselines, key: str) -> RunResult:
+    """The failure-free run of ``distopt/<layout>`` or ``replicated/<layout>`` (once per session, see conftest)."""
+    dist_opt, layout = key.split("/")
+    return baseline("train_mcore.py", STEPS=STEPS, DIST_OPT=int(dist_opt == "distopt"), **LAYOUTS[layout])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[pytest.mark.quick] if layout == "dp4" else [])
+                                    for layout in LAYOUTS])
 def test_distributed_optimizer_kill_inside_optimizer_step_with_replaced_store_is_bit_exact(
-        layout: str, baselines: dict[str, RunResult], tmp_path: Path) -> None:
+        layout: str, baseline: Baselines, tmp_path: Path) -> None:
     """Rank 1 dies inside optimizer step 5 (weights torn) and loses its host memory: it pulls its shard of
     iteration 4 from its successor, every rank regenerates its weights from the fp32 shards, and training
     continues bit-for-bit; only step 5 is computed twice."""
-    base = baselines[f"distopt/{layout}"]
+    base = _base(baseline, f"distopt/{layout}")
     res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=1, KILL_RANK=1,
                        KILL_STEP=5, KILL_PHASE="optimizer", WIPE_RANKS=1, **LAYOUTS[layout])
     assert res.returncode == 0, res.log[-6000:]
@@ -56,10 +46,10 @@ def test_distributed_optimizer_kill_inside_optimizer_step_with_replaced_store_is
 
 
 def test_replicated_optimizer_kill_recovers_redundant_state_from_lazy_backup(
-        baselines: dict[str, RunResult], tmp_path: Path) -> None:
+        baseline: Baselines, tmp_path: Path) -> None:
     """Without the distributed optimizer everything is DP-redundant: survivors back it up at failure time and
     the replaced rank loads it from its DP group's holder."""
-    base = baselines["replicated/dp4"]
+    base = _base(baseline, "replicated/dp4")
     res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=0, KILL_RANK=1, KILL_STEP=5,
                        KILL_PHASE="forward", WIPE_RANKS=1)
     assert res.returncode == 0, res.log[-6000:]
@@ -71,13 +61,13 @@ def test_replicated_optimizer_kill_recovers_redundant_state_from_lazy_backup(
     assert rep["lazy_bytes"] > 0 and rep["lazy_from"] is not None and rep["lazy_from"] != 1
 
 
-@pytest.mark.parametrize("layout", ["dp4", "tp2-dp2"])
+@pytest.mark.parametrize("layout", [pytest.param("dp4", marks=pytest.mark.quick), "tp2-dp2"])
 def test_distributed_optimizer_snapshot_is_12_bytes_per_local_param_over_dp(
-        layout: str, baselines: dict[str, RunResult]) -> None:
+        layout: str, baseline: Baselines) -> None:
     """Per rank: the snapshotted tensors are its fp32 shard + exp_avg + exp_avg_sq, 12 bytes per local param
     / DP (the DP shards of a model-parallel slice partition it exactly); the rest of a snapshot (alignment,
     hyper-parameters, RNG, counters) is a small constant; no weight tensor is in the plan."""
-    base = baselines[f"distopt/{layout}"]
+    base = _base(baseline, f"distopt/{layout}")
     finals = [json.loads((base.out / f"plan.rank{r}.json").read_text()) for r in range(4)]
     by_coord: dict[tuple[int, ...], list[dict]] = {}
     for f in finals:
@@ -104,7 +94,7 @@ HANGS = {"replicated-rank0-replaced-store": {"victim": 0, "DIST_OPT": 0, "wipe":
 
 @pytest.mark.parametrize("case", list(HANGS))
 def test_hung_rank_is_detected_by_heartbeat_killed_and_the_job_resumes_bit_exact(
-        case: str, baselines: dict[str, RunResult], tmp_path: Path) -> None:
+        case: str, baseline: Baselines, tmp_path: Path) -> None:
     """A SIGSTOPped rank never fails a collective: its peers wait in the gradient collective of step 5 with their
     main threads inside gloo. Their detector threads notice its silent heartbeat within the configured bound,
     SIGKILL it (same machine) and leave; torchrun restarts the job at once instead of after the collective
@@ -114,7 +104,7 @@ def test_hung_rank_is_detected_by_heartbeat_killed_and_the_job_resumes_bit_exact
     victim = c["victim"]
     cfg = tmp_path / "nckpt.yaml"
     cfg.write_text("neighbor_ckpt:\n  detector:\n    interval_s: 0.5\n    timeout_s: 3\n")
-    base = baselines[f"{'distopt' if c['DIST_OPT'] else 'replicated'}/dp4"]
+    base = _base(baseline, f"{'distopt' if c['DIST_OPT'] else 'replicated'}/dp4")
     wipe = {"WIPE_RANKS": victim} if c["wipe"] else {}
     res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=c["DIST_OPT"],
                        KILL_RANK=victim, KILL_STEP=5, KILL_PHASE="forward", KILL_SIGNAL="SIGSTOP", NCKPT_CONFIG=cfg,

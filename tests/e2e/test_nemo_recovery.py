@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RunResult, assert_same_training, recomputed_steps, run_torchrun
+from tests.conftest import Baselines, RunResult, assert_same_training, recomputed_steps, run_torchrun
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("nemo.collections.llm")
@@ -29,10 +29,9 @@ CASES = {
 
 # DP4 with the distributed optimizer runs through the user's commands in tests/e2e/test_recipes.py (the demo).
 @pytest.mark.parametrize("case", [c for c in CASES if c != "distopt-dp4"])
-def test_nemo_kill_at_step_5_with_replaced_store_is_bit_exact(case: str, tmp_path: Path) -> None:
+def test_nemo_kill_at_step_5_with_replaced_store_is_bit_exact(case: str, baseline: Baselines, tmp_path: Path) -> None:
     env = dict(CASES[case], STEPS=STEPS)
-    base = run_torchrun("train_nemo.py", tmp_path / "base", **env)
-    assert base.returncode == 0, base.log[-6000:]
+    base = baseline("train_nemo.py", **env)
     res = run_torchrun("train_nemo.py", tmp_path / "fault", max_restarts=1, KILL_RANK=1, KILL_STEP=5, WIPE_RANKS=1,
                        **env)
     assert res.returncode == 0, res.log[-6000:]
@@ -52,12 +51,12 @@ def _assert_recovered(base: RunResult, res: RunResult, *, distributed_optimizer:
         assert rep["lazy_bytes"] > 0 and rep["lazy_from"] not in (None, 1), rep
 
 
-def test_nemo_autoresume_of_an_older_disk_checkpoint_does_not_roll_back_the_in_memory_version(tmp_path: Path) -> None:
+def test_nemo_autoresume_of_an_older_disk_checkpoint_does_not_roll_back_the_in_memory_version(
+        baseline: Baselines, tmp_path: Path) -> None:
     """NeMo's ModelCheckpoint (every 3 steps) + AutoResume stay the insurance: on the restart AutoResume points the
     trainer at the step-3 checkpoint, the in-memory version of step 5 is newer and wins, bit-for-bit."""
     env = dict(CASES["distopt-dp4"], STEPS=STEPS, DISK_EVERY=3)
-    base = run_torchrun("train_nemo.py", tmp_path / "base", **env)
-    assert base.returncode == 0, base.log[-6000:]
+    base = baseline("train_nemo.py", **env)
     res = run_torchrun("train_nemo.py", tmp_path / "fault", max_restarts=1, KILL_RANK=1, KILL_STEP=5, WIPE_RANKS=1,
                        **env)
     assert res.returncode == 0, res.log[-6000:]

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same_training, recomputed_steps, run_torchrun
+from tests.conftest import Baselines, assert_same_training, recomputed_steps, run_torchrun
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize(("optim", "phase"), [("adam", "forward"), ("zero", "backward")])
-def test_plain_loop_kill_with_replaced_store_is_bit_exact(optim: str, phase: str, tmp_path: Path) -> None:
+def test_plain_loop_kill_with_replaced_store_is_bit_exact(optim: str, phase: str, baseline: Baselines,
+                                                          tmp_path: Path) -> None:
     """Plain DDP replicates its few-KB snapshot before moving on, so even a kill in the forward pass loses
     nothing; ZeRO replicates asynchronously until the wait point, so it is killed after it (in backward)."""
-    base = run_torchrun("train_plain.py", tmp_path / "base", OPTIM=optim, STEPS=10)
-    assert base.returncode == 0, base.log[-6000:]
+    base = baseline("train_plain.py", OPTIM=optim, STEPS=10)
     res = run_torchrun("train_plain.py", tmp_path / "fault", max_restarts=1, OPTIM=optim, STEPS=10,
                        KILL_RANK=2, KILL_STEP=5, KILL_PHASE=phase, WIPE_RANKS=2)
     assert res.returncode == 0, res.log[-6000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RunResult, job_env, assert_same_training, recomputed_steps, run_launch, \
+from tests.conftest import Baselines, RunResult, job_env, assert_same_training, recomputed_steps, run_launch, \
     run_logged
 
 pytestmark = pytest.mark.e2e
@@ -54,10 +54,9 @@ def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly(tmp_p
     _assert_rank1_restored_from_its_successor(fault)
 
 
-def test_tiny_llama_recipe_tp2_killed_in_backward_recovers_bit_exactly(tmp_path: Path) -> None:
+def test_tiny_llama_recipe_tp2_killed_in_backward_recovers_bit_exactly(baseline: Baselines, tmp_path: Path) -> None:
     store = {"NEIGHBOR_CKPT_STORE_DIR": tmp_path / "store"}
-    base = run_launch("llama_tiny_cpu.yaml", tmp_path / "base", STEPS, "parallelism.tensor=2", **store)
-    assert base.returncode == 0, base.log[-6000:]
+    base = baseline.launch("llama_tiny_cpu.yaml", STEPS, "parallelism.tensor=2")
     res = run_launch("llama_tiny_cpu.yaml", tmp_path / "fault", STEPS, "parallelism.tensor=2", *FAULT,
                      "neighbor_ckpt.fault_injection.phase=backward", **store)
     assert res.returncode == 0, res.log[-6000:]
