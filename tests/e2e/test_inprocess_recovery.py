@@ -27,7 +27,7 @@ PHASES = ("abort_end", "finalize_end", "initialize", "enter", "pg_ready", "mp_re
 
 
 def launch_inprocess(tmp: Path, *, active: int = ACTIVE, spares: int = SPARES, timeout: float = 300,
-                     **env: Any) -> RunResult:
+                     max_restarts: int = 0, min_nodes: int | None = None, **env: Any) -> RunResult:
     """The store host, then one ``ft_launcher`` agent per simulated node (``NODE_NAME=node<i>``), as a launch
     script on a cluster would start them (one per node); exit status: the worst agent's."""
     nodes = active + spares
@@ -39,8 +39,8 @@ def launch_inprocess(tmp: Path, *, active: int = ACTIVE, spares: int = SPARES, t
     worker = shlex.quote(str(WORKERS / "train_mcore_inprocess.py"))
     ready = tmp / "store.ready"
     agents = "\n".join(
-        f"NODE_NAME=node{i} {ft} --nnodes={active}:{nodes} --nproc-per-node=1 --rdzv-backend=c10d "
-        f"--rdzv-endpoint=127.0.0.1:{rdzv_port} --rdzv-id=inproc --max-restarts=0 --monitor-interval=0.2 "
+        f"NODE_NAME=node{i} {ft} --nnodes={min_nodes or active}:{nodes} --nproc-per-node=1 --rdzv-backend=c10d "
+        f"--rdzv-endpoint=127.0.0.1:{rdzv_port} --rdzv-id=inproc --max-restarts={max_restarts} --monitor-interval=0.2 "
         f"--ft-restart-policy=min-healthy {worker} > {shlex.quote(str(tmp / f'agent{i}.log'))} 2>&1 &\n"
         f"pids+=($!)" for i in range(nodes))
     script = f"""
@@ -66,7 +66,7 @@ def _load(p: Path) -> Any:
 
 
 def attempts(res: RunResult) -> list[dict[str, Any]]:
-    return [_load(p) for p in sorted(res.out.glob("attempt.initial*.iter*.json"))]
+    return [_load(p) for p in sorted(res.out.glob("attempt.initial*.iter*.json")) if ".launch" not in p.name]
 
 
 def mttr(res: RunResult) -> dict[str, float]:
@@ -74,7 +74,7 @@ def mttr(res: RunResult) -> dict[str, float]:
     phase, the latest time any rank of the recovering attempt reached it, minus the fault time."""
     fault = _load(res.out / "fault.json")["unix"]
     rec = [a for a in attempts(res) if a["iteration"] >= 1 and "first_step_end" in a["times"]]
-    events = [_load(p) for p in res.out.glob("events.initial*.json")]
+    events = [_load(p) for p in res.out.glob("events.initial*.json") if ".launch" not in p.name]
     marks: dict[str, float] = {}
     for name in ("abort_end", "finalize_end", "initialize"):
         ts = [e["unix"] for ev in events for e in ev["events"] if e["name"] == name and e["unix"] >= fault]
@@ -146,3 +146,51 @@ def test_inprocess_kill_with_hot_spare_is_bit_exact(inprocess_baseline: RunResul
 def test_inprocess_exception_recovers_in_place(inprocess_baseline: RunResult, tmp_path: Path) -> None:
     res = launch_inprocess(tmp_path, STEPS=10, FAULT="raise", KILL_RANK=1, KILL_STEP=5)
     check_inprocess(inprocess_baseline, res, kind="raise")
+
+
+def test_inprocess_without_spare_falls_back_to_launcher_restart(inprocess_baseline: RunResult, tmp_path: Path) -> None:
+    """No spare: the survivors give up in-process recovery, announced, and exit; ft_launcher (min 3 nodes, one
+    restart) restarts every worker, and recover() resumes from the host stores, bit for bit."""
+    res = launch_inprocess(tmp_path, spares=0, min_nodes=ACTIVE - 1, max_restarts=1, STEPS=10, FAULT="kill",
+                           KILL_RANK=1, KILL_STEP=5)
+    assert res.returncode == 0, res.log[-8000:]
+    assert "in-process recovery gives up" in res.log and "no hot spare left" in res.log
+    assert "restarting worker group" in res.log
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
+    for r in range(ACTIVE):
+        rep = json.loads((res.out / f"report.rank{r}.attempt0.launch1.json").read_text())
+        assert rep["outcome"] == "restored" and rep["iteration"] == 4, rep
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.e2e.test_inprocess_recovery --runs 3 [--fault kill|raise] [--dir D]``: the MTTR of N kill
+    (or exception) runs and its phases, one line per run, then min/median/max per phase."""
+    import argparse
+    import statistics
+    import tempfile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--fault", choices=("kill", "raise"), default="kill")
+    ap.add_argument("--dir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    root = args.dir or Path(tempfile.mkdtemp(prefix="inproc-mttr-"))
+    runs = []
+    for i in range(args.runs):
+        res = launch_inprocess(root / f"run{i}", STEPS=10, FAULT=args.fault, KILL_RANK=1, KILL_STEP=5)
+        if res.returncode != 0:
+            raise SystemExit(f"run {i} failed (exit {res.returncode}): {root / f'run{i}'}")
+        m = mttr(res)
+        runs.append(m)
+        print(f"run {i}: {format_mttr(m)}", flush=True)
+    print(f"{'phase':>16} " + " ".join(f"{'run' + str(i):>7}" for i in range(len(runs))) + "   median")
+    for name in PHASES:
+        prevs = [max([0.0] + [m[p] for p in PHASES[:PHASES.index(name)] if p in m]) for m in runs]
+        d = [m[name] - p for m, p in zip(runs, prevs)]
+        print(f"{name:>16} " + " ".join(f"{x:7.3f}" for x in d) + f"  {statistics.median(d):7.3f}")
+    tot = [m["first_step_end"] for m in runs]
+    print(f"{'MTTR':>16} " + " ".join(f"{x:7.3f}" for x in tot) + f"  {statistics.median(tot):7.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -71,10 +71,16 @@ from neighbor_ckpt.inprocess.wrapper import Attempt  # noqa: E402
 
 T_IMPORTED = time.time()
 STEPS = int(os.environ.get("STEPS", "10"))
+LAUNCH_ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # launcher-level restarts (the fallback)
 FAULT = os.environ.get("FAULT", "none")
 KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
 KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
 log = logging.getLogger("train_mcore_inprocess")
+
+
+def _launch_suffix() -> str:
+    """File-name part for a launcher-level restart (the fallback): ``.launch<N>`` from the first restart on."""
+    return f".launch{LAUNCH_ATTEMPT}" if LAUNCH_ATTEMPT else ""
 
 
 def write_json(name: str, obj: Any) -> None:
@@ -84,8 +90,8 @@ def write_json(name: str, obj: Any) -> None:
 
 
 def _sha(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
-            for k, t in sorted(tensors.items())}
+    return {k: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            .hexdigest()[:24] for k, t in sorted(tensors.items())}
 
 
 inproc = InprocessRecovery(spares=int(os.environ.get("SPARES", "1")), store_host=os.environ["STORE_HOST"],
@@ -93,8 +99,8 @@ inproc = InprocessRecovery(spares=int(os.environ.get("SPARES", "1")), store_host
 
 
 def inject_fault(rank: int, att: Attempt) -> None:
-    write_json("fault.json", {"rank": rank, "initial_rank": INITIAL_RANK, "step": KILL_STEP, "kind": FAULT,
-                              "unix": time.time(), "pid": os.getpid()})
+    write_json("fault.json", {"launch_attempt": LAUNCH_ATTEMPT, "rank": rank, "initial_rank": INITIAL_RANK,
+                              "step": KILL_STEP, "kind": FAULT, "unix": time.time(), "pid": os.getpid()})
     for h in logging.getLogger().handlers:
         h.flush()
     if FAULT == "kill":
@@ -107,7 +113,7 @@ def inject_fault(rank: int, att: Attempt) -> None:
 def train(att: Attempt) -> dict[str, Any]:
     rank, world = att.rank, att.world_size
     times: dict[str, float] = {"enter": time.time()}
-    write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}.json",
+    write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}{_launch_suffix()}.json",
                {"pid": os.getpid(), "rank": rank, "world_size": world, "initial_rank": INITIAL_RANK,
                 "iteration": att.iteration, "node": NODE, "times": times})
     inproc.init_process_group()
@@ -145,7 +151,7 @@ def train(att: Attempt) -> dict[str, Any]:
                                 dp_group=groups.dp_group, model_parallel_coord=groups.coord, handle_sigterm=False)
     # Closed after the abort if this attempt fails (the abort frees its streaming threads first); slots stay.
     inproc.on_restart(lambda: ckpt.close(success=False))
-    armed = FAULT in ("kill", "raise") and att.iteration == 0 and rank == KILL_RANK
+    armed = FAULT in ("kill", "raise") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank == KILL_RANK
 
     def maybe_fault() -> None:
         if armed and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == KILL_STEP:
@@ -162,7 +168,7 @@ def train(att: Attempt) -> dict[str, Any]:
     if result.restored:
         scheduler.load_state_dict(result.user_state["scheduler"])
         consumed = result.user_state["consumed_samples"]
-    write_json(f"report.rank{rank}.attempt{att.iteration}.json", result.report.to_dict())
+    write_json(f"report.rank{rank}.attempt{att.iteration}{_launch_suffix()}.json", result.report.to_dict())
 
     def batches() -> Iterator[dict[str, torch.Tensor]]:
         g = torch.Generator().manual_seed(consumed * 7919 + dp_rank)
@@ -199,12 +205,13 @@ def train(att: Attempt) -> dict[str, Any]:
             ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(), "consumed_samples": consumed})
             with open(OUT / f"losses.rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss.hex(), "attempt": att.iteration,
-                                    "pid": os.getpid(), "initial_rank": INITIAL_RANK, "unix": time.time()}) + "\n")
+                                    "launch_attempt": LAUNCH_ATTEMPT, "pid": os.getpid(),
+                                    "initial_rank": INITIAL_RANK, "unix": time.time()}) + "\n")
             if first:
                 first = False
                 inproc.mark_progress()
                 times["first_step_end"] = time.time()
-                write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}.json",
+                write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}{_launch_suffix()}.json",
                            {"pid": os.getpid(), "rank": rank, "world_size": world, "initial_rank": INITIAL_RANK,
                             "iteration": att.iteration, "node": NODE, "times": times,
                             "recovery": result.report.to_dict()})
@@ -238,7 +245,7 @@ def main() -> int:
     except SystemExit as e:
         code = int(e.code or 0)
     finally:
-        write_json(f"events.initial{INITIAL_RANK}.json", {"pid": os.getpid(), "start": T_START,
+        write_json(f"events.initial{INITIAL_RANK}{_launch_suffix()}.json", {"pid": os.getpid(), "start": T_START,
                                                           "imported": T_IMPORTED, "events": inproc.events})
     return code
 
