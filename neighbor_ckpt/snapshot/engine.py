@@ -76,13 +76,17 @@ def _typed_views(slot: SlotFile, planned: Sequence[PlannedTensor]) -> list[torch
     return [slot.payload_view(p.offset, p.meta.dtype, p.meta.shape) for p in planned]
 
 
+def _extras_need(text: str, tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes the encoded small state takes in a slot's extras region (with room for alignment)."""
+    return len(text.encode()) + sum(t.numel() * t.element_size() for t in tensors) + 128
+
+
 def write_image(store: HostStore, role: str, *, planned: Sequence[PlannedTensor], sources: Sequence[torch.Tensor],
                 payload_bytes: int, iteration: int, layout: str, meta: dict[str, Any], extras: Any,
                 extras_cap: int | None = None) -> tuple[SlotFile, SlotHeader]:
     """Synchronously write and commit one image (used for lazy backups and by tests)."""
     text, ets = _codec.encode(extras)
-    need = len(text.encode()) + sum(t.numel() * t.element_size() for t in ets) + 128
-    ecap = extras_capacity(need) if extras_cap is None else extras_cap
+    ecap = extras_capacity(_extras_need(text, ets)) if extras_cap is None else extras_cap
     full_meta = dict(meta, tensors=tensor_table(planned))
     idx = store.slot_for_write(role)
     slot = store.ensure(role, idx, header_cap=header_capacity(full_meta), payload_cap=payload_bytes, extras_cap=ecap)
@@ -90,12 +94,8 @@ def write_image(store: HostStore, role: str, *, planned: Sequence[PlannedTensor]
     with torch.no_grad():
         for dst, src in zip(_typed_views(slot, planned), sources):
             dst.copy_(src)
-    jn, metas, en = slot.write_extras(text, ets)
-    psum, esum = slot.checksums(payload_bytes, en) if store.use_checksum else (None, None)
-    hdr = SlotHeader(job_id=store.job_id, owner_rank=store.rank, layout=layout, iteration=iteration, role=role,
-                     payload_nbytes=payload_bytes, payload_xxh3=psum, extras_json_nbytes=jn, extras_tensors=metas,
-                     extras_nbytes=en, extras_xxh3=esum, meta=full_meta)
-    slot.commit(hdr)
+    hdr = store.commit_image(slot, role, iteration=iteration, layout=layout, payload_nbytes=payload_bytes,
+                             extras_text=text, extras_tensors=ets, meta=full_meta)
     return slot, hdr
 
 
@@ -230,7 +230,7 @@ class SnapshotEngine:
                 job.done.set()
 
     def _process(self, job: _Job) -> None:
-        ecap_needed = len(job.text.encode()) + sum(t.numel() * t.element_size() for t in job.tensors) + 128
+        ecap_needed = _extras_need(job.text, job.tensors)
         if self.extras_capacity is None or ecap_needed > self.extras_capacity:
             if self.extras_capacity is not None:
                 logger.warning("rank %d: small state grew to %d bytes; enlarging slots", self.store.rank, ecap_needed)
@@ -259,19 +259,14 @@ class SnapshotEngine:
                     if i == 0:
                         failpoints.failpoint("snapshot.copy")
         t1 = time.perf_counter()
-        jn, metas, en = slot.write_extras(job.text, job.tensors)
-        psum, esum = slot.checksums(self.plan.unique_bytes, en) if self.store.use_checksum else (None, None)
-        hdr = SlotHeader(job_id=self.store.job_id, owner_rank=self.store.rank, layout=self.layout,
-                         iteration=job.iteration, role=ROLE_OWN, payload_nbytes=self.plan.unique_bytes,
-                         payload_xxh3=psum, extras_json_nbytes=jn, extras_tensors=metas, extras_nbytes=en,
-                         # committed_unix: wall-clock commit time, the start of a recovery timeline
-                         extras_xxh3=esum, meta=dict(self.meta, committed_unix=time.time()))
-        slot.commit(hdr)
+        hdr = self.store.commit_image(slot, ROLE_OWN, iteration=job.iteration, layout=self.layout,
+                                      payload_nbytes=self.plan.unique_bytes, extras_text=job.text,
+                                      extras_tensors=job.tensors, meta=self.meta)
         t2 = time.perf_counter()
         job.committed.set()
         self.stats.iteration = job.iteration
         self.stats.stage_seconds, self.stats.commit_seconds = t1 - t0, t2 - t1
-        self.stats.extras_bytes = jn + en
+        self.stats.extras_bytes = hdr.extras_nbytes
         if self.transport is not None and self.transport.healthy:
             if self.transport.send(slot, hdr):
                 self.stats.replicated_iteration = job.iteration

@@ -27,6 +27,7 @@ import mmap
 import os
 import shutil
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -529,6 +530,24 @@ class HostStore:
                 f"rank {self.rank}: the host store needs {nbytes / 2**20:.1f} MiB more in {self.dir} but only "
                 f"{free / 2**20:.1f} MiB are free. Free shared memory (e.g. remove old jobs under "
                 f"{self.root}), enlarge /dev/shm, or point NEIGHBOR_CKPT_STORE_DIR at a larger tmpfs.")
+
+    def commit_image(self, slot: SlotFile, role: str, *, iteration: int, layout: str, payload_nbytes: int,
+                     extras_text: str, extras_tensors: list[torch.Tensor], meta: dict[str, Any]) -> SlotHeader:
+        """Seal an image of this rank whose payload is already in ``slot`` (invalidated before it was written): write
+        the small state, checksum payload and extras (if this store checksums), write the header, then the commit
+        marker. The one place a header is built: the engine's background thread and its synchronous
+        :func:`~neighbor_ckpt.snapshot.engine.write_image` both end here.
+
+        The header's ``meta`` is ``meta`` plus ``committed_unix``, the wall-clock time of the commit (where a
+        recovery timeline starts, :data:`neighbor_ckpt.report.timeline.COMMIT_TIME_KEY`)."""
+        jn, metas, en = slot.write_extras(extras_text, extras_tensors)
+        psum, esum = slot.checksums(payload_nbytes, en) if self.use_checksum else (None, None)
+        hdr = SlotHeader(job_id=self.job_id, owner_rank=self.rank, layout=layout, iteration=iteration, role=role,
+                         payload_nbytes=payload_nbytes, payload_xxh3=psum, extras_json_nbytes=jn,
+                         extras_tensors=metas, extras_nbytes=en, extras_xxh3=esum,
+                         meta=dict(meta, committed_unix=time.time()))
+        slot.commit(hdr)
+        return hdr
 
     # -- inventory -----------------------------------------------------------------------------------------
 

@@ -744,6 +744,31 @@ def test_snapshot_engine_commits_a_state_holding_a_zero_element_tensor(store):
     assert [r.header.iteration for r in store.committed(ROLE_OWN, verify=True)] == [1]
 
 
+def test_the_engine_and_write_image_commit_the_same_header(tmp_path):
+    from neighbor_ckpt.snapshot.engine import SnapshotEngine
+
+    named = state(5)
+    plan = plan_shards([m for m, _ in named], dp_size=2, distributed_optimizer=True)
+    by_name = {m.name: t for m, t in named}
+    sources = [by_name[p.meta.name] for p in plan.unique]
+    a = HostStore(tmp_path / "a", job_id=JOB, rank=3)
+    engine = SnapshotEngine(store=a, plan=plan, sources=sources, layout="L", meta={"x": 1}, transport=None)
+    try:
+        engine.snapshot(5, extras(5))
+        engine.wait()
+    finally:
+        engine.close()
+    b = HostStore(tmp_path / "b", job_id=JOB, rank=3)
+    _, direct = write_image(b, ROLE_OWN, planned=plan.unique, sources=sources, payload_bytes=plan.unique_bytes,
+                            iteration=5, layout="L", meta={"x": 1, "plan": plan.signature}, extras=extras(5))
+    [ref] = a.committed(ROLE_OWN, verify=True)
+    headers = [ref.header.to_json(), direct.to_json()]
+    for h in headers:
+        h["meta"] = dict(h["meta"])
+        assert isinstance(h["meta"].pop("committed_unix"), float)
+    assert headers[0] == headers[1]
+
+
 # -- slots re-created under a live engine -----------------------------------------------------------------------
 
 _GROWTH_SCRIPT = r"""
