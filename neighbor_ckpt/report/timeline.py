@@ -48,6 +48,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from neighbor_ckpt.runtime.procs import process_start
 from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile
 
 logger = logging.getLogger(__name__)
@@ -91,22 +92,13 @@ _IMPORTED_AT = time.time()
 def process_start_unix() -> float:
     """Wall-clock start time of this process, to a clock tick (10 ms).
 
-    Linux: the start time in ``/proc/self/stat`` (ticks since boot) placed on the wall clock through
-    ``CLOCK_BOOTTIME`` (psutil's ``create_time`` adds it to the whole-second boot time instead, up to a second
-    off). Elsewhere psutil, else the import time of this module."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-        return time.time() - since_start
-    except Exception:  # noqa: BLE001 - not Linux
-        pass
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - psutil is optional
+    Its start since boot (:func:`~neighbor_ckpt.runtime.procs.process_start`) placed on the wall clock through
+    ``CLOCK_BOOTTIME`` (psutil's ``create_time`` adds it to the whole-second boot time instead, up to a second off);
+    the import time of this module where either is missing."""
+    since_boot = process_start()
+    if since_boot is None or not hasattr(time, "CLOCK_BOOTTIME"):
         return _IMPORTED_AT
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
 
 
 

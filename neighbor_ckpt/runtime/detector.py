@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal
 
+from neighbor_ckpt.runtime.procs import boot_id, process_start
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXIT_FAILURE_DETECTED", "Failure", "Watch", "ProgressClock", "FailureDetector", "watched_ranks",
@@ -146,19 +148,7 @@ def store_host_rank() -> int | None:
 def os_instance() -> str:
     """This operating-system instance (hostname + boot id): a process can be signalled only from its own. Not the
     topology's node id, which tests and launchers may override to lay out "nodes" on one machine."""
-    try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()  # noqa: SIM115 - one small read
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _start_ticks(pid: int) -> int | None:
-    try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one small read
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    return f"{socket.gethostname()}/{boot_id()}"
 
 
 class FailureDetector:
@@ -209,7 +199,7 @@ class FailureDetector:
 
     def _publish_info(self) -> None:
         self.store.set(self._key("info", self.rank), json.dumps(
-            {"pid": os.getpid(), "node": self.node, "start_ticks": _start_ticks(os.getpid())}))
+            {"pid": os.getpid(), "node": self.node, "start": process_start(os.getpid())}))
 
     def _publish_beat(self) -> None:
         counter, iteration, phase = self.progress()
@@ -383,7 +373,7 @@ class FailureDetector:
             return
         self._peers[rank] = info
         pid = int(info["pid"])
-        if info.get("node") != self.node or _start_ticks(pid) != info.get("start_ticks"):
+        if info.get("node") != self.node or process_start(pid) != info.get("start"):
             return  # another node's process with the same rank number, or the process is gone / pid reused
         try:
             os.kill(pid, signal.SIGKILL)

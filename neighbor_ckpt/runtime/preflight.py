@@ -17,19 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from neighbor_ckpt.runtime.procs import mem_available_bytes
 
-__all__ = ["HostMemoryCheck", "check_host_memory", "mem_available_bytes"]
-
-
-def mem_available_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+__all__ = ["HostMemoryCheck", "check_host_memory"]
 
 
 def _existing_bytes(job_dir: Path) -> int:
@@ -92,7 +82,8 @@ class HostMemoryCheck:
 def check_host_memory(store_dir: Path, job_dir: Path, *, need_per_rank: int, ranks_on_node: int | None = None,
                       mem_available: int | None | bool = True) -> HostMemoryCheck:
     """Measure and judge. ``ranks_on_node`` defaults to ``LOCAL_WORLD_SIZE`` (1 outside a launcher);
-    ``mem_available=True`` reads /proc/meminfo, a number or None is used as given (tests)."""
+    ``mem_available=True`` asks the machine (:func:`~neighbor_ckpt.runtime.procs.mem_available_bytes`), a number or
+    None is used as given (tests)."""
     path = Path(store_dir)
     probe = path
     while not probe.exists() and probe.parent != probe:

@@ -1,19 +1,74 @@
-"""Process hygiene for the harnesses that launch whole jobs (the fault campaign, the end-to-end tests).
+"""Facts about the processes and the memory of this machine, read through psutil; process hygiene for harnesses.
 
-torchrun starts every worker in a session of its own, so killing the launcher's process group at the end of a run
-does not reach what the workers started (megatron-core's ``multiprocessing`` Manager servers, NeMo's checkpoint
-writers), and a worker that was killed leaves those running, ~200 MB each. A harness marks a run with an
-environment variable every descendant inherits, and stops whatever still carries it afterwards.
+The one place that reads them: the reaper and the failure detector identify a process by its pid and
+:func:`process_start` (pids are reused, quickly where ``pid_max`` is 32768), the timeline places
+:func:`process_start` on the wall clock, the preflight compares the store with :func:`mem_available_bytes`.
+What psutil does not give (the boot id) is read here too.
+
+Harnesses that launch whole jobs (the fault campaign, the end-to-end tests): torchrun starts every worker in a session
+of its own, so killing the launcher's process group at the end of a run does not reach what the workers started
+(megatron-core's ``multiprocessing`` Manager servers, NeMo's checkpoint writers), and a worker that was killed leaves
+those running, ~200 MB each. A harness marks a run with an environment variable every descendant inherits
+(:func:`new_run_tag`), and stops whatever still carries it afterwards (:func:`kill_tagged`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import uuid
 from pathlib import Path
 
-__all__ = ["RUN_TAG_ENV", "new_run_tag", "kill_tagged"]
+import psutil
+
+__all__ = ["boot_id", "process_start", "group_members", "mem_available_bytes", "RUN_TAG_ENV", "new_run_tag",
+           "kill_tagged"]
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+"""The kernel's unit of process start times (psutil divides by the same)."""
+
+
+def boot_id() -> str:
+    """This boot of this machine ("" where the kernel does not say): a pid and a process group mean something only
+    within one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int | None = None) -> float | None:
+    """When ``pid`` (default: this process) started, in seconds since boot, to a clock tick; None: no such process.
+
+    With the pid, the identity of a process: record it and compare it with this function only (the same process gives
+    the same float, read from any process). psutil's ``create_time`` is the start plus the boot time on the wall
+    clock, which moves when the wall clock is stepped; that boot time is taken off again and the result rounded to the
+    tick it came from, so a clock step between recording and checking cannot make a process look like another."""
+    try:
+        since_boot = psutil.Process(pid).create_time() - psutil.boot_time()
+    except (psutil.Error, OSError):
+        return None
+    return round(since_boot * _TICKS_PER_S) / _TICKS_PER_S
+
+
+def group_members(pgid: int) -> list[int]:
+    """The pids in process group ``pgid`` (zombies included)."""
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid:  # psutil has no process group; the kernel answers for any pid
+                members.append(pid)
+        except OSError:
+            continue
+    return members
+
+
+def mem_available_bytes() -> int | None:
+    """Memory available to new allocations without swapping (``MemAvailable``; None where it cannot be read)."""
+    try:
+        return int(psutil.virtual_memory().available)
+    except (psutil.Error, OSError, RuntimeError):
+        return None
+
 
 RUN_TAG_ENV = "NEIGHBOR_CKPT_HARNESS_RUN"
 
@@ -24,15 +79,14 @@ def new_run_tag() -> str:
 
 def kill_tagged(tag: str) -> int:
     """SIGKILL every process (of this user) whose environment has ``RUN_TAG_ENV=tag``; returns how many."""
-    needle = f"{RUN_TAG_ENV}={tag}".encode()
     me, killed = os.getpid(), 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+    for proc in psutil.process_iter():
+        if proc.pid == me:
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
+            if proc.environ().get(RUN_TAG_ENV) == tag:
+                proc.kill()
                 killed += 1
-        except (OSError, ValueError):
+        except psutil.Error:  # gone, a zombie, or another user's
             continue
     return killed

@@ -21,6 +21,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from neighbor_ckpt.runtime.procs import boot_id, group_members, process_start
+
 __all__ = ["PROCESS_FILE", "this_process", "reap_previous", "record"]
 
 logger = logging.getLogger(__name__)
@@ -29,38 +31,11 @@ PROCESS_FILE = "process.json"
 """In a rank's store directory: the process that last ran this rank on this machine."""
 
 
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (None: no such process)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                members.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return members
-
-
 def this_process() -> dict[str, Any]:
-    """What :data:`PROCESS_FILE` records: pid, process group, start time (clock ticks since boot), boot id."""
+    """What :data:`PROCESS_FILE` records: pid, process group, start
+    (:func:`~neighbor_ckpt.runtime.procs.process_start`), boot id."""
     pid = os.getpid()
-    return {"pid": pid, "pgid": os.getpgrp(), "start_ticks": _start_ticks(pid), "boot_id": _boot_id()}
+    return {"pid": pid, "pgid": os.getpgrp(), "start": process_start(pid), "boot_id": boot_id()}
 
 
 def reap_previous(rank_dir: Path, *, rank: int) -> int:
@@ -77,11 +52,14 @@ def reap_previous(rank_dir: Path, *, rank: int) -> int:
     me = this_process()
     if boot != me["boot_id"] or pid == me["pid"] or pgid != pid or pgid == me["pgid"] or pgid <= 1:
         return 0  # another machine or boot, this very process, or a worker that did not lead its own group
-    if _start_ticks(pid) is not None:
+    start = process_start(pid)
+    if start is not None:
         # The previous process still runs (the launcher will stop it): not ours to kill. Or its pid was reused,
         # which the kernel allows only once its process group is gone: the group ``pid`` now is someone else's.
+        logger.debug("rank %d: previous process %d %s", rank, pid,
+                     "still runs" if start == rec.get("start") else "is gone, its pid reused")
         return 0
-    members = _group_members(pgid)
+    members = group_members(pgid)
     if not members:
         return 0
     try:

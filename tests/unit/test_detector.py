@@ -16,6 +16,7 @@ from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.runtime.detector import (EXIT_FAILURE_DETECTED, PAUSED, Failure, FailureDetector, ProgressClock, Watch,
                                     local_ranks_from_env, os_instance, watched_ranks)
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.runtime.procs import process_start
 from tests.conftest import free_port
 
 # -- pure decisions -----------------------------------------------------------------------------------------
@@ -229,3 +230,27 @@ def test_sigterm_wakes_the_detector_thread_which_backs_up_and_leaves_the_exit_to
         assert signal.set_wakeup_fd(-1) == -1, "stop() gave the wake-up fd back"
     finally:
         signal.signal(signal.SIGTERM, prev)
+
+
+@pytest.mark.parametrize("same_process", [True, False])
+def test_a_failed_rank_of_this_node_is_killed_only_while_its_pid_names_the_process_it_published(
+        same_process: bool) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        start = process_start(proc.pid)
+        h = Harness()
+        h.server.set("neighbor_ckpt/job/0/info/2", json.dumps(
+            {"pid": proc.pid, "node": os_instance(), "start": start if same_process else start - 0.01}))
+        h.det._kill_if_local(2)
+        if same_process:
+            assert proc.wait(10) == -signal.SIGKILL
+        else:
+            time.sleep(0.2)
+            assert proc.poll() is None, "a reused pid is another process"
+    finally:
+        proc.kill()
+        proc.wait()

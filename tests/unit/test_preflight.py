@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
+
 from neighbor_ckpt.runtime.preflight import check_host_memory
 from neighbor_ckpt.snapshot.store import store_bytes_per_rank
 
@@ -42,3 +44,8 @@ def test_slots_this_job_already_holds_are_not_counted_twice(tmp_path: Path) -> N
     (job / "rank0" / "own.0.slot").write_bytes(b"\0" * (3 << 20))
     chk = check_host_memory(tmp_path, job, need_per_rank=2 << 20, ranks_on_node=2, mem_available=(1 << 20) + 1)
     assert chk.existing == 3 << 20 and chk.need_on_node == 1 << 20 and chk.ok
+
+
+def test_by_default_the_check_asks_the_machine_for_its_available_memory(tmp_path: Path) -> None:
+    chk = check_host_memory(tmp_path, tmp_path / "job", need_per_rank=1, ranks_on_node=1)
+    assert chk.mem_available is not None and 0 < chk.mem_available <= psutil.virtual_memory().total
