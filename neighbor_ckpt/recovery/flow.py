@@ -10,7 +10,8 @@
 5. verify: the chosen copies (local or received) are checksummed; any failure is excluded and we reconcile again;
 6. load: tensors are handed out as views of host memory (the adapter copies them in).
 
-If no iteration is restorable by every rank the caller falls back to insurance.
+If no iteration is restorable by every rank the report says ``insurance``; what happens then (insurance, starting
+over, refusing) is decided by :class:`~neighbor_ckpt.recovery.recoverer.Recoverer`, never here.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ from neighbor_ckpt.snapshot.transport import recv_image, send_image
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RecoveryReport", "Restored", "run_recovery", "read_tensors"]
-
-
+__all__ = ["RecoveryReport", "Restored", "Transfer", "run_recovery", "read_tensors", "all_gather_int64"]
 
 def _max_rounds(versions: int) -> int:
     """Reconciliation rounds before giving up on in-memory state. Every round but the last excludes at least one
@@ -81,6 +80,24 @@ class RecoveryReport:
                     f"unique state, {self.lazy_bytes} bytes of redundant state; "
                     + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.phases.items()))
         return f"{self.outcome}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What :func:`_transfer` did on this rank for one reconciliation round."""
+
+    pulled_bytes: int
+    """Bytes of this rank's unique state received from its successor (0: its own slot is used)."""
+    lazy_bytes: int
+    """Bytes of redundant state received from the DP group's lazy-backup holder."""
+    own_index: int | None
+    """Own-role slot that now holds this rank's state of the target iteration (None: not found/received)."""
+    lazy_index: int | None
+    """Lazy-role slot that holds the DP group's redundant state (None: not needed or not received)."""
+    lazy_owner: int | None
+    """Rank that wrote the lazy backup used here (None: the DP group has no lazy state)."""
+    notes: tuple[str, ...] = ()
+    """Why a replica was pulled, and sends that failed (the receiver's verification says what that cost)."""
 
 
 @dataclass
@@ -136,18 +153,15 @@ def _inventory(store: HostStore, topology: Topology, layout: str, rejected: dict
     return row, where
 
 
-def _all_gather_rows(row: RankVersions, versions: int, group: dist.ProcessGroup) -> list[RankVersions]:
-    mine = encode_row(row, versions)
+def all_gather_int64(mine: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Collective over ``group``: every rank's int64 row, by group rank (rows are the same size everywhere).
+
+    The only collective recovery issues itself (the transfers are point-to-point, see :func:`_transfer`); which
+    rows, and in which order, is written in :func:`run_recovery` and
+    :meth:`~neighbor_ckpt.recovery.recoverer.Recoverer.recover`."""
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
-    return [decode_row(t, versions) for t in out]
-
-
-def _all_gather_flags(flags: list[int], group: dist.ProcessGroup) -> list[list[int]]:
-    mine = torch.tensor(flags, dtype=torch.int64)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [t.tolist() for t in out]
+    return out
 
 
 def _check(slot: SlotFile | None, store: HostStore, *, iteration: int, layout: str | None, owner: int) -> SlotHeader:
@@ -175,7 +189,21 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
                  failed_iterations: frozenset[int] = frozenset()) -> tuple[RecoveryReport, Restored | None]:
     """Collective over ``group`` (all ranks). Returns the report and, if restorable, the validated version.
     ``on_phase`` is told the name of each phase as it starts (progress display); ``failed_iterations`` (the same
-    on every rank) are never chosen."""
+    on every rank) are never chosen.
+
+    Collectives on ``group``, in this order on every rank (every branch between them depends only on gathered,
+    hence identical, data, so no rank can skip one another issues):
+
+    1. exchange: one all-gather of every rank's inventory row; nothing more if no rank holds a snapshot or the
+       table has no restorable iteration;
+    2. per reconciliation round (at most :func:`_max_rounds`):
+
+       a. transfer: point-to-point sends and receives of slot images between the pairs the decision names
+          (:func:`_transfer`);
+       b. restore verdict: one all-gather of ``[own copy failed, lazy copy failed, lazy writer]`` per rank; no
+          failure anywhere ends the flow (restored), else the failed copies are excluded and the next round
+          reconciles again.
+    """
     rep = RecoveryReport()
     on_phase("inventory")
     t0 = time.perf_counter()
@@ -185,7 +213,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
 
     on_phase("exchange")
     t0 = time.perf_counter()
-    table = _all_gather_rows(row, store.versions, group)
+    table = [decode_row(t, store.versions) for t in all_gather_int64(encode_row(row, store.versions), group)]
     rep.phases["exchange"] = time.perf_counter() - t0
     bad = [r.rank for r in table if r.layout_mismatch]
     if bad:
@@ -212,23 +240,23 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         assert it is not None  # noqa: S101
         on_phase("transfer")
         t1 = time.perf_counter()
-        (pulled, lazy_pulled), own_idx, lazy_idx, lazy_owner, errors = _transfer(
-            store, topology, group, table, decision, where, chunk_bytes, exclude, rejected)
+        moved = _transfer(store, topology, group, table, decision, where, chunk_bytes, exclude, rejected)
+        errors = list(moved.notes)
+        lazy_owner = moved.lazy_owner
         transfer_s += time.perf_counter() - t1
         on_phase("verify")
         t1 = time.perf_counter()
         own_fail = lazy_fail = 0
         own_hdr = lazy_hdr = None
-        own_slot = store.slot(ROLE_OWN, own_idx) if own_idx is not None else None
+        own_slot = store.slot(ROLE_OWN, moved.own_index) if moved.own_index is not None else None
         try:
             own_hdr = _check(own_slot, store, iteration=it, layout=layout, owner=topology.rank)
         except (SnapshotCorruptError, SnapshotMismatchError) as e:
             own_fail = 1
             errors.append(f"copy of iteration {it} ({decision.sources[topology.rank]}) failed verification: {e}")
-        holder = decision.lazy_holders.get(min(topology.dp_ranks))
         lazy_slot = None
         if lazy_owner is not None:
-            lazy_slot = store.slot(ROLE_LAZY, lazy_idx) if lazy_idx is not None else None
+            lazy_slot = store.slot(ROLE_LAZY, moved.lazy_index) if moved.lazy_index is not None else None
             try:
                 lazy_hdr = _check(lazy_slot, store, iteration=it, layout=layout, owner=lazy_owner)
             except (SnapshotCorruptError, SnapshotMismatchError) as e:
@@ -238,7 +266,8 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         for e in errors:
             logger.warning("rank %d: %s", topology.rank, e)
         notes.extend(e for e in errors if e not in notes)
-        flags = _all_gather_flags([own_fail, lazy_fail, lazy_owner if lazy_owner is not None else -1], group)
+        verdict = torch.tensor([own_fail, lazy_fail, lazy_owner if lazy_owner is not None else -1], dtype=torch.int64)
+        flags = [t.tolist() for t in all_gather_int64(verdict, group)]
         failed = set(exclude)
         for r, (of, lf, h) in enumerate(flags):
             if of:
@@ -248,7 +277,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         if failed == set(exclude):
             rep.outcome, rep.iteration = "restored", it
             rep.source, rep.lazy_from = decision.sources[topology.rank], lazy_owner
-            rep.pulled_bytes, rep.lazy_bytes = pulled, lazy_pulled
+            rep.pulled_bytes, rep.lazy_bytes = moved.pulled_bytes, moved.lazy_bytes
             rep.reason, rep.notes = decision.reason, notes
             rep.phases["transfer"], rep.phases["verify"] = transfer_s, verify_s
             on_phase("load")
@@ -271,11 +300,13 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
 def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, table: list[RankVersions],
               decision: RecoveryDecision, where: dict[tuple[str, int], int], chunk: int,
               exclude: frozenset[tuple[int, int, str]], rejected: dict[int, str]
-              ) -> tuple[tuple[int, int], int | None, int | None, int | None, list[str]]:
+              ) -> Transfer:
     """Move replicas to owners that lost theirs and lazy backups to DP members without one of their own.
 
-    Returns ((unique bytes received, lazy bytes received), own slot index of the target, lazy slot index,
-    rank that wrote the lazy backup used here, notes)."""
+    Point-to-point only, between the pairs the decision names (identical on every rank, so every send has its
+    receive): a rank sends its predecessor's replica if that predecessor restores from it, the lazy-backup holder
+    sends to every DP member without a backup of its own; sends run on a thread while this rank receives, in the
+    order of ``recvs``, so two ranks that send to each other cannot block each other."""
     it = decision.iteration
     assert it is not None  # noqa: S101
     me = topology.rank
@@ -348,4 +379,5 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
     th.join()
     for e in send_errors:
         notes.append(f"sending a copy failed: {e}")
-    return (pulled[ROLE_OWN], pulled[ROLE_LAZY]), own_idx, lazy_idx, lazy_owner, notes
+    return Transfer(pulled_bytes=pulled[ROLE_OWN], lazy_bytes=pulled[ROLE_LAZY], own_index=own_idx,
+                    lazy_index=lazy_idx, lazy_owner=lazy_owner, notes=tuple(notes))

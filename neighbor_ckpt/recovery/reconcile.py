@@ -105,7 +105,8 @@ def reconcile(table: Sequence[RankVersions], exclude: frozenset[tuple[int, int, 
                 return RecoveryDecision(it, sources, holders, reason=f"iteration {it} restorable by all ranks")
         why_not[it] = missing
     latest = max(why_not)
-    return RecoveryDecision(None, reason=f"no iteration is restorable by every rank; newest candidate: {why_not[latest]}")
+    return RecoveryDecision(None,
+                            reason=f"no iteration is restorable by every rank; newest candidate: {why_not[latest]}")
 
 
 def encode_row(r: RankVersions, versions: int) -> torch.Tensor:
