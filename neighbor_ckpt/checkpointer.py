@@ -37,43 +37,35 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from neighbor_ckpt.runtime import failpoints
-from neighbor_ckpt.runtime import reaper
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
-from neighbor_ckpt.snapshot.engine import SnapshotEngine, write_lazy_backup
-from neighbor_ckpt.errors import HostMemoryError, NoRecoverableStateError, TopologyError
-from neighbor_ckpt.runtime.preflight import check_host_memory
-from neighbor_ckpt.snapshot.store import store_bytes_per_rank
-from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
-from neighbor_ckpt.recovery.flow import RecoveryReport, Restored, run_recovery
+from neighbor_ckpt.errors import HostMemoryError, TopologyError
+from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
+from neighbor_ckpt.recovery.journal import EVENTS_FILE, record_failure_event, take_failure_event
+from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult
 from neighbor_ckpt.report.status import Reporter, SnapshotStats, replica_lag, resolve_status_interval
+from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_rank_events, newest_commit_unix,
+                                           process_start_unix)
+from neighbor_ckpt.runtime import failpoints, reaper
+from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
+from neighbor_ckpt.runtime.preflight import check_host_memory
+from neighbor_ckpt.snapshot.engine import SnapshotEngine, write_lazy_backup
+from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
-from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
-from neighbor_ckpt.report.timeline import (EVENTS_FILE, RankEvents, RecoveryTimeline, gather_rank_events,
-                                    newest_commit_unix, process_start_unix, record_failure_event,
-                                    take_failure_event)
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, HostStore, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
 from neighbor_ckpt.snapshot.transport import GlooRingTransport, TrafficGate
 
 logger = logging.getLogger(__name__)
 
-RESTORE_JOURNAL = "restoring.json"
-"""In a rank's store directory while a restored state has not yet completed a step (restart-loop guard)."""
-
 __all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader"]
-
-InsuranceLoader = Callable[[], "int | None"]
-"""Loads the newest persistent checkpoint into the live model/optimizer; returns its iteration or None."""
 
 
 class Phase(str, enum.Enum):
@@ -85,25 +77,6 @@ class Phase(str, enum.Enum):
     """Inside an optimizer step: weights are torn, no backup may be taken from them."""
     STEPPED = "stepped"
     """The optimizer step finished but its snapshot has not been taken yet: weights belong to last + 1."""
-
-
-@dataclass
-class RecoveryResult:
-    """Outcome of :meth:`NeighborCheckpointer.recover`."""
-
-    report: RecoveryReport
-    iteration: int | None
-    """Restored iteration (None: fresh start)."""
-    user_state: Any = None
-    """What was passed as ``user_state`` to :meth:`NeighborCheckpointer.snapshot` for that iteration."""
-
-    @property
-    def restored(self) -> bool:
-        return self.iteration is not None
-
-    @property
-    def next_step(self) -> int:
-        return 0 if self.iteration is None else self.iteration + 1
 
 
 def _restart_count() -> int:
@@ -124,6 +97,16 @@ class NeighborCheckpointer:
         capture_rng_state: carry python/numpy/torch RNG states in every snapshot.
         handle_sigterm: on SIGTERM (what torchrun sends survivors when a rank dies) write the lazy backup,
             then hand the signal on to the previous handler (or the default action).
+
+    Collectives on the snapshot group (:attr:`group`, gloo), one place per phase, in this order on every rank
+    (gloo hangs when ranks disagree, so each "whether" below depends only on gathered data or the configuration):
+
+    1. construction: the group itself (``new_group``), then the topology all-gather (:func:`discover_topology`);
+    2. :meth:`recover`: the :class:`~neighbor_ckpt.recovery.recoverer.Recoverer`'s (journal verdict, inventory
+       exchange, per round: transfers + restore verdict), then the timeline gather (:meth:`_gather_recovery_events`);
+    3. the first :meth:`snapshot`: the preflight verdict (:meth:`_preflight_host_memory`, one all-reduce);
+    4. every :meth:`snapshot`: the ring transport's point-to-point streaming, on its own thread (pairs only);
+    5. :meth:`close` on success: one barrier.
     """
 
     def __init__(self, config: NeighborCkptConfig | None = None, *, adapter: StateAdapter,
@@ -136,7 +119,6 @@ class NeighborCheckpointer:
         group_ready = time.time()  # the default process group exists: a marker of the recovery timeline
         self.adapter = adapter
         self.dp_group = dp_group
-        self.insurance = insurance
         self.capture_rng_state = capture_rng_state
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.transport.timeout_s))
         self._tag: tuple[int, int | None, str] = (0, None, "startup")
@@ -153,6 +135,10 @@ class NeighborCheckpointer:
         if self.config.store.reap_orphans:
             reaper.reap_previous(self.store.dir, rank=self.topology.rank)
         reaper.record(self.store.dir)
+        self.recoverer = Recoverer(store=self.store, topology=self.topology, group=self.group,
+                                   chunk_bytes=int(self.config.transport.chunk_mb * 2**20), insurance=insurance,
+                                   attempt=_restart_count())
+        """Decides and runs every recovery outcome; owns the restore journal."""
         self.gate = TrafficGate()
         self.plan: ShardPlan | None = None
         self.engine: SnapshotEngine | None = None
@@ -170,7 +156,6 @@ class NeighborCheckpointer:
             process_group_ready=group_ready)
         """Status line, metrics and recovery timeline; the Lightning callback attaches the trainer's."""
         self._first_snapshot: int | None = None
-        self._journal_open = False
         self._failure_noticed: float | None = None
         self._closed = False
         self._backed_up = False
@@ -246,58 +231,34 @@ class NeighborCheckpointer:
     # -- recovery --------------------------------------------------------------------------------------
 
     def recover(self) -> RecoveryResult:
-        """Collective: restore the latest version every rank can restore, or fall back to insurance."""
-        started, t0 = time.time(), time.perf_counter()
+        """Collective: restore the latest version every rank can restore, or fall back (insurance, fresh start).
+
+        The decision is the :class:`~neighbor_ckpt.recovery.recoverer.Recoverer`'s; this applies it. Collectives on
+        the snapshot group, in order: the recoverer's (journal verdict, inventory exchange, per round transfer +
+        restore verdict), then the timeline gather (:meth:`_gather_recovery_events`) after a restore or an
+        insurance load, when the reporter wants the timeline (the same configuration on every rank)."""
+        started = time.time()
         last_commit = newest_commit_unix(self.store)
         noticed = take_failure_event(self._events_path(), not_after=started)
         with self.reporter.progress() as progress:
-            report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group,
-                                            layout=self.layout(),
-                                            chunk_bytes=int(self.config.transport.chunk_mb * 2**20),
-                                            on_phase=progress.phase, failed_iterations=self._failed_restores())
-            self.last_report = report
-            if restored is not None:
-                progress.phase("restore")
-                result = self._restore(report, restored, t0)
-            elif report.outcome == "insurance":
-                progress.phase("insurance")
-                result = self._fall_back(report, fresh_if_none=self._in_startup_window(report))
-                if result.iteration is None:
-                    return result
-            elif self.insurance is not None and _restart_count() > 0:
-                # A restart that finds no snapshot anywhere (every store lost) is not a fresh start if an insurance
-                # checkpoint exists: training must not silently begin again from step 0.
-                report.outcome = "insurance"
-                progress.phase("insurance")
-                result = self._fall_back(report, fresh_if_none=True)
-                if result.iteration is None:
-                    return result
-            else:
-                self._drop_newer(None)
-                self._clear_journal()
-                report.phases["total"] = time.perf_counter() - t0
-                logger.info("rank %d: neighbor_ckpt: fresh start (%s)", self.topology.rank, report.reason)
-                return RecoveryResult(report, None)
+            result = self.recoverer.recover(layout=self.layout(), load=self._load, on_phase=progress.phase)
+        self.last_report = result.report
+        if not result.restored:
+            return result
+        self.last_iteration = result.iteration
         if self.reporter.wants_recovery_events:
             # Same outcome on every rank (the decision is collective), so every rank takes part.
-            self._gather_recovery_events(report, started=started, last_commit=last_commit, noticed=noticed)
+            self._gather_recovery_events(result.report, started=started, last_commit=last_commit, noticed=noticed)
         return result
 
-    def _restore(self, report: RecoveryReport, restored: Restored, t0: float) -> RecoveryResult:
-        t1 = time.perf_counter()
+    def _load(self, restored: Restored) -> None:
+        """Apply a validated in-memory version to the live state: tensors, regenerated weights, RNG."""
         extras = restored.extras
-        self._write_journal(restored.iteration)
         self.adapter.load(restored.tensors, extras["adapter"])
         failpoints.failpoint("recovery.load")
         self.adapter.regenerate(self.dp_group)
         if self.capture_rng_state and "rng" in extras:
             restore_rng(extras["rng"])
-        report.phases["restore"] = time.perf_counter() - t1
-        report.phases["total"] = time.perf_counter() - t0
-        self.last_iteration = restored.iteration
-        self._drop_newer(restored.iteration)
-        logger.info("rank %d: neighbor_ckpt %s", self.topology.rank, report.summary())
-        return RecoveryResult(report, restored.iteration, extras.get("user"))
 
     def _gather_recovery_events(self, report: RecoveryReport, *, started: float, last_commit: float | None,
                                 noticed: float | None) -> None:
@@ -314,98 +275,6 @@ class NeighborCheckpointer:
 
     def _events_path(self) -> Path:
         return self.store.dir / EVENTS_FILE
-
-    def _in_startup_window(self, report: RecoveryReport) -> bool:
-        """No rank holds a snapshot newer than the first ``versions`` iterations: the ring never held a full set of
-        versions, and a single kill can leave nothing complete (the victim's first snapshot still being copied when
-        it died, its replica not streamed yet). Starting over then trains at most ``versions`` iterations again, and
-        reproduces them exactly (the initial state is the seeded one): better than refusing to train."""
-        return report.newest is not None and report.newest < self.store.versions
-
-    def _fall_back(self, report: RecoveryReport, *, fresh_if_none: bool = False) -> RecoveryResult:
-        """Load the insurance checkpoint. ``fresh_if_none``: when there is none (not configured, or not written yet),
-        start over, announced, instead of raising :class:`NoRecoverableStateError`."""
-        if self.insurance is None and fresh_if_none:
-            return self._start_over(report, "no insurance checkpoint is configured")
-        if self.insurance is None:
-            raise NoRecoverableStateError(
-                f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "
-                f"checkpoint is configured. Nothing was loaded. Configure neighbor_ckpt.insurance.every_n_steps (or "
-                f"a ModelCheckpoint) so such failures resume from disk, or delete {self.store.job_dir} to start over.")
-        it = self.insurance()
-        if it is None and fresh_if_none:
-            return self._start_over(report, "no insurance checkpoint has been written yet")
-        if it is None:
-            raise NoRecoverableStateError(
-                f"rank {self.topology.rank}: no complete in-memory version exists ({report.reason}) and no insurance "
-                f"checkpoint has been written yet. Nothing was loaded. Delete {self.store.job_dir} to start over.")
-        logger.warning("rank %d: neighbor_ckpt: falling back to the insurance checkpoint of iteration %d because %s; "
-                       "the iterations after %d are trained again", self.topology.rank, it, report.reason, it)
-        report.iteration = it
-        self.last_iteration = it
-        self._drop_newer(None)
-        self._clear_journal()
-        return RecoveryResult(report, it)
-
-    def _start_over(self, report: RecoveryReport, why: str) -> RecoveryResult:
-        report.outcome = "fresh"
-        self._drop_newer(None)
-        self._clear_journal()
-        if report.newest is None:
-            logger.info("rank %d: neighbor_ckpt: fresh start (%s; %s)", self.topology.rank, report.reason, why)
-        else:
-            logger.warning("rank %d: neighbor_ckpt: starting over from the initial state because %s; %s and no "
-                           "rank holds a snapshot newer than iteration %d (within the first %d iterations): training "
-                           "starts again at iteration 0", self.topology.rank, report.reason, why, report.newest,
-                           self.store.versions)
-        return RecoveryResult(report, None)
-
-    def _drop_newer(self, keep: int | None) -> None:
-        """After a restore (or a fallback) no newer version may be mistaken for this timeline; older ones are its
-        history and stay (the next choice if the restored one fails)."""
-        self.store.invalidate_after(ROLE_OWN, keep)
-        self.store.invalidate_after(ROLE_REPLICA, keep)
-        self.store.invalidate_after(ROLE_LAZY, None)
-
-    # A restore in progress: written before the restored state is loaded, removed when the first step after it
-    # completes. Found by the next attempt, it means that state failed once: it is never chosen again.
-
-    def _journal_path(self) -> Path:
-        return self.store.dir / RESTORE_JOURNAL
-
-    def _failed_restores(self) -> frozenset[int]:
-        """Collective: iterations that any rank's previous attempt restored and then died before a step ended."""
-        mine = -1
-        path = self._journal_path()
-        try:
-            mine = int(json.loads(path.read_text())["iteration"])
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            logger.warning("rank %d: ignoring unreadable restore journal %s: %s", self.topology.rank, path, e)
-        flags = [torch.tensor([mine], dtype=torch.int64) for _ in range(self.topology.world_size)]
-        dist.all_gather(flags, torch.tensor([mine], dtype=torch.int64), group=self.group)
-        failed = frozenset(int(f.item()) for f in flags if int(f.item()) >= 0)
-        if failed:
-            logger.warning("rank %d: iteration(s) %s were restored by the previous attempt, which died before "
-                           "completing a step after them: they are not chosen again", self.topology.rank,
-                           sorted(failed))
-        return failed
-
-    def _write_journal(self, iteration: int) -> None:
-        path = self._journal_path()
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, json.dumps({"iteration": iteration, "attempt": _restart_count()}).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        self._journal_open = True
-
-    def _clear_journal(self) -> None:
-        self._journal_open = False
-        self._journal_path().unlink(missing_ok=True)
 
     # -- per iteration ---------------------------------------------------------------------------------
 
@@ -426,8 +295,8 @@ class NeighborCheckpointer:
                 "ring": list(self.topology.ring), "has_lazy": self.plan.has_lazy,
                 "unique_bytes": self.plan.unique_bytes, "lazy_bytes": self.plan.lazy_bytes}
         self._layout = self.layout()
-        self.engine = SnapshotEngine(store=self.store, plan=self.plan, sources=[live[p.meta.name] for p in self.plan.unique],
-                                     layout=self._layout, meta=meta, transport=self.transport,
+        self.engine = SnapshotEngine(store=self.store, plan=self.plan,
+                                     sources=[live[p.meta.name] for p in self.plan.unique], layout=self._layout, meta=meta, transport=self.transport,
                                      wait_for_replica=self.config.transport.wait_for_replica,
                                      extras_capacity=None if self.config.store.extras_capacity_mb is None
                                      else int(self.config.store.extras_capacity_mb * 2**20))
@@ -492,8 +361,7 @@ class NeighborCheckpointer:
         if self.capture_rng_state:
             extras["rng"] = capture_rng()
         self.engine.snapshot(iteration, extras)
-        if self._journal_open:
-            self._clear_journal()  # a step completed after the restore: that state did not fail
+        self.recoverer.step_completed()  # a step completed after a restore: that state did not fail
         if self.plan is not None and self.plan.has_lazy:
             # Survivors back up their weights as of their last optimizer step. For a lost rank's state to
             # match them, its snapshot of this iteration must reach the successor before it moves on. Under
@@ -598,8 +466,8 @@ class NeighborCheckpointer:
             dist.barrier(group=self.group)
         if self.detector is not None:
             self.detector.stop(done=success)
-        if success and self._journal_open:
-            self._clear_journal()  # training ended right after a restore: that state did not fail
+        if success:
+            self.recoverer.step_completed()  # training ended right after a restore: that state did not fail
         if success and self.config.store.cleanup_on_success:
             self.store.destroy()
         else:

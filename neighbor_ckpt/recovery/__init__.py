@@ -1,7 +1,10 @@
-"""What happens after a failure: inventory -> reconcile (pure) -> transfer -> restore.
+"""What happens after a failure: inventory -> reconcile (pure) -> transfer -> restore, and which outcome it ends in.
 
 ``reconcile`` is the pure decision (every rank's versions -> the target iteration and every rank's source);
-``flow`` runs it on the snapshot group (inventory, the collectives, the transfers of lost state).
+``flow`` runs it on the snapshot group (inventory, the exchange, the transfers of lost state, the restore verdict);
+``recoverer`` owns every outcome (:class:`~neighbor_ckpt.recovery.recoverer.Recoverer`: restore, insurance, fresh
+start, the startup window, refusing) and issues the recovery collectives in the order its docstring gives;
+``journal`` holds what a rank leaves for the next process (the restore journal, the failure event).
 
 May import: :mod:`neighbor_ckpt.snapshot`, :mod:`neighbor_ckpt.runtime`, :mod:`neighbor_ckpt.errors`,
 :mod:`neighbor_ckpt.config`.

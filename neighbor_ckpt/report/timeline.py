@@ -19,9 +19,9 @@ Where each time comes from:
 
 * last completed snapshot: the ``committed_unix`` stamp in the header of the newest committed own or replica
   slot, newest over all ranks (headers survive a restart in the host store);
-* failure noticed: a survivor's :func:`record_failure_event` (its SIGTERM handler / exception handler wrote
-  ``events.json`` in its store directory), earliest over all ranks. When no survivor recorded anything
-  (every process killed at once) *detect* is unknown and folded into *restart*; the JSON says so;
+* failure noticed: a survivor's :func:`~neighbor_ckpt.recovery.journal.record_failure_event` (its SIGTERM handler
+  / exception handler wrote ``events.json`` in its store directory), earliest over all ranks. When no survivor
+  recorded anything (every process killed at once) *detect* is unknown and folded into *restart*; the JSON says so;
 * process start: the kernel's start time of each worker (``/proc/self/stat``), latest over all ranks;
 * process group ready: the first framework hook after ``init_process_group`` (a marker inside *rendezvous*);
 * recovery phases: :class:`~neighbor_ckpt.recovery.flow.RecoveryReport` timings (inventory + exchange ->
@@ -62,10 +62,7 @@ __all__ = [
     "gather_rank_events",
     "newest_commit_unix",
     "process_start_unix",
-    "record_failure_event",
-    "take_failure_event",
     "write_timeline",
-    "EVENTS_FILE",
     "COMMIT_TIME_KEY",
 ]
 
@@ -75,9 +72,6 @@ PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "reconcile", "tran
 EVENTS: tuple[str, ...] = ("last_snapshot", "failure_noticed", "process_start", "recovery_start", "reconcile_end",
                            "transfer_end", "restore_end", "first_step_end")
 """Job-wide events (unix seconds) that bound the phases."""
-
-EVENTS_FILE = "events.json"
-"""Per-rank file in the rank's store directory (mode 0600, JSON) where a survivor records the failure."""
 
 COMMIT_TIME_KEY = "committed_unix"
 """Header ``meta`` key of a slot: wall-clock time of its commit (written by the snapshot engine)."""
@@ -127,45 +121,6 @@ def newest_commit_unix(store: HostStore) -> float | None:
             finally:
                 slot.close()
     return newest
-
-
-def record_failure_event(path: Path, *, rank: int, attempt: int, reason: str, when: float) -> None:
-    """Write ``{"failure_noticed_unix": when, ...}`` to ``path`` (0600, atomic). Never raises."""
-    data = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "failure_noticed_unix": when,
-            "reason": reason[:200]}
-    try:
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, json.dumps(data).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.warning("rank %d: could not record the failure time in %s: %s", rank, path, e)
-
-
-def take_failure_event(path: Path, *, not_after: float) -> float | None:
-    """Read and delete a failure event recorded by :func:`record_failure_event` in a previous process.
-
-    Returns its time, or None when absent, unreadable, or not earlier than ``not_after`` (this process'
-    start: an event can only come from before it)."""
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None
-    try:
-        path.unlink()
-    except OSError:
-        pass
-    try:
-        data = json.loads(raw)
-        when = float(data["failure_noticed_unix"])
-    except (ValueError, KeyError, TypeError):
-        logger.warning("ignoring unreadable failure event %s", path)
-        return None
-    return when if math.isfinite(when) and when <= not_after else None
 
 
 # -- per-rank events and their exchange ----------------------------------------------------------------------

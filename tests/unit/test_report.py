@@ -22,8 +22,8 @@ from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.report.status import (PLAIN_LOOP_LOG_EVERY, Reporter, SnapshotStats, format_status, log_to_loggers,
                                   recovery_metrics, recovery_progress, replica_lag, resolve_progress_mode,
                                   resolve_status_interval, status_metrics, stream_gbps_between)
-from neighbor_ckpt.report.timeline import (EVENTS, PHASES, RankEvents, compute_timeline, newest_commit_unix,
-                                    record_failure_event, take_failure_event, write_timeline)
+from neighbor_ckpt.recovery.journal import record_failure_event, take_failure_event
+from neighbor_ckpt.report.timeline import EVENTS, PHASES, RankEvents, compute_timeline, newest_commit_unix, write_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0
