@@ -30,6 +30,8 @@ def _assert_rank1_restored_from_its_successor(res: RunResult, *, iterations: tup
     assert rep["lazy_bytes"] == 0, "weights are regenerated from the fp32 shards, never backed up"
 
 
+# The demo command runs its own failure-free run of the tiny GPT recipe and compares with it; no other test trains
+# that recipe (the NeMo tests run tests/workers/train_nemo.py), so there is no baseline to share with it.
 def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "neighbor_ckpt.cli", "demo", "--out", str(out), STEPS]
