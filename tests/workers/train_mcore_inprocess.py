@@ -7,6 +7,11 @@ each attempt of the wrapped function: the gloo group, megatron-core's parallel s
 DistributedOptimizer, scheduler and NeighborCheckpointer. Survivors find their own host slots; the spare (its own
 store root, like a fresh node) pulls the lost rank's state from the ring successor.
 
+On a failure the checkpointer is closed with ``close(success=False)`` (host slots kept) by the wrapper's Finalize,
+i.e. *after* the abort: closed from the exception handler, before the abort, its transport would send a close
+message to the successor and wait up to 30 s for its receiver thread, blocked on a predecessor that is still
+training (an exception on one rank) until the abort frees it.
+
 Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<NODE_NAME>``), NODE_NAME
 (the simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS,
 NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|none),
