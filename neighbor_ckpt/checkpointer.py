@@ -48,7 +48,8 @@ from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import HostMemoryError, TopologyError
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
-from neighbor_ckpt.recovery.journal import EVENTS_FILE, record_failure_event, take_failure_event
+from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
+from neighbor_ckpt.recovery.journal import take_failure_event
 from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult
 from neighbor_ckpt.report.status import Reporter, SnapshotStats, replica_lag, resolve_status_interval
 from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_rank_events, newest_commit_unix,
@@ -56,10 +57,10 @@ from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_
 from neighbor_ckpt.runtime import failpoints, reaper
 from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
 from neighbor_ckpt.runtime.preflight import check_host_memory
-from neighbor_ckpt.snapshot.engine import SnapshotEngine, write_lazy_backup
+from neighbor_ckpt.snapshot.engine import SnapshotEngine
 from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
-from neighbor_ckpt.snapshot.store import ROLE_LAZY, HostStore, store_bytes_per_rank
+from neighbor_ckpt.snapshot.store import HostStore, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
 from neighbor_ckpt.snapshot.transport import GlooRingTransport, TrafficGate
 
@@ -123,7 +124,6 @@ class NeighborCheckpointer:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.transport.timeout_s))
         self._tag: tuple[int, int | None, str] = (0, None, "startup")
         self._weights_seq = 0
-        self._failure_lock = threading.RLock()
         self.detector = self._make_detector()
         """Heartbeat failure detection (None when off or the rendezvous store is not reachable by address)."""
         self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
@@ -139,6 +139,9 @@ class NeighborCheckpointer:
                                    chunk_bytes=int(self.config.transport.chunk_mb * 2**20), insurance=insurance,
                                    attempt=_restart_count())
         """Decides and runs every recovery outcome; owns the restore journal."""
+        self.failure = FailureBackup(store=self.store, topology=self.topology, attempt=_restart_count(),
+                                     enabled=self.config.lazy_backup.enabled, weights=self._weights_tag)
+        """The failure path: the failure event and the lazy backup, once each."""
         self.gate = TrafficGate()
         self.plan: ShardPlan | None = None
         self.engine: SnapshotEngine | None = None
@@ -156,9 +159,7 @@ class NeighborCheckpointer:
             process_group_ready=group_ready)
         """Status line, metrics and recovery timeline; the Lightning callback attaches the trainer's."""
         self._first_snapshot: int | None = None
-        self._failure_noticed: float | None = None
         self._closed = False
-        self._backed_up = False
         self._prev_sigterm: Any = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -239,7 +240,7 @@ class NeighborCheckpointer:
         insurance load, when the reporter wants the timeline (the same configuration on every rank)."""
         started = time.time()
         last_commit = newest_commit_unix(self.store)
-        noticed = take_failure_event(self._events_path(), not_after=started)
+        noticed = take_failure_event(self.failure.events_path, not_after=started)
         with self.reporter.progress() as progress:
             result = self.recoverer.recover(layout=self.layout(), load=self._load, on_phase=progress.phase)
         self.last_report = result.report
@@ -273,9 +274,6 @@ class NeighborCheckpointer:
         self.reporter.begin_timeline(per_rank, outcome=report.outcome, iteration=report.iteration,
                                      recovery_phases=ph)
 
-    def _events_path(self) -> Path:
-        return self.store.dir / EVENTS_FILE
-
     # -- per iteration ---------------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -283,7 +281,6 @@ class NeighborCheckpointer:
         self.plan = plan_shards([m for m, _ in tensors], dp_size=self.topology.dp_size,
                                 distributed_optimizer=self.adapter.distributed_optimizer)
         live = {m.name: t for m, t in tensors}
-        self._lazy_sources = [live[p.meta.name] for p in self.plan.lazy]
         self._preflight_host_memory()
         if self.config.transport.enabled and self.topology.dp_size > 1:
             self.transport = GlooRingTransport(self.topology, self.store, self.group,
@@ -295,8 +292,10 @@ class NeighborCheckpointer:
                 "ring": list(self.topology.ring), "has_lazy": self.plan.has_lazy,
                 "unique_bytes": self.plan.unique_bytes, "lazy_bytes": self.plan.lazy_bytes}
         self._layout = self.layout()
+        self.failure.arm(self.plan, [live[p.meta.name] for p in self.plan.lazy], self._layout)
         self.engine = SnapshotEngine(store=self.store, plan=self.plan,
-                                     sources=[live[p.meta.name] for p in self.plan.unique], layout=self._layout, meta=meta, transport=self.transport,
+                                     sources=[live[p.meta.name] for p in self.plan.unique], layout=self._layout,
+                                     meta=meta, transport=self.transport,
                                      wait_for_replica=self.config.transport.wait_for_replica,
                                      extras_capacity=None if self.config.store.extras_capacity_mb is None
                                      else int(self.config.store.extras_capacity_mb * 2**20))
@@ -410,40 +409,14 @@ class NeighborCheckpointer:
         detector's thread (``background``) while the main thread is blocked in a collective: a backup during which
         the training thread changed the step tag (it may have touched the weights) is discarded. Never raises.
         """
-        with self._failure_lock:
-            if self._failure_noticed is None:
-                # The start of the next recovery's timeline; this file survives the restart (the store does).
-                self._failure_noticed = time.time()
-                record_failure_event(self._events_path(), rank=self.topology.rank, attempt=_restart_count(),
-                                     reason=reason, when=self._failure_noticed)
-            if self._backed_up:
-                return True
-            try:
-                return self._write_lazy_backup(reason, background=background)
-            except Exception as e:  # noqa: BLE001 - failure path: report, never mask the original error
-                logger.error("rank %d: lazy backup failed: %s", self.topology.rank, e)
-                return False
+        return self.failure.on_failure(reason, background=background)
 
-    def _write_lazy_backup(self, reason: str, *, background: bool) -> bool:
-        if self.plan is None or not self.plan.has_lazy or not self.config.lazy_backup.enabled:
-            return False
+    def _weights_tag(self) -> WeightsTag:
+        """What the live weights belong to, read at once (the detector's thread calls this too)."""
         seq, phase, last = self._weights_seq, self._phase, self.last_iteration
         if phase is Phase.OPTIMIZER or last is None:
-            logger.warning("rank %d: no lazy backup: weights are inside an optimizer step", self.topology.rank)
-            return False
-        iteration = last + (1 if phase is Phase.STEPPED else 0)
-        hdr = write_lazy_backup(self.store, planned=self.plan.lazy, sources=self._lazy_sources,
-                                payload_bytes=self.plan.lazy_bytes, iteration=iteration, layout=self._layout,
-                                meta={"dp_group": min(self.topology.dp_ranks), "reason": reason[:200]})
-        if background and self._weights_seq != seq:
-            self.store.invalidate_after(ROLE_LAZY, None)
-            logger.warning("rank %d: discarded the lazy backup of iteration %d: the training thread entered another "
-                           "step phase while it was written", self.topology.rank, iteration)
-            return False
-        self._backed_up = True
-        logger.warning("rank %d: wrote lazy backup of iteration %d (%d bytes) after: %s", self.topology.rank,
-                       hdr.iteration, hdr.payload_nbytes, reason or "failure")
-        return True
+            return WeightsTag(seq, None)
+        return WeightsTag(seq, last + (1 if phase is Phase.STEPPED else 0))
 
     def close(self, *, success: bool = True) -> None:
         """Stop the engine, transport and failure detector; on success, optionally remove the host store.

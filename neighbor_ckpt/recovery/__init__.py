@@ -4,7 +4,8 @@
 ``flow`` runs it on the snapshot group (inventory, the exchange, the transfers of lost state, the restore verdict);
 ``recoverer`` owns every outcome (:class:`~neighbor_ckpt.recovery.recoverer.Recoverer`: restore, insurance, fresh
 start, the startup window, refusing) and issues the recovery collectives in the order its docstring gives;
-``journal`` holds what a rank leaves for the next process (the restore journal, the failure event).
+``journal`` holds what a rank leaves for the next process (the restore journal, the failure event); ``backup`` is
+the failure path of a surviving rank (the failure event and the lazy backup of its DP group's redundant state).
 
 May import: :mod:`neighbor_ckpt.snapshot`, :mod:`neighbor_ckpt.runtime`, :mod:`neighbor_ckpt.errors`,
 :mod:`neighbor_ckpt.config`.

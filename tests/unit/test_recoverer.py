@@ -1,4 +1,5 @@
-"""The recovery policy: which outcome a (re)start gets (pure), the restore journal, and the Recoverer on one rank."""
+"""The recovery policy: which outcome a (re)start gets (pure), the restore journal, the Recoverer on one rank, and
+the failure path (failure event, lazy backup)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import torch
 import torch.distributed as dist
 
 from neighbor_ckpt.errors import NoRecoverableStateError
+from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
-from neighbor_ckpt.recovery.journal import RESTORE_JOURNAL, RestoreJournal
+from neighbor_ckpt.recovery.journal import RESTORE_JOURNAL, RestoreJournal, take_failure_event
 from neighbor_ckpt.recovery.reconcile import RankVersions, reconcile
 from neighbor_ckpt.recovery.recoverer import (NO_INSURANCE_CONFIGURED, NO_INSURANCE_WRITTEN, Outcome,
                                               OutcomeDecision, Recoverer, decide_outcome, settle_insurance)
 from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
-from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, HostStore
 from neighbor_ckpt.snapshot.topology import build_topology
 
 
@@ -183,3 +185,52 @@ def test_recoverer_starts_over_inside_the_startup_window(tmp_path: Path, group: 
     rec.journal.begin(1, attempt=0)  # iteration 1 was restored and failed: nothing else is held
     res = one_rank(tmp_path, group, attempt=1).recover(layout="L", load=lambda r: pytest.fail("start over"))
     assert (res.report.outcome, res.iteration) == ("fresh", None)
+
+
+# -- the failure path ----------------------------------------------------------------------------------------
+
+
+def lazy_backup(tmp_path: Path, tags: list[WeightsTag]) -> FailureBackup:
+    """A rank of a 2-way plain-DDP group whose weights are redundant (lazy); ``tags`` are read in turn."""
+    store = HostStore(tmp_path / "store", job_id="j", rank=1, versions=2)
+    topo = build_topology(rank=1, world_size=2, dp_ranks=[0, 1])
+    fb = FailureBackup(store=store, topology=topo, attempt=3, enabled=True,
+                       weights=lambda: tags.pop(0) if len(tags) > 1 else tags[0])
+    w = torch.arange(32, dtype=torch.float32)
+    plan = plan_shards([TensorMeta.of("w", StateKind.WEIGHT, w)], dp_size=2, distributed_optimizer=False)
+    assert plan.has_lazy
+    fb.arm(plan, [w], "L")
+    return fb
+
+
+def lazy_iterations(fb: FailureBackup) -> list[int]:
+    return [ref.header.iteration for ref in fb.store.committed(ROLE_LAZY, verify=True)]
+
+
+def test_failure_backup_records_the_first_failure_and_writes_one_backup(tmp_path: Path) -> None:
+    fb = lazy_backup(tmp_path, [WeightsTag(seq=4, iteration=7)])
+    assert fb.on_failure("RuntimeError: boom")
+    first = fb.noticed
+    assert fb.on_failure("SIGTERM from the launcher", background=True), "already written: nothing more to do"
+    assert fb.noticed == first and lazy_iterations(fb) == [7]
+    assert take_failure_event(fb.events_path, not_after=first + 1) == first
+
+
+def test_failure_backup_never_writes_torn_weights(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fb = lazy_backup(tmp_path, [WeightsTag(seq=4, iteration=None)])
+    assert not fb.on_failure("x")
+    assert "inside an optimizer step" in caplog.text and lazy_iterations(fb) == []
+
+
+def test_a_background_backup_across_a_step_tag_change_is_discarded(tmp_path: Path) -> None:
+    fb = lazy_backup(tmp_path, [WeightsTag(seq=4, iteration=7), WeightsTag(seq=5, iteration=None)])
+    assert not fb.on_failure("detector: rank 0 stopped", background=True)
+    assert lazy_iterations(fb) == []
+
+
+def test_an_unarmed_or_disabled_failure_backup_writes_nothing_but_still_records_the_event(tmp_path: Path) -> None:
+    store = HostStore(tmp_path / "store", job_id="j", rank=0)
+    fb = FailureBackup(store=store, topology=build_topology(rank=0, world_size=1, dp_ranks=[0]), attempt=0,
+                       enabled=True, weights=lambda: WeightsTag(0, 3))
+    assert not fb.on_failure("before the first snapshot")
+    assert fb.events_path.exists()
