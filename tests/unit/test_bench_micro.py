@@ -24,7 +24,7 @@ def _restore_result(lost: list[float], raw: list[float], local: list[float], cop
 
 @pytest.fixture(autouse=True)
 def _median(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(micro, "_STAT", "median")
+    monkeypatch.setattr(micro.common, "STAT", "median")
 
 
 def test_restore_rows_ratio_is_restore_time_over_raw_time() -> None:
@@ -51,7 +51,7 @@ def test_restore_rows_miss_above_target() -> None:
 
 
 def test_restore_rows_min_stat(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(micro, "_STAT", "min")
+    monkeypatch.setattr(micro.common, "STAT", "min")
     rows, _ = restore_rows(_restore_result([1.2, 3.0], [1.0, 0.8], [0.2], [0.1]), 2, 16.0)
     assert rows[0].value == pytest.approx(1.2) and rows[0].baseline == pytest.approx(0.8)
     assert rows[0].ratio == pytest.approx(1.5) and rows[0].status == "PASS"
