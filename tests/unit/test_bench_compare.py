@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import math
+from pathlib import Path
 
 import pytest
 
 from neighbor_ckpt.cli.bench import compare
+from neighbor_ckpt.cli.bench.compare import gpt, stats, systems, tables
+from neighbor_ckpt.cli.bench.compare.runner import Runner
+from neighbor_ckpt.cli.bench.compare.projection import projection
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _variant(times: list[float], label: str) -> dict:
@@ -32,7 +39,7 @@ def _result() -> dict:
 
 
 def test_summary_takes_the_best_alternative_and_checks_the_10x_target() -> None:
-    s = compare.summarize(_result())
+    s = stats.summarize(_result())
     v = s["verdict"]
     assert v["best"] == "lightning_save"  # diagnostics are never a candidate
     assert math.isclose(v["neighbor_overhead_s"], 0.002, abs_tol=1e-9)
@@ -45,7 +52,7 @@ def test_render_prints_one_table_and_the_reason_a_variant_could_not_run() -> Non
     args = argparse.Namespace(threads=1, layers=2, heads=4, seq=32, vocab=128, micro_batches=2,
                               micro_batch_size=2, steps=10, block=5, warmup=3)
     info = {"nproc": 2, "cpu_model": "test", "torch": "x", "store_root": "/dev/shm", "other_cpu_frac": 0.0}
-    text = compare.render(_result(), info, args)
+    text = tables.render(_result(), info, args)
     assert "| lightning_save" in text and "| neighbor_local" in text
     assert "nvrx_local: could not run here: setup failed" in text
     assert "15.0x lower" in text and "MET" in text
@@ -53,7 +60,7 @@ def test_render_prints_one_table_and_the_reason_a_variant_could_not_run() -> Non
 
 
 def test_projection_has_the_planner_tables_and_goodput() -> None:
-    text = compare.projection(None)
+    text = projection(None)
     for name in ("llama3_8b", "llama3_70b", "gpt3_175b"):
         assert f"neighbor-ckpt plan configs/{name}.yaml" in text
     assert "Goodput on 1024 H100s" in text and "p_unrecoverable" in text
@@ -79,7 +86,7 @@ def test_cpu_defaults_are_the_recipe_shape_and_the_old_protocol() -> None:
     a = _args()
     compare.resolve_args(a, gpu_count=0)
     assert (a.world, a.steps, a.warmup, a.block, a.scales, a.scale_steps) == (4, 20, 3, 5, "2,4", 20)
-    assert {k: getattr(a, k) for k in compare.SHAPE_KEYS} == compare.CPU_SHAPE
+    assert {k: getattr(a, k) for k in gpt.SHAPE_KEYS} == gpt.CPU_SHAPE
     assert (a.hidden, a.layers, a.heads, a.seq, a.vocab) == (64, 2, 4, 32, 128)  # recipes/mcore_gpt_plain_loop.py
     q = _args("--quick")
     compare.resolve_args(q, gpu_count=8)  # GPUs on the machine change nothing in cpu mode
@@ -112,7 +119,7 @@ def test_world_validation_depends_on_the_device() -> None:
 def test_gpu_shape_is_about_a_quarter_billion_params_and_3_gb_of_unique_state() -> None:
     from neighbor_ckpt.planning.planner import HARDWARE, ModelShape, Parallelism, plan_job
 
-    g = compare.GPU_SHAPE
+    g = gpt.GPU_SHAPE
     shape = ModelShape(num_layers=g["layers"], hidden_size=g["hidden"], ffn_hidden_size=4 * g["hidden"],
                        num_attention_heads=g["heads"], vocab_size=g["vocab"], seq_length=g["seq"],
                        share_embeddings_and_output_weights=False)
@@ -130,21 +137,21 @@ def test_cpu_render_has_no_gpu_lines_and_cuda_render_names_the_card_and_the_d2h_
     res = _result()
     res["main"]["variants"]["neighbor"]["extra_median"] = {"snapshot_call_s": 0.001, "bg_copy_s": 0.1}
     res["main"]["neighbor_unique_bytes_per_rank"] = [3_000_000_000] * 4
-    cpu_text = compare.render(res, info, args)
-    assert "NCCL" not in cpu_text and "D2H" not in cpu_text and compare.d2h_line(res) is None
+    cpu_text = tables.render(res, info, args)
+    assert "NCCL" not in cpu_text and "D2H" not in cpu_text and tables.d2h_line(res) is None
     res["device"] = "cuda"
-    text = compare.render(res, info, args)
+    text = tables.render(res, info, args)
     assert "4 x NVIDIA H100 80GB HBM3" in text and "CUDA 13.0" in text and "PCIe Gen5 x16" in text
     assert "bf16 with fp32 main params" in text and "CPU budget" not in text
-    line = compare.d2h_line(res)
+    line = tables.d2h_line(res)
     assert line is not None and line in text
     assert "= 30.0 GB/s per GPU" in line and "the planner assumes 50 GB/s" in line
     del res["main"]["variants"]["neighbor"]
-    assert compare.d2h_line(res) is None
+    assert tables.d2h_line(res) is None
 
 
 def test_a_variant_that_fails_setup_is_dropped_from_every_per_variant_table() -> None:
-    class Broken(compare.Variant):
+    class Broken(systems.Variant):
         name = "dcp_async"
 
         def setup(self) -> None:
@@ -155,12 +162,59 @@ def test_a_variant_that_fails_setup_is_dropped_from_every_per_variant_table() ->
 
     with tempfile.TemporaryDirectory() as d:
         tr = argparse.Namespace(device="cpu")
-        variants = {"base": compare.Base(tr, Path(d), 0, 1, "base"),  # type: ignore[arg-type]
+        variants = {"base": systems.Base(tr, Path(d), 0, 1, "base"),  # type: ignore[arg-type]
                     "dcp_async": Broken(tr, Path(d), 0, 1, "dcp")}  # type: ignore[arg-type]
-        runner = compare.Runner(tr, variants, {"verbose": False}, "main")  # type: ignore[arg-type]
+        runner = Runner(tr, variants, {"verbose": False}, "main")  # type: ignore[arg-type]
         runner._agree = lambda err: err  # type: ignore[method-assign]  # one rank, no process group
         runner.setup()
     assert list(runner.variants) == ["base"]
     assert "dcp_async" not in runner.times and "dcp_async" not in runner.blocks and "dcp_async" not in runner.cpu
     assert runner.failed["dcp_async"].startswith("setup failed: RuntimeError: no CUDA")
     assert not runner.cuda and not variants["base"].cuda
+
+
+def _recipe_literals() -> tuple[tuple[int, ...], dict[str, dict[str, object]]]:
+    """The recipe's shape tuple and, per megatron-core constructor it calls, its keyword arguments given as literals."""
+    tree = ast.parse((REPO / "recipes" / "mcore_gpt_plain_loop.py").read_text())
+    shape: tuple[int, ...] = ()
+    calls: dict[str, dict[str, object]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and \
+                [getattr(t, "id", None) for t in node.targets[0].elts] == ["SEQ", "VOCAB", "HIDDEN", "HEADS", "LAYERS"]:
+            shape = ast.literal_eval(node.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            calls.setdefault(node.func.id, {}).update(
+                {k.arg: k.value.value for k in node.keywords if k.arg and isinstance(k.value, ast.Constant)})
+    return shape, calls
+
+
+def test_the_bench_gpt_is_the_recipes_gpt() -> None:
+    """gpt.py keeps a copy of the recipe's model lines (the recipe has no builder to import): this keeps it honest."""
+    shape, calls = _recipe_literals()
+    assert shape == (gpt.SEQ, gpt.VOCAB, gpt.HIDDEN, gpt.HEADS, gpt.LAYERS)
+    assert calls["TransformerConfig"] == gpt.RECIPE_TRANSFORMER
+    assert calls["DistributedDataParallelConfig"] == gpt.RECIPE_DDP
+    assert calls["OptimizerConfig"] == gpt.RECIPE_OPTIMIZER
+    assert calls["OptimizerParamScheduler"] == gpt.RECIPE_SCHEDULER
+
+
+def test_every_variant_is_one_registered_system_module() -> None:
+    assert set(systems.CLASSES) == set(systems.VARIANTS)
+    assert set(systems.ALTERNATIVES) | set(systems.DIAGNOSTICS) | {"base", "neighbor"} == set(systems.VARIANTS)
+    modules = {cls.__module__.rsplit(".", 1)[1] for cls in systems.CLASSES.values()}
+    assert modules == {"base", "neighbor", "dcp", "mcore_dist", "lightning_write", "nvrx"}
+    assert all(issubclass(cls, systems.Variant) and cls.name == name for name, cls in systems.CLASSES.items())
+
+
+def test_help_parses_without_launching_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--variants" in out and "--projection" in out
+
+
+def test_no_bench_module_is_over_800_lines() -> None:
+    bench = REPO / "neighbor_ckpt" / "cli" / "bench"
+    sizes = {str(p.relative_to(bench)): len(p.read_text().splitlines()) for p in bench.rglob("*.py")}
+    assert max(sizes.values()) < 800, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
