@@ -1,7 +1,7 @@
 """The checkpoint razor: split a rank's state into unique, regenerable and lazily backed-up parts.
 
-A pure function from tensor metadata + the data-parallel layout to a frozen :class:`ShardPlan`
-(FFTrainer §4.2):
+A pure function from tensor metadata + the data-parallel layout to a frozen :class:`ShardPlan`. The rules
+(FFTrainer §4.2) are in one place, :func:`disposition`; the planner applies the same function to byte counts:
 
 * with DP = 1 nothing is redundant: every tensor is snapshotted (weights become regenerable only when
   a distributed optimizer holds their master copy);
@@ -25,7 +25,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["StateKind", "Disposition", "TensorMeta", "PlannedTensor", "ShardPlan", "plan_shards", "ALIGN"]
+__all__ = ["StateKind", "Disposition", "TensorMeta", "PlannedTensor", "ShardPlan", "disposition", "plan_shards",
+           "ALIGN"]
 
 ALIGN = 64
 """Byte alignment of every tensor inside a slot payload."""
@@ -114,7 +115,13 @@ class ShardPlan:
         return bool(self.lazy)
 
 
-def _decide(kind: StateKind, dp_size: int, distributed_optimizer: bool) -> Disposition:
+def disposition(kind: StateKind, *, dp_size: int, distributed_optimizer: bool) -> Disposition:
+    """What the razor does with state of ``kind`` on a rank whose DP group (the ring) has ``dp_size`` members.
+
+    * weights: regenerable under a distributed optimizer (rebuilt from its fp32 main params), otherwise unique at
+      DP = 1 and lazy when DP > 1 (every DP rank holds the same copy);
+    * main params and optimizer state: unique at DP = 1 or when a distributed optimizer shards them, lazy otherwise.
+    """
     if kind is StateKind.WEIGHT:
         if distributed_optimizer:
             return Disposition.REGENERABLE
@@ -144,14 +151,15 @@ def plan_shards(tensors: Sequence[TensorMeta], *, dp_size: int, distributed_opti
         raise ValueError(f"duplicate tensor names in state: {dup[:5]}")
     buckets: dict[Disposition, list[TensorMeta]] = {d: [] for d in Disposition}
     for t in tensors:
-        buckets[_decide(t.kind, dp_size, distributed_optimizer)].append(t)
+        buckets[disposition(t.kind, dp_size=dp_size, distributed_optimizer=distributed_optimizer)].append(t)
     unique, unique_bytes = _layout(buckets[Disposition.UNIQUE], Disposition.UNIQUE)
     lazy, lazy_bytes = _layout(buckets[Disposition.LAZY], Disposition.LAZY)
     sig_src = json.dumps(
         {
             "dp_size": dp_size,
             "distributed_optimizer": distributed_optimizer,
-            "tensors": [dict(t.to_json(), disposition=_decide(t.kind, dp_size, distributed_optimizer).value)
+            "tensors": [dict(t.to_json(), disposition=disposition(t.kind, dp_size=dp_size,
+                                                                  distributed_optimizer=distributed_optimizer).value)
                         for t in tensors],
         },
         sort_keys=True,

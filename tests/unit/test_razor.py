@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from neighbor_ckpt.snapshot.razor import ALIGN, Disposition, StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.snapshot.razor import ALIGN, Disposition, StateKind, TensorMeta, disposition, plan_shards
 from neighbor_ckpt.snapshot.topology import build_topology
 
 H = 48  # hidden size of the toy model: weights are (H / tp, H) per layer
@@ -86,6 +86,24 @@ def test_computed_dp_groups_partition_the_world(world, tp, pp):
     assert all(len(g) == world // (tp * pp) for g in groups)
     for r in range(world):
         assert r in dp_group_of(r, world, tp, pp)
+
+
+# -- the rules, as a table (FFTrainer §4.2) ------------------------------------------------------------------
+
+U, R, L = Disposition.UNIQUE, Disposition.REGENERABLE, Disposition.LAZY
+RULES = {  # (dp_size, distributed_optimizer): dispositions of (weight, main param, optimizer state)
+    (1, False): (U, U, U),  # nothing redundant
+    (1, True): (R, U, U),  # the weights regenerate from the fp32 main params
+    (4, False): (L, L, L),  # every DP rank holds the same copy: written at failure time
+    (4, True): (R, U, U),  # each DP rank owns a shard of the main params and the state
+}
+
+
+@pytest.mark.parametrize("dp_size,distributed_optimizer", list(RULES))
+def test_disposition_is_the_fftrainer_rule_table(dp_size, distributed_optimizer):
+    got = tuple(disposition(k, dp_size=dp_size, distributed_optimizer=distributed_optimizer)
+                for k in (StateKind.WEIGHT, StateKind.MAIN_PARAM, StateKind.OPTIMIZER))
+    assert got == RULES[dp_size, distributed_optimizer]
 
 
 # -- the razor rules on every rank ---------------------------------------------------------------------------
