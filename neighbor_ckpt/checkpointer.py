@@ -286,7 +286,7 @@ class NeighborCheckpointer:
             self.transport = GlooRingTransport(self.topology, self.store, self.group,
                                                chunk_bytes=int(self.config.transport.chunk_mb * 2**20),
                                                gate=self.gate,
-                                               rate_limit_bps=self.config.transport.rate_limit_mbps * 1e6)
+                                               rate_limit_bps=self.config.transport.rate_limit_mb_per_s * 1e6)
             self.transport.start()
         meta = {"world_size": self.topology.world_size, "dp_ranks": list(self.topology.dp_ranks),
                 "ring": list(self.topology.ring), "has_lazy": self.plan.has_lazy,

@@ -1,8 +1,10 @@
 """Configuration of neighbor_ckpt: one keyword-only dataclass per component.
 
-The YAML form is a ``neighbor_ckpt:`` section that mirrors these dataclasses. Unknown keys and values
-of the wrong type are rejected with the full key path (``neighbor_ckpt.transport.chunk_mb``), before any
-process group is created.
+The YAML form is a ``neighbor_ckpt:`` section that mirrors these dataclasses. Unknown keys, values of the
+wrong type and values out of range are rejected before any process group is created: all of them at once, one
+line each with its full key path (``neighbor_ckpt.transport.chunk_mb: 0 must be > 0``), in one
+:class:`~neighbor_ckpt.errors.ConfigError`. Each section states its value rules in ``_check``
+(:mod:`neighbor_ckpt.validation`).
 
 Environment overrides win over the config (they are how a launcher or a test changes one process):
 
@@ -15,13 +17,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
-from neighbor_ckpt._schema import from_dict as _from_dict
-from neighbor_ckpt._schema import to_dict as _to_dict
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.validation import Problems, from_dict, to_dict, validate
 
 __all__ = [
     "StoreConfig",
@@ -70,6 +71,10 @@ class StoreConfig:
     once the process itself is gone (checkpoint writers and ``multiprocessing`` servers of a killed worker, which
     otherwise hold host memory until the node reboots). See :mod:`neighbor_ckpt.runtime.reaper`."""
 
+    def _check(self, p: Problems) -> None:
+        p.at_least("versions", self.versions, 2)
+        p.above("extras_capacity_mb", self.extras_capacity_mb, 0, " (or null for automatic)", optional=True)
+
 
 @dataclass(kw_only=True, slots=True)
 class RingConfig:
@@ -99,8 +104,16 @@ class TransportConfig:
     successor has acknowledged the previous snapshot. This is what guarantees a common version exists
     after any single-node loss; turn it off only to measure."""
 
-    rate_limit_mbps: float = 0.0
-    """Upper bound on snapshot streaming in MB/s (0: unlimited)."""
+    rate_limit_mb_per_s: float = 0.0
+    """Upper bound on snapshot streaming in megabytes (1e6 bytes) per second (0: unlimited)."""
+
+    _renamed: ClassVar[dict[str, str]] = {
+        "rate_limit_mbps": "rate_limit_mb_per_s (same value: it always was megabytes, not megabits, per second)"}
+
+    def _check(self, p: Problems) -> None:
+        p.above("chunk_mb", self.chunk_mb)
+        p.above("timeout_s", self.timeout_s)
+        p.at_least("rate_limit_mb_per_s", self.rate_limit_mb_per_s, 0, " (0 = unlimited)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,6 +134,9 @@ class InsuranceConfig:
 
     dirpath: str | None = None
     """Directory of insurance checkpoints (None: ``<trainer.default_root_dir>/neighbor_ckpt_insurance``)."""
+
+    def _check(self, p: Problems) -> None:
+        p.at_least("every_n_steps", self.every_n_steps, 0, " (0 = off)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -146,6 +162,10 @@ class ReportConfig:
     progress: Literal["auto", "rich", "none"] = "auto"
     """Progress bars for recovery phases (rank 0). ``auto``: rich bars on a terminal, plain log lines
     otherwise."""
+
+    def _check(self, p: Problems) -> None:
+        p.at_least("status_every_n_steps", self.status_every_n_steps, 0,
+                   " (0 = never, null = the trainer's log interval)", optional=True)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -173,6 +193,15 @@ class DetectorConfig:
     """SIGKILL a failed rank of this node (a stopped process ignores the launcher's SIGTERM for its whole grace
     period); the launcher then restarts the job at once."""
 
+    def _check(self, p: Problems) -> None:
+        p.above("interval_s", self.interval_s)
+        p.above("timeout_s", self.timeout_s)
+        p.above("hang_timeout_s", self.hang_timeout_s, 0, " (or null for off)", optional=True)
+        if p.ok("interval_s", "timeout_s"):
+            p.check(self.timeout_s > self.interval_s, "timeout_s",
+                    f"{self.timeout_s!r} must exceed detector.interval_s ({self.interval_s!r}): a rank is declared "
+                    "silent only after missing a few heartbeats")
+
 
 @dataclass(kw_only=True, slots=True)
 class FaultInjectionConfig:
@@ -196,6 +225,10 @@ class FaultInjectionConfig:
 
     replace_store: bool = True
     """The killed rank restarts with an empty host store, as a replaced node would."""
+
+    def _check(self, p: Problems) -> None:
+        p.at_least("rank", self.rank, 0)
+        p.at_least("step", self.step, 0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -234,14 +267,15 @@ class NeighborCkptConfig:
     """Demo / campaign fault injection (off by default)."""
 
     def __post_init__(self) -> None:
-        _validate(self, "neighbor_ckpt")
+        validate(self, "neighbor_ckpt")
 
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, path: str = "neighbor_ckpt") -> NeighborCkptConfig:
-        """Build from a mapping (the content of a ``neighbor_ckpt:`` section)."""
-        return _from_dict(cls, data or {}, path)
+        """Build from a mapping (the content of a ``neighbor_ckpt:`` section); every problem is one line of the
+        :class:`ConfigError` raised."""
+        return from_dict(cls, data or {}, path)
 
     @classmethod
     def from_yaml(cls, source: str | os.PathLike[str], *, section: str = "neighbor_ckpt") -> NeighborCkptConfig:
@@ -254,7 +288,7 @@ class NeighborCkptConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (round-trips through :meth:`from_dict`)."""
-        return _to_dict(self)
+        return to_dict(self)
 
     # -- resolved values ----------------------------------------------------------------------
 
@@ -279,31 +313,3 @@ def _safe_name(value: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in value)
     return safe.strip(".") or "default"
 
-
-_RULES: dict[str, list[tuple[str, Any, str]]] = {
-    "store": [("versions", lambda v: v >= 2, "must be >= 2"),
-              ("extras_capacity_mb", lambda v: v is None or v > 0, "must be > 0 (or null for automatic)")],
-    "transport": [("chunk_mb", lambda v: v > 0, "must be > 0"),
-                  ("timeout_s", lambda v: v > 0, "must be > 0"),
-                  ("rate_limit_mbps", lambda v: v >= 0, "must be >= 0 (0 = unlimited)")],
-    "insurance": [("every_n_steps", lambda v: v >= 0, "must be >= 0 (0 = off)")],
-    "report": [("status_every_n_steps", lambda v: v is None or v >= 0, "must be >= 0 (0 = never, null = "
-                "the trainer's log interval)")],
-    "detector": [("interval_s", lambda v: v > 0, "must be > 0"),
-                 ("timeout_s", lambda v: v > 0, "must be > 0"),
-                 ("hang_timeout_s", lambda v: v is None or v > 0, "must be > 0 (or null for off)")],
-    "fault_injection": [("rank", lambda v: v >= 0, "must be >= 0"), ("step", lambda v: v >= 0, "must be >= 0")],
-}
-
-
-def _validate(cfg: NeighborCkptConfig, path: str) -> None:
-    for section, rules in _RULES.items():
-        sub = getattr(cfg, section)
-        for name, ok, why in rules:
-            value = getattr(sub, name)
-            if not ok(value):
-                raise ConfigError(f"{path}.{section}.{name}: {value!r} {why}")
-    det = cfg.detector
-    if det.timeout_s <= det.interval_s:
-        raise ConfigError(f"{path}.detector.timeout_s: {det.timeout_s!r} must exceed detector.interval_s "
-                          f"({det.interval_s!r}): a rank is declared silent only after missing a few heartbeats")

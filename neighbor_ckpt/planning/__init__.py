@@ -5,5 +5,6 @@
 goodput and MTTR arithmetic).
 
 May import: :mod:`neighbor_ckpt.snapshot` (the razor's rules and the store's footprint),
-:mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.errors`. Pure arithmetic: no torch.distributed, no processes.
+:mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.validation`, :mod:`neighbor_ckpt.errors`. Pure arithmetic: no
+torch.distributed, no processes.
 """

@@ -47,6 +47,9 @@ Topology assumed by :func:`p_unrecoverable` (the "ring-of-nodes" model)
     several members per node and spans three or more nodes, the model assumes the members are dealt
     round-robin over the nodes (n0 n1 n2 n0 n1 n2 ...); an ordering that links more node pairs loses state
     more often than computed here.
+
+Inputs are checked with :class:`~neighbor_ckpt.validation.Problems`: every bad argument of a call is one line
+(``interval_s: 0 must be a positive finite number``) of one :class:`~neighbor_ckpt.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.validation import Problems
 
 __all__ = [
     "LossBreakdown",
@@ -74,22 +77,9 @@ __all__ = [
     "p_recovery",
 ]
 
-def _positive(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or math.isinf(value):
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def _non_negative(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or math.isinf(value):
-        raise ConfigError(f"{name} must be a non-negative finite number, got {value!r}")
-    return float(value)
-
-
-def _count(name: str, value: int, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+def _check_cluster(p: Problems, node_mtbf_s: float, nodes: int) -> None:
+    p.positive("node_mtbf_s", node_mtbf_s)
+    p.integer("nodes", nodes)
 
 
 # -- goodput -----------------------------------------------------------------------------------------------
@@ -117,7 +107,10 @@ class LossBreakdown:
 
 def cluster_mtbf(node_mtbf_s: float, nodes: int = 1) -> float:
     """MTBF of a job that stops whenever any of ``nodes`` independent nodes fails: ``node_mtbf_s / nodes``."""
-    return _positive("node_mtbf_s", node_mtbf_s) / _count("nodes", nodes, 1)
+    p = Problems()
+    _check_cluster(p, node_mtbf_s, nodes)
+    p.raise_if_any()
+    return node_mtbf_s / nodes
 
 
 def loss_breakdown(*, interval_s: float, overhead_s: float, mttr_s: float, node_mtbf_s: float, nodes: int = 1,
@@ -129,12 +122,17 @@ def loss_breakdown(*, interval_s: float, overhead_s: float, mttr_s: float, node_
     checkpoints pass the iteration time as ``interval_s`` and the non-hidden part of the snapshot as
     ``overhead_s``.
     """
-    t = _positive("interval_s", interval_s)
-    k0 = _non_negative("overhead_s", overhead_s)
-    s0 = _non_negative("mttr_s", mttr_s)
-    s1 = t / 2 if rollback_s is None else _non_negative("rollback_s", rollback_s)
-    mtbf = cluster_mtbf(node_mtbf_s, nodes)
-    return LossBreakdown(checkpoint=k0 / t, rollback=s1 / mtbf, restart=s0 / mtbf)
+    p = Problems()
+    p.positive("interval_s", interval_s)
+    p.non_negative("overhead_s", overhead_s)
+    p.non_negative("mttr_s", mttr_s)
+    if rollback_s is not None:
+        p.non_negative("rollback_s", rollback_s)
+    _check_cluster(p, node_mtbf_s, nodes)
+    p.raise_if_any()
+    s1 = interval_s / 2 if rollback_s is None else rollback_s
+    mtbf = node_mtbf_s / nodes
+    return LossBreakdown(checkpoint=overhead_s / interval_s, rollback=s1 / mtbf, restart=mttr_s / mtbf)
 
 
 def goodput_loss(*, interval_s: float, overhead_s: float, mttr_s: float, node_mtbf_s: float, nodes: int = 1,
@@ -153,14 +151,22 @@ def optimal_interval(*, overhead_s: float, node_mtbf_s: float, nodes: int = 1) -
 
     Returns 0 when the checkpoint costs nothing: checkpoint as often as possible (every iteration).
     """
-    k0 = _non_negative("overhead_s", overhead_s)
-    return math.sqrt(2.0 * k0 * cluster_mtbf(node_mtbf_s, nodes))
+    p = Problems()
+    p.non_negative("overhead_s", overhead_s)
+    _check_cluster(p, node_mtbf_s, nodes)
+    p.raise_if_any()
+    return math.sqrt(2.0 * overhead_s * (node_mtbf_s / nodes))
 
 
 def min_goodput_loss(*, overhead_s: float, mttr_s: float, node_mtbf_s: float, nodes: int = 1) -> float:
     """FlashRecovery eq. 4 divided by ``d``: ``s0/MTBF + sqrt(2 * k0 / MTBF)``, the loss at ``t*``."""
-    mtbf = cluster_mtbf(node_mtbf_s, nodes)
-    return _non_negative("mttr_s", mttr_s) / mtbf + math.sqrt(2.0 * _non_negative("overhead_s", overhead_s) / mtbf)
+    p = Problems()
+    p.non_negative("overhead_s", overhead_s)
+    p.non_negative("mttr_s", mttr_s)
+    _check_cluster(p, node_mtbf_s, nodes)
+    p.raise_if_any()
+    mtbf = node_mtbf_s / nodes
+    return mttr_s / mtbf + math.sqrt(2.0 * overhead_s / mtbf)
 
 
 # -- failure probabilities ---------------------------------------------------------------------------------
@@ -169,15 +175,26 @@ def min_goodput_loss(*, overhead_s: float, mttr_s: float, node_mtbf_s: float, no
 def p_cluster_failure(*, gpus: int, hours: float, gpu_mtbf_hours: float) -> float:
     """Probability that at least one of ``gpus`` GPUs (exponential lifetimes) fails within ``hours``:
     ``1 - exp(-gpus * hours / gpu_mtbf_hours)`` (FFTrainer Table 2)."""
-    _count("gpus", gpus, 1)
-    return -math.expm1(-gpus * _non_negative("hours", hours) / _positive("gpu_mtbf_hours", gpu_mtbf_hours))
+    p = Problems()
+    p.integer("gpus", gpus)
+    _check_lifetimes(p, hours, gpu_mtbf_hours)
+    p.raise_if_any()
+    return -math.expm1(-gpus * hours / gpu_mtbf_hours)
+
+
+def _check_lifetimes(p: Problems, hours: float, gpu_mtbf_hours: float) -> None:
+    p.non_negative("hours", hours)
+    p.positive("gpu_mtbf_hours", gpu_mtbf_hours)
 
 
 def node_failure_probability(*, hours: float, gpu_mtbf_hours: float, gpus_per_node: int = 8) -> float:
     """Probability that a node with ``gpus_per_node`` GPUs loses one within ``hours``:
     ``1 - exp(-g * hours / gpu_mtbf_hours)`` (FFTrainer §6.2, the ``p`` of eq. 4)."""
-    return p_cluster_failure(gpus=_count("gpus_per_node", gpus_per_node, 1), hours=hours,
-                             gpu_mtbf_hours=gpu_mtbf_hours)
+    p = Problems()
+    p.integer("gpus_per_node", gpus_per_node)
+    _check_lifetimes(p, hours, gpu_mtbf_hours)
+    p.raise_if_any()
+    return -math.expm1(-gpus_per_node * hours / gpu_mtbf_hours)
 
 
 def _log_binomial_pmf(n: int, k: int, p: float) -> float:
@@ -191,13 +208,15 @@ def _log_binomial_pmf(n: int, k: int, p: float) -> float:
 
 def p_k_node_failures(nodes: int, k: int, p_node: float) -> float:
     """FFTrainer eq. 4: exactly ``k`` of ``nodes`` independent nodes fail, ``C(N,k) p^k (1-p)^(N-k)``."""
-    n = _count("nodes", nodes, 1)
-    _count("k", k, 0)
-    if not 0.0 <= p_node <= 1.0:
-        raise ConfigError(f"p_node must be a probability in [0, 1], got {p_node!r}")
-    if k > n:
+    p = Problems()
+    p.integer("nodes", nodes)
+    p.integer("k", k, 0)
+    p.check(isinstance(p_node, (int, float)) and not isinstance(p_node, bool) and 0.0 <= p_node <= 1.0, "p_node",
+            f"{p_node!r} must be a probability in [0, 1]")
+    p.raise_if_any()
+    if k > nodes:
         return 0.0
-    return math.exp(_log_binomial_pmf(n, k, float(p_node)))
+    return math.exp(_log_binomial_pmf(nodes, k, float(p_node)))
 
 
 def ring_nodes_for(*, tp: int, cp: int, dp: int, gpus_per_node: int) -> int:
@@ -207,32 +226,44 @@ def ring_nodes_for(*, tp: int, cp: int, dp: int, gpus_per_node: int) -> int:
     With ``tp`` a multiple of ``gpus_per_node`` every member is on its own node (``L = cp * dp``); with
     ``gpus_per_node`` a multiple of ``tp`` each node holds ``gpus_per_node / tp`` consecutive members.
     """
-    tp, cp, dp = _count("tp", tp, 1), _count("cp", cp, 1), _count("dp", dp, 1)
-    g = _count("gpus_per_node", gpus_per_node, 1)
-    members = cp * dp
+    p = Problems()
+    for name, value in (("tp", tp), ("cp", cp), ("dp", dp), ("gpus_per_node", gpus_per_node)):
+        p.integer(name, value)
+    p.raise_if_any()
+    g, members = gpus_per_node, cp * dp
     if tp % g == 0:
         return members
-    if g % tp:
-        raise ConfigError(f"tp={tp} neither divides nor is a multiple of gpus_per_node={g}: "
-                          "the DP rings do not tile the nodes")
+    p.check(g % tp == 0, "tp", f"{tp} neither divides nor is a multiple of gpus_per_node = {g}: the DP rings do not "
+            "tile the nodes")
+    p.raise_if_any()
     per_node = g // tp
     if members <= per_node:
         return 1
-    if members % per_node:
-        raise ConfigError(f"a DP ring of cp*dp={members} members does not fill whole nodes of "
-                          f"{per_node} members (gpus_per_node={g}, tp={tp})")
+    p.check(members % per_node == 0, "dp", f"a DP ring of cp x dp = {members} members does not fill whole nodes of "
+            f"{per_node} members (gpus_per_node = {g}, tp = {tp})")
+    p.raise_if_any()
     return members // per_node
 
 
-def _resolve_ring_nodes(nodes: int, dp: int, ring_nodes: int | None) -> int:
-    n = _count("nodes", nodes, 1)
-    _count("dp", dp, 1)
-    length = min(dp, n) if ring_nodes is None else _count("ring_nodes", ring_nodes, 1)
-    if length > dp:
-        raise ConfigError(f"ring_nodes={length} exceeds dp={dp}: a ring of dp members spans at most dp nodes")
-    if n % length:
-        raise ConfigError(f"nodes={n} is not a multiple of ring_nodes={length}: the node cycles must tile the nodes")
+def _ring_nodes(p: Problems, nodes: int, dp: int, ring_nodes: int | None) -> int:
+    """Check ``nodes``, ``dp`` and ``ring_nodes`` into ``p``; the cycle length ``L`` (1 when ``p`` got a problem)."""
+    p.integer("nodes", nodes)
+    p.integer("dp", dp)
+    if ring_nodes is not None:
+        p.integer("ring_nodes", ring_nodes)
+    if not p.ok("nodes", "dp", "ring_nodes"):
+        return 1
+    length = min(dp, nodes) if ring_nodes is None else ring_nodes
+    p.check(length <= dp, "ring_nodes", f"{length} exceeds dp = {dp}: a ring of dp members spans at most dp nodes")
+    p.check(nodes % length == 0, "ring_nodes", f"{length} does not divide nodes = {nodes}: the node cycles must tile "
+            "the nodes")
     return length
+
+
+def _failed_nodes(p: Problems, nodes: int, k: int) -> None:
+    p.integer("k", k, 0)
+    if p.ok("k", "nodes"):
+        p.check(k <= nodes, "k", f"{k} failed nodes exceeds nodes = {nodes}")
 
 
 def _safe_subsets_of_cycle(length: int, upto: int) -> list[int]:
@@ -287,10 +318,10 @@ def p_unrecoverable(nodes: int, dp: int, k: int, *, ring_nodes: int | None = Non
     For a single ring over all servers (``dp = ring_nodes = nodes``) this is FFTrainer's eq. 3:
     ``1 - N/(N-k) * C(N-k, k) / C(N, k)``; for ``k = 2`` it is ``2/(N-1)``. Computed with exact integers.
     """
-    length = _resolve_ring_nodes(nodes, dp, ring_nodes)
-    _count("k", k, 0)
-    if k > nodes:
-        raise ConfigError(f"k={k} failed nodes exceeds nodes={nodes}")
+    p = Problems()
+    length = _ring_nodes(p, nodes, dp, ring_nodes)
+    _failed_nodes(p, nodes, k)
+    p.raise_if_any()
     if k == 0:
         return 0.0
     total = math.comb(nodes, k)
@@ -304,11 +335,11 @@ def monte_carlo_p_unrecoverable(nodes: int, dp: int, k: int, *, ring_nodes: int 
 
     Node ``n`` is position ``n % L`` of cycle ``n // L``; its successor is the next position of that cycle.
     """
-    length = _resolve_ring_nodes(nodes, dp, ring_nodes)
-    _count("k", k, 0)
-    _count("trials", trials, 1)
-    if k > nodes:
-        raise ConfigError(f"k={k} failed nodes exceeds nodes={nodes}")
+    p = Problems()
+    length = _ring_nodes(p, nodes, dp, ring_nodes)
+    _failed_nodes(p, nodes, k)
+    p.integer("trials", trials)
+    p.raise_if_any()
     rng = random.Random(seed)
     population = range(nodes)
     lost = 0
@@ -334,8 +365,12 @@ def p_recovery(nodes: int, dp: int, *, hours: float, gpu_mtbf_hours: float, ring
     0.01 points only if each scenario is also multiplied by ``(1-p)^2`` (the failed node's two neighbours
     surviving, counted a second time). We keep the model as the paper describes it; see the unit tests.
     """
-    n = _count("nodes", nodes, 1)
-    length = _resolve_ring_nodes(n, dp, ring_nodes)
+    problems = Problems()
+    length = _ring_nodes(problems, nodes, dp, ring_nodes)
+    problems.integer("gpus_per_node", gpus_per_node)
+    _check_lifetimes(problems, hours, gpu_mtbf_hours)
+    problems.raise_if_any()
+    n = nodes
     p = node_failure_probability(hours=hours, gpu_mtbf_hours=gpu_mtbf_hours, gpus_per_node=gpus_per_node)
     pmf: list[float] = []
     mass = 0.0

@@ -6,12 +6,15 @@ The file (see ``configs/``) has the sections of :class:`JobSpec`: ``model``, ``p
 overrides ``key.path=value`` are applied to the YAML document before validation; values are parsed as YAML
 (``true``, ``4``, ``null``, ``[a, b]``).
 
-Everything is checked before any process starts, and every problem is one line naming the key path:
-unknown keys, wrong types, values outside their allowed set, and parallelism the world size cannot hold.
+Everything is checked before any process starts, and every problem is one line naming the key path, all of them
+in one :class:`~neighbor_ckpt.errors.ConfigError`: unknown keys, wrong types, values outside their allowed set or
+range, a model the planner's rules reject (:class:`~neighbor_ckpt.planning.planner.ModelShape`, under
+``config.model``), and parallelism the world size or the model cannot hold.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -20,9 +23,9 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
-from neighbor_ckpt._schema import from_dict, to_dict
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.validation import Problems, check_tree, deferred, from_dict, to_dict, validate
 
 __all__ = ["ModelSpec", "ParallelismSpec", "TrainerSpec", "DataSpec", "CheckpointSpec", "HardwareSpec",
            "LaunchSpec", "JobSpec", "load_job", "apply_overrides"]
@@ -84,6 +87,13 @@ class ParallelismSpec:
     """megatron-core's distributed optimizer (ZeRO-1). With it each rank snapshots 12 bytes per local param / DP
     per iteration; without it the snapshot is small state only and redundant state is backed up lazily."""
 
+    def _check(self, p: Problems) -> None:
+        for name in ("tensor", "pipeline", "context"):
+            p.at_least(name, getattr(self, name), 1)
+        p.at_least("virtual_pipeline", self.virtual_pipeline, 1, optional=True)
+        if p.ok("tensor"):
+            p.check(not self.sequence_parallel or self.tensor > 1, "sequence_parallel", "needs parallelism.tensor > 1")
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainerSpec:
@@ -123,6 +133,14 @@ class TrainerSpec:
     seed: int = 1234
     """Global seed."""
 
+    def _check(self, p: Problems) -> None:
+        for name in ("devices", "num_nodes", "max_steps", "micro_batch_size", "global_batch_size",
+                     "log_every_n_steps"):
+            p.at_least(name, getattr(self, name), 1)
+        p.at_least("warmup_steps", self.warmup_steps, 0)
+        p.check(self.accelerator != "cpu" or self.precision == "32", "precision",
+                f"{self.precision!r} on accelerator cpu; use \"32\"")
+
 
 @dataclass(kw_only=True, slots=True)
 class DataSpec:
@@ -141,6 +159,10 @@ class DataSpec:
     num_train_samples: int = 10_000
     """Samples in the mock dataset."""
 
+    def _check(self, p: Problems) -> None:
+        p.check(self.kind != "indexed" or bool(self.paths), "paths", "required when data.kind is 'indexed'")
+        p.at_least("num_train_samples", self.num_train_samples, 1)
+
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointSpec:
@@ -155,6 +177,9 @@ class CheckpointSpec:
 
     async_save: bool = True
     """NeMo's asynchronous distributed checkpointing (GPU only; always off on CPU)."""
+
+    def _check(self, p: Problems) -> None:
+        p.at_least("every_n_train_steps", self.every_n_train_steps, 0, " (0: none)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -241,7 +266,47 @@ class JobSpec:
     """The neighbor-checkpoint switches."""
 
     def __post_init__(self) -> None:
-        _check_job(self)
+        validate(self, "config")
+
+    def _check(self, p: Problems) -> None:
+        """The rules across sections; each runs only when the keys it reads passed their own rules."""
+        par, t = self.parallelism, self.trainer
+        with deferred():  # the planner's rules of a model and a machine, under this file's key paths
+            shape, hardware = self.model_shape(), self._hardware_figures()
+        check_tree(shape, p.at("model"))
+        check_tree(hardware, p.at("hardware"))
+        sizes = ("parallelism.tensor", "parallelism.pipeline", "parallelism.context")
+        if p.ok(*sizes, "trainer.devices", "trainer.num_nodes"):
+            mp = par.tensor * par.pipeline * par.context
+            world = self.world_size
+            if p.check(world % mp == 0, "parallelism",
+                       f"tensor x pipeline x context = {par.tensor} x {par.pipeline} x {par.context} = {mp} does not "
+                       f"divide the world size trainer.devices x trainer.num_nodes = {t.devices} x {t.num_nodes} = "
+                       f"{world}") and p.ok("trainer.micro_batch_size", "trainer.global_batch_size"):
+                dp = world // mp
+                p.check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "trainer.global_batch_size",
+                        f"{t.global_batch_size} is not a multiple of micro_batch_size x data-parallel size = "
+                        f"{t.micro_batch_size} x {dp}")
+        if p.ok("model", *sizes, "parallelism.virtual_pipeline"):
+            self._check_split(shape, p)
+        p.check(t.accelerator != "cpu" or self.model.preset in ("gpt_tiny", "llama_tiny"), "model.preset",
+                f"{self.model.preset!r} needs trainer.accelerator gpu (the CPU presets are 'gpt_tiny' and "
+                "'llama_tiny')")
+
+    def _check_split(self, shape: Any, p: Problems) -> None:
+        """Whether the model splits over the parallelism (the model's and the parallelism's own rules hold)."""
+        par = self.parallelism
+        p.check(shape.num_layers % par.pipeline == 0, "parallelism.pipeline",
+                f"{par.pipeline} does not divide model.num_layers = {shape.num_layers}")
+        vp = par.virtual_pipeline
+        p.check(vp is None or (par.pipeline > 1 and shape.num_layers % (par.pipeline * vp) == 0),
+                "parallelism.virtual_pipeline", f"{vp} needs pipeline > 1 and pipeline x virtual_pipeline to divide "
+                f"model.num_layers = {shape.num_layers}")
+        p.check(shape.num_attention_heads % par.tensor == 0 and shape.query_groups % par.tensor == 0,
+                "parallelism.tensor", f"{par.tensor} does not divide the attention heads ({shape.num_attention_heads})"
+                f" and query groups ({shape.query_groups}) of the model")
+        p.check(par.context == 1 or shape.seq_length % (2 * par.context) == 0, "parallelism.context",
+                f"model.seq_length {shape.seq_length} must be a multiple of 2 x context = {2 * par.context}")
 
     @property
     def world_size(self) -> int:
@@ -262,12 +327,16 @@ class JobSpec:
         return dataclasses.replace(shape, **changes)
 
     def hardware_preset(self) -> Any:
-        """The :class:`~neighbor_ckpt.planning.planner.Hardware` of ``hardware.gpu`` with this spec's figures applied."""
+        """The :class:`~neighbor_ckpt.planning.planner.Hardware` of ``hardware.gpu`` with this spec's figures applied
+        and ``trainer.devices`` GPUs per node."""
+        return dataclasses.replace(self._hardware_figures(), gpus_per_node=self.trainer.devices)
+
+    def _hardware_figures(self) -> Any:
         from neighbor_ckpt.planning.planner import HARDWARE
 
         changes = {f.name: getattr(self.hardware, f.name) for f in dataclasses.fields(self.hardware)
                    if f.name != "gpu" and getattr(self.hardware, f.name) is not None}
-        return dataclasses.replace(HARDWARE[self.hardware.gpu], gpus_per_node=self.trainer.devices, **changes)
+        return dataclasses.replace(HARDWARE[self.hardware.gpu], **changes)
 
     def plan(self) -> Any:
         """The planner's :class:`~neighbor_ckpt.planning.planner.JobPlan` for this job (``neighbor-ckpt plan``)."""
@@ -277,8 +346,10 @@ class JobSpec:
         par = Parallelism(tp=p.tensor, pp=p.pipeline, cp=p.context, dp=self.data_parallel,
                           distributed_optimizer=p.distributed_optimizer, micro_batch_size=t.micro_batch_size,
                           global_batch_size=t.global_batch_size)
-        return plan_job(self.model_shape(), par, self.hardware_preset(), versions=self.neighbor_ckpt.store.versions,
-                        param_dtype_bytes=4 if t.precision == "32" else 2)
+        store = self.neighbor_ckpt.store
+        extras = None if store.extras_capacity_mb is None else int(store.extras_capacity_mb * 2**20)
+        return plan_job(self.model_shape(), par, self.hardware_preset(), versions=store.versions,
+                        param_dtype_bytes=4 if t.precision == "32" else 2, extras_bytes=extras)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -289,7 +360,7 @@ class JobSpec:
 
 def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Set ``key.path=value`` overrides into a parsed YAML document (a new dict; values parsed as YAML)."""
-    out = yaml.safe_load(yaml.safe_dump(doc))  # deep copy of plain data
+    out = copy.deepcopy(doc)  # keeps the file's key order: problems are reported in it
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
@@ -312,7 +383,8 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
-    """Read, override and validate a job file. Raises :class:`ConfigError` with one line naming the problem."""
+    """Read, override and validate a job file. Raises one :class:`ConfigError` with one line per problem, each
+    naming its key path."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
@@ -325,48 +397,3 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job
     doc = apply_overrides(doc, overrides)
     return from_dict(JobSpec, doc, "config")
 
-
-def _check_job(job: JobSpec) -> None:
-    p, t = job.parallelism, job.trainer
-    for name in ("tensor", "pipeline", "context"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"config.parallelism.{name}: {getattr(p, name)} must be >= 1")
-    for name in ("devices", "num_nodes", "max_steps", "micro_batch_size", "global_batch_size", "log_every_n_steps"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"config.trainer.{name}: {getattr(t, name)} must be >= 1")
-    mp = p.tensor * p.pipeline * p.context
-    world = job.world_size
-    if world % mp:
-        raise ConfigError(
-            f"config.parallelism: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {mp} "
-            f"does not divide the world size trainer.devices x trainer.num_nodes = {t.devices} x {t.num_nodes} "
-            f"= {world}")
-    dp = world // mp
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"config.trainer.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x "
-            f"data-parallel size = {t.micro_batch_size} x {dp}")
-    if p.sequence_parallel and p.tensor == 1:
-        raise ConfigError("config.parallelism.sequence_parallel: needs parallelism.tensor > 1")
-    if t.accelerator == "cpu" and t.precision != "32":
-        raise ConfigError(f"config.trainer.precision: {t.precision!r} on accelerator cpu; use \"32\"")
-    if t.accelerator == "cpu" and job.model.preset not in ("gpt_tiny", "llama_tiny"):
-        raise ConfigError(f"config.model.preset: {job.model.preset!r} needs trainer.accelerator gpu (the CPU presets "
-                          "are 'gpt_tiny' and 'llama_tiny')")
-    if job.data.kind == "indexed" and not job.data.paths:
-        raise ConfigError("config.data.paths: required when data.kind is 'indexed'")
-    shape = job.model_shape()
-    if shape.num_layers % p.pipeline:
-        raise ConfigError(f"config.parallelism.pipeline: {p.pipeline} does not divide model.num_layers = "
-                          f"{shape.num_layers}")
-    if p.virtual_pipeline is not None and (p.virtual_pipeline < 1 or p.pipeline == 1
-                                           or shape.num_layers % (p.pipeline * p.virtual_pipeline)):
-        raise ConfigError(f"config.parallelism.virtual_pipeline: {p.virtual_pipeline} needs pipeline > 1 and "
-                          f"pipeline x virtual_pipeline to divide model.num_layers = {shape.num_layers}")
-    groups = shape.num_query_groups or shape.num_attention_heads
-    if shape.num_attention_heads % p.tensor or groups % p.tensor:
-        raise ConfigError(f"config.parallelism.tensor: {p.tensor} does not divide the attention heads "
-                          f"({shape.num_attention_heads}) and query groups ({groups}) of the model")
-    if shape.seq_length % (2 * p.context) and p.context > 1:
-        raise ConfigError(f"config.parallelism.context: model.seq_length {shape.seq_length} must be a multiple of "
-                          f"2 x context = {2 * p.context}")

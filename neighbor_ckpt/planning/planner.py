@@ -12,11 +12,14 @@ paper's formulas did not survive text extraction):
   with ``tokens_per_rank = micro_batch * grad_accum * seq_length / cp``. This ignores attention-score
   FLOPs (undercount, grows with ``seq_length``) and counts embedding lookups as matmuls (overcount on the
   first stage); both are second order next to the mfu guess.
-* unique state per iteration (FFTrainer §4.2 "12 Phi / D for the Adam optimizer"): with the distributed
-  optimizer, fp32 main params + exp_avg + exp_avg_sq of this rank's shard,
-  ``12 * ceil(params_per_rank / (dp * cp))`` bytes. megatron-core shards the distributed optimizer over the
-  data-parallel-*with-context-parallel* group, so the shard factor is ``dp * cp`` (CP does not shard the
-  parameters themselves); the neighbor ring runs over the same group.
+* unique state per iteration (FFTrainer §4.2 "12 Phi / D for the Adam optimizer"): what the razor's
+  :func:`~neighbor_ckpt.snapshot.razor.disposition` calls unique of the weights, the fp32 main params and the
+  optimizer state. With the distributed optimizer that is the main params + exp_avg + exp_avg_sq of this rank's
+  shard, ``12 * ceil(params_per_rank / (dp * cp))`` bytes. megatron-core shards the distributed optimizer over
+  the data-parallel-*with-context-parallel* group, so the shard factor is ``dp * cp`` (CP does not shard the
+  parameters themselves); the neighbor ring runs over the same group, and it is the razor's DP size.
+* host memory per rank: the store's own footprint formula,
+  :func:`~neighbor_ckpt.snapshot.store.store_bytes_per_rank` (the one the preflight checks).
 * FFTrainer eq. 1-2: the snapshot hides inside one iteration when its transfer time does not exceed the
   compute time. We define ``fcr = compute_s / max(d2h_s, network_s)``; ``fcr >= 1`` means it hides. This
   matches the paper's prose: higher GPU FLOPS lower FCR, longer sequences and larger batches raise it,
@@ -24,7 +27,8 @@ paper's formulas did not survive text extraction):
   bottleneck: the parameter count cancels).
 
 Failure/goodput arithmetic (FlashRecovery eq. 1-4, FFTrainer eq. 3-5, Table 2) is in
-:mod:`neighbor_ckpt.planning.goodput` and re-exported here.
+:mod:`neighbor_ckpt.planning.goodput` and re-exported here. Inputs are checked with
+:mod:`neighbor_ckpt.validation`: every problem of a call is one line of one ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -35,16 +39,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.planning.goodput import (LossBreakdown, cluster_mtbf, goodput_loss, loss_breakdown, mfu_loss,
                                        min_goodput_loss, monte_carlo_p_unrecoverable, node_failure_probability,
                                        optimal_interval, p_cluster_failure, p_k_node_failures, p_recovery,
                                        p_unrecoverable, ring_nodes_for)
+from neighbor_ckpt.snapshot.razor import Disposition, StateKind, disposition
+from neighbor_ckpt.snapshot.store import MIN_EXTRAS_BYTES, store_bytes_per_rank
+from neighbor_ckpt.validation import Problems, validate
 
 __all__ = [
     "ModelShape", "Hardware", "Parallelism", "RankClassPlan", "JobPlan", "plan_job", "PRESETS", "HARDWARE",
-    "OPTIMIZER_STATE_BYTES", "EXTRAS_BYTES",
-    # re-exported from planner_sim
+    "OPTIMIZER_STATE_BYTES",
+    # re-exported from goodput
     "LossBreakdown", "cluster_mtbf", "loss_breakdown", "goodput_loss", "mfu_loss", "optimal_interval",
     "min_goodput_loss", "p_cluster_failure", "node_failure_probability", "p_k_node_failures", "ring_nodes_for",
     "p_unrecoverable", "monte_carlo_p_unrecoverable", "p_recovery",
@@ -55,20 +61,6 @@ log = logging.getLogger(__name__)
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adam": 8, "sgd": 4}
 """fp32 optimizer state per parameter, besides the master copy: Adam's exp_avg + exp_avg_sq, SGD's momentum."""
 
-EXTRAS_BYTES = 1 << 20
-"""Allowance per snapshot for small per-rank state (RNG states, counters, scheduler, data position, headers)."""
-
-
-def _int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _num(owner: str, name: str, value: Any, *, upper: float | None = None) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-    if not ok or (upper is not None and value > upper):
-        bound = f" and <= {upper}" if upper is not None else ""
-        raise ConfigError(f"{owner}.{name} must be a positive number{bound}, got {value!r}")
 
 
 # -- model -------------------------------------------------------------------------------------------------
@@ -116,22 +108,22 @@ class ModelShape:
     """``learned_absolute`` adds a ``seq_length x hidden_size`` table (replicated across TP); ``rope`` none."""
 
     def __post_init__(self) -> None:
+        validate(self, "ModelShape")
+
+    def _check(self, p: Problems) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
                      "seq_length"):
-            _int("ModelShape", name, getattr(self, name))
+            p.integer(name, getattr(self, name))
         if self.num_query_groups is not None:
-            _int("ModelShape", "num_query_groups", self.num_query_groups)
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"ModelShape.hidden_size={self.hidden_size} is not divisible by "
-                              f"num_attention_heads={self.num_attention_heads}")
-        if self.num_attention_heads % self.query_groups:
-            raise ConfigError(f"ModelShape.num_attention_heads={self.num_attention_heads} is not divisible by "
-                              f"num_query_groups={self.num_query_groups}")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ConfigError(f"ModelShape.normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
-        if self.position_embedding not in ("learned_absolute", "rope"):
-            raise ConfigError("ModelShape.position_embedding must be 'learned_absolute' or 'rope', "
-                              f"got {self.position_embedding!r}")
+            p.integer("num_query_groups", self.num_query_groups)
+        p.one_of("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        p.one_of("position_embedding", self.position_embedding, ("learned_absolute", "rope"))
+        if p.ok("hidden_size", "num_attention_heads"):
+            p.check(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+                    f"{self.hidden_size} is not divisible by num_attention_heads = {self.num_attention_heads}")
+        if p.ok("num_attention_heads", "num_query_groups"):
+            p.check(self.num_attention_heads % self.query_groups == 0, "num_query_groups",
+                    f"{self.num_query_groups} does not divide num_attention_heads = {self.num_attention_heads}")
 
     @property
     def query_groups(self) -> int:
@@ -142,12 +134,15 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def _check_tp(self, tp: int) -> None:
-        _int("Parallelism", "tp", tp)
-        for name, value in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.query_groups),
-                            ("ffn_hidden_size", self.ffn_hidden_size), ("vocab_size", self.vocab_size)):
-            if value % tp:
-                raise ConfigError(f"tensor parallelism tp={tp} does not divide ModelShape.{name}={value}")
+    def check_split(self, p: Problems, tp: int, pp: int) -> None:
+        """Record in ``p`` (keys ``tp``, ``pp``) whether ``tp`` x ``pp`` ranks can hold this model."""
+        if p.integer("tp", tp):
+            for name, value in (("num_attention_heads", self.num_attention_heads),
+                                ("num_query_groups", self.query_groups), ("ffn_hidden_size", self.ffn_hidden_size),
+                                ("vocab_size", self.vocab_size)):
+                p.check(value % tp == 0, "tp", f"{tp} does not divide ModelShape.{name} = {value}")
+        if p.integer("pp", pp):
+            p.check(self.num_layers % pp == 0, "pp", f"{pp} does not divide ModelShape.num_layers = {self.num_layers}")
 
     def _layer(self, tp: int) -> tuple[int, int]:
         """(params split over TP held by one TP rank, params replicated on every TP rank) of one layer."""
@@ -170,10 +165,9 @@ class ModelShape:
         is absent when embeddings are shared and ``pp == 1`` but is a full copy of the word embedding on the
         last stage when they are shared and ``pp > 1``. Layers are split evenly over the stages.
         """
-        self._check_tp(tp)
-        _int("Parallelism", "pp", pp)
-        if self.num_layers % pp:
-            raise ConfigError(f"pipeline parallelism pp={pp} does not divide ModelShape.num_layers={self.num_layers}")
+        p = Problems()
+        self.check_split(p, tp, pp)
+        p.raise_if_any()
         h = self.hidden_size
         split, replicated = self._layer(tp)
         per_layer = split + replicated
@@ -245,10 +239,13 @@ class Hardware:
     """GPUs (training processes) per node."""
 
     def __post_init__(self) -> None:
+        validate(self, "Hardware")
+
+    def _check(self, p: Problems) -> None:
         for name in ("gpu_tflops", "pcie_gbytes_per_s", "nic_gbits_per_s", "host_memory_gb", "shm_gb"):
-            _num("Hardware", name, getattr(self, name))
-        _num("Hardware", "mfu", self.mfu, upper=1.0)
-        _int("Hardware", "gpus_per_node", self.gpus_per_node)
+            p.positive(name, getattr(self, name))
+        p.positive("mfu", self.mfu, upper=1.0)
+        p.integer("gpus_per_node", self.gpus_per_node)
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -294,13 +291,16 @@ class Parallelism:
     """Sequences per optimizer step over all DP ranks; None: ``micro_batch_size * dp`` (no accumulation)."""
 
     def __post_init__(self) -> None:
+        validate(self, "Parallelism")
+
+    def _check(self, p: Problems) -> None:
         for name in ("tp", "pp", "cp", "dp", "micro_batch_size"):
-            _int("Parallelism", name, getattr(self, name))
-        if self.global_batch_size is not None:
-            _int("Parallelism", "global_batch_size", self.global_batch_size)
-            if self.global_batch_size % (self.micro_batch_size * self.dp):
-                raise ConfigError(f"Parallelism.global_batch_size={self.global_batch_size} is not divisible by "
-                                  f"micro_batch_size * dp = {self.micro_batch_size} * {self.dp}")
+            p.integer(name, getattr(self, name))
+        if self.global_batch_size is not None and p.integer("global_batch_size", self.global_batch_size) \
+                and p.ok("micro_batch_size", "dp"):
+            p.check(self.global_batch_size % (self.micro_batch_size * self.dp) == 0, "global_batch_size",
+                    f"{self.global_batch_size} is not divisible by micro_batch_size x dp = {self.micro_batch_size} x "
+                    f"{self.dp}")
 
     @property
     def world_size(self) -> int:
@@ -339,12 +339,12 @@ class RankClassPlan:
     """Parameters held by one rank (one TP rank of the stage; CP and DP replicate them)."""
 
     unique_payload_bytes: int
-    """Unique tensor bytes snapshotted per iteration. Distributed optimizer: ``12 * ceil(params / (dp*cp))``
-    for Adam (fp32 main param + exp_avg + exp_avg_sq). Replicated optimizer: 0 when DP x CP > 1 (all of it is
-    redundant), otherwise everything (weights + master + state)."""
+    """Unique tensor bytes snapshotted per iteration (the razor's unique dispositions). Distributed optimizer:
+    ``12 * ceil(params / (dp*cp))`` for Adam (fp32 main param + exp_avg + exp_avg_sq). Replicated optimizer: 0
+    when DP x CP > 1 (all of it is redundant), otherwise everything (weights + master + state)."""
 
     extras_bytes: int
-    """Allowance for the small per-rank state carried in every snapshot (RNG, counters, data position)."""
+    """Small per-rank state carried in every snapshot (RNG, counters, data position), counted in its transfer."""
 
     lazy_backup_bytes: int
     """Replicated optimizer only: redundant state written at failure time by one live holder per DP group
@@ -352,8 +352,9 @@ class RankClassPlan:
     reserves room."""
 
     host_memory_bytes: int
-    """Host (shared) memory one rank needs: ``versions`` own slots + ``versions`` replica slots of
-    ``unique_bytes`` each, plus the lazy-backup room."""
+    """Host (shared) memory one rank needs: :func:`~neighbor_ckpt.snapshot.store.store_bytes_per_rank`, i.e.
+    ``versions`` own + ``versions`` replica slots (header allowance + unique payload + extras region) plus one
+    lazy-backup slot when there is redundant state."""
 
     d2h_seconds: float
     """``unique_bytes / pcie``: device-to-host copy time of one snapshot."""
@@ -479,7 +480,7 @@ def _stage_kinds(pp: int) -> list[tuple[str, list[int]]]:
 
 def plan_job(model: ModelShape, parallel: Parallelism, hw: Hardware, *, versions: int = 2,
              optimizer: Literal["adam", "sgd"] = "adam", master_dtype_bytes: int = 4, param_dtype_bytes: int = 2,
-             extras_bytes: int = EXTRAS_BYTES) -> JobPlan:
+             extras_bytes: int | None = None) -> JobPlan:
     """Plan the per-iteration neighbor snapshot of every kind of rank (see the module docstring).
 
     Args:
@@ -488,20 +489,29 @@ def plan_job(model: ModelShape, parallel: Parallelism, hw: Hardware, *, versions
         optimizer: ``adam`` (2 fp32 states per parameter) or ``sgd`` (momentum: 1).
         master_dtype_bytes: bytes of the optimizer's master copy of a parameter (fp32: 4).
         param_dtype_bytes: bytes of a model weight as trained (bf16: 2); lazy backups only.
-        extras_bytes: allowance per snapshot for small per-rank state.
+        extras_bytes: small per-rank state per snapshot (``store.extras_capacity_mb``); None: the store's smallest
+            extras region, :data:`~neighbor_ckpt.snapshot.store.MIN_EXTRAS_BYTES`. 0 leaves it out of the transfer
+            times; the host memory always budgets the region the store allocates.
+
+    Raises:
+        ConfigError: one line per bad argument, or per way the model does not split over ``parallel``.
     """
-    _int("plan_job", "versions", versions)
-    _int("plan_job", "master_dtype_bytes", master_dtype_bytes)
-    _int("plan_job", "param_dtype_bytes", param_dtype_bytes)
-    _int("plan_job", "extras_bytes", extras_bytes, minimum=0)
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ConfigError(f"plan_job.optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    problems = Problems()
+    args = problems.at("plan_job")
+    args.integer("versions", versions)
+    args.integer("master_dtype_bytes", master_dtype_bytes)
+    args.integer("param_dtype_bytes", param_dtype_bytes)
+    if extras_bytes is not None:
+        args.integer("extras_bytes", extras_bytes, minimum=0)
+    args.one_of("optimizer", optimizer, OPTIMIZER_STATE_BYTES)
     p = parallel
-    if p.cp > 1 and model.seq_length % (2 * p.cp):
-        raise ConfigError(f"context parallelism cp={p.cp} needs ModelShape.seq_length={model.seq_length} "
-                          f"divisible by 2 * cp")
+    layout = problems.at("Parallelism")
+    model.check_split(layout, p.tp, p.pp)
+    layout.check(p.cp == 1 or model.seq_length % (2 * p.cp) == 0, "cp",
+                 f"{p.cp} needs ModelShape.seq_length = {model.seq_length} divisible by 2 x cp")
+    problems.raise_if_any()
+    extras = MIN_EXTRAS_BYTES if extras_bytes is None else extras_bytes
     per_stage = model.params_per_stage(p.tp, p.pp)
-    optim_bytes = master_dtype_bytes + OPTIMIZER_STATE_BYTES[optimizer]  # 12 for Adam with an fp32 master
     shard = p.shard_factor
     tokens = p.micro_batch_size * p.grad_accum * model.seq_length / p.cp
     flops = hw.gpu_tflops * 1e12 * hw.mfu
@@ -511,18 +521,20 @@ def plan_job(model: ModelShape, parallel: Parallelism, hw: Hardware, *, versions
     classes = []
     for kind, stages in _stage_kinds(p.pp):
         params = max(per_stage[s] for s in stages)  # middle stages are identical
-        if p.distributed_optimizer:
-            payload, lazy = optim_bytes * -(-params // shard), 0
-        elif shard == 1:  # nothing redundant: weights, master and state are all unique
-            payload, lazy = (param_dtype_bytes + optim_bytes) * params, 0
-        else:
-            payload, lazy = 0, (param_dtype_bytes + optim_bytes) * params
-        unique = payload + extras_bytes
+        held = -(-params // shard) if p.distributed_optimizer else params  # the optimizer's params on this rank
+        state_bytes = {StateKind.WEIGHT: param_dtype_bytes * params, StateKind.MAIN_PARAM: master_dtype_bytes * held,
+                       StateKind.OPTIMIZER: OPTIMIZER_STATE_BYTES[optimizer] * held}
+        by = {d: 0 for d in Disposition}
+        for state, nbytes in state_bytes.items():
+            by[disposition(state, dp_size=shard, distributed_optimizer=p.distributed_optimizer)] += nbytes
+        payload, lazy = by[Disposition.UNIQUE], by[Disposition.LAZY]
+        unique = payload + extras
         classes.append(RankClassPlan(
             kind=kind, stages=len(stages), ranks=len(stages) * p.tp * p.cp * p.dp, params_per_rank=params,
-            unique_payload_bytes=payload, extras_bytes=extras_bytes, lazy_backup_bytes=lazy,
-            host_memory_bytes=2 * versions * unique + lazy, d2h_seconds=unique / pcie, network_seconds=unique / nic,
-            compute_seconds=6 * params * tokens / flops))
+            unique_payload_bytes=payload, extras_bytes=extras, lazy_backup_bytes=lazy,
+            host_memory_bytes=store_bytes_per_rank(unique_bytes=payload, lazy_bytes=lazy, versions=versions,
+                                                   extras_bytes=extras_bytes),
+            d2h_seconds=unique / pcie, network_seconds=unique / nic, compute_seconds=6 * params * tokens / flops))
 
     plan_warnings = []
     ranks_per_node = min(hw.gpus_per_node, p.world_size)

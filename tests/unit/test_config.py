@@ -34,7 +34,7 @@ def test_defaults():
                                   cleanup_on_success=True)
     assert c.ring == RingConfig(policy="cross_node")
     assert c.transport == TransportConfig(enabled=True, chunk_mb=16.0, timeout_s=120.0, wait_for_replica=True,
-                                          rate_limit_mbps=0.0)
+                                          rate_limit_mb_per_s=0.0)
     assert c.lazy_backup == LazyBackupConfig(enabled=True)
     assert c.insurance == InsuranceConfig(every_n_steps=0, dirpath=None)
     assert c.resolved_store_dir() == Path("/dev/shm/neighbor_ckpt")
@@ -86,13 +86,13 @@ neighbor_ckpt:
     versions: 4
   transport:
     chunk_mb: 4.5
-    rate_limit_mbps: 100
+    rate_limit_mb_per_s: 100
   ring:
     policy: next
 """)
     c = NeighborCkptConfig.from_yaml(p)
     assert c.job_id == "exp42" and c.store.dir == "/dev/shm/me" and c.store.versions == 4
-    assert c.transport.chunk_mb == 4.5 and c.transport.rate_limit_mbps == 100.0
+    assert c.transport.chunk_mb == 4.5 and c.transport.rate_limit_mb_per_s == 100.0
     assert c.ring.policy == "next"
     assert NeighborCkptConfig.from_yaml(str(p)) == c
 
@@ -156,6 +156,65 @@ def test_unknown_keys_of_mixed_types_are_rejected_with_config_error(tmp_path):
         NeighborCkptConfig.from_yaml(p)
 
 
+def test_the_old_megabits_looking_key_names_its_new_name(tmp_path):
+    p = write_yaml(tmp_path, "neighbor_ckpt:\n  transport:\n    rate_limit_mbps: 100\n")
+    with pytest.raises(ConfigError, match=r"^neighbor_ckpt\.transport\.rate_limit_mbps: renamed to rate_limit_mb_per_s"):
+        NeighborCkptConfig.from_yaml(p)
+
+
+# -- every problem at once ----------------------------------------------------------------------------------------
+
+
+THREE_PROBLEMS = """
+neighbor_ckpt:
+  store:
+    versions: 1
+  transport:
+    chunk_mbb: 4
+  detector:
+    interval_s: 2.0
+    timeout_s: 1.0
+"""
+
+
+def test_a_yaml_file_with_three_problems_reports_three_lines_with_their_key_paths(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        NeighborCkptConfig.from_yaml(write_yaml(tmp_path, THREE_PROBLEMS))
+    lines = str(ei.value).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("neighbor_ckpt.transport.chunk_mbb: unknown key (allowed keys of neighbor_ckpt.transport")
+    assert lines[1] == "neighbor_ckpt.store.versions: 1 must be >= 2"
+    assert lines[2].startswith("neighbor_ckpt.detector.timeout_s: 1.0 must exceed detector.interval_s (2.0)")
+
+
+def test_a_dict_with_three_problems_reports_three_lines_with_their_key_paths():
+    with pytest.raises(ConfigError) as ei:
+        NeighborCkptConfig.from_dict({"enabled": "yes", "transport": {"chunk_mb": 0}, "insurance": {"every": 1}},
+                                     path="ckpt")
+    assert str(ei.value).splitlines() == [
+        "ckpt.enabled: expected true or false, got 'yes'",
+        "ckpt.insurance.every: unknown key (allowed keys of ckpt.insurance: dirpath, every_n_steps)",
+        "ckpt.transport.chunk_mb: 0.0 must be > 0",
+    ]
+
+
+def test_direct_construction_reports_every_range_problem():
+    with pytest.raises(ConfigError) as ei:
+        NeighborCkptConfig(store=StoreConfig(versions=1), insurance=InsuranceConfig(every_n_steps=-1),
+                           transport=TransportConfig(rate_limit_mb_per_s=-1.0))
+    assert str(ei.value).splitlines() == [
+        "neighbor_ckpt.store.versions: 1 must be >= 2",
+        "neighbor_ckpt.transport.rate_limit_mb_per_s: -1.0 must be >= 0 (0 = unlimited)",
+        "neighbor_ckpt.insurance.every_n_steps: -1 must be >= 0 (0 = off)",
+    ]
+
+
+def test_a_value_of_the_wrong_type_is_not_also_reported_out_of_range():
+    with pytest.raises(ConfigError) as ei:
+        NeighborCkptConfig.from_dict({"detector": {"interval_s": "fast"}})
+    assert str(ei.value) == "neighbor_ckpt.detector.interval_s: expected a number, got 'fast'"
+
+
 def test_config_error_is_a_value_error_and_a_neighbor_ckpt_error():
     assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, NeighborCkptError)
     with pytest.raises(ValueError):
@@ -197,7 +256,7 @@ def test_optional_string_accepts_null():
     ({"transport": {"chunk_mb": 0}}, "neighbor_ckpt.transport.chunk_mb"),
     ({"transport": {"chunk_mb": -1.0}}, "neighbor_ckpt.transport.chunk_mb"),
     ({"transport": {"timeout_s": 0}}, "neighbor_ckpt.transport.timeout_s"),
-    ({"transport": {"rate_limit_mbps": -0.5}}, "neighbor_ckpt.transport.rate_limit_mbps"),
+    ({"transport": {"rate_limit_mb_per_s": -0.5}}, "neighbor_ckpt.transport.rate_limit_mb_per_s"),
     ({"insurance": {"every_n_steps": -1}}, "neighbor_ckpt.insurance.every_n_steps"),
 ])
 def test_out_of_range_values_are_rejected_with_the_key_path(data, path):
@@ -212,7 +271,7 @@ def test_out_of_range_values_are_rejected_when_constructing_directly():
 
 @pytest.mark.parametrize("value", [0.0, 0, 250])
 def test_rate_limit_zero_means_unlimited_and_is_accepted(value):
-    assert NeighborCkptConfig.from_dict({"transport": {"rate_limit_mbps": value}}).transport.rate_limit_mbps == value
+    assert NeighborCkptConfig.from_dict({"transport": {"rate_limit_mb_per_s": value}}).transport.rate_limit_mb_per_s == value
 
 
 def test_range_errors_use_the_section_name_they_were_read_from(tmp_path):
@@ -287,7 +346,7 @@ def test_job_id_is_made_safe_for_a_directory_name(monkeypatch, raw, safe):
 
 def test_to_dict_round_trips_through_from_dict():
     c = NeighborCkptConfig.from_dict({"job_id": "j", "store": {"versions": 3, "checksum": "none"},
-                                      "ring": {"policy": "next"}, "transport": {"rate_limit_mbps": 5},
+                                      "ring": {"policy": "next"}, "transport": {"rate_limit_mb_per_s": 5},
                                       "insurance": {"dirpath": "/x", "every_n_steps": 7}})
     d = c.to_dict()
     assert d["store"]["versions"] == 3 and d["ring"] == {"policy": "next"}

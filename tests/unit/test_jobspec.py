@@ -64,21 +64,71 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_a_bad_config_gives_one_clear_line(case: str) -> None:
+def test_a_bad_config_gives_one_clear_line_per_problem(case: str) -> None:
     overrides, expected = BAD[case]
     with pytest.raises(ConfigError) as e:
         load_job(REPO / "configs/gpt_tiny_cpu.yaml", overrides)
-    assert expected in str(e.value)
-    assert "\n" not in str(e.value)
+    lines = str(e.value).splitlines()
+    assert any(expected in line for line in lines), lines
+    assert all(line.startswith(("config.", "override ")) for line in lines), lines
 
 
-def test_the_command_prints_one_error_line_and_exits_2_before_starting_anything(tmp_path: Path) -> None:
+def test_a_job_file_with_three_problems_reports_three_lines_with_their_key_paths(tmp_path: Path) -> None:
+    doc = yaml.safe_load((REPO / "configs/gpt_tiny_cpu.yaml").read_text())
+    doc["trainer"]["max_steps"] = "many"  # a type problem, found while reading
+    doc["launch"]["max_restartz"] = 2  # an unknown key, found while reading
+    doc["neighbor_ckpt"]["detector"] = {"interval_s": 0}  # a range problem, found by the section's rules
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(ConfigError) as e:
+        load_job(bad)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0] == "config.trainer.max_steps: expected an integer, got 'many'"
+    assert lines[1].startswith("config.launch.max_restartz: unknown key (allowed keys of config.launch: log_dir, ")
+    assert lines[2] == "config.neighbor_ckpt.detector.interval_s: 0.0 must be > 0"
+
+
+def test_overrides_add_their_problems_to_the_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["trainer.max_steps=-1", "neighbor_ckpt.store.versions=1",
+                                                      "model.num_layers=3", "parallelism.pipeline=2",
+                                                      "trainer.devices=8"])
+    assert str(e.value).splitlines() == [
+        "config.trainer.max_steps: -1 must be >= 1",
+        "config.neighbor_ckpt.store.versions: 1 must be >= 2",
+        "config.parallelism.pipeline: 2 does not divide model.num_layers = 3",
+    ]
+
+
+def test_a_rule_across_sections_waits_for_the_keys_it_reads() -> None:
+    """tensor=0 is one problem; the rules that divide by it (world size, heads) do not run and add nothing."""
+    with pytest.raises(ConfigError) as e:
+        load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["parallelism.tensor=0"])
+    assert str(e.value) == "config.parallelism.tensor: 0 must be >= 1"
+
+
+def test_the_planners_model_rules_apply_to_the_model_section_under_its_key_paths() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["model.hidden_size=66", "hardware.mfu=1.5"])
+    assert str(e.value).splitlines() == [
+        "config.model.hidden_size: 66 is not divisible by num_attention_heads = 4",
+        "config.hardware.mfu: 1.5 must be a positive finite number <= 1.0",
+    ]
+
+
+def test_the_command_prints_one_line_per_problem_and_exits_2_before_starting_anything(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "launch", str(REPO / "configs/gpt_tiny_cpu.yaml"),
-                           "parallelism.tensor=3", "--run-dir", str(tmp_path / "run")],
+                           "parallelism.tensor=3", "trainer.max_steps=-1", "neighbor_ckpt.store.versions=1",
+                           "--run-dir", str(tmp_path / "run")],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(lines) == 1 and lines[0].startswith("neighbor-ckpt: error: config.parallelism:"), proc.stderr
+    lines = proc.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("neighbor-ckpt: error: "))
+    problems = [lines[first].removeprefix("neighbor-ckpt: error: ")] + lines[first + 1:]
+    assert [line.split(":")[0] for line in problems] == [
+        "config.trainer.max_steps", "config.neighbor_ckpt.store.versions", "config.parallelism",
+        "config.parallelism.tensor"], proc.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -146,7 +196,11 @@ def test_plan_of_llama3_70b_matches_a_hand_computation() -> None:
         row = rows[kind]
         assert row["params_per_rank"] == params
         assert row["unique_payload_bytes"] == 12 * params // (4 * 2)  # fp32 main + exp_avg + exp_avg_sq / (DP x CP)
-        assert row["host_memory_bytes"] == 4 * row["unique_bytes"]  # 2 own + 2 replica versions
+        payload = row["unique_payload_bytes"]
+        assert row["unique_bytes"] == payload + 65_536  # the store's smallest extras region (64 KiB) travels too
+        # one slot file: 64 B preamble + 1 MiB header allowance rounded up to a 4 KiB page (1,052,672), the payload
+        # rounded up to 64 B, the 64 KiB extras region, a 64 B commit marker; 2 own + 2 replica versions
+        assert row["host_memory_bytes"] == 4 * (1_052_672 + -(-payload // 64) * 64 + 65_536 + 64)
         assert row["d2h_seconds"] == pytest.approx(row["unique_bytes"] / 50e9)  # H100 PCIe preset
         assert row["network_seconds"] == pytest.approx(row["unique_bytes"] * 8 / 400e9)  # 400 Gb/s per GPU
         tokens = 1 * (512 // (1 * 4)) * 8192 // 2  # micro x grad-accum x seq / CP

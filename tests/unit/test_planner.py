@@ -17,6 +17,15 @@ from neighbor_ckpt.planning.planner import (HARDWARE, PRESETS, Parallelism, good
 
 HOUR = 3600.0
 
+EXTRAS_REGION = 64 << 10
+"""The store's smallest extras region (64 KiB): what a slot reserves when the config sets no extras capacity."""
+
+
+def slot_file_bytes(payload: int) -> int:
+    """One slot file of the host store, by hand: a 64 B preamble plus the 1 MiB header allowance, rounded up to a
+    4 KiB page (1,052,672 B); the payload rounded up to 64 B; the 64 KiB extras region; a 64 B commit marker."""
+    return 1_052_672 + -(-payload // 64) * 64 + EXTRAS_REGION + 64
+
 
 def sig2(x: float) -> float:
     """``x`` rounded to two significant digits."""
@@ -87,14 +96,19 @@ def test_untied_embeddings_put_the_output_layer_on_the_last_stage():
     assert tied.total_params() == m.total_params() - 128 * 64
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(tp=3, pp=1), "tp=3"),
-    (dict(tp=1, pp=3), "pp=3"),
-    (dict(tp=4, pp=1), "num_query_groups=2"),
+@pytest.mark.parametrize("kwargs, lines", [
+    (dict(tp=3, pp=1), ["tp: 3 does not divide ModelShape.num_attention_heads = 4",
+                        "tp: 3 does not divide ModelShape.num_query_groups = 2",
+                        "tp: 3 does not divide ModelShape.ffn_hidden_size = 176",
+                        "tp: 3 does not divide ModelShape.vocab_size = 128"]),
+    (dict(tp=1, pp=3), ["pp: 3 does not divide ModelShape.num_layers = 2"]),
+    (dict(tp=4, pp=1), ["tp: 4 does not divide ModelShape.num_query_groups = 2"]),
+    (dict(tp=0, pp=3), ["tp: 0 must be an integer >= 1", "pp: 3 does not divide ModelShape.num_layers = 2"]),
 ])
-def test_bad_splits_are_config_errors(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+def test_bad_splits_are_config_errors_with_one_line_per_problem(kwargs, lines):
+    with pytest.raises(ConfigError) as e:
         PRESETS["llama_tiny"].params_per_stage(**kwargs)
+    assert str(e.value).splitlines() == lines
 
 
 def test_bad_model_shapes_are_config_errors():
@@ -114,12 +128,31 @@ def test_bad_model_shapes_are_config_errors():
 def test_parallelism_validation_names_the_values():
     assert Parallelism(dp=4, micro_batch_size=2, global_batch_size=32).grad_accum == 4
     assert Parallelism(dp=4).grad_accum == 1
-    with pytest.raises(ConfigError, match=r"global_batch_size=30.*2 \* 4"):
+    with pytest.raises(ConfigError, match=r"^Parallelism\.global_batch_size: 30 is not divisible by .* = 2 x 4$"):
         Parallelism(dp=4, micro_batch_size=2, global_batch_size=30)
     with pytest.raises(ConfigError, match="Parallelism.tp"):
         Parallelism(tp=0)
     with pytest.raises(ConfigError, match="Parallelism.dp"):
         Parallelism(dp=True)
+
+
+def test_planner_inputs_with_three_problems_report_three_lines_with_their_key_paths():
+    with pytest.raises(ConfigError) as e:
+        Parallelism(tp=0, cp=1.5, global_batch_size=-8)
+    assert str(e.value).splitlines() == ["Parallelism.tp: 0 must be an integer >= 1",
+                                         "Parallelism.cp: 1.5 must be an integer >= 1",
+                                         "Parallelism.global_batch_size: -8 must be an integer >= 1"]
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(HARDWARE["h100"], mfu=1.5, shm_gb=0, gpus_per_node=0)
+    assert str(e.value).splitlines() == ["Hardware.shm_gb: 0 must be a positive finite number",
+                                         "Hardware.mfu: 1.5 must be a positive finite number <= 1.0",
+                                         "Hardware.gpus_per_node: 0 must be an integer >= 1"]
+    with pytest.raises(ConfigError) as e:
+        plan_job(PRESETS["gpt_tiny"], Parallelism(pp=3), HARDWARE["cpu"], versions=0, optimizer="lion")
+    assert str(e.value).splitlines() == [
+        "plan_job.versions: 0 must be an integer >= 1",
+        "plan_job.optimizer: 'lion' is not allowed (allowed values: 'adam', 'sgd')",
+        "Parallelism.pp: 3 does not divide ModelShape.num_layers = 2"]
 
 
 def test_hardware_validation():
@@ -145,9 +178,9 @@ def test_distributed_optimizer_payload_is_exactly_12_bytes_per_param_over_dp_cp(
         assert c.params_per_rank == per_stage[stage]
         assert c.params_per_rank % 8 == 0
         assert c.unique_payload_bytes == 12 * c.params_per_rank // (4 * 2)
-        assert c.unique_bytes == c.unique_payload_bytes + c.extras_bytes
+        assert c.extras_bytes == EXTRAS_REGION and c.unique_bytes == c.unique_payload_bytes + EXTRAS_REGION
         assert c.lazy_backup_bytes == 0
-        assert c.host_memory_bytes == 2 * 2 * c.unique_bytes  # 2 versions x (own + replica)
+        assert c.host_memory_bytes == 2 * 2 * slot_file_bytes(c.unique_payload_bytes)  # 2 versions x (own + replica)
         assert c.d2h_seconds == pytest.approx(c.unique_bytes / 50e9)
         assert c.network_seconds == pytest.approx(c.unique_bytes / 50e9)  # 400 Gb/s
         tokens = 1 * 16 * 8192 / 2  # micro x grad-accum x seq / cp
@@ -161,7 +194,9 @@ def test_replicated_optimizer_snapshots_nothing_and_reserves_a_lazy_backup():
     assert c.kind == "all" and c.ranks == 4
     assert c.unique_payload_bytes == 0
     assert c.lazy_backup_bytes == (2 + 12) * m.total_params()
-    assert c.host_memory_bytes == 2 * 3 * c.extras_bytes + c.lazy_backup_bytes
+    # 3 versions x (own + replica) slots holding only the extras region, and one lazy-backup slot
+    assert c.host_memory_bytes == 2 * 3 * slot_file_bytes(0) + slot_file_bytes((2 + 12) * 79360)
+    assert c.host_memory_bytes == 6 * 1_118_272 + (1_052_672 + 1_111_040 + 65_536 + 64)
     assert math.isinf(c.fcr) or c.fcr > 1  # only the small extras travel
 
 
@@ -223,10 +258,17 @@ def test_table_and_dict():
     json.dumps(lazy.to_dict(), allow_nan=False)
 
 
+def test_the_config_extras_capacity_is_what_the_store_budgets_and_what_travels():
+    (c,) = plan_job(PRESETS["gpt_tiny"], Parallelism(), HARDWARE["cpu"], extras_bytes=1 << 20).classes
+    assert c.unique_bytes == 12 * 79360 + (1 << 20)
+    assert c.host_memory_bytes == 4 * (1_052_672 + 12 * 79360 + (1 << 20) + 64)  # 952,320 B payload: 64-aligned
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(versions=0), "versions"),
+    (dict(versions=0), "^plan_job.versions: 0 must be an integer >= 1$"),
     (dict(optimizer="lion"), "optimizer"),
     (dict(master_dtype_bytes=0), "master_dtype_bytes"),
+    (dict(extras_bytes=-1), "^plan_job.extras_bytes: -1 must be an integer >= 0$"),
 ])
 def test_plan_job_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -234,9 +276,9 @@ def test_plan_job_rejects_bad_arguments(kwargs, match):
 
 
 def test_plan_job_rejects_incompatible_layouts():
-    with pytest.raises(ConfigError, match="pp=3"):
+    with pytest.raises(ConfigError, match="^Parallelism.pp: 3 does not divide"):
         plan_job(PRESETS["gpt_tiny"], Parallelism(pp=3), HARDWARE["cpu"])
-    with pytest.raises(ConfigError, match="cp=3"):
+    with pytest.raises(ConfigError, match="^Parallelism.cp: 3 needs ModelShape.seq_length = 64"):
         plan_job(PRESETS["gpt_tiny"], Parallelism(cp=3), HARDWARE["cpu"])
 
 
@@ -315,6 +357,19 @@ def test_goodput_rejects_bad_inputs():
         optimal_interval(overhead_s=-1, node_mtbf_s=1)
 
 
+def test_simulator_inputs_with_three_problems_report_three_lines_with_their_key_paths():
+    with pytest.raises(ConfigError) as e:
+        loss_breakdown(interval_s=0, overhead_s=5, mttr_s=-1, node_mtbf_s=HOUR, nodes=0)
+    assert str(e.value).splitlines() == ["interval_s: 0 must be a positive finite number",
+                                         "mttr_s: -1 must be a non-negative finite number",
+                                         "nodes: 0 must be an integer >= 1"]
+    with pytest.raises(ConfigError) as e:
+        p_recovery(10, 4, ring_nodes=3, hours=-1, gpu_mtbf_hours=80000)
+    assert str(e.value).splitlines() == [
+        "ring_nodes: 3 does not divide nodes = 10: the node cycles must tile the nodes",
+        "hours: -1 must be a non-negative finite number"]
+
+
 # -- unrecoverable failures (FFTrainer eq. 3-5, Table 6) ----------------------------------------------------
 
 
@@ -365,11 +420,11 @@ def test_ring_nodes_for_megatron_layouts():
     assert ring_nodes_for(tp=16, cp=1, dp=4, gpus_per_node=8) == 4
     assert ring_nodes_for(tp=2, cp=1, dp=8, gpus_per_node=8) == 2  # 4 members per node
     assert ring_nodes_for(tp=2, cp=2, dp=2, gpus_per_node=8) == 1  # the whole ring on one node
-    with pytest.raises(ConfigError, match="tp=3"):
+    with pytest.raises(ConfigError, match="^tp: 3 neither divides"):
         ring_nodes_for(tp=3, cp=1, dp=8, gpus_per_node=8)
-    with pytest.raises(ConfigError, match="ring_nodes"):
+    with pytest.raises(ConfigError, match="^ring_nodes: 3 does not divide nodes = 10"):
         p_unrecoverable(10, 4, 2, ring_nodes=3)
-    with pytest.raises(ConfigError, match="k=11"):
+    with pytest.raises(ConfigError, match="^k: 11 failed nodes exceeds nodes = 10$"):
         p_unrecoverable(10, 10, 11)
 
 
