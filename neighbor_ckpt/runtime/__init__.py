@@ -5,5 +5,6 @@ behind), ``procs`` (process facts read through psutil; tagged harness processes)
 before the first slot is allocated), ``torchrun`` (the restart fix for torchrun's agent store), ``failpoints``
 (named places where a campaign can kill a process).
 
-The lowest layer beside :mod:`neighbor_ckpt.errors` and :mod:`neighbor_ckpt.config`: it may import only those.
+The lowest layer beside :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.validation` and :mod:`neighbor_ckpt.config`:
+it may import only those.
 """

@@ -6,6 +6,7 @@ bytes, never pickle), ``store`` (shared-memory slots: header, checksum, commit m
 ``engine`` (the background copy into a slot and the wait point), ``transport`` (the neighbor-ring interface and its
 gloo implementation), ``damage`` (deliberate slot damage for campaigns and tests).
 
-May import: :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.runtime.failpoints`.
+May import: :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.runtime` (failpoints,
+process facts).
 Nothing here knows about recovery, Lightning, NeMo or megatron-core.
 """
