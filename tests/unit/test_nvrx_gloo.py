@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -30,6 +33,14 @@ def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
 
 
 def test_socket_shutdown_frees_a_blocked_receive_and_keeps_the_store_port() -> None:
+    # In a child process: the shutdown takes down every established TCP connection of the process it runs in, and
+    # the pytest process holds other tests' stores and sockets.
+    proc = subprocess.run([sys.executable, "-c", "from tests.unit.test_nvrx_gloo import _shutdown_case; _shutdown_case()"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _shutdown_case() -> None:
     srv_a, blocked, peer_a = _pair()
     srv_k, kept, peer_k = _pair()
     got: list[bytes] = []
