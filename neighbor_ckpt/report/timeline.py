@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from neighbor_ckpt.runtime.procs import process_start
-from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile
+from neighbor_ckpt.snapshot.store import COMMIT_TIME_KEY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,6 @@ PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "reconcile", "tran
 EVENTS: tuple[str, ...] = ("last_snapshot", "failure_noticed", "process_start", "recovery_start", "reconcile_end",
                            "transfer_end", "restore_end", "first_step_end")
 """Job-wide events (unix seconds) that bound the phases."""
-
-COMMIT_TIME_KEY = "committed_unix"
-"""Header ``meta`` key of a slot: wall-clock time of its commit (written by the snapshot engine)."""
 
 _SKEW_NOTE_S = 1e-3
 _IMPORTED_AT = time.time()

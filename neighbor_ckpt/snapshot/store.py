@@ -53,6 +53,9 @@ PREAMBLE_BYTES = 64
 MARKER_BYTES = 64
 PAGE = 4096
 
+COMMIT_TIME_KEY = "committed_unix"
+"""Header ``meta`` key of a slot's commit time (wall clock): where a recovery timeline starts."""
+
 ROLE_OWN = "own"
 ROLE_REPLICA = "replica"
 ROLE_LAZY = "lazy"
@@ -539,13 +542,13 @@ class HostStore:
         :func:`~neighbor_ckpt.snapshot.engine.write_image` both end here.
 
         The header's ``meta`` is ``meta`` plus ``committed_unix``, the wall-clock time of the commit (where a
-        recovery timeline starts, :data:`neighbor_ckpt.report.timeline.COMMIT_TIME_KEY`)."""
+        recovery timeline starts, :data:`COMMIT_TIME_KEY`)."""
         jn, metas, en = slot.write_extras(extras_text, extras_tensors)
         psum, esum = slot.checksums(payload_nbytes, en) if self.use_checksum else (None, None)
         hdr = SlotHeader(job_id=self.job_id, owner_rank=self.rank, layout=layout, iteration=iteration, role=role,
                          payload_nbytes=payload_nbytes, payload_xxh3=psum, extras_json_nbytes=jn,
                          extras_tensors=metas, extras_nbytes=en, extras_xxh3=esum,
-                         meta=dict(meta, committed_unix=time.time()))
+                         meta={**meta, COMMIT_TIME_KEY: time.time()})
         slot.commit(hdr)
         return hdr
 
