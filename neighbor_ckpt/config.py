@@ -33,6 +33,7 @@ __all__ = [
     "ReportConfig",
     "DetectorConfig",
     "FaultInjectionConfig",
+    "InprocessConfig",
     "NeighborCkptConfig",
     "STORE_DIR_ENV",
     "JOB_ID_ENV",
@@ -232,6 +233,24 @@ class FaultInjectionConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class InprocessConfig:
+    """In-process recovery (:mod:`neighbor_ckpt.inprocess`, on NVIDIA's resiliency extension): after a failure
+    the surviving processes stay alive, abort and re-form their process groups and restore from their own host
+    slots; a hot spare takes a lost rank's place. When it cannot (no spare left, a failure during recovery), every
+    rank exits and the launcher's restart path recovers, as with this section off."""
+
+    enabled: bool = False
+    """Recover in process. Needs a launcher that keeps the surviving workers alive when one exits
+    (``neighbor-ckpt launch`` arranges it)."""
+
+    spares: int = 0
+    """Hot spare processes started with the job, idle until a rank is lost (on top of the job's ranks)."""
+
+    def _check(self, p: Problems) -> None:
+        p.at_least("spares", self.spares, 0)
+
+
+@dataclass(kw_only=True, slots=True)
 class NeighborCkptConfig:
     """Top-level configuration; the ``neighbor_ckpt:`` section of a YAML file."""
 
@@ -265,6 +284,14 @@ class NeighborCkptConfig:
 
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     """Demo / campaign fault injection (off by default)."""
+
+    inprocess: InprocessConfig = field(default_factory=InprocessConfig)
+    """In-process recovery with hot spares (off by default)."""
+
+    data_check: Literal["error", "warn", "off"] = "error"
+    """After a recovery, each rank compares a fingerprint of the replayed step's input with the one recorded
+    before the failure. error: a mismatch (the data position was not restored) stops the job; warn: it is
+    logged; off: no fingerprints."""
 
     def __post_init__(self) -> None:
         validate(self, "neighbor_ckpt")
