@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -100,14 +101,21 @@ def _launch(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from neighbor_ckpt.planning.jobspec import load_job
 
+    from neighbor_ckpt.planning.mttr import assumptions_for, estimate_both, format_mttr
+
     job = load_job(args.config, args.overrides)
     plan = job.plan()
+    assumptions = assumptions_for(plan.hardware.name)
+    mttr = estimate_both(plan, assumptions)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
+        print(json.dumps({**plan.to_dict(), "mttr": {m: e.to_dict() for m, e in mttr.items()},
+                          "mttr_assumptions": dataclasses.asdict(assumptions)}, indent=1))
         return 0
     print(plan.format_table())
     for w in plan.warnings:
         print(f"WARNING: {w}")
+    print()
+    print(format_mttr(mttr, assumptions))
     return 0
 
 
