@@ -7,11 +7,11 @@ May import: :mod:`neighbor_ckpt.snapshot` (the razor's vocabulary), :mod:`neighb
 inside ``megatron.py``, lazily.
 """
 
-from neighbor_ckpt.adapters.base import StateAdapter
+from neighbor_ckpt.adapters.base import StateAdapter, classify_buffers, declare_buffers
 from neighbor_ckpt.adapters.ddp import pin_bucket_layout
 from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter, ZeroOptimizerAdapter
 
-__all__ = ["StateAdapter", "pin_bucket_layout", "TorchOptimizerAdapter", "ZeroOptimizerAdapter",
+__all__ = ["StateAdapter", "declare_buffers", "classify_buffers", "pin_bucket_layout", "TorchOptimizerAdapter", "ZeroOptimizerAdapter",
            "MegatronOptimizerAdapter"]
 
 

@@ -14,6 +14,11 @@ tensor is replicated across DP ranks: the razor makes weights, main params and o
 The tensors handed to the engine are the live ones (main-param shards are views into mcore's contiguous
 param buffer under fp32 params): the engine resolves them once, so reading them allocates nothing per
 iteration. All megatron-core internals are read through :mod:`megatron_patches.optimizer_state`.
+
+Module buffers are classified by :func:`~neighbor_ckpt.adapters.base.classify_buffers`: a changing one (the MoE
+router's ``expert_bias``, updated from token counts every step; BatchNorm statistics) is staged by every rank every
+iteration and loaded on every rank (the distributed optimizer's regeneration rebuilds parameters only); a constant
+one (RoPE frequencies, non-persistent scratch such as ``local_tokens_per_expert``) is left as the model built it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neighbor_ckpt.adapters.base import StateAdapter
+from neighbor_ckpt.adapters.base import StateAdapter, buffer_tensors, classify_buffers, load_buffers
 from neighbor_ckpt.errors import SnapshotMismatchError
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta
 
@@ -67,6 +72,8 @@ class MegatronOptimizerAdapter(StateAdapter):
             for name, p in chunk.named_parameters():
                 self._names.setdefault(id(p), f"{ci}.{name}")
         self._states = [ms.param_states(p) for p in self.parts]
+        self.buffers = [b for ci, chunk in enumerate(self.chunks) for b in classify_buffers(chunk, prefix=f"{ci}.")]
+        """Every module buffer of every chunk with its kind, classified once."""
         covered = {id(s.model_param) for states in self._states for s in states}
         if self.distributed_optimizer:
             # Under the distributed optimizer a rank only steps the params its shard touches; the others are
@@ -106,6 +113,7 @@ class MegatronOptimizerAdapter(StateAdapter):
                 for key, v in inner_state.get(s.stepped, {}).items():
                     if isinstance(v, torch.Tensor):
                         out.append((TensorMeta.of(f"optim/{name}/{key}", StateKind.OPTIMIZER, v), v))
+        out += buffer_tensors(self.buffers)
         return out
 
     def layout_key(self) -> Any:
@@ -153,6 +161,7 @@ class MegatronOptimizerAdapter(StateAdapter):
                         if isinstance(v, torch.Tensor):
                             v.copy_(_need(tensors, f"optim/{name}/{key}"))
                     st.update(extras["scalars"].get(name, {}))
+        load_buffers(self.buffers, tensors)
         for part, groups in zip(self.parts, extras["param_groups"]):
             if len(groups) != len(part.optimizer.param_groups):
                 raise SnapshotMismatchError("snapshot has another number of optimizer param groups")

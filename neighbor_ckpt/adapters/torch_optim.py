@@ -5,6 +5,10 @@
 * :class:`ZeroOptimizerAdapter`: ``torch.distributed.optim.ZeroRedundancyOptimizer``. Each rank owns a
   partition of the parameters and their optimizer state: that partition is unique and snapshotted every
   iteration; every other weight is *regenerable* (broadcast from its owner at restore time).
+
+Both report module buffers as the razor's buffer kinds (:func:`~neighbor_ckpt.adapters.base.classify_buffers`):
+changing ones (BatchNorm statistics) are staged by every rank every iteration and loaded on every rank, constant ones
+are left as the model's constructor made them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neighbor_ckpt.adapters.base import StateAdapter
+from neighbor_ckpt.adapters.base import StateAdapter, buffer_tensors, classify_buffers, load_buffers
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -59,12 +63,21 @@ class TorchOptimizerAdapter(StateAdapter):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.buffers = classify_buffers(model)
+        """Every module buffer with its kind, classified once (a later ``eval()`` does not change the plan)."""
+        self._buffer_ids = {id(b) for _, b, _ in self.buffers}
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict entries that are not buffers (parameters, under their state_dict names)."""
+        return {k: v for k, v in self.model.state_dict(keep_vars=True).items()
+                if isinstance(v, torch.Tensor) and id(v) not in self._buffer_ids}
 
     def named_tensors(self) -> list[tuple[TensorMeta, torch.Tensor]]:
         out: list[tuple[TensorMeta, torch.Tensor]] = []
-        for k, v in self.model.state_dict(keep_vars=True).items():
+        for k, v in self._weights().items():
             t = v.detach()
             out.append((TensorMeta.of(f"model/{k}", StateKind.WEIGHT, t), t))
+        out += buffer_tensors(self.buffers)
         tensors, _ = _split_optimizer_state(self.optimizer.state_dict(), "optim")
         for name, t in tensors:
             out.append((TensorMeta.of(name, StateKind.OPTIMIZER, t), t))
@@ -77,12 +90,13 @@ class TorchOptimizerAdapter(StateAdapter):
     def load(self, tensors: Mapping[str, torch.Tensor], extras: Mapping[str, Any]) -> None:
         model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
         with torch.no_grad():
-            live = self.model.state_dict(keep_vars=True)
+            live = self._weights()
             missing = sorted(set(live) - set(model_sd))
             if missing:
                 raise KeyError(f"restored state lacks model tensors {missing[:5]}")
             for k, v in live.items():
                 v.detach().copy_(model_sd[k])
+        load_buffers(self.buffers, tensors)
         self.optimizer.load_state_dict(_fill_skeleton(extras["optimizer"], tensors))
 
 
@@ -99,6 +113,9 @@ class ZeroOptimizerAdapter(StateAdapter):
         self.model = model
         self.optimizer = optimizer
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self.buffers = classify_buffers(model)
+        """Every module buffer with its kind, classified once. Changing buffers are not regenerable (ZeRO's
+        parameter sync does not carry them): every rank stages and loads its own."""
 
     def _owned(self) -> list[tuple[str, nn.Parameter]]:
         rank = self.optimizer.rank
@@ -113,8 +130,7 @@ class ZeroOptimizerAdapter(StateAdapter):
         for name, p in self.model.named_parameters():
             if id(p) not in owned_ids:
                 out.append((TensorMeta.of(f"model/{name}", StateKind.WEIGHT, p.detach()), p.detach()))
-        for name, b in self.model.named_buffers():
-            out.append((TensorMeta.of(f"buffer/{name}", StateKind.WEIGHT, b), b))
+        out += buffer_tensors(self.buffers)
         tensors, _ = _split_optimizer_state(self.optimizer.optim.state_dict(), "optim")
         for name, t in tensors:
             out.append((TensorMeta.of(name, StateKind.OPTIMIZER, t), t))
@@ -131,6 +147,7 @@ class ZeroOptimizerAdapter(StateAdapter):
         with torch.no_grad():
             for name, p in self._owned():
                 p.detach().copy_(tensors[f"main/{name}"])
+        load_buffers(self.buffers, tensors)
         self.optimizer.optim.load_state_dict(_fill_skeleton(extras["optimizer"], tensors))
         for group, saved in zip(self.optimizer.param_groups, extras["param_groups"]):
             group.update(saved)

@@ -8,7 +8,14 @@ A pure function from tensor metadata + the data-parallel layout to a frozen :cla
 * model weights are redundant when DP > 1: *regenerable* under a distributed optimizer (rebuilt from the
   fp32 main-param shards), otherwise *lazy* (written once, at failure time, by one live rank per DP group);
 * optimizer state and main params are unique when sharded by a distributed optimizer (the shard of this
-  DP rank: 12 bytes/param/DP for Adam), redundant (*lazy*) under plain DDP.
+  DP rank: 12 bytes/param/DP for Adam), redundant (*lazy*) under plain DDP;
+* module buffers: a *constant* one (recomputed when the model is built: RoPE ``inv_freq``, a non-persistent
+  buffer) is *regenerable* (never saved); one that *changes* during training (BatchNorm running statistics,
+  megatron-core's MoE router ``expert_bias``) is *staged*: every rank copies its own every iteration, on the
+  training thread (the next forward may update it, so no background thread may read it), into the unique payload.
+  Whether such a buffer is identical across DP (DDP broadcasts rank 0's before each forward, then each rank
+  updates its own) or per rank, each rank's own copy is what it restores: it costs a few KB and is right in both
+  cases. How adapters tell the two apart: :func:`neighbor_ckpt.adapters.base.classify_buffers`.
 
 Small per-rank state (RNG states, counters, scheduler, data position) is not planned here; it is always
 unique and travels in every snapshot's extras region.
@@ -41,6 +48,10 @@ class StateKind(str, enum.Enum):
     """An optimizer-owned master copy of parameters (fp32 main params, or the params a ZeRO rank owns)."""
     OPTIMIZER = "optimizer"
     """Optimizer state (Adam exp_avg / exp_avg_sq / step, momentum buffers)."""
+    BUFFER = "buffer"
+    """A module buffer that changes during training (BatchNorm running statistics, a MoE router's expert bias)."""
+    CONSTANT_BUFFER = "constant_buffer"
+    """A module buffer that never changes after the model is built (RoPE ``inv_freq``, a non-persistent buffer)."""
 
 
 class Disposition(str, enum.Enum):
@@ -52,6 +63,9 @@ class Disposition(str, enum.Enum):
     """Never saved: rebuilt from unique state at restore time."""
     LAZY = "lazy"
     """Redundant across DP ranks: written only at failure time by one live holder per DP group."""
+    STAGED = "staged"
+    """Unique, and mutated by the next forward: copied on the training thread at every snapshot (it is small) into
+    host memory the engine owns, then into the unique payload with the other unique tensors."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,7 @@ class ShardPlan:
     dp_size: int
     distributed_optimizer: bool
     unique: tuple[PlannedTensor, ...]
+    """Everything the snapshot payload holds, in payload order: the unique tensors, then the staged ones."""
     regenerable: tuple[TensorMeta, ...]
     lazy: tuple[PlannedTensor, ...]
     unique_bytes: int
@@ -114,14 +129,25 @@ class ShardPlan:
     def has_lazy(self) -> bool:
         return bool(self.lazy)
 
+    @property
+    def staged(self) -> tuple[PlannedTensor, ...]:
+        """The payload entries copied on the training thread (changing module buffers)."""
+        return tuple(p for p in self.unique if p.disposition is Disposition.STAGED)
+
 
 def disposition(kind: StateKind, *, dp_size: int, distributed_optimizer: bool) -> Disposition:
     """What the razor does with state of ``kind`` on a rank whose DP group (the ring) has ``dp_size`` members.
 
     * weights: regenerable under a distributed optimizer (rebuilt from its fp32 main params), otherwise unique at
       DP = 1 and lazy when DP > 1 (every DP rank holds the same copy);
-    * main params and optimizer state: unique at DP = 1 or when a distributed optimizer shards them, lazy otherwise.
+    * main params and optimizer state: unique at DP = 1 or when a distributed optimizer shards them, lazy otherwise;
+    * module buffers: constant ones regenerable (the model's constructor rebuilds them), changing ones staged
+      (each rank's own copy, every iteration, taken on the training thread), whatever the DP size or optimizer.
     """
+    if kind is StateKind.CONSTANT_BUFFER:
+        return Disposition.REGENERABLE
+    if kind is StateKind.BUFFER:
+        return Disposition.STAGED
     if kind is StateKind.WEIGHT:
         if distributed_optimizer:
             return Disposition.REGENERABLE
@@ -153,6 +179,9 @@ def plan_shards(tensors: Sequence[TensorMeta], *, dp_size: int, distributed_opti
     for t in tensors:
         buckets[disposition(t.kind, dp_size=dp_size, distributed_optimizer=distributed_optimizer)].append(t)
     unique, unique_bytes = _layout(buckets[Disposition.UNIQUE], Disposition.UNIQUE)
+    staged, staged_bytes = _layout(buckets[Disposition.STAGED], Disposition.STAGED)
+    unique += tuple(PlannedTensor(p.meta, p.disposition, p.offset + unique_bytes) for p in staged)
+    unique_bytes += staged_bytes
     lazy, lazy_bytes = _layout(buckets[Disposition.LAZY], Disposition.LAZY)
     sig_src = json.dumps(
         {

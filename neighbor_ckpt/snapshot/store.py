@@ -42,7 +42,7 @@ from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, Snapshot
 logger = logging.getLogger(__name__)
 
 __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "MIN_EXTRAS_BYTES", "HEADER_ALLOWANCE_BYTES",
-           "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir"]
+           "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir", "pick_slot_for_write", "encode_meta"]
 
 MAGIC = b"NCKPTSLT"
 MARKER_MAGIC = b"NCKPTCMT"
@@ -313,9 +313,15 @@ class SlotFile:
         e = checksum(self._buf[self.extras_off:self.extras_off + extras_nbytes])
         return p, e
 
-    def commit(self, header: SlotHeader) -> None:
-        """Write the header, then the commit marker (last)."""
-        raw = json.dumps(header.to_json(), separators=(",", ":")).encode()
+    def commit(self, header: SlotHeader, meta_text: str | None = None) -> None:
+        """Write the header, then the commit marker (last). ``meta_text``: ``header.meta`` already encoded as JSON
+        (:func:`encode_meta`): the tensor table of a large state is then not re-encoded at every commit."""
+        if meta_text is None:
+            raw = json.dumps(header.to_json(), separators=(",", ":")).encode()
+        else:
+            d = header.to_json()
+            del d["meta"]
+            raw = (json.dumps(d, separators=(",", ":"))[:-1] + ',"meta":' + meta_text + "}").encode()
         if 4 + len(raw) > self.header_cap:
             raise ValueError(f"header of {len(raw)} bytes does not fit in {self.header_cap}")
         h = PREAMBLE_BYTES
@@ -535,21 +541,27 @@ class HostStore:
                 f"{self.root}), enlarge /dev/shm, or point NEIGHBOR_CKPT_STORE_DIR at a larger tmpfs.")
 
     def commit_image(self, slot: SlotFile, role: str, *, iteration: int, layout: str, payload_nbytes: int,
-                     extras_text: str, extras_tensors: list[torch.Tensor], meta: dict[str, Any]) -> SlotHeader:
+                     extras_text: str, extras_tensors: list[torch.Tensor], meta: dict[str, Any],
+                     meta_text: str | None = None) -> SlotHeader:
         """Seal an image of this rank whose payload is already in ``slot`` (invalidated before it was written): write
         the small state, checksum payload and extras (if this store checksums), write the header, then the commit
         marker. The one place a header is built: the engine's background thread and its synchronous
         :func:`~neighbor_ckpt.snapshot.engine.write_image` both end here.
 
         The header's ``meta`` is ``meta`` plus ``committed_unix``, the wall-clock time of the commit (where a
-        recovery timeline starts, :data:`COMMIT_TIME_KEY`)."""
+        recovery timeline starts, :data:`COMMIT_TIME_KEY`). ``meta_text``: ``encode_meta(meta)``, encoded once by a
+        caller that commits the same ``meta`` again and again (the engine): only the commit time is added to it."""
         jn, metas, en = slot.write_extras(extras_text, extras_tensors)
         psum, esum = slot.checksums(payload_nbytes, en) if self.use_checksum else (None, None)
+        now = time.time()
         hdr = SlotHeader(job_id=self.job_id, owner_rank=self.rank, layout=layout, iteration=iteration, role=role,
                          payload_nbytes=payload_nbytes, payload_xxh3=psum, extras_json_nbytes=jn,
                          extras_tensors=metas, extras_nbytes=en, extras_xxh3=esum,
-                         meta={**meta, COMMIT_TIME_KEY: time.time()})
-        slot.commit(hdr)
+                         meta={**meta, COMMIT_TIME_KEY: now})
+        if meta_text is not None:
+            stamp = f'"{COMMIT_TIME_KEY}":{json.dumps(now)}'
+            meta_text = meta_text[:-1] + ("," if len(meta_text) > 2 else "") + stamp + "}"
+        slot.commit(hdr, meta_text)
         return hdr
 
     # -- inventory -----------------------------------------------------------------------------------------
@@ -581,22 +593,20 @@ class HostStore:
 
     def slot_for_write(self, role: str, keep: set[int] | None = None) -> int:
         """Index of the slot to overwrite next: an uncommitted one, else the oldest iteration."""
-        best, best_iter = None, None
+        return pick_slot_for_write(self.committed_iterations(role), role=role, keep=keep)
+
+    def committed_iterations(self, role: str) -> list[int | None]:
+        """Per slot index of ``role``: the iteration its header says it holds, None if absent or not committed.
+        Reads (and checks) every header: a writer that owns the role's slots reads this once and keeps it up to
+        date itself (the engine, :func:`pick_slot_for_write`)."""
+        out: list[int | None] = []
         for i in range(self.versions):
             s = self.slot(role, i)
-            if s is None:
-                return i
             try:
-                it = s.read_header().iteration
+                out.append(None if s is None else s.read_header().iteration)
             except (SnapshotCorruptError, SnapshotMismatchError):
-                return i
-            if keep and it in keep:
-                continue
-            if best_iter is None or it < best_iter:
-                best, best_iter = i, it
-        if best is None:
-            raise ValueError(f"every {role} slot holds an iteration in {sorted(keep or ())}; nothing may be overwritten")
-        return best
+                out.append(None)
+        return out
 
     def invalidate_after(self, role: str, iteration: int | None) -> None:
         """Invalidate every committed slot of ``role`` newer than ``iteration`` (None: all of them)."""
@@ -628,6 +638,27 @@ class HostStore:
     def host_bytes(self) -> int:
         """Bytes of all slot files of this rank."""
         return sum(p.stat().st_size for p in self.dir.glob("*.slot"))
+
+
+def pick_slot_for_write(iterations: Sequence[int | None], *, role: str = "", keep: set[int] | None = None) -> int:
+    """The slot to overwrite next, given each slot's committed iteration (None: absent or uncommitted): the first
+    uncommitted one, else the oldest iteration not in ``keep``."""
+    best, best_iter = None, None
+    for i, it in enumerate(iterations):
+        if it is None:
+            return i
+        if keep and it in keep:
+            continue
+        if best_iter is None or it < best_iter:
+            best, best_iter = i, it
+    if best is None:
+        raise ValueError(f"every {role} slot holds an iteration in {sorted(keep or ())}; nothing may be overwritten")
+    return best
+
+
+def encode_meta(meta: dict[str, Any]) -> str:
+    """A header ``meta`` as the JSON text :meth:`HostStore.commit_image` takes (``meta_text``)."""
+    return json.dumps(meta, separators=(",", ":"))
 
 
 def np_view(t: torch.Tensor) -> np.ndarray:

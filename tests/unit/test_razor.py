@@ -317,3 +317,103 @@ def test_empty_state_gives_an_empty_plan():
     plan = plan_shards([], dp_size=4, distributed_optimizer=True)
     assert plan.unique == plan.lazy == plan.regenerable == ()
     assert plan.unique_bytes == plan.lazy_bytes == 0
+
+
+# -- module buffers ------------------------------------------------------------------------------------------------
+
+S = Disposition.STAGED
+
+
+@pytest.mark.parametrize("dp_size,distributed_optimizer", list(RULES))
+def test_changing_buffers_are_staged_and_constant_ones_regenerable_under_every_layout(dp_size, distributed_optimizer):
+    assert disposition(StateKind.BUFFER, dp_size=dp_size, distributed_optimizer=distributed_optimizer) is S
+    assert disposition(StateKind.CONSTANT_BUFFER, dp_size=dp_size,
+                       distributed_optimizer=distributed_optimizer) is Disposition.REGENERABLE
+
+
+@pytest.mark.parametrize("dp_size,distributed_optimizer", list(RULES))
+def test_staged_buffers_follow_the_unique_tensors_in_the_payload(dp_size, distributed_optimizer):
+    metas = [TensorMeta("bn.running_mean", StateKind.BUFFER, torch.float32, (5,)),
+             TensorMeta("rope.inv_freq", StateKind.CONSTANT_BUFFER, torch.float32, (8,)),
+             *_base(),
+             TensorMeta("bn.num_batches_tracked", StateKind.BUFFER, torch.int64, ())]
+    plan = plan_shards(metas, dp_size=dp_size, distributed_optimizer=distributed_optimizer)
+    assert [p.meta.name for p in plan.staged] == ["bn.running_mean", "bn.num_batches_tracked"]
+    assert all(p.disposition is S for p in plan.staged)
+    assert [p.meta.name for p in plan.unique[-2:]] == ["bn.running_mean", "bn.num_batches_tracked"]
+    assert all(p.disposition is Disposition.UNIQUE for p in plan.unique[:-2])
+    assert "rope.inv_freq" in [m.name for m in plan.regenerable]
+    assert plan.disposition_of("bn.running_mean") is S
+    assert plan.disposition_of("rope.inv_freq") is Disposition.REGENERABLE
+    _check_placement(plan.unique, plan.unique_bytes)
+    assert plan.unique_bytes == sum(aligned(p.meta.nbytes) for p in plan.unique)
+
+
+class _Rope(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+class _Counter(torch.nn.Module):
+    """A persistent lookup table that never changes and a non-persistent counter that does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(3))
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+
+
+def _kinds(model, prefix=""):
+    from neighbor_ckpt.adapters import classify_buffers
+
+    return {name: kind for name, _, kind in classify_buffers(model, prefix)}
+
+
+def test_buffer_rule_persistent_in_training_changes_non_persistent_and_eval_mode_are_constant():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3), _Rope(), torch.nn.BatchNorm1d(3))
+    model[3].eval()  # a frozen BatchNorm
+    assert _kinds(model) == {
+        "1.running_mean": StateKind.BUFFER, "1.running_var": StateKind.BUFFER,
+        "1.num_batches_tracked": StateKind.BUFFER,
+        "2.inv_freq": StateKind.CONSTANT_BUFFER,
+        "3.running_mean": StateKind.CONSTANT_BUFFER, "3.running_var": StateKind.CONSTANT_BUFFER,
+        "3.num_batches_tracked": StateKind.CONSTANT_BUFFER,
+    }
+    assert set(_kinds(model, "0.")) == {"0." + k for k in _kinds(model)}
+
+
+def test_declare_buffers_is_the_escape_hatch_both_ways_and_survives_train_eval():
+    from neighbor_ckpt.adapters import declare_buffers
+
+    m = torch.nn.Sequential(_Counter())
+    assert _kinds(m) == {"0.table": StateKind.BUFFER, "0.seen": StateKind.CONSTANT_BUFFER}
+    declare_buffers(m[0], constant=["table"], changing=["seen"])
+    m.eval()
+    m.train()
+    assert _kinds(m) == {"0.table": StateKind.CONSTANT_BUFFER, "0.seen": StateKind.BUFFER}
+    with pytest.raises(KeyError, match="no buffer 'nope'"):
+        declare_buffers(m[0], constant=["nope"])
+
+
+def test_a_buffer_shared_by_two_modules_is_reported_once():
+    a, b = _Counter(), _Counter()
+    b.table = a.table
+    assert list(_kinds(torch.nn.ModuleList([a, b]))) == ["0.table", "0.seen", "1.seen"]
+
+
+def test_adapters_report_changing_buffers_as_staged_and_never_as_weights():
+    """Under torch's ZeRO the weights are regenerable, the BatchNorm statistics are not: they are staged."""
+    from neighbor_ckpt.adapters import TorchOptimizerAdapter
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3), _Rope())
+    adapter = TorchOptimizerAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    kinds = {m.name: m.kind for m, _ in adapter.named_tensors()}
+    assert kinds == {"model/0.weight": StateKind.WEIGHT, "model/0.bias": StateKind.WEIGHT,
+                     "model/1.weight": StateKind.WEIGHT, "model/1.bias": StateKind.WEIGHT,
+                     "buffer/1.running_mean": StateKind.BUFFER, "buffer/1.running_var": StateKind.BUFFER,
+                     "buffer/1.num_batches_tracked": StateKind.BUFFER, "buffer/2.inv_freq": StateKind.CONSTANT_BUFFER}
+    for dp, dist_opt in RULES:
+        plan = plan_shards([m for m, _ in adapter.named_tensors()], dp_size=dp, distributed_optimizer=dist_opt)
+        assert {p.meta.name for p in plan.staged} == {"buffer/1.running_mean", "buffer/1.running_var",
+                                                      "buffer/1.num_batches_tracked"}

@@ -263,8 +263,13 @@ def test_torch_optimizer_adapter_state_survives_a_slot_round_trip(store):
     adapter = TorchOptimizerAdapter(model, opt)
     named = adapter.named_tensors()
     plan = plan_shards([m for m, _ in named], dp_size=1, distributed_optimizer=False)
-    assert len(plan.unique) == len(named) and {m.kind for m, _ in named} == {StateKind.WEIGHT, StateKind.OPTIMIZER}
-    slot, hdr = write_image(store, ROLE_OWN, planned=plan.unique, sources=[t for _, t in named],
+    # BatchNorm's running statistics and batch counter are changing buffers: staged, in the payload too
+    assert len(plan.unique) == len(named)
+    assert {m.kind for m, _ in named} == {StateKind.WEIGHT, StateKind.BUFFER, StateKind.OPTIMIZER}
+    assert [p.meta.name for p in plan.staged] == ["buffer/1.running_mean", "buffer/1.running_var",
+                                                  "buffer/1.num_batches_tracked"]
+    live = {m.name: t for m, t in named}
+    slot, hdr = write_image(store, ROLE_OWN, planned=plan.unique, sources=[live[p.meta.name] for p in plan.unique],
                             payload_bytes=plan.unique_bytes, iteration=2, layout="L", meta={},
                             extras=adapter.capture_extras())
     path = slot.path
@@ -830,3 +835,138 @@ def test_slot_memory_is_reserved_at_creation_and_a_full_filesystem_is_a_host_mem
     with pytest.raises(HostMemoryError, match="cannot reserve .* enlarge /dev/shm"):
         store.ensure(ROLE_OWN, 1, header_cap=4096, payload_cap=1 << 20, extras_cap=65536)
     assert not list(store.dir.glob("*.tmp")) and not (store.dir / "own.1.slot").exists()
+
+
+# -- small tensors staged on the training thread; the hot path -----------------------------------------------------
+
+
+class _HeldEngine:
+    """A SnapshotEngine whose background thread starts a job only when the test releases it: what a slow engine
+    thread and a fast next forward look like, made deterministic."""
+
+    def __init__(self, store, plan, sources, **kw):
+        import threading
+
+        from neighbor_ckpt.snapshot.engine import SnapshotEngine
+
+        self.go = threading.Event()
+        self.engine = SnapshotEngine(store=store, plan=plan, sources=sources, layout="L", meta={}, transport=None,
+                                     **kw)
+        process = self.engine._process
+
+        def held(job):
+            self.go.wait(30)
+            process(job)
+
+        self.engine._process = held
+
+
+def test_staged_buffers_and_extras_tensors_are_copied_by_snapshot_not_by_the_engine_thread(store):
+    """The next forward mutates a BatchNorm buffer (and the caller may reuse an extras tensor) right after
+    snapshot() returns, while the engine thread has not run yet: the snapshot holds the values at snapshot()."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    named = TorchOptimizerAdapter(model, opt).named_tensors()
+    plan = plan_shards([m for m, _ in named], dp_size=1, distributed_optimizer=False)
+    live = {m.name: t for m, t in named}
+    assert {p.meta.name for p in plan.staged} == {"buffer/1.running_mean", "buffer/1.running_var",
+                                                  "buffer/1.num_batches_tracked"}
+    held = _HeldEngine(store, plan, [live[p.meta.name] for p in plan.unique])
+    engine = held.engine
+    want = {k: v.clone() for k, v in live.items()}
+    scale = torch.tensor([1024.0])
+    try:
+        engine.snapshot(1, {"scale": scale})
+        with torch.no_grad():
+            model(torch.randn(5, 3))  # the next forward: BatchNorm updates its statistics in place
+            scale.mul_(2)
+        assert not torch.equal(live["buffer/1.running_mean"], want["buffer/1.running_mean"])
+        held.go.set()
+        engine.wait()
+    finally:
+        held.go.set()
+        engine.close()
+    assert engine.stats.failures == 0
+    [ref] = store.committed(ROLE_OWN, verify=True)
+    slot = store.slot(ROLE_OWN, ref.index)
+    got = read_tensors(slot, ref.header)
+    for name in want:
+        assert_bit_equal(got[name], want[name])
+    assert_bit_equal(slot.read_extras(ref.header)["scale"], torch.tensor([1024.0]))
+
+
+def test_stage_small_copies_a_cpu_tensor_at_once_into_a_given_or_new_host_tensor():
+    from neighbor_ckpt.snapshot.engine import _stage_small
+
+    src = torch.arange(6, dtype=torch.float32).view(2, 3).t()  # not contiguous
+    new = _stage_small(src)
+    assert new.data_ptr() != src.data_ptr() and torch.equal(new, src) and not new.is_pinned()
+    dst = torch.empty(3, 2)
+    assert _stage_small(src, dst) is dst and torch.equal(dst, src)
+    src.zero_()
+    assert not torch.equal(dst, src)
+
+
+def test_the_wait_point_blocks_once_per_snapshot_and_snapshot_does_not_wait_again(store):
+    named = state(2)
+    plan = plan_shards([m for m, _ in named], dp_size=1, distributed_optimizer=False)
+    live = {m.name: t for m, t in named}
+    held = _HeldEngine(store, plan, [live[p.meta.name] for p in plan.unique], wait_for_replica=False)
+    engine = held.engine
+    import threading
+
+    try:
+        engine.snapshot(1, {})
+        threading.Timer(0.2, held.go.set).start()
+        engine.wait()  # the wait point blocks until the engine thread committed
+        first = engine.stats.wait_seconds
+        assert first >= 0.1
+        engine.wait()  # a second hook in the same step: no wait, the figure of the real one is kept
+        assert engine.stats.wait_seconds == first
+        engine.snapshot(2, {})
+        engine.wait()
+    finally:
+        held.go.set()
+        engine.close()
+    assert [r.header.iteration for r in sorted(store.committed(ROLE_OWN, verify=True),
+                                                key=lambda r: r.header.iteration)] == [1, 2]
+
+
+def test_the_engine_reads_its_slot_headers_once_and_keeps_alternating_between_them(store, monkeypatch):
+    from neighbor_ckpt.snapshot.engine import SnapshotEngine
+
+    named = state(3)
+    plan = plan_shards([m for m, _ in named], dp_size=1, distributed_optimizer=False)
+    live = {m.name: t for m, t in named}
+    write_image(store, ROLE_OWN, planned=plan.unique, sources=[live[p.meta.name] for p in plan.unique],
+                payload_bytes=plan.unique_bytes, iteration=7, layout="L", meta={}, extras={})  # slot 0 holds 7
+    reads = []
+    real = SlotFile.read_header
+    monkeypatch.setattr(SlotFile, "read_header", lambda self: reads.append(self.path.name) or real(self))
+    engine = SnapshotEngine(store=store, plan=plan, sources=[live[p.meta.name] for p in plan.unique], layout="L",
+                            meta={"x": 1}, transport=None)
+    try:
+        for it in range(8, 14):
+            engine.snapshot(it, {"it": it})
+            engine.wait()
+    finally:
+        engine.close()
+    assert len(reads) <= store.versions, reads  # once, at the first snapshot
+    monkeypatch.setattr(SlotFile, "read_header", real)
+    assert sorted(r.header.iteration for r in store.committed(ROLE_OWN, verify=True)) == [12, 13]
+
+
+def test_a_header_committed_from_pre_encoded_meta_is_the_header_json(store):
+    """The engine encodes its tensor table once and only appends the commit time: the header on disk is exactly the
+    JSON of the SlotHeader it returns."""
+    from neighbor_ckpt.snapshot.store import encode_meta
+
+    for meta in ({}, {"tensors": [{"name": "a", "shape": [2]}], "plan": "p"}):
+        slot = store.ensure(ROLE_OWN, 0, header_cap=8192, payload_cap=64, extras_cap=65536)
+        slot.invalidate()
+        hdr = store.commit_image(slot, ROLE_OWN, iteration=3, layout="L", payload_nbytes=64, extras_text="{}",
+                                 extras_tensors=[], meta=meta, meta_text=encode_meta(meta))
+        assert header_dict(slot.path) == hdr.to_json() == slot.read_header().to_json()
+        assert hdr.meta["committed_unix"] > 0
