@@ -5,10 +5,14 @@ started. ``sbatch``/``srun``/``sinfo`` reach it through ``SLURM_CONF`` (:meth:`S
 
 What a container allows, and what the configuration does about it:
 
-- cgroups: this kind of machine (gVisor) mounts cgroup v1 controllers and an empty v2 hierarchy that slurmd cannot
-  delegate from, so nothing cgroup-based is configured: ``ProctrackType=proctrack/linuxproc`` (processes tracked by
-  parent pid), ``TaskPlugin=task/none`` (no CPU binding: torchrun's workers share the node's cores),
-  ``JobAcctGatherType=jobacct_gather/none``, no accounting storage.
+- cgroups: nothing cgroup-based is configured: ``ProctrackType=proctrack/linuxproc`` (processes tracked by parent
+  pid), ``TaskPlugin=task/none`` (no CPU binding), ``JobAcctGatherType=jobacct_gather/none``, no accounting storage.
+  This machine (gVisor, hybrid cgroup mounts: v1 controllers under a tmpfs /sys/fs/cgroup, an empty v2 ``unified``)
+  would run ``proctrack/cgroup`` + ``task/cgroup,task/affinity`` too (tried: a step lands in
+  ``/slurm_<node>/uid_0/job_1/step_0``, and a one-task ``srun`` inside an ``--exclusive`` allocation still gets
+  every core, Slurm >= 21.08 semantics, so torchrun's workers are not squeezed onto one CPU), but a container with
+  only a v2 hierarchy and no systemd to delegate from cannot (Slurm's cgroup/v2 wants a systemd-delegated subtree),
+  and the cgroup paths are named by node and job id, so two sessions on one machine would share them.
 - munge: /run/munge does not exist (no systemd/tmpfiles) and the packaged key belongs to user munge; ours runs as
   root (``--force``) with its own key and socket in the temporary directory, and Slurm is pointed at that socket
   (``AuthInfo=socket=...``), so a system munged, if any, is neither needed nor touched.
