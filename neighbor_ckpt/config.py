@@ -4,12 +4,17 @@ The YAML form is a ``neighbor_ckpt:`` section that mirrors these dataclasses. Un
 wrong type and values out of range are rejected before any process group is created: all of them at once, one
 line each with its full key path (``neighbor_ckpt.transport.chunk_mb: 0 must be > 0``), in one
 :class:`~neighbor_ckpt.errors.ConfigError`. Each section states its value rules in ``_check``
-(:mod:`neighbor_ckpt.validation`).
+(:mod:`neighbor_ckpt.validation`). The constructors hold to the same rules with the same messages
+(:func:`~neighbor_ckpt.validation.checked`): ``NeighborCkptConfig(store={"dir": "/x"})`` builds the section from the
+mapping, ``NeighborCkptConfig(job_id=5)`` and ``StoreConfig(versions=1)`` raise.
 
 Environment overrides win over the config (they are how a launcher or a test changes one process):
 
 * ``NEIGHBOR_CKPT_STORE_DIR``: :attr:`StoreConfig.dir`
 * ``NEIGHBOR_CKPT_JOB_ID``: :attr:`NeighborCkptConfig.job_id`
+
+``NEIGHBOR_CKPT_LAUNCH_ID`` is set by neighbor_ckpt itself (:mod:`neighbor_ckpt.runtime.launch_identity`): the job id
+made for a torchrun launch that has no run id of its own.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Mapping
 
 import yaml
 
-from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.validation import Problems, from_dict, to_dict, validate
+from neighbor_ckpt.errors import CallOrderError, ConfigError
+from neighbor_ckpt.validation import Problems, checked, from_dict, to_dict
 
 __all__ = [
     "StoreConfig",
@@ -35,14 +40,26 @@ __all__ = [
     "FaultInjectionConfig",
     "InprocessConfig",
     "NeighborCkptConfig",
+    "JobIdChoice",
+    "decide_job_id",
     "STORE_DIR_ENV",
     "JOB_ID_ENV",
+    "LAUNCH_ID_ENV",
+    "UNUSABLE_RUN_IDS",
 ]
 
 STORE_DIR_ENV = "NEIGHBOR_CKPT_STORE_DIR"
 JOB_ID_ENV = "NEIGHBOR_CKPT_JOB_ID"
+LAUNCH_ID_ENV = "NEIGHBOR_CKPT_LAUNCH_ID"
+"""Set by :mod:`neighbor_ckpt.runtime.launch_identity` in every worker of a torchrun launch without a run id: the
+job id made once for that launch (shared by its restarts through the agent's store)."""
+
+UNUSABLE_RUN_IDS = frozenset({"", "none"})
+"""Values of TORCHELASTIC_RUN_ID that name no launch: plain ``torchrun`` (no ``--rdzv-id``, no ``--standalone``)
+sets ``none`` for every launch, so a new launch would share the job id, and the host store, of an old one."""
 
 
+@checked("neighbor_ckpt.store")
 @dataclass(kw_only=True, slots=True)
 class StoreConfig:
     """Host store: shared-memory slots that hold this rank's snapshots and its predecessor's replicas."""
@@ -77,6 +94,7 @@ class StoreConfig:
         p.above("extras_capacity_mb", self.extras_capacity_mb, 0, " (or null for automatic)", optional=True)
 
 
+@checked("neighbor_ckpt.ring")
 @dataclass(kw_only=True, slots=True)
 class RingConfig:
     """Which DP rank holds this rank's replica."""
@@ -86,6 +104,7 @@ class RingConfig:
     loss never takes a snapshot and its replica together. ``next``: the next DP rank."""
 
 
+@checked("neighbor_ckpt.transport")
 @dataclass(kw_only=True, slots=True)
 class TransportConfig:
     """Streaming of each committed snapshot to the ring successor (background thread, own gloo group)."""
@@ -117,6 +136,7 @@ class TransportConfig:
         p.at_least("rate_limit_mb_per_s", self.rate_limit_mb_per_s, 0, " (0 = unlimited)")
 
 
+@checked("neighbor_ckpt.lazy_backup")
 @dataclass(kw_only=True, slots=True)
 class LazyBackupConfig:
     """Redundant state (weights / optimizer state under plain DDP) is written only at failure time."""
@@ -125,6 +145,7 @@ class LazyBackupConfig:
     """On a failure, one live rank per DP group writes the redundant state into its host store."""
 
 
+@checked("neighbor_ckpt.insurance")
 @dataclass(kw_only=True, slots=True)
 class InsuranceConfig:
     """Persistent checkpoints, used when no complete in-memory version exists."""
@@ -140,6 +161,7 @@ class InsuranceConfig:
         p.at_least("every_n_steps", self.every_n_steps, 0, " (0 = off)")
 
 
+@checked("neighbor_ckpt.report")
 @dataclass(kw_only=True, slots=True)
 class ReportConfig:
     """What a user sees: status line, metrics to the trainer's loggers, recovery report and timeline."""
@@ -169,6 +191,7 @@ class ReportConfig:
                    " (0 = never, null = the trainer's log interval)", optional=True)
 
 
+@checked("neighbor_ckpt.detector")
 @dataclass(kw_only=True, slots=True)
 class DetectorConfig:
     """Failure detection through heartbeats in the job's c10d store (one daemon thread per rank)."""
@@ -204,6 +227,7 @@ class DetectorConfig:
                     "silent only after missing a few heartbeats")
 
 
+@checked("neighbor_ckpt.fault_injection")
 @dataclass(kw_only=True, slots=True)
 class FaultInjectionConfig:
     """For demos and fault campaigns only: kill one rank once, on the first attempt of the job."""
@@ -232,6 +256,7 @@ class FaultInjectionConfig:
         p.at_least("step", self.step, 0)
 
 
+@checked("neighbor_ckpt.inprocess")
 @dataclass(kw_only=True, slots=True)
 class InprocessConfig:
     """In-process recovery (:mod:`neighbor_ckpt.inprocess`, on NVIDIA's resiliency extension): after a failure
@@ -250,6 +275,7 @@ class InprocessConfig:
         p.at_least("spares", self.spares, 0)
 
 
+@checked("neighbor_ckpt")
 @dataclass(kw_only=True, slots=True)
 class NeighborCkptConfig:
     """Top-level configuration; the ``neighbor_ckpt:`` section of a YAML file."""
@@ -258,8 +284,10 @@ class NeighborCkptConfig:
     """Master switch. Off: the callback / checkpointer does nothing."""
 
     job_id: str | None = None
-    """Namespace of the host store. None: TORCHELASTIC_RUN_ID, SLURM_JOB_ID, or ``default``.
-    Snapshots of another job id are refused at recovery. Overridden by NEIGHBOR_CKPT_JOB_ID."""
+    """Namespace of the host store. None: torchrun's run id (TORCHELASTIC_RUN_ID); under a torchrun launch without
+    one (``none``: no ``--rdzv-id``, no ``--standalone``) an id made once per launch, shared by its restarts, so a new
+    launch never resumes an old one; outside torchrun SLURM_JOB_ID, else ``default``. Snapshots of another job id
+    are refused at recovery. Overridden by NEIGHBOR_CKPT_JOB_ID."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
     """Host store."""
@@ -293,9 +321,6 @@ class NeighborCkptConfig:
     before the failure. error: a mismatch (the data position was not restored) stops the job; warn: it is
     logged; off: no fingerprints."""
 
-    def __post_init__(self) -> None:
-        validate(self, "neighbor_ckpt")
-
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
@@ -324,16 +349,56 @@ class NeighborCkptConfig:
         return Path(os.environ.get(STORE_DIR_ENV) or self.store.dir)
 
     def resolved_job_id(self) -> str:
-        """The job namespace after the environment override and launcher defaults."""
-        for value in (
-            os.environ.get(JOB_ID_ENV),
-            self.job_id,
-            os.environ.get("TORCHELASTIC_RUN_ID"),
-            os.environ.get("SLURM_JOB_ID"),
-        ):
-            if value:
-                return _safe_name(value)
-        return "default"
+        """The job namespace after the environment override and launcher defaults (:func:`decide_job_id`).
+
+        Raises:
+            CallOrderError: under a torchrun launch without a run id, before this launch's id was made
+                (``prepare_torchrun_restart()`` or the ``NeighborCheckpointer`` makes it:
+                :func:`neighbor_ckpt.runtime.launch_identity.resolve_job_id`).
+        """
+        choice = decide_job_id(os.environ, self.job_id)
+        if choice.job_id is None:
+            raise CallOrderError(
+                "the job id of this launch is not known yet: torchrun gave it no run id (TORCHELASTIC_RUN_ID="
+                f"{os.environ.get('TORCHELASTIC_RUN_ID', '')!r}), so neighbor_ckpt makes one per launch when "
+                "prepare_torchrun_restart() runs or the NeighborCheckpointer is built; call one of them first, or "
+                f"set neighbor_ckpt.job_id (or {JOB_ID_ENV})")
+        return choice.job_id
+
+
+@dataclass(frozen=True)
+class JobIdChoice:
+    """Which job id a process uses, and where it came from (:func:`decide_job_id`)."""
+
+    job_id: str | None
+    """The id, already safe as a directory name; None: this launch's id must be made first (``source`` launch)."""
+
+    source: str
+    """``NEIGHBOR_CKPT_JOB_ID``, ``config``, ``TORCHELASTIC_RUN_ID``, ``launch`` (made for a torchrun launch without
+    a run id), ``SLURM_JOB_ID`` or ``default``."""
+
+
+def decide_job_id(env: Mapping[str, str], configured: str | None) -> JobIdChoice:
+    """The job id from the environment and ``neighbor_ckpt.job_id``; pure (no store, no file).
+
+    In order: NEIGHBOR_CKPT_JOB_ID, the configured id, torchrun's run id when it names the launch; under torchrun
+    without one (:data:`UNUSABLE_RUN_IDS`) the id made for this launch (NEIGHBOR_CKPT_LAUNCH_ID; None until made);
+    outside torchrun SLURM_JOB_ID, then ``default``."""
+    explicit = env.get(JOB_ID_ENV)
+    if explicit:
+        return JobIdChoice(_safe_name(explicit), JOB_ID_ENV)
+    if configured:
+        return JobIdChoice(_safe_name(configured), "config")
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None:  # launched by torchrun (torchelastic)
+        if run_id.strip().lower() not in UNUSABLE_RUN_IDS:
+            return JobIdChoice(_safe_name(run_id), "TORCHELASTIC_RUN_ID")
+        launch = env.get(LAUNCH_ID_ENV)
+        return JobIdChoice(_safe_name(launch) if launch else None, "launch")
+    slurm = env.get("SLURM_JOB_ID")
+    if slurm:
+        return JobIdChoice(_safe_name(slurm), "SLURM_JOB_ID")
+    return JobIdChoice("default", "default")
 
 
 def _safe_name(value: str) -> str:

@@ -18,6 +18,7 @@ __all__ = [
     "TopologyError",
     "UnsupportedVersionError",
     "UnsupportedPlatformError",
+    "CallOrderError",
 ]
 
 
@@ -66,3 +67,8 @@ class UnsupportedVersionError(NeighborCkptError):
 
 class UnsupportedPlatformError(NeighborCkptError):
     """A facility was asked for on a platform it must not run on (e.g. the CPU shim on a CUDA machine)."""
+
+
+class CallOrderError(NeighborCkptError, RuntimeError):
+    """A method was called before the one it depends on (``snapshot()`` before ``recover()``). The message names
+    the call to make first."""

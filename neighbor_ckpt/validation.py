@@ -13,6 +13,11 @@ Used by the ``neighbor_ckpt:`` section (:mod:`neighbor_ckpt.config`), job files
 * :func:`from_dict` builds a dataclass from a mapping (a YAML document): unknown keys (a class lists keys it renamed
   in ``_renamed: ClassVar[dict[str, str]]``), wrong types, values outside a ``Literal``, then the ``_check`` rules
   of the whole tree, all under their key paths. :func:`to_dict` is its inverse.
+* :func:`checked` makes a dataclass's constructor hold to the same rules as :func:`from_dict`, with the same
+  messages: unknown (or renamed) keyword arguments, wrong types (a nested section given as a mapping is built from
+  it, as from a YAML document), then the ``_check`` rules. ``NeighborCkptConfig(store={"versions": 1})`` raises
+  ``neighbor_ckpt.store.versions: 1 must be >= 2``, ``NeighborCkptConfig(job_id=5)`` raises
+  ``neighbor_ckpt.job_id: expected a string, got 5``.
 
 Example: ``from_dict(NeighborCkptConfig, {"store": {"versions": 1}, "transport": {"chunk_mb": "8", "chunk": 1}},
 "neighbor_ckpt")`` raises one :class:`ConfigError` whose message is::
@@ -29,14 +34,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
+import os
 import types
 import typing
 from typing import Any, Iterator, Literal
 
 from neighbor_ckpt.errors import ConfigError
 
-__all__ = ["Problems", "validate", "check_tree", "deferred", "from_dict", "to_dict"]
+__all__ = ["Problems", "validate", "check_tree", "check_types", "checked", "deferred", "from_dict", "to_dict"]
 
 _deferred: contextvars.ContextVar[bool] = contextvars.ContextVar("neighbor_ckpt_validation_deferred", default=False)
 
@@ -163,15 +170,95 @@ def check_tree(obj: Any, p: Problems) -> None:
         hook(p)
 
 
-def validate(obj: Any, path: str) -> None:
+def validate(obj: Any, path: str, *, types: bool = False) -> None:
     """Check ``obj`` and its nested dataclasses; raise one :class:`ConfigError` listing every problem.
 
+    ``types``: first check (and coerce) every field's type as :func:`from_dict` does (:func:`check_types`).
     A no-op inside :func:`deferred`."""
     if _deferred.get():
         return
     p = Problems(path)
+    if types:
+        check_types(obj, p)
     check_tree(obj, p)
     p.raise_if_any()
+
+
+def check_types(obj: Any, p: Problems) -> None:
+    """The type rules of :func:`from_dict`, applied to a constructed dataclass, recursively.
+
+    A field that holds a mapping where its type is a dataclass is built from it (:func:`from_dict`'s rules, under the
+    field's key path); ``None`` there gives that section's defaults (as a null YAML section does). Values are coerced
+    as :func:`from_dict` coerces them (an ``int`` for a ``float`` field becomes a ``float``). A field with a problem
+    holds its default afterwards, so the ``_check`` rules never see a value of the wrong type."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp, value = hints[f.name], getattr(obj, f.name)
+        if dataclasses.is_dataclass(tp):
+            if isinstance(value, tp):
+                check_types(value, p.at(f.name))
+                continue
+            if value is not None and not isinstance(value, dict):
+                p.add(f.name, f"expected a mapping or a {tp.__name__}, got {type(value).__name__} ({value!r})")
+                value = _default(f)
+            else:
+                with deferred():
+                    value = _build(tp, value if value is not None else {}, p.at(f.name))
+            object.__setattr__(obj, f.name, value)
+            continue
+        try:
+            coerced = _coerce(tp, value)
+        except _Invalid as e:
+            p.add(f"{f.name}{e.index}", e.message)
+            coerced = _default(f)
+        if coerced is not value:
+            object.__setattr__(obj, f.name, coerced)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _unknown_key(cls: type, name: Any, allowed: Any, p: Problems) -> None:
+    renamed: dict[str, str] = getattr(cls, "_renamed", {})
+    if name in renamed:
+        p.add(name, f"renamed to {renamed[name]}")
+    else:
+        p.add(name, f"unknown key (allowed keys of {p.path}: {', '.join(sorted(allowed))})")
+
+
+def checked(path: str) -> Any:
+    """Class decorator (over ``@dataclass``): the constructor validates like :func:`from_dict`, under ``path``.
+
+    Unknown keyword arguments are reported as unknown keys (renamed ones name their new key), nested sections may be
+    given as mappings, every value is type-checked, then the ``_check`` rules of the whole tree run; one
+    :class:`ConfigError` lists every problem with its key path. Inside :func:`deferred` (what :func:`from_dict` builds)
+    the constructor checks nothing: the builder checks the whole tree once, under its own key paths."""
+
+    def wrap(cls: type) -> type:
+        init = cls.__init__  # type: ignore[misc]
+        names = frozenset(f.name for f in dataclasses.fields(cls))
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if _deferred.get():
+                init(self, *args, **kwargs)
+                return
+            unknown = [k for k in kwargs if k not in names]
+            if unknown:
+                p = Problems(path)
+                for k in unknown:
+                    _unknown_key(cls, k, names, p)
+                p.raise_if_any()
+            init(self, *args, **kwargs)
+            validate(self, path, types=True)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return wrap
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
@@ -204,14 +291,10 @@ def _build(cls: type, data: Any, p: Problems) -> Any:
         return cls()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    renamed: dict[str, str] = getattr(cls, "_renamed", {})
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         if name not in fields:
-            if name in renamed:
-                p.add(name, f"renamed to {renamed[name]}")
-            else:
-                p.add(name, f"unknown key (allowed keys of {p.path}: {', '.join(sorted(fields))})")
+            _unknown_key(cls, name, fields, p)
             continue
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
@@ -274,6 +357,8 @@ def _coerce(tp: Any, value: Any) -> Any:
                 raise _Invalid(e.message, f"[{i}]{e.index}") from None
         return out
     if tp is str:
+        if isinstance(value, os.PathLike):  # a pathlib.Path given to a constructor: its string
+            value = os.fspath(value)
         if not isinstance(value, str):
             raise _Invalid(f"expected a string, got {value!r}")
         return value

@@ -198,15 +198,92 @@ def test_a_dict_with_three_problems_reports_three_lines_with_their_key_paths():
     ]
 
 
-def test_direct_construction_reports_every_range_problem():
+def test_direct_construction_with_mappings_reports_every_range_problem():
     with pytest.raises(ConfigError) as ei:
-        NeighborCkptConfig(store=StoreConfig(versions=1), insurance=InsuranceConfig(every_n_steps=-1),
-                           transport=TransportConfig(rate_limit_mb_per_s=-1.0))
+        NeighborCkptConfig(store={"versions": 1}, insurance={"every_n_steps": -1},
+                           transport={"rate_limit_mb_per_s": -1.0})
     assert str(ei.value).splitlines() == [
         "neighbor_ckpt.store.versions: 1 must be >= 2",
         "neighbor_ckpt.transport.rate_limit_mb_per_s: -1.0 must be >= 0 (0 = unlimited)",
         "neighbor_ckpt.insurance.every_n_steps: -1 must be >= 0 (0 = off)",
     ]
+
+
+# -- the constructors validate like from_dict (same key paths, same messages) --------------------------------------
+
+
+def test_constructor_builds_a_nested_section_from_a_mapping():
+    c = NeighborCkptConfig(store={"dir": "/x", "versions": 3}, transport={"chunk_mb": 8})
+    assert c.store == StoreConfig(dir="/x", versions=3)
+    assert c.transport.chunk_mb == 8.0 and type(c.transport.chunk_mb) is float
+    assert c == NeighborCkptConfig.from_dict({"store": {"dir": "/x", "versions": 3}, "transport": {"chunk_mb": 8}})
+
+
+def test_constructor_null_section_gives_its_defaults_as_from_dict_does():
+    assert NeighborCkptConfig(transport=None) == NeighborCkptConfig()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: NeighborCkptConfig(job_id=5), "neighbor_ckpt.job_id: expected a string, got 5"),
+    (lambda: NeighborCkptConfig(enabled="yes"), "neighbor_ckpt.enabled: expected true or false, got 'yes'"),
+    (lambda: NeighborCkptConfig(store=5),
+     "neighbor_ckpt.store: expected a mapping or a StoreConfig, got int (5)"),
+    (lambda: NeighborCkptConfig(store={"versions": "3"}), "neighbor_ckpt.store.versions: expected an integer, got '3'"),
+    (lambda: NeighborCkptConfig(store={"versions": 1}), "neighbor_ckpt.store.versions: 1 must be >= 2"),
+    (lambda: NeighborCkptConfig(store={"dirr": "/x"}),
+     "neighbor_ckpt.store.dirr: unknown key (allowed keys of neighbor_ckpt.store: checksum, cleanup_on_success, dir, "
+     "extras_capacity_mb, reap_orphans, versions)"),
+    (lambda: NeighborCkptConfig(stor={}), "neighbor_ckpt.stor: unknown key (allowed keys of neighbor_ckpt: "
+     "data_check, detector, enabled, fault_injection, inprocess, insurance, job_id, lazy_backup, report, ring, store, "
+     "transport)"),
+    (lambda: NeighborCkptConfig(data_check="maybe"),
+     "neighbor_ckpt.data_check: 'maybe' is not allowed (allowed values: 'error', 'warn', 'off')"),
+    (lambda: StoreConfig(versions=1), "neighbor_ckpt.store.versions: 1 must be >= 2"),
+    (lambda: StoreConfig(checksum="md5"),
+     "neighbor_ckpt.store.checksum: 'md5' is not allowed (allowed values: 'xxh3', 'none')"),
+    (lambda: TransportConfig(chunk_mb="16"), "neighbor_ckpt.transport.chunk_mb: expected a number, got '16'"),
+    (lambda: TransportConfig(rate_limit_mbps=5),
+     "neighbor_ckpt.transport.rate_limit_mbps: renamed to rate_limit_mb_per_s (same value: it always was megabytes, "
+     "not megabits, per second)"),
+    (lambda: RingConfig(policy="random"),
+     "neighbor_ckpt.ring.policy: 'random' is not allowed (allowed values: 'cross_node', 'next')"),
+    (lambda: InsuranceConfig(every_n_steps=2.5), "neighbor_ckpt.insurance.every_n_steps: expected an integer, got 2.5"),
+    (lambda: LazyBackupConfig(enabled=1), "neighbor_ckpt.lazy_backup.enabled: expected true or false, got 1"),
+], ids=["job_id-int", "enabled-str", "section-int", "nested-type", "nested-range", "nested-unknown", "unknown",
+        "literal", "section-range", "section-literal", "section-type", "section-renamed", "ring", "insurance",
+        "lazy_backup"])
+def test_constructors_reject_bad_values_with_the_from_dict_message(build, message):
+    with pytest.raises(ConfigError) as ei:
+        build()
+    assert str(ei.value) == message
+
+
+def test_constructor_and_from_dict_give_the_same_lines_for_the_same_problems():
+    data = {"enabled": "yes", "store": {"versions": 1, "checksum": "md5"}, "detector": {"interval_s": "fast"}}
+    with pytest.raises(ConfigError) as from_ctor:
+        NeighborCkptConfig(**data)
+    with pytest.raises(ConfigError) as from_map:
+        NeighborCkptConfig.from_dict(data)
+    assert sorted(str(from_ctor.value).splitlines()) == sorted(str(from_map.value).splitlines())
+    assert len(str(from_ctor.value).splitlines()) == 4
+
+
+def test_constructor_accepts_a_path_for_a_string_field(tmp_path):
+    assert NeighborCkptConfig(store={"dir": tmp_path}).store.dir == str(tmp_path)
+    assert StoreConfig(dir=tmp_path).dir == str(tmp_path)
+
+
+def test_every_section_constructor_validates():
+    """Every section of NeighborCkptConfig checks its own constructor: none accepts an unknown key."""
+    import dataclasses
+
+    for f in dataclasses.fields(NeighborCkptConfig):
+        value = getattr(NeighborCkptConfig(), f.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        section = type(value)
+        with pytest.raises(ConfigError, match=f"^neighbor_ckpt[.]{f.name}[.]nope: unknown key"):
+            section(nope=1)
 
 
 def test_a_value_of_the_wrong_type_is_not_also_reported_out_of_range():
