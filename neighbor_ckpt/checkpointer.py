@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.errors import HostMemoryError, TopologyError
+from neighbor_ckpt.errors import CallOrderError, HostMemoryError, TopologyError
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
 from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
 from neighbor_ckpt.recovery.journal import take_failure_event
@@ -56,6 +56,7 @@ from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_
                                            process_start_unix)
 from neighbor_ckpt.runtime import failpoints, reaper
 from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
+from neighbor_ckpt.runtime.launch_identity import report_leftovers, resolve_job_id
 from neighbor_ckpt.runtime.preflight import check_host_memory
 from neighbor_ckpt.snapshot.engine import SnapshotEngine
 from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
@@ -124,17 +125,22 @@ class NeighborCheckpointer:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.transport.timeout_s))
         self._tag: tuple[int, int | None, str] = (0, None, "startup")
         self._weights_seq = 0
+        self._recovered = False
+        self.job_identity = resolve_job_id(self.config)
+        """The job id and where it came from (a torchrun launch without a run id gets one of its own)."""
         self.detector = self._make_detector()
         """Heartbeat failure detection (None when off or the rendezvous store is not reachable by address)."""
         self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
                                                     policy=self.config.ring.policy,
                                                     model_parallel_coord=model_parallel_coord)
-        self.store = HostStore(self.config.resolved_store_dir(), job_id=self.config.resolved_job_id(),
+        self.store = HostStore(self.config.resolved_store_dir(), job_id=self.job_identity.job_id,
                                rank=self.topology.rank, versions=self.config.store.versions,
                                use_checksum=self.config.store.checksum != "none")
         if self.config.store.reap_orphans:
             reaper.reap_previous(self.store.dir, rank=self.topology.rank)
         reaper.record(self.store.dir)
+        if self.job_identity.source == "launch":  # an earlier launch's store under this root is never loaded: say so
+            report_leftovers(self.store.job_dir.parent, self.store.job_id, self.topology.rank)
         self.recoverer = Recoverer(store=self.store, topology=self.topology, group=self.group,
                                    chunk_bytes=int(self.config.transport.chunk_mb * 2**20), insurance=insurance,
                                    attempt=_restart_count())
@@ -185,7 +191,7 @@ class NeighborCheckpointer:
             return None
         rank, world = dist.get_rank(), dist.get_world_size()
         return FailureDetector(
-            store, prefix=f"neighbor_ckpt/{self.config.resolved_job_id()}/{_restart_count()}", rank=rank,
+            store, prefix=f"neighbor_ckpt/{self.job_identity.job_id}/{_restart_count()}", rank=rank,
             world_size=world, local_ranks=local_ranks_from_env(rank, world), node=os_instance(),
             progress=lambda: self._tag, on_failure=self._on_detected, interval_s=cfg.interval_s,
             timeout_s=cfg.timeout_s, hang_timeout_s=cfg.hang_timeout_s, kill_local=cfg.kill_local)
@@ -244,6 +250,7 @@ class NeighborCheckpointer:
         with self.reporter.progress() as progress:
             result = self.recoverer.recover(layout=self.layout(), load=self._load, on_phase=progress.phase)
         self.last_report = result.report
+        self._recovered = True
         if not result.restored:
             return result
         self.last_iteration = result.iteration
@@ -320,13 +327,26 @@ class NeighborCheckpointer:
                                   f"{int(failed.item())} other rank(s); their error gives the numbers")
         logger.debug("rank %d: host-memory preflight: %s", self.topology.rank, chk)
 
+    def _require_recovered(self, call: str) -> None:
+        if not self._recovered:
+            raise CallOrderError(
+                f"rank {self.topology.rank}: {call} was called before recover(): call ckpt.recover() on every rank "
+                "after building the NeighborCheckpointer and before the first training step (it restores the "
+                "latest snapshot, or tells you to start fresh); a snapshot taken first would be taken for this "
+                "job's latest state at the next recovery")
+
     def wait(self) -> None:
-        """The wait point: call before this step's gradient collectives (``snapshot`` calls it too)."""
+        """The wait point: call before this step's gradient collectives (``snapshot`` calls it too).
+
+        Raises:
+            CallOrderError: before :meth:`recover` (as do :meth:`optimizer_step` and :meth:`snapshot`)."""
+        self._require_recovered("wait()")
         if self.engine is not None:
             self.engine.wait()
 
     def begin_optimizer_step(self) -> None:
         """Step tag: the wait point, then "weights are torn" until :meth:`end_optimizer_step`."""
+        self._require_recovered("optimizer_step()")
         self.wait()
         self.phase = Phase.OPTIMIZER
 
@@ -347,6 +367,7 @@ class NeighborCheckpointer:
         On rank 0 this is also where the status line is due (every ``report.status_every_n_steps``
         iterations, about the previous, completed snapshot) and where the first step after a recovery ends
         (the recovery timeline is written then)."""
+        self._require_recovered("snapshot()")
         if not self.config.enabled:
             return
         step_end = time.time() if self.reporter.timeline_pending else None

@@ -31,6 +31,10 @@ workers because *another* node re-joined (``elastic/agent/server/api.py``
 ``_invoke_run``), so on multi-node jobs it can differ between nodes
 (pytorch/pytorch#108158, #135712) and the ranks would disagree on the port.
 
+It also makes the job id of a launch that torchrun gave no run id
+(:func:`~neighbor_ckpt.runtime.launch_identity.establish_launch_id`), while the agent's store is still the one
+MASTER_PORT names.
+
 Must be called in every rank, before the default process group is created
 (e.g. when constructing a Lightning callback, before ``Trainer.fit``).  It is
 a no-op outside torchelastic, when the agent does not share its store
@@ -48,6 +52,8 @@ import socket
 import time
 import uuid
 from datetime import timedelta
+
+from neighbor_ckpt.runtime.launch_identity import establish_launch_id
 
 __all__ = ["prepare_torchrun_restart"]
 
@@ -82,6 +88,9 @@ def prepare_torchrun_restart(timeout: float = 900.0) -> bool:
         return False
     if "TORCHELASTIC_RUN_ID" not in os.environ or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return False  # not launched by torchelastic
+    # A launch without a run id gets its job id now, while MASTER_PORT still names the agent's store (below it may be
+    # pointed at this attempt's own store, which dies with the attempt).
+    establish_launch_id(timeout_s=timeout)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return False  # the agent hands out a fresh port per round already
     import torch.distributed as dist

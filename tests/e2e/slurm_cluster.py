@@ -57,12 +57,15 @@ def install(timeout: float = 900) -> str | None:
     one line saying why they are not."""
     if not missing():
         return None
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "setup"), "--slurm-only"], capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "setup"), "--slurm-only"], capture_output=True,
+                              text=True, timeout=timeout)
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = str(e)
     still = missing()
     if not still:
         return None
-    why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return f"Slurm packages (slurm-wlm, munge) not installed and could not be installed ({why}); missing: {still}"
 
 
