@@ -30,7 +30,7 @@ from neighbor_ckpt.validation import Problems, check_tree, deferred, from_dict, 
 __all__ = ["ModelSpec", "ParallelismSpec", "TrainerSpec", "DataSpec", "CheckpointSpec", "HardwareSpec",
            "LaunchSpec", "JobSpec", "load_job", "apply_overrides"]
 
-Preset = Literal["gpt_tiny", "llama_tiny", "llama3_8b", "llama3_70b", "gpt3_175b"]
+Preset = Literal["gpt_tiny", "llama_tiny", "llama3_8b", "llama3_70b", "gpt3_175b", "mixtral_8x7b"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,7 +39,8 @@ class ModelSpec:
 
     preset: Preset = "gpt_tiny"
     """Architecture and size. ``gpt_*``: LayerNorm, GELU, learned positions; ``llama*``: RMSNorm, SwiGLU,
-    RoPE, grouped-query attention."""
+    RoPE, grouped-query attention; ``mixtral_8x7b``: Llama's with every MLP a mixture of 8 experts, top-2
+    (``plan`` only: the recipe does not build it yet)."""
 
     num_layers: int | None = None
     """Transformer layers."""
@@ -63,6 +64,18 @@ class ModelSpec:
     """Hidden and attention dropout (null: the preset's; the tiny presets use 0.1 so RNG restoration is
     exercised)."""
 
+    num_moe_experts: int | None = None
+    """Mixture of experts: routed experts per layer (null: the preset's; dense presets have none)."""
+
+    moe_router_topk: int | None = None
+    """Experts each token is routed to (null: the preset's, 2)."""
+
+    moe_ffn_hidden_size: int | None = None
+    """FFN hidden size of one expert (null: the preset's, ``ffn_hidden_size``)."""
+
+    moe_router_enable_expert_bias: bool | None = None
+    """Aux-loss-free load balancing with a per-router ``expert_bias`` buffer (null: the preset's, off)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ParallelismSpec:
@@ -77,6 +90,14 @@ class ParallelismSpec:
     context: int = 1
     """Context-parallel size."""
 
+    expert: int = 1
+    """Expert-parallel size (mixture of experts): each rank holds ``num_moe_experts / expert`` experts per layer.
+    Expert params' optimizer state is sharded over the expert-data-parallel group, world / (expert_tensor x expert x
+    pipeline) ranks, and rings over it."""
+
+    expert_tensor: int | None = None
+    """Expert tensor-parallel size (null: ``tensor``, megatron-core's default)."""
+
     virtual_pipeline: int | None = None
     """Interleaved pipeline chunks per stage (null: no interleaving)."""
 
@@ -88,8 +109,9 @@ class ParallelismSpec:
     per iteration; without it the snapshot is small state only and redundant state is backed up lazily."""
 
     def _check(self, p: Problems) -> None:
-        for name in ("tensor", "pipeline", "context"):
+        for name in ("tensor", "pipeline", "context", "expert"):
             p.at_least(name, getattr(self, name), 1)
+        p.at_least("expert_tensor", self.expert_tensor, 1, optional=True)
         p.at_least("virtual_pipeline", self.virtual_pipeline, 1, optional=True)
         if p.ok("tensor"):
             p.check(not self.sequence_parallel or self.tensor > 1, "sequence_parallel", "needs parallelism.tensor > 1")
@@ -287,7 +309,12 @@ class JobSpec:
                 p.check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "trainer.global_batch_size",
                         f"{t.global_batch_size} is not a multiple of micro_batch_size x data-parallel size = "
                         f"{t.micro_batch_size} x {dp}")
-        if p.ok("model", *sizes, "parallelism.virtual_pipeline"):
+                if p.ok("parallelism.expert", "parallelism.expert_tensor"):
+                    emp = self.expert_tensor * par.expert * par.pipeline
+                    p.check(world % emp == 0, "parallelism.expert",
+                            f"expert_tensor x expert x pipeline = {self.expert_tensor} x {par.expert} x {par.pipeline}"
+                            f" = {emp} does not divide the world size {world}")
+        if p.ok("model", *sizes, "parallelism.virtual_pipeline", "parallelism.expert", "parallelism.expert_tensor"):
             self._check_split(shape, p)
         p.check(t.accelerator != "cpu" or self.model.preset in ("gpt_tiny", "llama_tiny"), "model.preset",
                 f"{self.model.preset!r} needs trainer.accelerator gpu (the CPU presets are 'gpt_tiny' and "
@@ -307,6 +334,17 @@ class JobSpec:
                 f" and query groups ({shape.query_groups}) of the model")
         p.check(par.context == 1 or shape.seq_length % (2 * par.context) == 0, "parallelism.context",
                 f"model.seq_length {shape.seq_length} must be a multiple of 2 x context = {2 * par.context}")
+        if not shape.is_moe:
+            p.check(par.expert == 1 and par.expert_tensor is None, "parallelism.expert",
+                    "expert parallelism needs a mixture-of-experts model (model.num_moe_experts)")
+            return
+        p.check(shape.num_moe_experts % par.expert == 0, "parallelism.expert",
+                f"{par.expert} does not divide model.num_moe_experts = {shape.num_moe_experts}")
+        p.check(shape.expert_ffn_hidden_size % self.expert_tensor == 0, "parallelism.expert_tensor",
+                f"{self.expert_tensor} does not divide the expert FFN hidden size {shape.expert_ffn_hidden_size}")
+        # megatron-core's MoELayer.forward refuses to train with TP > 1 and no sequence parallelism
+        p.check(par.tensor == 1 or par.sequence_parallel, "parallelism.sequence_parallel",
+                "mixture of experts with tensor > 1 needs sequence_parallel: true (megatron-core refuses otherwise)")
 
     @property
     def world_size(self) -> int:
@@ -316,6 +354,18 @@ class JobSpec:
     def data_parallel(self) -> int:
         p = self.parallelism
         return self.world_size // (p.tensor * p.pipeline * p.context)
+
+    @property
+    def expert_tensor(self) -> int:
+        """Expert tensor-parallel size actually used (``parallelism.expert_tensor``, else ``tensor``)."""
+        p = self.parallelism
+        return p.tensor if p.expert_tensor is None else p.expert_tensor
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Expert-data-parallel size: world / (expert_tensor x expert x pipeline)."""
+        p = self.parallelism
+        return self.world_size // (self.expert_tensor * p.expert * p.pipeline)
 
     def model_shape(self) -> Any:
         """The :class:`~neighbor_ckpt.planning.planner.ModelShape` of the preset with this spec's resizes applied."""
@@ -343,8 +393,8 @@ class JobSpec:
         from neighbor_ckpt.planning.planner import Parallelism, plan_job
 
         p, t = self.parallelism, self.trainer
-        par = Parallelism(tp=p.tensor, pp=p.pipeline, cp=p.context, dp=self.data_parallel,
-                          distributed_optimizer=p.distributed_optimizer, micro_batch_size=t.micro_batch_size,
+        par = Parallelism(tp=p.tensor, pp=p.pipeline, cp=p.context, dp=self.data_parallel, ep=p.expert,
+                          etp=p.expert_tensor, distributed_optimizer=p.distributed_optimizer, micro_batch_size=t.micro_batch_size,
                           global_batch_size=t.global_batch_size)
         store = self.neighbor_ckpt.store
         extras = None if store.extras_capacity_mb is None else int(store.extras_capacity_mb * 2**20)

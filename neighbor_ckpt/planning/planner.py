@@ -18,6 +18,16 @@ paper's formulas did not survive text extraction):
   shard, ``12 * ceil(params_per_rank / (dp * cp))`` bytes. megatron-core shards the distributed optimizer over
   the data-parallel-*with-context-parallel* group, so the shard factor is ``dp * cp`` (CP does not shard the
   parameters themselves); the neighbor ring runs over the same group, and it is the razor's DP size.
+* mixture of experts (``ModelShape.num_moe_experts``; every layer's MLP an MoE layer, as in Mixtral): the expert
+  weights are split over expert parallelism (EP, ``E / ep`` experts per rank) and expert tensor parallelism
+  (ETP, megatron-core's default: the TP size), and their distributed-optimizer shard lives in the
+  *expert-data-parallel* group of ``world / (etp * ep * pp)`` ranks (megatron-core's
+  ``parallel_state.get_expert_data_parallel_world_size``; CP folds into it), not in the dense DP x CP group. The
+  razor's rules apply to each part with its own group size: unique bytes = ``12 * ceil(dense / (dp*cp)) +
+  12 * ceil(expert / edp)``, and each part has its own ring. The routers' ``expert_bias`` buffers (aux-loss-free
+  balancing) are changing buffers: the razor stages them (fp32, ``E`` per layer, every rank its own).
+  Compute counts the active parameters: a token visits ``topk`` of the ``E`` experts, and with balanced routing
+  a rank's expert work is ``6 * tokens * topk * (one whole expert's params) / tp``.
 * host memory per rank: the store's own footprint formula,
   :func:`~neighbor_ckpt.snapshot.store.store_bytes_per_rank` (the one the preflight checks).
 * FFTrainer eq. 1-2: the snapshot hides inside one iteration when its transfer time does not exceed the
@@ -107,6 +117,20 @@ class ModelShape:
     position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
     """``learned_absolute`` adds a ``seq_length x hidden_size`` table (replicated across TP); ``rope`` none."""
 
+    num_moe_experts: int | None = None
+    """Routed experts per layer (mixture of experts: every layer's MLP is an MoE layer with a router of
+    ``num_moe_experts x hidden_size`` weights, as in Mixtral); None: a dense model."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to (compute only: every rank holds all of its local experts)."""
+
+    moe_ffn_hidden_size: int | None = None
+    """FFN hidden size of one expert (SwiGLU: per branch); None: ``ffn_hidden_size``."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing: every router keeps an fp32 ``expert_bias`` buffer of ``num_moe_experts``
+    entries, updated every step (the razor stages it: a changing buffer)."""
+
     def __post_init__(self) -> None:
         validate(self, "ModelShape")
 
@@ -118,6 +142,12 @@ class ModelShape:
             p.integer("num_query_groups", self.num_query_groups)
         p.one_of("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         p.one_of("position_embedding", self.position_embedding, ("learned_absolute", "rope"))
+        if self.num_moe_experts is not None and p.integer("num_moe_experts", self.num_moe_experts) \
+                and p.integer("moe_router_topk", self.moe_router_topk):
+            p.check(self.moe_router_topk <= self.num_moe_experts, "moe_router_topk",
+                    f"{self.moe_router_topk} is more than num_moe_experts = {self.num_moe_experts}")
+        if self.moe_ffn_hidden_size is not None:
+            p.integer("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
         if p.ok("hidden_size", "num_attention_heads"):
             p.check(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
                     f"{self.hidden_size} is not divisible by num_attention_heads = {self.num_attention_heads}")
@@ -134,8 +164,19 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def check_split(self, p: Problems, tp: int, pp: int) -> None:
-        """Record in ``p`` (keys ``tp``, ``pp``) whether ``tp`` x ``pp`` ranks can hold this model."""
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts model."""
+        return self.num_moe_experts is not None
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """FFN hidden size of one expert."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def check_split(self, p: Problems, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+        """Record in ``p`` (keys ``tp``, ``pp``, ``ep``, ``etp``) whether ``tp`` x ``pp`` ranks, with experts split
+        over ``ep`` x ``etp`` (None: ``tp``), can hold this model."""
         if p.integer("tp", tp):
             for name, value in (("num_attention_heads", self.num_attention_heads),
                                 ("num_query_groups", self.query_groups), ("ffn_hidden_size", self.ffn_hidden_size),
@@ -143,45 +184,86 @@ class ModelShape:
                 p.check(value % tp == 0, "tp", f"{tp} does not divide ModelShape.{name} = {value}")
         if p.integer("pp", pp):
             p.check(self.num_layers % pp == 0, "pp", f"{pp} does not divide ModelShape.num_layers = {self.num_layers}")
+        if p.integer("ep", ep):
+            if not self.is_moe:
+                p.check(ep == 1, "ep", f"{ep} needs a mixture-of-experts model (ModelShape.num_moe_experts is None)")
+            elif isinstance(self.num_moe_experts, int):
+                p.check(self.num_moe_experts % ep == 0, "ep",
+                        f"{ep} does not divide ModelShape.num_moe_experts = {self.num_moe_experts}")
+        if etp is not None and p.integer("etp", etp) and self.is_moe:
+            p.check(self.expert_ffn_hidden_size % etp == 0, "etp",
+                    f"{etp} does not divide the expert FFN hidden size {self.expert_ffn_hidden_size}")
 
     def _layer(self, tp: int) -> tuple[int, int]:
-        """(params split over TP held by one TP rank, params replicated on every TP rank) of one layer."""
+        """(params split over TP held by one TP rank, params replicated on every TP rank) of one layer; of an MoE
+        layer its dense part only (attention, norms, router), the experts are :meth:`_experts`."""
         h, f = self.hidden_size, self.ffn_hidden_size
         qkv_out = (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
         fc1_out = 2 * f if self.gated_linear_unit else f
-        split = qkv_out * h + h * self.num_attention_heads * self.head_dim + fc1_out * h + h * f
+        split = qkv_out * h + h * self.num_attention_heads * self.head_dim
         norm = 2 * h if self.normalization == "LayerNorm" else h
         replicated = 2 * norm  # input_layernorm, pre_mlp_layernorm
         if self.add_bias_linear:
-            split += qkv_out + fc1_out  # column-parallel biases are split
-            replicated += 2 * h  # row-parallel biases (proj, fc2) are not
+            split += qkv_out  # column-parallel biases are split
+            replicated += h  # row-parallel biases (proj) are not
+        if self.is_moe:
+            e = self.num_moe_experts or 0
+            replicated += e * h + (e if self.add_bias_linear else 0)  # the router, fp32, whole on every TP rank
+        else:
+            split += fc1_out * h + h * f + (fc1_out if self.add_bias_linear else 0)
+            replicated += h if self.add_bias_linear else 0  # fc2's bias
         return split // tp, replicated
 
-    def params_per_stage(self, tp: int = 1, pp: int = 1) -> list[int]:
-        """Parameters held by ONE tensor-parallel rank of each pipeline stage (megatron-core GPTModel).
+    def _experts(self, ep: int, etp: int) -> int:
+        """Expert params of one layer held by one rank: ``E / ep`` experts, each split over ``etp`` like a dense
+        MLP over TP (fc1 and its bias column-parallel, fc2 row-parallel with its bias whole)."""
+        if not self.is_moe:
+            return 0
+        h, f = self.hidden_size, self.expert_ffn_hidden_size
+        fc1_out = 2 * f if self.gated_linear_unit else f
+        one = (fc1_out * h + h * f) // etp + ((fc1_out // etp + h) if self.add_bias_linear else 0)
+        return (self.num_moe_experts or 0) // ep * one
 
-        The first stage holds the word embedding (vocab-parallel) and learned position embeddings
-        (replicated); the last stage the final norm and the output layer (column-parallel, no bias), which
-        is absent when embeddings are shared and ``pp == 1`` but is a full copy of the word embedding on the
-        last stage when they are shared and ``pp > 1``. Layers are split evenly over the stages.
+    def dense_and_expert_params_per_stage(self, tp: int = 1, pp: int = 1, ep: int = 1,
+                                          etp: int | None = None) -> list[tuple[int, int]]:
+        """(dense params, expert params) held by ONE rank of each pipeline stage (megatron-core GPTModel).
+
+        Dense: one tensor-parallel rank's share. The first stage holds the word embedding (vocab-parallel) and
+        learned position embeddings (replicated); the last stage the final norm and the output layer
+        (column-parallel, no bias), which is absent when embeddings are shared and ``pp == 1`` but is a full copy
+        of the word embedding on the last stage when they are shared and ``pp > 1``. Layers are split evenly over
+        the stages. Expert (MoE only): ``E / ep`` experts per layer, each split over ``etp`` (None: ``tp``).
         """
         p = Problems()
-        self.check_split(p, tp, pp)
+        self.check_split(p, tp, pp, ep, etp)
         p.raise_if_any()
         h = self.hidden_size
         split, replicated = self._layer(tp)
         per_layer = split + replicated
-        stages = [self.num_layers // pp * per_layer for _ in range(pp)]
+        layers = self.num_layers // pp
+        stages = [layers * per_layer for _ in range(pp)]
         stages[0] += self.vocab_size * h // tp
         if self.position_embedding == "learned_absolute":
             stages[0] += self.seq_length * h
         stages[-1] += 2 * h if self.normalization == "LayerNorm" else h
         if not (self.share_embeddings_and_output_weights and pp == 1):
             stages[-1] += self.vocab_size * h // tp
-        return stages
+        expert = layers * self._experts(ep, tp if etp is None else etp)
+        return [(dense, expert) for dense in stages]
+
+    def params_per_stage(self, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> list[int]:
+        """Parameters (dense + expert) held by ONE rank of each pipeline stage: see
+        :meth:`dense_and_expert_params_per_stage`."""
+        return [d + e for d, e in self.dense_and_expert_params_per_stage(tp, pp, ep, etp)]
+
+    def expert_bias_per_stage(self, pp: int = 1) -> int:
+        """Entries of the routers' ``expert_bias`` buffers (fp32) of one stage: ``E`` per layer when enabled."""
+        if not (self.is_moe and self.moe_router_enable_expert_bias):
+            return 0
+        return self.num_layers // pp * (self.num_moe_experts or 0)
 
     def total_params(self) -> int:
-        """Parameters of the whole model (``tp = pp = 1``; tied embeddings counted once)."""
+        """Parameters of the whole model (``tp = pp = ep = 1``: every expert; tied embeddings counted once)."""
         return self.params_per_stage(1, 1)[0]
 
 
@@ -202,9 +284,16 @@ PRESETS: dict[str, ModelShape] = {
                              share_embeddings_and_output_weights=False, position_embedding="rope"),
     "gpt3_175b": ModelShape(num_layers=96, hidden_size=12288, ffn_hidden_size=49152, num_attention_heads=96,
                             vocab_size=51200, seq_length=2048),
+    # NeMo 2.7.3 MixtralConfig8x7B: the Llama layout with every MLP an MoE layer of 8 SwiGLU experts, top-2
+    "mixtral_8x7b": ModelShape(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                               num_query_groups=8, vocab_size=32000, seq_length=4096, gated_linear_unit=True,
+                               add_bias_linear=False, normalization="RMSNorm",
+                               share_embeddings_and_output_weights=False, position_embedding="rope",
+                               num_moe_experts=8, moe_router_topk=2),
 }
 """Model shapes by name (the ``model.preset`` of a job file). GPT: LayerNorm, biases, learned positions,
-tied embeddings; Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings."""
+tied embeddings; Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings; Mixtral: Llama's with
+8 experts per layer, top-2."""
 
 
 # -- hardware ----------------------------------------------------------------------------------------------
@@ -281,6 +370,12 @@ class Parallelism:
     dp: int = 1
     """Data-parallel size (without CP)."""
 
+    ep: int = 1
+    """Expert-parallel size (MoE): each rank holds ``num_moe_experts / ep`` experts of every layer."""
+
+    etp: int | None = None
+    """Expert tensor-parallel size (MoE); None: ``tp`` (megatron-core's default)."""
+
     distributed_optimizer: bool = True
     """megatron-core's distributed optimizer: optimizer state and fp32 main params sharded over DP x CP."""
 
@@ -294,8 +389,14 @@ class Parallelism:
         validate(self, "Parallelism")
 
     def _check(self, p: Problems) -> None:
-        for name in ("tp", "pp", "cp", "dp", "micro_batch_size"):
+        for name in ("tp", "pp", "cp", "dp", "ep", "micro_batch_size"):
             p.integer(name, getattr(self, name))
+        if self.etp is not None:
+            p.integer("etp", self.etp)
+        if p.ok("tp", "cp", "dp", "ep", "etp"):
+            p.check(self.tp * self.cp * self.dp % (self.expert_tp * self.ep) == 0, "ep",
+                    f"expert tensor x expert = {self.expert_tp} x {self.ep} does not divide the ranks of a pipeline "
+                    f"stage, tp x cp x dp = {self.tp} x {self.cp} x {self.dp}")
         if self.global_batch_size is not None and p.integer("global_batch_size", self.global_batch_size) \
                 and p.ok("micro_batch_size", "dp"):
             p.check(self.global_batch_size % (self.micro_batch_size * self.dp) == 0, "global_batch_size",
@@ -315,8 +416,19 @@ class Parallelism:
 
     @property
     def shard_factor(self) -> int:
-        """Ranks that share one copy of the parameters' optimizer state: DP x CP (the neighbor ring too)."""
+        """Ranks that share one copy of the dense parameters' optimizer state: DP x CP (their neighbor ring too)."""
         return self.dp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size actually used."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel size, ``world / (etp x ep x pp)``: the ranks that share one copy of the expert
+        parameters' optimizer state (their neighbor ring too). CP folds into it."""
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
 
 
 # -- plan --------------------------------------------------------------------------------------------------
@@ -336,12 +448,29 @@ class RankClassPlan:
     """Ranks of this kind: ``stages * tp * cp * dp``."""
 
     params_per_rank: int
-    """Parameters held by one rank (one TP rank of the stage; CP and DP replicate them)."""
+    """Parameters held by one rank (one TP rank of the stage; CP and DP replicate them): dense + expert."""
+
+    dense_params_per_rank: int
+    """Of ``params_per_rank``, the dense ones (all of them for a dense model)."""
+
+    expert_params_per_rank: int
+    """Of ``params_per_rank``, the experts' (MoE): ``E / ep`` experts per layer, each split over ETP."""
 
     unique_payload_bytes: int
-    """Unique tensor bytes snapshotted per iteration (the razor's unique dispositions). Distributed optimizer:
-    ``12 * ceil(params / (dp*cp))`` for Adam (fp32 main param + exp_avg + exp_avg_sq). Replicated optimizer: 0
-    when DP x CP > 1 (all of it is redundant), otherwise everything (weights + master + state)."""
+    """Unique tensor bytes snapshotted per iteration (the razor's unique and staged dispositions):
+    ``dense_unique_bytes + expert_unique_bytes + staged_bytes``."""
+
+    dense_unique_bytes: int
+    """Of the payload, the dense params' state. Distributed optimizer: ``12 * ceil(dense / (dp*cp))`` for Adam (fp32
+    main param + exp_avg + exp_avg_sq). Replicated optimizer: 0 when DP x CP > 1 (all of it is redundant), otherwise
+    everything (weights + master + state)."""
+
+    expert_unique_bytes: int
+    """Of the payload, the expert params' state: the same rules with the expert-data-parallel size,
+    ``12 * ceil(expert / edp)`` under the distributed optimizer."""
+
+    staged_bytes: int
+    """Of the payload, changing module buffers the razor stages (the routers' fp32 ``expert_bias``)."""
 
     extras_bytes: int
     """Small per-rank state carried in every snapshot (RNG, counters, data position), counted in its transfer."""
@@ -415,6 +544,16 @@ class JobPlan:
         return self.parallel.world_size
 
     @property
+    def rings(self) -> dict[str, dict[str, Any]]:
+        """The neighbor rings a rank belongs to: each part of the state rings over the group that shards its
+        optimizer state (dense: DP x CP; experts, MoE only: expert-data-parallel), with that group's size."""
+        p = self.parallel
+        out = {"dense": {"group": "data-parallel x context-parallel", "size": p.shard_factor}}
+        if self.model.is_moe:
+            out["expert"] = {"group": "expert-data-parallel = world / (etp x ep x pp)", "size": p.expert_dp}
+        return out
+
+    @property
     def nodes(self) -> int:
         return math.ceil(self.world_size / self.hardware.gpus_per_node)
 
@@ -424,12 +563,15 @@ class JobPlan:
 
     def format_table(self) -> str:
         """A plain-text table, one row per rank class, followed by the warnings."""
-        header = ("class", "stages", "ranks", "params/rank", "unique/iter", "host/rank", "host/node", "D2H s",
-                  "net s", "compute s", "FCR", "hides")
+        moe = self.model.is_moe
+        header = ("class", "stages", "ranks", "params/rank", "unique/iter", *(("dense/iter", "expert/iter") if moe
+                                                                               else ()),
+                  "host/rank", "host/node", "D2H s", "net s", "compute s", "FCR", "hides")
         rows = [header]
         for c in self.classes:
             fcr = "inf" if math.isinf(c.fcr) else f"{c.fcr:.2f}"
-            rows.append((c.kind, str(c.stages), str(c.ranks), _si(c.params_per_rank), _bytes(c.unique_bytes),
+            split = (_bytes(c.dense_unique_bytes), _bytes(c.expert_unique_bytes)) if moe else ()
+            rows.append((c.kind, str(c.stages), str(c.ranks), _si(c.params_per_rank), _bytes(c.unique_bytes), *split,
                          _bytes(c.host_memory_bytes), _bytes(c.host_memory_bytes * self.ranks_per_node),
                          f"{c.d2h_seconds:.3g}", f"{c.network_seconds:.3g}", f"{c.compute_seconds:.3g}", fcr,
                          "yes" if c.hides else "NO"))
@@ -441,6 +583,10 @@ class JobPlan:
         lines.insert(0, f"world {self.world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp} on {self.nodes} "
                         f"{hw.name} node(s); {self.versions} versions; distributed optimizer "
                         f"{'on' if p.distributed_optimizer else 'off'}; grad accum {p.grad_accum}")
+        if moe:
+            lines.append(f"experts {self.model.num_moe_experts} top-{self.model.moe_router_topk}: ep {p.ep} x etp "
+                            f"{p.expert_tp}; rings: dense over dp x cp = {p.shard_factor} ranks, expert over "
+                            f"expert-dp = {p.expert_dp} ranks")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -453,6 +599,7 @@ class JobPlan:
             "versions": self.versions,
             "world_size": self.world_size,
             "nodes": self.nodes,
+            "rings": self.rings,
             "classes": [c.to_dict() for c in self.classes],
             "warnings": list(self.warnings),
         }
@@ -506,13 +653,17 @@ def plan_job(model: ModelShape, parallel: Parallelism, hw: Hardware, *, versions
     args.one_of("optimizer", optimizer, OPTIMIZER_STATE_BYTES)
     p = parallel
     layout = problems.at("Parallelism")
-    model.check_split(layout, p.tp, p.pp)
+    model.check_split(layout, p.tp, p.pp, p.ep, p.etp)
     layout.check(p.cp == 1 or model.seq_length % (2 * p.cp) == 0, "cp",
                  f"{p.cp} needs ModelShape.seq_length = {model.seq_length} divisible by 2 x cp")
     problems.raise_if_any()
     extras = MIN_EXTRAS_BYTES if extras_bytes is None else extras_bytes
-    per_stage = model.params_per_stage(p.tp, p.pp)
-    shard = p.shard_factor
+    per_stage = model.dense_and_expert_params_per_stage(p.tp, p.pp, p.ep, p.etp)
+    groups = {"dense": p.shard_factor, "expert": p.expert_dp}
+    # a token's expert work: topk experts, each split over etp x (its tokens gathered over the TP ranks): per rank
+    # 6 * tokens * topk * (one whole expert) / tp, with one whole expert = local experts' params * ep * etp / E
+    active_expert = (model.moe_router_topk * p.ep * p.expert_tp / (model.num_moe_experts * p.tp)
+                     if model.is_moe else 0.0)
     tokens = p.micro_batch_size * p.grad_accum * model.seq_length / p.cp
     flops = hw.gpu_tflops * 1e12 * hw.mfu
     pcie = hw.pcie_gbytes_per_s * 1e9
@@ -520,21 +671,34 @@ def plan_job(model: ModelShape, parallel: Parallelism, hw: Hardware, *, versions
 
     classes = []
     for kind, stages in _stage_kinds(p.pp):
-        params = max(per_stage[s] for s in stages)  # middle stages are identical
-        held = -(-params // shard) if p.distributed_optimizer else params  # the optimizer's params on this rank
-        state_bytes = {StateKind.WEIGHT: param_dtype_bytes * params, StateKind.MAIN_PARAM: master_dtype_bytes * held,
-                       StateKind.OPTIMIZER: OPTIMIZER_STATE_BYTES[optimizer] * held}
-        by = {d: 0 for d in Disposition}
-        for state, nbytes in state_bytes.items():
-            by[disposition(state, dp_size=shard, distributed_optimizer=p.distributed_optimizer)] += nbytes
-        payload, lazy = by[Disposition.UNIQUE], by[Disposition.LAZY]
+        dense, expert = max(per_stage[s] for s in stages)  # middle stages are identical
+        params = dense + expert
+        unique_by: dict[str, int] = {}
+        lazy = 0
+        for part, count in (("dense", dense), ("expert", expert)):
+            shard = groups[part]  # the razor's DP size for this part: the group its optimizer state is sharded over
+            held = -(-count // shard) if p.distributed_optimizer else count  # the optimizer's params on this rank
+            state_bytes = {StateKind.WEIGHT: param_dtype_bytes * count,
+                           StateKind.MAIN_PARAM: master_dtype_bytes * held,
+                           StateKind.OPTIMIZER: OPTIMIZER_STATE_BYTES[optimizer] * held}
+            by = {d: 0 for d in Disposition}
+            for state, nbytes in state_bytes.items():
+                by[disposition(state, dp_size=shard, distributed_optimizer=p.distributed_optimizer)] += nbytes
+            unique_by[part], lazy = by[Disposition.UNIQUE], lazy + by[Disposition.LAZY]
+        staged_kind = disposition(StateKind.BUFFER, dp_size=p.shard_factor,
+                                  distributed_optimizer=p.distributed_optimizer)
+        staged = 4 * model.expert_bias_per_stage(p.pp) if staged_kind is Disposition.STAGED else 0
+        payload = unique_by["dense"] + unique_by["expert"] + staged
         unique = payload + extras
+        active = dense + expert * active_expert
         classes.append(RankClassPlan(
             kind=kind, stages=len(stages), ranks=len(stages) * p.tp * p.cp * p.dp, params_per_rank=params,
-            unique_payload_bytes=payload, extras_bytes=extras, lazy_backup_bytes=lazy,
+            dense_params_per_rank=dense, expert_params_per_rank=expert, unique_payload_bytes=payload,
+            dense_unique_bytes=unique_by["dense"], expert_unique_bytes=unique_by["expert"], staged_bytes=staged,
+            extras_bytes=extras, lazy_backup_bytes=lazy,
             host_memory_bytes=store_bytes_per_rank(unique_bytes=payload, lazy_bytes=lazy, versions=versions,
                                                    extras_bytes=extras_bytes),
-            d2h_seconds=unique / pcie, network_seconds=unique / nic, compute_seconds=6 * params * tokens / flops))
+            d2h_seconds=unique / pcie, network_seconds=unique / nic, compute_seconds=6 * active * tokens / flops))
 
     plan_warnings = []
     ranks_per_node = min(hw.gpus_per_node, p.world_size)

@@ -60,6 +60,11 @@ BAD = {
     "override into a value": (["trainer.max_steps.x=1"], "trainer.max_steps is not a section"),
     "unknown preset": (["model.preset=gpt5"], "config.model.preset: 'gpt5' is not allowed"),
     "a full-size model on cpu": (["model.preset=llama3_8b", "parallelism.pipeline=1"], "config.model.preset: 'llama3_8b' needs trainer.accelerator gpu"),
+    "expert parallelism on a dense model": (["parallelism.expert=2"], "config.parallelism.expert: expert parallelism needs a mixture-of-experts model"),
+    "EP does not divide the experts": (["model.num_moe_experts=3", "parallelism.expert=2"], "config.parallelism.expert: 2 does not divide model.num_moe_experts = 3"),
+    "expert layout does not divide the world": (["model.num_moe_experts=8", "parallelism.expert=8"], "config.parallelism.expert: expert_tensor x expert x pipeline = 1 x 8 x 1 = 8 does not divide the world size 4"),
+    "MoE with TP and no sequence parallelism": (["model.num_moe_experts=4", "parallelism.expert=2", "parallelism.tensor=2"], "config.parallelism.sequence_parallel: mixture of experts with tensor > 1 needs sequence_parallel: true"),
+    "top-k above the experts": (["model.num_moe_experts=2", "model.moe_router_topk=3"], "config.model.moe_router_topk: 3 is more than num_moe_experts = 2"),
 }
 
 
@@ -210,6 +215,50 @@ def test_plan_of_llama3_70b_matches_a_hand_computation() -> None:
     text = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs/llama3_70b.yaml")],
                           capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert "first" in text and "middle" in text and "last" in text and "FCR" in text
+
+
+def test_plan_of_mixtral_8x7b_matches_a_hand_computation_of_dense_and_expert_unique_bytes() -> None:
+    """configs/mixtral_8x7b.yaml: 32 layers, hidden 4096, FFN 14336 (SwiGLU) per expert, 32 heads, 8 KV groups, head dim
+    128, vocab 32000, untied, RMSNorm, no biases, 8 experts top-2; TP 2 x PP 4 x EP 8, expert TP 1 on 16 x 8 GPUs
+    -> dense DP = 128 / (2 x 4) = 16, expert DP = 128 / (1 x 8 x 4) = 4."""
+    h, f, v, tp, experts = 4096, 14336, 32000, 2, 8
+    attention = (h * (32 + 2 * 8) * 128 + h * h) // tp  # linear_qkv + linear_proj, split over TP
+    dense_layer = attention + 2 * h + experts * h  # 2 RMSNorms + the router (8 x 4096, fp32), whole on every TP rank
+    assert dense_layer == 21_012_480
+    dense_middle = 8 * dense_layer  # 32 layers / PP 4
+    dense_first = dense_middle + v * h // tp  # the vocab-parallel word embedding
+    dense_last = dense_middle + h + v * h // tp  # final RMSNorm + the untied output layer
+    expert_layer = experts // 8 * (2 * f * h + f * h)  # EP 8: one whole expert (fc1 SwiGLU + fc2) per layer per rank
+    expert = 8 * expert_layer
+    assert expert == 1_409_286_144
+    proc = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs/mixtral_8x7b.yaml"),
+                           "--json"], capture_output=True, text=True, cwd=REPO, check=True)
+    import json
+
+    plan = json.loads(proc.stdout)
+    assert plan["world_size"] == 128 and plan["parallel"]["dp"] == 16 and plan["parallel"]["ep"] == 8
+    assert plan["rings"]["dense"]["size"] == 16 and plan["rings"]["expert"]["size"] == 4
+    rows = {c["kind"]: c for c in plan["classes"]}
+    for kind, dense in (("first", dense_first), ("middle", dense_middle), ("last", dense_last)):
+        row = rows[kind]
+        assert (row["dense_params_per_rank"], row["expert_params_per_rank"]) == (dense, expert)
+        assert row["params_per_rank"] == dense + expert
+        # fp32 main param + exp_avg + exp_avg_sq of this rank's shard: dense over DP 16, experts over expert-DP 4
+        assert row["dense_unique_bytes"] == 12 * -(-dense // 16)
+        assert row["expert_unique_bytes"] == 12 * (expert // 4) == 4_227_858_432
+        assert row["staged_bytes"] == 0  # Mixtral balances with the aux loss: no expert_bias buffer
+        assert row["unique_payload_bytes"] == row["dense_unique_bytes"] + row["expert_unique_bytes"]
+        assert row["lazy_backup_bytes"] == 0
+        # active params: the dense ones, and top-2 of 8 experts of tokens gathered from the 8-rank expert group,
+        # each rank one whole expert (ETP 1) out of TP 2: 2 x 8 x 1 / (8 x 2) = 1 x the local expert params
+        tokens = 1 * (512 // (1 * 16)) * 4096
+        assert row["compute_seconds"] == pytest.approx(6 * (dense + expert) * tokens / (989e12 * 0.4))
+    assert rows["middle"]["dense_unique_bytes"] == 12 * dense_middle // 16 == 126_074_880
+    assert sum(rows[k]["ranks"] for k in rows) == 128
+    text = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs/mixtral_8x7b.yaml")],
+                          capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert "dense/iter" in text and "expert/iter" in text
+    assert "rings: dense over dp x cp = 16 ranks, expert over expert-dp = 4 ranks" in text
 
 
 def test_plan_warns_when_the_store_does_not_fit_in_host_memory() -> None:

@@ -80,6 +80,9 @@ def test_sum_over_ranks_is_total_plus_replicated_extras(name, tp, pp):
     h = m.hidden_size
     norm = 2 * h if m.normalization == "LayerNorm" else h
     replicated = m.num_layers * (2 * norm + (2 * h if m.add_bias_linear else 0)) + norm
+    if m.num_moe_experts:  # each layer's router (whole on every TP rank) instead of the dense MLP's fc2 bias
+        e = m.num_moe_experts
+        replicated += m.num_layers * (e * h + ((e + (e - 1) * h) if m.add_bias_linear else 0))
     if m.position_embedding == "learned_absolute":
         replicated += m.seq_length * h
     extras = (tp - 1) * replicated
@@ -280,6 +283,80 @@ def test_plan_job_rejects_incompatible_layouts():
         plan_job(PRESETS["gpt_tiny"], Parallelism(pp=3), HARDWARE["cpu"])
     with pytest.raises(ConfigError, match="^Parallelism.cp: 3 needs ModelShape.seq_length = 64"):
         plan_job(PRESETS["gpt_tiny"], Parallelism(cp=3), HARDWARE["cpu"])
+
+
+# -- mixture of experts -----------------------------------------------------------------------------------
+
+
+def test_mixtral_8x7b_total_is_the_published_46_7b_with_12_9b_active():
+    m = PRESETS["mixtral_8x7b"]
+    assert float(f"{m.total_params():.3g}") == 46.7e9
+    one_expert_all_layers = 32 * 3 * 14336 * 4096
+    assert float(f"{m.total_params() - 6 * one_expert_all_layers:.3g}") == 12.9e9  # top-2 of 8: 6 experts idle
+
+
+MOE_TINY = dataclasses.replace(PRESETS["gpt_tiny"], num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,
+                               moe_router_enable_expert_bias=True)
+"""gpt_tiny (h 64, 4 heads, vocab 128, seq 64, LayerNorm, biases, learned positions, tied) with 4 experts of FFN 96
+per layer, top-2, an expert_bias buffer per router: the CPU test model's shape."""
+
+
+def test_moe_dense_and_expert_params_by_hand():
+    # one TP rank of tp = 2, ep = 2, etp = 2 (megatron-core's default etp = tp), pp = 1
+    dense_layer = ((4 + 2 * 4) * 16 * 64 + 64 * 64 + 192) // 2 + 64 + 2 * (64 + 64) + 4 * 64 + 4
+    #              qkv + proj weights + qkv bias, split   proj bias  2 LayerNorms       router weight + bias
+    expert_one = (96 * 64 + 64 * 96) // 2 + 96 // 2 + 64  # fc1, fc2 split over etp; fc1 bias split, fc2 bias whole
+    dense = 2 * dense_layer + 128 * 64 // 2 + 64 * 64 + (64 + 64)  # + vocab-parallel embedding, positions, final LN
+    assert MOE_TINY.dense_and_expert_params_per_stage(tp=2, pp=1, ep=2) == [(dense, 2 * 2 * expert_one)]
+    # etp 1: each rank holds its two experts whole
+    expert_whole = 96 * 64 + 64 * 96 + 96 + 64
+    assert MOE_TINY.dense_and_expert_params_per_stage(tp=2, pp=1, ep=2, etp=1) == [(dense, 2 * 2 * expert_whole)]
+    assert MOE_TINY.total_params() == MOE_TINY.params_per_stage(1, 1, 1)[0]
+    assert MOE_TINY.expert_bias_per_stage(pp=2) == 1 * 4
+
+
+def test_moe_unique_bytes_are_dense_over_dp_cp_plus_expert_over_expert_dp_plus_the_staged_expert_bias():
+    # 8 ranks: tp 2 x dp 4 -> dense DP 4; ep 2 x etp 1 -> expert DP = 8 / (1 x 2 x 1) = 4 ... and ep 4 -> 2
+    for ep, edp in ((2, 4), (4, 2)):
+        par = Parallelism(tp=2, dp=4, ep=ep, etp=1)
+        assert par.expert_dp == edp
+        (c,) = plan_job(MOE_TINY, par, HARDWARE["cpu"]).classes
+        ((dense, expert),) = MOE_TINY.dense_and_expert_params_per_stage(tp=2, pp=1, ep=ep, etp=1)
+        assert (c.dense_params_per_rank, c.expert_params_per_rank) == (dense, expert)
+        assert c.dense_unique_bytes == 12 * -(-dense // 4)
+        assert c.expert_unique_bytes == 12 * -(-expert // edp)
+        assert c.staged_bytes == 4 * 2 * 4  # fp32 expert_bias: 4 experts x 2 layers, each rank its own
+        assert c.unique_payload_bytes == c.dense_unique_bytes + c.expert_unique_bytes + c.staged_bytes
+        assert c.host_memory_bytes == 2 * 2 * slot_file_bytes(c.unique_payload_bytes)
+    plan = plan_job(MOE_TINY, Parallelism(tp=2, dp=4, ep=2, etp=1), HARDWARE["cpu"])
+    assert plan.rings == {"dense": {"group": "data-parallel x context-parallel", "size": 4},
+                          "expert": {"group": "expert-data-parallel = world / (etp x ep x pp)", "size": 4}}
+    assert plan.to_dict()["rings"] == plan.rings
+    assert "expert/iter" in plan.format_table() and "expert-dp = 4 ranks" in plan.format_table()
+    assert "expert" not in plan_job(PRESETS["gpt_tiny"], Parallelism(dp=4), HARDWARE["cpu"]).rings
+
+
+def test_moe_replicated_optimizer_backs_up_expert_state_lazily_only_where_its_group_has_copies():
+    # dp 2, ep 2: expert DP = 1, so the experts' state is unique while the dense state is redundant (lazy)
+    par = Parallelism(dp=2, ep=2, distributed_optimizer=False)
+    (c,) = plan_job(MOE_TINY, par, HARDWARE["cpu"]).classes
+    assert par.expert_dp == 1
+    assert c.dense_unique_bytes == 0 and c.lazy_backup_bytes == (2 + 12) * c.dense_params_per_rank
+    assert c.expert_unique_bytes == (2 + 12) * c.expert_params_per_rank
+
+
+def test_bad_moe_layouts_are_config_errors_with_one_line_per_problem():
+    with pytest.raises(ConfigError) as e:
+        plan_job(MOE_TINY, Parallelism(dp=3, ep=3), HARDWARE["cpu"])
+    assert str(e.value).splitlines() == ["Parallelism.ep: 3 does not divide ModelShape.num_moe_experts = 4"]
+    with pytest.raises(ConfigError) as e:
+        plan_job(PRESETS["gpt_tiny"], Parallelism(dp=2, ep=2), HARDWARE["cpu"])
+    assert "ep: 2 needs a mixture-of-experts model" in str(e.value)
+    with pytest.raises(ConfigError, match=r"^Parallelism.ep: expert tensor x expert = 1 x 4 does not divide the ranks "
+                                          r"of a pipeline stage, tp x cp x dp = 1 x 1 x 2$"):
+        Parallelism(dp=2, ep=4)
+    with pytest.raises(ConfigError, match="moe_router_topk: 5 is more than num_moe_experts = 4"):
+        dataclasses.replace(MOE_TINY, moe_router_topk=5)
 
 
 # -- goodput (FlashRecovery eq. 1-4, FFTrainer Table 2) -----------------------------------------------------
