@@ -47,13 +47,14 @@ import torch.distributed as dist
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import CallOrderError, HostMemoryError, TopologyError
+from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
 from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
 from neighbor_ckpt.recovery.journal import take_failure_event
 from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult
 from neighbor_ckpt.report.status import Reporter, SnapshotStats, replica_lag, resolve_status_interval
 from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_rank_events, newest_commit_unix,
-                                           process_start_unix)
+                                           process_start_unix, wait_for_renders)
 from neighbor_ckpt.runtime import failpoints, reaper
 from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
 from neighbor_ckpt.runtime.launch_identity import report_leftovers, resolve_job_id
@@ -81,10 +82,6 @@ class Phase(str, enum.Enum):
     """The optimizer step finished but its snapshot has not been taken yet: weights belong to last + 1."""
 
 
-def _restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
 class NeighborCheckpointer:
     """Per-iteration snapshots of a rank's unique state, neighbor replication and recovery.
 
@@ -99,6 +96,9 @@ class NeighborCheckpointer:
         capture_rng_state: carry python/numpy/torch RNG states in every snapshot.
         handle_sigterm: on SIGTERM (what torchrun sends survivors when a rank dies) write the lazy backup,
             then hand the signal on to the previous handler (or the default action).
+        attempt: which attempt of the job this is (default: the launcher's restart count alone); under in-process
+            recovery :meth:`InprocessRecovery.attempt_info() <neighbor_ckpt.inprocess.InprocessRecovery.attempt_info>`
+            gives it, so in-process attempts do not share detector keys, failure events or timeline files.
 
     Collectives on the snapshot group (:attr:`group`, gloo), one place per phase, in this order on every rank
     (gloo hangs when ranks disagree, so each "whether" below depends only on gathered data or the configuration):
@@ -114,8 +114,9 @@ class NeighborCheckpointer:
     def __init__(self, config: NeighborCkptConfig | None = None, *, adapter: StateAdapter,
                  dp_group: dist.ProcessGroup | None = None, model_parallel_coord: tuple[int, ...] = (),
                  insurance: InsuranceLoader | None = None, capture_rng_state: bool = True,
-                 handle_sigterm: bool = True) -> None:
+                 handle_sigterm: bool = True, attempt: AttemptInfo | None = None) -> None:
         self.config = config or NeighborCkptConfig()
+        self.attempt = attempt if attempt is not None else AttemptInfo.from_env()
         if not dist.is_available() or not dist.is_initialized():
             raise TopologyError("NeighborCheckpointer needs torch.distributed to be initialized first")
         group_ready = time.time()  # the default process group exists: a marker of the recovery timeline
@@ -143,9 +144,9 @@ class NeighborCheckpointer:
             report_leftovers(self.store.job_dir.parent, self.store.job_id, self.topology.rank)
         self.recoverer = Recoverer(store=self.store, topology=self.topology, group=self.group,
                                    chunk_bytes=int(self.config.transport.chunk_mb * 2**20), insurance=insurance,
-                                   attempt=_restart_count())
+                                   attempt=self.attempt.ordinal)
         """Decides and runs every recovery outcome; owns the restore journal."""
-        self.failure = FailureBackup(store=self.store, topology=self.topology, attempt=_restart_count(),
+        self.failure = FailureBackup(store=self.store, topology=self.topology, attempt=self.attempt.record,
                                      enabled=self.config.lazy_backup.enabled, weights=self._weights_tag)
         """The failure path: the failure event and the lazy backup, once each."""
         self.gate = TrafficGate()
@@ -158,7 +159,7 @@ class NeighborCheckpointer:
         self.last_timeline: RecoveryTimeline | None = None
         """Timeline of the last recovery (rank 0, once the first step after it ended; None elsewhere)."""
         self.reporter = Reporter(
-            self.config.report, rank_zero=self.topology.rank == 0, attempt=_restart_count(),
+            self.config.report, rank_zero=self.topology.rank == 0, attempt=self.attempt,
             every_n_steps=resolve_status_interval(self.config.report.status_every_n_steps, None),
             report_dir=Path(self.config.report.dir) if self.config.report.dir
             else self.store.job_dir.parent / "reports" / self.store.job_id,
@@ -180,6 +181,12 @@ class NeighborCheckpointer:
         cfg = self.config.detector
         if not cfg.enabled or dist.get_world_size() < 2:
             return None
+        if self.config.inprocess.enabled:
+            # NVRx's monitor process and thread are the detector under in-process recovery (neighbor_ckpt.inprocess
+            # says why): ours would exit the process, and its store would go away with rank 0.
+            logger.info("neighbor_ckpt: failure detector off: in-process recovery is on; NVRx's wrapper detects "
+                        "failures (hard/soft timeouts, heartbeats) and aborts in place")
+            return None
         try:
             store = connect_store(cfg.timeout_s)
         except Exception as e:  # noqa: BLE001 - detection is an addition; training goes on without it
@@ -191,7 +198,7 @@ class NeighborCheckpointer:
             return None
         rank, world = dist.get_rank(), dist.get_world_size()
         return FailureDetector(
-            store, prefix=f"neighbor_ckpt/{self.job_identity.job_id}/{_restart_count()}", rank=rank,
+            store, prefix=f"neighbor_ckpt/{self.job_identity.job_id}/{self.attempt.label}", rank=rank,
             world_size=world, local_ranks=local_ranks_from_env(rank, world), node=os_instance(),
             progress=lambda: self._tag, on_failure=self._on_detected, interval_s=cfg.interval_s,
             timeout_s=cfg.timeout_s, hang_timeout_s=cfg.hang_timeout_s, kill_local=cfg.kill_local)
@@ -273,10 +280,13 @@ class NeighborCheckpointer:
         """Collective: every rank's wall-clock events of this recovery to rank 0 (one small all-gather)."""
         ph = report.phases
         reconcile_end = started + ph.get("inventory", 0.0) + ph.get("exchange", 0.0)
-        mine = RankEvents(last_snapshot=last_commit, failure_noticed=noticed, process_start=process_start_unix(),
-                          process_group_ready=self.reporter.process_group_ready, recovery_start=started,
-                          reconcile_end=reconcile_end, transfer_end=reconcile_end + ph.get("transfer", 0.0),
-                          restore_end=time.time())
+        att = self.attempt  # in process: this survivor's abort of the failed attempt, a spare's activation
+        known = [t for t in (noticed, att.failure_noticed_unix) if t is not None]
+        mine = RankEvents(last_snapshot=last_commit, failure_noticed=min(known) if known else None,
+                          process_start=process_start_unix(), process_group_ready=self.reporter.process_group_ready,
+                          recovery_start=started, reconcile_end=reconcile_end,
+                          transfer_end=reconcile_end + ph.get("transfer", 0.0), restore_end=time.time(),
+                          abort_end=att.abort_end_unix, activated_spare=1.0 if att.activated_spare else 0.0)
         per_rank = gather_rank_events(mine, self.group)
         self.reporter.begin_timeline(per_rank, outcome=report.outcome, iteration=report.iteration,
                                      recovery_phases=ph)
@@ -466,3 +476,5 @@ class NeighborCheckpointer:
             self.store.destroy()
         else:
             self.store.close()
+        if success:
+            wait_for_renders()  # the recovery timeline's PNG, drawn off the training thread

@@ -16,6 +16,33 @@ dead rank's unique state from the ring successor).
 Launch: NVRx ``ft_launcher`` with one agent per node and ``--ft-restart-policy min-healthy`` (other agents' workers
 keep running when one worker dies; plain torchrun stops the whole local worker group).
 
+**Failure detection under in-process recovery is NVRx's, not** :mod:`neighbor_ckpt.runtime.detector`'s: with
+``neighbor_ckpt.inprocess.enabled`` the checkpointer turns its own detector off and says so in one log line. Why:
+
+* what ours does on a failure is wrong here: it SIGKILLs the failed local rank and *exits* the process with status
+  75 so the launcher restarts the job, the very restart in-process recovery avoids; turning that into "interrupt the
+  wrapper" would mean raising into a main thread blocked inside a gloo collective, which only the wrapper's abort
+  (the socket shutdown of :mod:`megatron_patches.nvrx_gloo`) can free, and recording the interruption in NVRx's
+  store in its private format;
+* NVRx already watches each rank from two places: a monitor *thread* in the rank (interruptions recorded by any rank,
+  an exception, a soft timeout: no Python progress of the main thread for ``soft_timeout``) and a monitor *process*
+  beside it, which keeps running when the rank is SIGSTOPped or stuck in C code: it records the soft timeout, then
+  after ``hard_timeout`` records the rank as terminated and kills it (SIGTERM, SIGKILL after
+  ``termination_grace_time``), and it watches its siblings' heartbeats (``heartbeat_timeout``: a whole node gone).
+  So every failure ours catches (a dead rank, a stopped rank, a hang) reaches the wrapper through NVRx;
+* our detector's store is the rendezvous store at ``MASTER_PORT``, which nothing serves once rank 0 is gone under
+  ``ft_launcher``; NVRx's stores live in the store host process (:mod:`neighbor_ckpt.inprocess.store_host`).
+
+What ours did besides detecting, the lazy backup of the redundant state on a survivor, the worker does in its
+exception handler (``ckpt.on_failure`` runs after the abort raised into the main thread), and a survivor keeps its
+memory anyway. Cost: a hang is noticed after ``soft_timeout`` (5 s), a stopped rank replaced after ``hard_timeout``
+(8 s) + ``termination_grace_time``, against ~3 s for ours.
+
+**Attempts.** The launcher's restart count does not change across in-process restarts; :meth:`InprocessRecovery.
+attempt_info` gives the checkpointer an :class:`~neighbor_ckpt.recovery.attempt.AttemptInfo` (restart count +
+in-process iteration, and the abort times and spare activation for the recovery timeline, whose ``mode`` is then
+``"in-process"``).
+
 May import: the checkpointer and everything below it, :mod:`megatron_patches`; never :mod:`neighbor_ckpt.cli`.
 """
 

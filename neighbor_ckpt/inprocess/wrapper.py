@@ -2,11 +2,13 @@
 
 Usage (one process per rank, ``active + spares`` processes; see :mod:`neighbor_ckpt.inprocess`)::
 
-    inproc = InprocessRecovery(spares=1, store_host="10.0.0.1", store_port=29650)
+    inproc = InprocessRecovery.from_config(cfg, store_host="10.0.0.1", store_port=29650)  # cfg.inprocess.spares
+    # or InprocessRecovery(spares=1, store_host="10.0.0.1", store_port=29650)
 
     def train(attempt: Attempt) -> None:          # called again in the same process after every failure
         inproc.init_process_group()               # a new gloo group for this attempt (RANK/WORLD_SIZE as assigned)
-        ...build parallel state, model, optimizer, NeighborCheckpointer...
+        ...build parallel state, model, optimizer...
+        ckpt = NeighborCheckpointer(cfg, ..., attempt=inproc.attempt_info())   # cfg.inprocess.enabled = True
         inproc.on_restart(lambda: ckpt.close(success=False))   # runs after the abort; host slots stay
         result = ckpt.recover()
         for step in range(result.next_step, steps):
@@ -30,7 +32,9 @@ fails.
 **Timers** (:class:`InprocessTimers`): the values that held 9 of 9 times on a 2-core CPU machine with gloo
 (``/work/shared/notes/cpu-stack.md``); tighter ones caused false soft timeouts and a store-barrier bug of NVRx 0.4.1.
 ``soft_timeout`` must exceed the longest blocking C call of the loop (a gloo collective, a store wait): the progress
-watchdog advances only while the main thread runs Python code.
+watchdog advances only while the main thread runs Python code. ``NEIGHBOR_CKPT_INPROCESS_TIMERS``
+(``name=seconds,...``, e.g. ``soft_timeout=10,hard_timeout=15``) overrides them when no ``timers`` are given (tests on
+a loaded machine; production keeps the defaults or passes its own).
 """
 
 import dataclasses
@@ -47,14 +51,19 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from neighbor_ckpt.config import InprocessConfig, NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
 
-__all__ = ["InprocessRecovery", "InprocessTimers", "Attempt", "FALLBACK_EXIT_CODE"]
+__all__ = ["InprocessRecovery", "InprocessTimers", "Attempt", "FALLBACK_EXIT_CODE", "TIMERS_ENV"]
 
 logger = logging.getLogger(__name__)
 
 FALLBACK_EXIT_CODE = 75
 """Exit status of every rank when in-process recovery gives up (EX_TEMPFAIL): the launcher restarts the job."""
+
+TIMERS_ENV = "NEIGHBOR_CKPT_INPROCESS_TIMERS"
+"""``name=seconds,...``: overrides of :class:`InprocessTimers` when none are passed (see the module docstring)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -86,6 +95,30 @@ class InprocessTimers:
 
     def as_kwargs(self) -> dict[str, timedelta]:
         return {f.name: timedelta(seconds=getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_env(cls, value: Optional[str] = None) -> "InprocessTimers":
+        """The defaults with the overrides of :data:`TIMERS_ENV` (or ``value``): ``name=seconds,...``."""
+        raw = os.environ.get(TIMERS_ENV, "") if value is None else value
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, float] = {}
+        for part in filter(None, (x.strip() for x in raw.split(","))):
+            name, sep, sec = part.partition("=")
+            name = name.strip()
+            try:
+                if not sep or name not in names:
+                    raise ValueError(f"unknown timer {name!r}")
+                kw[name] = float(sec)
+                if not kw[name] >= 0:
+                    raise ValueError("must be >= 0")
+            except ValueError as e:
+                raise ConfigError(f"{TIMERS_ENV}: {part!r}: {e}; expected name=seconds[,name=seconds...] with "
+                                  f"names from {sorted(names)}") from None
+        timers = cls(**kw)
+        if not timers.soft_timeout < timers.hard_timeout:
+            raise ConfigError(f"{TIMERS_ENV}: soft_timeout {timers.soft_timeout:g} s must be below hard_timeout "
+                              f"{timers.hard_timeout:g} s")
+        return timers
 
 
 @dataclass
@@ -133,7 +166,7 @@ class InprocessRecovery:
         self.store_port = int(store_port)
         run = run_id or os.environ.get("NEIGHBOR_CKPT_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
         self.prefix = f"neighbor_ckpt/inprocess/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self.timers = timers or InprocessTimers()
+        self.timers = timers or InprocessTimers.from_env()
         self.max_restarts = max_restarts
         self.monitor_log_dir = monitor_log_dir
         self.initial_rank = int(os.environ.get("RANK", "0"))
@@ -146,6 +179,37 @@ class InprocessRecovery:
         self._cleanups: list[Callable[[], None]] = []
         self._app_store: Any = None
         self._iteration = 0
+        self._was_active = False
+        self._attempt_info: Optional[AttemptInfo] = None
+
+    @classmethod
+    def from_config(cls, config: "NeighborCkptConfig | InprocessConfig", *, store_host: str, store_port: int,
+                    **kwargs: Any) -> "InprocessRecovery":
+        """Built from the ``neighbor_ckpt.inprocess`` section (``spares``); ``kwargs`` as for the constructor.
+
+        Raises :class:`ConfigError` when the section is not enabled (the caller should run without the wrapper)."""
+        section = config.inprocess if isinstance(config, NeighborCkptConfig) else config
+        if not section.enabled:
+            raise ConfigError("neighbor_ckpt.inprocess.enabled is false: run the training function without "
+                              "InprocessRecovery (or set neighbor_ckpt.inprocess.enabled=true)")
+        return cls(spares=section.spares, store_host=store_host, store_port=store_port, **kwargs)
+
+    def attempt_info(self) -> AttemptInfo:
+        """This attempt for :class:`~neighbor_ckpt.NeighborCheckpointer` (``attempt=``): the launcher's restart
+        count, the in-process restart iteration, whether this process is a hot spare activated now, and when this
+        process noticed the previous attempt's failure and finished aborting it (the recovery timeline)."""
+        self._need_attempt()
+        assert self._attempt_info is not None  # noqa: S101 - set with the attempt
+        return self._attempt_info
+
+    def _make_attempt_info(self, iteration: int, *, activated_spare: bool) -> AttemptInfo:
+        with self._lock:
+            prev = [e for e in self.events if e["iteration"] == iteration - 1]
+        starts = [e["unix"] for e in prev if e["name"] == "abort_start"]
+        ends = [e["unix"] for e in prev if e["name"] == "abort_end"]
+        return AttemptInfo(launch=launcher_restart_count(), inprocess=iteration, activated_spare=activated_spare,
+                           failure_noticed_unix=min(starts) if starts and iteration > 0 else None,
+                           abort_end_unix=max(ends) if ends and iteration > 0 else None)
 
     # -- events ----------------------------------------------------------------------------------------
 
@@ -280,11 +344,19 @@ class InprocessRecovery:
             outer.current = Attempt(iteration=call_wrapper.iteration, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), initial_rank=state.initial_rank,
                                     call_wrapper=call_wrapper)
+            spare = state.initial_rank >= outer.active_world_size
+            outer._attempt_info = outer._make_attempt_info(call_wrapper.iteration,
+                                                           activated_spare=spare and not outer._was_active)
+            outer._was_active = True
             outer.event("enter")
+            if outer._attempt_info.activated_spare:
+                logger.info("neighbor_ckpt: hot spare (initial rank %d) takes rank %d's place in in-process restart %d",
+                            state.initial_rank, outer.current.rank, call_wrapper.iteration)
             try:
                 return fn(outer.current)
             finally:
                 outer.current = None
+                outer._attempt_info = None
 
         entry.__signature__ = inspect.Signature([inspect.Parameter(  # type: ignore[attr-defined]
             "call_wrapper", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=CallWrapper)])

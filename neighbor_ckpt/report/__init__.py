@@ -3,6 +3,7 @@
 ``status`` (status line, metrics, progress per recovery phase), ``timeline`` (per-rank events of a failure and a
 recovery, gathered into one timeline JSON and PNG).
 
-May import: :mod:`neighbor_ckpt.snapshot` (slot commit times), :mod:`neighbor_ckpt.runtime` (process facts),
+May import: :mod:`neighbor_ckpt.recovery` (the attempt), :mod:`neighbor_ckpt.snapshot` (slot commit times),
+:mod:`neighbor_ckpt.runtime` (process facts),
 :mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.errors`.
 """

@@ -15,6 +15,21 @@ restore        transfer done                          verified, loaded, weights 
 first_step     restore done                           end of the first training step after the restore
 =============  =====================================  ======================================================
 
+An in-process recovery (:mod:`neighbor_ckpt.inprocess`: the surviving processes stay, a hot spare may take a lost
+rank's place) has no new processes; its *restart* and *rendezvous* are replaced by (:data:`PHASES_INPROCESS`):
+
+=============  =====================================  ======================================================
+abort          failure noticed (the wrapper began     every survivor's process groups aborted (blocked
+               its abort on the earliest survivor)    collectives freed; latest survivor)
+reform         abort done                             recovery began on every rank (clean-ups, rank
+                                                      re-assignment, new process group, megatron-core parallel
+                                                      state, model / optimizer rebuilt, snapshot group)
+=============  =====================================  ======================================================
+
+The JSON says which (``mode``: ``"in-process"`` or ``"restart"``), which ranks run in a process started after the
+failure (``restarted_ranks``: every rank under a restart, none under an in-process recovery; a hot spare started with
+the job does not count) and which ranks a hot spare took over (``spare_ranks``, ``spare_used``).
+
 Where each time comes from:
 
 * last completed snapshot: the ``committed_unix`` stamp in the header of the newest committed own or replica
@@ -22,7 +37,11 @@ Where each time comes from:
 * failure noticed: a survivor's :func:`~neighbor_ckpt.recovery.journal.record_failure_event` (its SIGTERM handler
   / exception handler wrote ``events.json`` in its store directory), earliest over all ranks. When no survivor
   recorded anything (every process killed at once) *detect* is unknown and folded into *restart*; the JSON says so;
-* process start: the kernel's start time of each worker (``/proc/self/stat``), latest over all ranks;
+* process start: the kernel's start time of each worker (``/proc/self/stat``), latest over all ranks; a rank
+  whose process started after the newest committed snapshot (or, without one, after the failure was noticed) is
+  a restarted rank;
+* in process: the abort's start and end on every survivor (the wrapper's monitor thread), given to the checkpointer
+  with :class:`~neighbor_ckpt.recovery.attempt.AttemptInfo`, as is whether this process is a hot spare activated now;
 * process group ready: the first framework hook after ``init_process_group`` (a marker inside *rendezvous*);
 * recovery phases: :class:`~neighbor_ckpt.recovery.flow.RecoveryReport` timings (inventory + exchange ->
   reconcile, transfer -> transfer, verify + load + adapter restore -> restore), latest over all ranks;
@@ -30,7 +49,9 @@ Where each time comes from:
   all-reduce of the others).
 
 The per-rank events are exchanged with one all-gather of a small float64 tensor at the end of the recovery
-flow (all ranks take part in it anyway); rank 0 computes and writes the timeline.
+flow (all ranks take part in it anyway); rank 0 computes and writes the timeline. The PNG is drawn on a thread of
+its own (matplotlib takes ~1.6 s on a slow core: not on the training thread, inside the first step after a
+recovery); :func:`wait_for_renders` waits for it (the checkpointer's ``close`` does).
 """
 
 from __future__ import annotations
@@ -40,6 +61,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +70,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.runtime.procs import process_start
 from neighbor_ckpt.snapshot.store import COMMIT_TIME_KEY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile
 
@@ -56,6 +79,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PHASES",
     "EVENTS",
+    "PHASES_INPROCESS",
+    "EVENTS_INPROCESS",
+    "MODE_RESTART",
+    "MODE_INPROCESS",
     "RankEvents",
     "RecoveryTimeline",
     "compute_timeline",
@@ -63,6 +90,7 @@ __all__ = [
     "newest_commit_unix",
     "process_start_unix",
     "write_timeline",
+    "wait_for_renders",
     "COMMIT_TIME_KEY",
 ]
 
@@ -72,6 +100,16 @@ PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "reconcile", "tran
 EVENTS: tuple[str, ...] = ("last_snapshot", "failure_noticed", "process_start", "recovery_start", "reconcile_end",
                            "transfer_end", "restore_end", "first_step_end")
 """Job-wide events (unix seconds) that bound the phases."""
+
+PHASES_INPROCESS: tuple[str, ...] = ("detect", "abort", "reform", "reconcile", "transfer", "restore", "first_step")
+"""The MTTR breakdown of an in-process recovery (no new process: abort and re-form instead of restart + rendezvous)."""
+
+EVENTS_INPROCESS: tuple[str, ...] = ("last_snapshot", "failure_noticed", "abort_end", "recovery_start",
+                                     "reconcile_end", "transfer_end", "restore_end", "first_step_end")
+"""Job-wide events that bound :data:`PHASES_INPROCESS`."""
+
+MODE_RESTART = "restart"
+MODE_INPROCESS = "in-process"
 
 _SKEW_NOTE_S = 1e-3
 _IMPORTED_AT = time.time()
@@ -135,6 +173,11 @@ class RankEvents:
     reconcile_end: float | None
     transfer_end: float | None
     restore_end: float | None
+    abort_end: float | None = None
+    """In-process recovery: when this survivor's abort of the failed attempt ended (None: not a survivor, or a
+    restart)."""
+    activated_spare: float | None = None
+    """1.0: this rank's process was an idle hot spare until this recovery; 0.0: it was not; None: unknown."""
 
     def to_tensor(self) -> torch.Tensor:
         """float64 tensor, NaN for None (the all-gather payload)."""
@@ -176,12 +219,19 @@ class RecoveryTimeline:
     missing; see ``notes``). ``events`` are the job-wide event times (unix seconds) that bound them.
     """
 
-    attempt: int
+    attempt: int | str
+    """The launcher's restart count, or ``"<launch>.<in-process restart>"`` (:attr:`AttemptInfo.record`)."""
     outcome: str
     iteration: int | None
     events: Mapping[str, float | None]
     phases: Mapping[str, float | None]
     notes: tuple[str, ...] = ()
+    mode: str = MODE_RESTART
+    """:data:`MODE_RESTART` or :data:`MODE_INPROCESS`; names the phases (:attr:`phase_names`)."""
+    restarted_ranks: tuple[int, ...] | None = None
+    """Ranks whose process started after the failure (None: unknown, no reference event)."""
+    spare_ranks: tuple[int, ...] = ()
+    """Ranks a hot spare took over in this recovery."""
     process_group_ready: float | None = None
     per_rank: tuple[RankEvents, ...] = ()
     recovery_phases: Mapping[str, float] = field(default_factory=dict)
@@ -190,9 +240,21 @@ class RecoveryTimeline:
     path_json: Path | None = None
 
     @property
+    def phase_names(self) -> tuple[str, ...]:
+        return PHASES_INPROCESS if self.mode == MODE_INPROCESS else PHASES
+
+    @property
+    def event_names(self) -> tuple[str, ...]:
+        return EVENTS_INPROCESS if self.mode == MODE_INPROCESS else EVENTS
+
+    @property
+    def spare_used(self) -> bool:
+        return bool(self.spare_ranks)
+
+    @property
     def origin(self) -> float | None:
         """Time zero of the timeline: the first known event."""
-        return next((self.events[e] for e in EVENTS if self.events.get(e) is not None), None)
+        return next((self.events[e] for e in self.event_names if self.events.get(e) is not None), None)
 
     @property
     def total_s(self) -> float:
@@ -201,23 +263,29 @@ class RecoveryTimeline:
 
     def summary(self) -> str:
         """One line: ``MTTR 8.42 s = detect 0.51 s + restart 2.10 s + ...``."""
-        parts = " + ".join(f"{p.replace('_', ' ')} {_fmt_s(self.phases.get(p))}" for p in PHASES)
+        parts = " + ".join(f"{p.replace('_', ' ')} {_fmt_s(self.phases.get(p))}" for p in self.phase_names)
         what = f"iteration {self.iteration}" if self.iteration is not None else "nothing"
-        return f"MTTR {self.total_s:.2f} s = {parts} ({self.outcome}: {what}; attempt {self.attempt})"
+        spare = f", hot spare for rank(s) {list(self.spare_ranks)}" if self.spare_ranks else ""
+        return f"MTTR {self.total_s:.2f} s = {parts} ({self.mode}{spare}; {self.outcome}: {what}; attempt {self.attempt})"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "attempt": self.attempt,
+            "mode": self.mode,
+            "restarted_ranks": None if self.restarted_ranks is None else list(self.restarted_ranks),
+            "spare_used": self.spare_used,
+            "spare_ranks": list(self.spare_ranks),
             "outcome": self.outcome,
             "iteration": self.iteration,
             "mttr_s": self.total_s,
-            "phases_s": {p: self.phases.get(p) for p in PHASES},
-            "events_unix": {e: self.events.get(e) for e in EVENTS},
+            "phases_s": {p: self.phases.get(p) for p in self.phase_names},
+            "events_unix": {e: self.events.get(e) for e in self.event_names},
             "process_group_ready_unix": self.process_group_ready,
             "notes": list(self.notes),
             "recovery_phases_rank0_s": dict(self.recovery_phases),
             "per_rank_events_unix": [r.to_json() for r in self.per_rank],
-            "definitions": _DEFINITIONS,
+            "definitions": {p: (_DEFINITIONS_INPROCESS.get(p) or _DEFINITIONS[p]) if self.mode == MODE_INPROCESS
+                            else _DEFINITIONS[p] for p in self.phase_names},
         }
 
 
@@ -231,23 +299,60 @@ _DEFINITIONS = {
     "first_step": "end of rank 0's first training step after the restore - restore done",
 }
 
+_DEFINITIONS_INPROCESS = {
+    "detect": "the in-process wrapper's abort began on the earliest survivor (or its failure event) - newest "
+              "committed snapshot on any rank",
+    "abort": "every survivor's process groups aborted (latest survivor) - failure noticed",
+    "reform": "latest recovery start - abort done (clean-ups, rank re-assignment, process group, parallel state, "
+              "model and optimizer rebuilt in the same processes)",
+}
+
 
 def _fmt_s(v: float | None) -> str:
     return "?" if v is None else f"{v:.2f} s"
 
 
-def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | None, attempt: int, outcome: str,
-                     iteration: int | None, recovery_phases: Mapping[str, float] | None = None) -> RecoveryTimeline:
+def restarted_ranks(per_rank: Sequence[RankEvents], *, failure: float | None) -> tuple[int, ...] | None:
+    """Ranks whose process started after ``failure`` (None: ``failure`` unknown). A rank without a process start
+    counts as restarted only if it is not a survivor (it has no abort)."""
+    if failure is None:
+        return None
+    return tuple(i for i, r in enumerate(per_rank)
+                 if (r.process_start is not None and r.process_start > failure)
+                 or (r.process_start is None and r.abort_end is None))
+
+
+def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | None, attempt: int | str | AttemptInfo,
+                     outcome: str, iteration: int | None, recovery_phases: Mapping[str, float] | None = None,
+                     mode: str | None = None) -> RecoveryTimeline:
     """Job-wide events from every rank's events, and the phases between them (pure).
 
     The earliest survivor's notice counts as the failure; for every other event the latest rank counts (the
     job waits for it). A missing event folds its phase into the next one; events out of order (clock skew
     between nodes) are clamped so no phase is negative.
+
+    ``mode``: :data:`MODE_INPROCESS` or :data:`MODE_RESTART`; None: from ``attempt`` when it is an
+    :class:`AttemptInfo` (an in-process restart iteration > 0), else from the data (in process when some rank's
+    process predates the failure).
     """
+    last_snapshot = _agg([r.last_snapshot for r in per_rank], "max")
+    noticed = _agg([r.failure_noticed for r in per_rank], "min")
+    # The failure happened after the newest commit; a process that started after it is a new one.
+    restarted = restarted_ranks(per_rank, failure=last_snapshot if last_snapshot is not None else noticed)
+    if mode is None:
+        if isinstance(attempt, AttemptInfo):
+            mode = MODE_INPROCESS if attempt.inprocess > 0 else MODE_RESTART
+        else:
+            mode = MODE_INPROCESS if restarted is not None and len(restarted) < len(per_rank) else MODE_RESTART
+    if mode not in (MODE_RESTART, MODE_INPROCESS):
+        raise ValueError(f"timeline mode {mode!r}: expected {MODE_RESTART!r} or {MODE_INPROCESS!r}")
+    record = attempt.record if isinstance(attempt, AttemptInfo) else attempt
+    spares = tuple(i for i, r in enumerate(per_rank) if r.activated_spare == 1.0)
     events: dict[str, float | None] = {
-        "last_snapshot": _agg([r.last_snapshot for r in per_rank], "max"),
-        "failure_noticed": _agg([r.failure_noticed for r in per_rank], "min"),
+        "last_snapshot": last_snapshot,
+        "failure_noticed": noticed,
         "process_start": _agg([r.process_start for r in per_rank], "max"),
+        "abort_end": _agg([r.abort_end for r in per_rank], "max"),
         "recovery_start": _agg([r.recovery_start for r in per_rank], "max"),
         "reconcile_end": _agg([r.reconcile_end for r in per_rank], "max"),
         "transfer_end": _agg([r.transfer_end for r in per_rank], "max"),
@@ -258,14 +363,16 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
     if events["last_snapshot"] is None:
         notes.append("no committed snapshot carries a commit time: detect unknown, the timeline starts at the "
                      "first known event")
+    names = PHASES_INPROCESS if mode == MODE_INPROCESS else PHASES
+    event_names = EVENTS_INPROCESS if mode == MODE_INPROCESS else EVENTS
     if events["failure_noticed"] is None:
         notes.append("no surviving rank recorded the failure (every process died at once, or none was "
-                     "signalled): detect is folded into restart")
+                     f"signalled): detect is folded into {names[1]}")
     if first_step_end is None:
         notes.append("no training step ran after the restore: first_step unknown")
     phases: dict[str, float | None] = {}
-    known: float | None = events[EVENTS[0]]
-    for name, end_event in zip(PHASES, EVENTS[1:]):
+    known: float | None = events[event_names[0]]
+    for name, end_event in zip(names, event_names[1:]):
         end = events[end_event]
         if end is None:
             phases[name] = None  # folded into the next phase
@@ -280,29 +387,74 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
         phases[name] = max(0.0, end - known)
         known = max(known, end)
     pg_ready = _agg([r.process_group_ready for r in per_rank], "max")
-    return RecoveryTimeline(attempt=attempt, outcome=outcome, iteration=iteration, events=events, phases=phases,
-                            notes=tuple(notes), process_group_ready=pg_ready, per_rank=tuple(per_rank),
-                            recovery_phases=dict(recovery_phases or {}))
+    return RecoveryTimeline(attempt=record, outcome=outcome, iteration=iteration,
+                            events={e: events[e] for e in event_names}, phases=phases, notes=tuple(notes),
+                            mode=mode, restarted_ranks=restarted, spare_ranks=spares, process_group_ready=pg_ready,
+                            per_rank=tuple(per_rank), recovery_phases=dict(recovery_phases or {}))
 
 
 # -- files ---------------------------------------------------------------------------------------------------
 
 
-def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = True) -> RecoveryTimeline:
+_renders: list[threading.Thread] = []
+_renders_lock = threading.Lock()
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def wait_for_renders(timeout: float | None = 30.0) -> None:
+    """Wait for the PNGs being drawn in the background (:func:`write_timeline`)."""
+    with _renders_lock:
+        pending = list(_renders)
+    for t in pending:
+        t.join(timeout)
+
+
+def _render_in_background(timeline: RecoveryTimeline, path: Path) -> None:
+    def run() -> None:
+        try:
+            _render_png(timeline, path)
+        except Exception as e:  # noqa: BLE001 - reporting never stops training
+            logger.warning("neighbor_ckpt: could not draw the recovery timeline %s: %s", path, e)
+        finally:
+            with _renders_lock:
+                _renders.remove(threading.current_thread())
+
+    # Not a daemon: an exiting interpreter finishes the picture (a killed process does not; the JSON is there).
+    t = threading.Thread(target=run, name="neighbor_ckpt-timeline-png", daemon=False)
+    with _renders_lock:
+        _renders.append(t)
+    t.start()
+
+
+def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = True,
+                   background: bool = True) -> RecoveryTimeline:
     """Write ``recovery_timeline.attempt<N>.json`` (and ``.png``) to ``directory``; returns the timeline with
-    its paths. Without matplotlib only the JSON is written (one warning line says so and how to get the PNG)."""
+    its paths. Without matplotlib only the JSON is written (one warning line says so and how to get the PNG).
+
+    ``background``: draw the PNG on a thread of its own (:func:`wait_for_renders` waits for it); the JSON is
+    written before this returns either way."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"recovery_timeline.attempt{timeline.attempt}"
     path_json = directory / f"{stem}.json"
     path_png: Path | None = None
     if png:
-        try:
-            _render_png(timeline, directory / f"{stem}.png")
-            path_png = directory / f"{stem}.png"
-        except ImportError:
+        if not _have_matplotlib():
             logger.warning("neighbor_ckpt: recovery timeline written as JSON only (%s): the PNG needs matplotlib "
                            "(pip install matplotlib, or install neighbor-ckpt with the [lightning] or [nemo] extra)",
                            path_json)
+        else:
+            path_png = directory / f"{stem}.png"
+            if background:
+                _render_in_background(timeline, path_png)
+            else:
+                _render_png(timeline, path_png)
     result = dataclasses.replace(timeline, path_png=path_png, path_json=path_json)
     tmp = path_json.with_name(path_json.name + ".tmp")
     tmp.write_text(json.dumps(dict(result.to_json(), png=str(path_png) if path_png else None), indent=1))
@@ -311,14 +463,16 @@ def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = T
 
 
 _COLORS = {"detect": "#d62728", "restart": "#ff7f0e", "rendezvous": "#bcbd22", "reconcile": "#17becf",
-           "transfer": "#1f77b4", "restore": "#2ca02c", "first_step": "#9467bd"}
+           "transfer": "#1f77b4", "restore": "#2ca02c", "first_step": "#9467bd", "abort": "#e377c2",
+           "reform": "#8c564b"}
+_LABELS = {"reform": "re-form groups"}
 
 
 def _segments(timeline: RecoveryTimeline) -> list[tuple[str, str, float, float]]:
     """(phase, label, start, duration) of every known phase, start in unix seconds."""
     out: list[tuple[str, str, float, float]] = []
     known = timeline.origin or 0.0
-    for name, end_event in zip(PHASES, EVENTS[1:]):
+    for name, end_event in zip(timeline.phase_names, timeline.event_names[1:]):
         dur = timeline.phases.get(name)
         end = timeline.events.get(end_event)
         if end is None:
@@ -326,7 +480,7 @@ def _segments(timeline: RecoveryTimeline) -> list[tuple[str, str, float, float]]
         if dur is None:
             known = end  # start unknown: the bars start at the first known event
             continue
-        label = name.replace("_", " ")
+        label = _LABELS.get(name, name.replace("_", " "))
         if name == "restart" and timeline.phases.get("detect") is None and timeline.events.get("last_snapshot"):
             label = "restart (incl. detect)"
         out.append((name, label, known, dur))
@@ -371,8 +525,9 @@ def _render_png(timeline: RecoveryTimeline, path: Path) -> None:
     start_label = "last snapshot" if timeline.events.get("last_snapshot") is not None else "first known event"
     ax.set_xlabel(f"seconds since the {start_label}", fontsize=8)
     what = f"iteration {timeline.iteration}" if timeline.iteration is not None else "-"
-    ax.set_title(f"neighbor_ckpt recovery, attempt {timeline.attempt}: {timeline.outcome} {what}, "
-                 f"MTTR {timeline.total_s:.2f} s", fontsize=10)
+    spare = f", hot spare for rank(s) {list(timeline.spare_ranks)}" if timeline.spare_ranks else ""
+    ax.set_title(f"neighbor_ckpt recovery ({timeline.mode}{spare}), attempt {timeline.attempt}: {timeline.outcome} "
+                 f"{what}, MTTR {timeline.total_s:.2f} s", fontsize=10)
     if zoom:
         zx = fig.add_subplot(2, 1, 2)
         z0 = tail[0][2]

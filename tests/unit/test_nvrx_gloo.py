@@ -82,3 +82,72 @@ def test_abort_and_finalize_are_nvrx_interfaces() -> None:
     fin = nvrx_gloo.FinalizeMegatron(cleanups=lambda: [lambda: ran.append(1), lambda: ran.append(2)])
     assert isinstance(fin, Finalize)
     assert fin("state") == "state" and ran == [2, 1]  # last registered first
+
+
+# -- neighbor_ckpt.inprocess: configuration, timers, attempts --------------------------------------------------
+
+
+def test_inprocess_recovery_is_built_from_the_config_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neighbor_ckpt.config import NeighborCkptConfig
+    from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.inprocess import InprocessRecovery
+
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    monkeypatch.delenv("NEIGHBOR_CKPT_INPROCESS_TIMERS", raising=False)
+    cfg = NeighborCkptConfig()
+    with pytest.raises(ConfigError, match="inprocess.enabled is false"):
+        InprocessRecovery.from_config(cfg, store_host="127.0.0.1", store_port=1)
+    cfg.inprocess.enabled, cfg.inprocess.spares = True, 1
+    inproc = InprocessRecovery.from_config(cfg, store_host="127.0.0.1", store_port=1)
+    assert (inproc.world_size, inproc.spares, inproc.active_world_size) == (5, 1, 4)
+    assert InprocessRecovery.from_config(cfg.inprocess, store_host="h", store_port=2).spares == 1
+    cfg.inprocess.spares = 5
+    with pytest.raises(ConfigError, match="5 spare"):
+        InprocessRecovery.from_config(cfg, store_host="127.0.0.1", store_port=1)
+
+
+def test_inprocess_timers_are_overridden_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.inprocess import InprocessTimers
+
+    assert InprocessTimers.from_env("") == InprocessTimers()
+    t = InprocessTimers.from_env(" soft_timeout=10, hard_timeout=15 ")
+    assert (t.soft_timeout, t.hard_timeout, t.heartbeat_interval) == (10.0, 15.0, InprocessTimers().heartbeat_interval)
+    monkeypatch.setenv("NEIGHBOR_CKPT_INPROCESS_TIMERS", "barrier_timeout=30")
+    assert InprocessTimers.from_env().barrier_timeout == 30.0
+    for bad, msg in (("soft=1", "unknown timer 'soft'"), ("soft_timeout", "unknown timer"),
+                     ("soft_timeout=x", "could not convert"), ("soft_timeout=-1", ">= 0"),
+                     ("soft_timeout=9,hard_timeout=8", "must be below hard_timeout")):
+        with pytest.raises(ConfigError, match=msg):
+            InprocessTimers.from_env(bad)
+
+
+def test_attempt_info_names_in_process_restarts_apart_from_launcher_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neighbor_ckpt.recovery.attempt import AttemptInfo
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert AttemptInfo.from_env() == AttemptInfo(launch=2)
+    first, launch2, inproc = AttemptInfo(), AttemptInfo(launch=2), AttemptInfo(launch=2, inprocess=1)
+    assert (first.label, launch2.label, inproc.label, str(inproc)) == ("0", "2", "2.1", "2.1")
+    assert (first.record, launch2.record, inproc.record) == (0, 2, "2.1")  # an int, as before, without in-process
+    assert (first.restarted, launch2.restarted, AttemptInfo(inprocess=1).restarted) == (False, True, True)
+    assert AttemptInfo(inprocess=1).ordinal > 0 and first.ordinal == 0
+
+
+def test_checkpointer_turns_its_detector_off_under_inprocess_recovery(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """One log line, no store connection: NVRx's monitors detect failures under in-process recovery."""
+    import logging
+    from types import SimpleNamespace
+
+    import neighbor_ckpt.checkpointer as ck
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    cfg = NeighborCkptConfig()
+    cfg.inprocess.enabled = True
+    monkeypatch.setattr(ck.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(ck, "connect_store", lambda timeout_s: pytest.fail("must not dial the rendezvous store"))
+    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.checkpointer"):
+        assert ck.NeighborCheckpointer._make_detector(SimpleNamespace(config=cfg)) is None
+    lines = [r.getMessage() for r in caplog.records if "failure detector off" in r.getMessage()]
+    assert len(lines) == 1 and "in-process recovery is on" in lines[0]

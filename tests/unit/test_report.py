@@ -4,12 +4,14 @@ single-rank gloo job in a subprocess (twice: a failed run, then its recovery).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,9 @@ from neighbor_ckpt.report.status import (PLAIN_LOOP_LOG_EVERY, Reporter, Snapsho
                                   recovery_metrics, recovery_progress, replica_lag, resolve_progress_mode,
                                   resolve_status_interval, status_metrics, stream_gbps_between)
 from neighbor_ckpt.recovery.journal import record_failure_event, take_failure_event
-from neighbor_ckpt.report.timeline import EVENTS, PHASES, RankEvents, compute_timeline, newest_commit_unix, write_timeline
+from neighbor_ckpt.recovery.attempt import AttemptInfo
+from neighbor_ckpt.report.timeline import (EVENTS, EVENTS_INPROCESS, PHASES, PHASES_INPROCESS, RankEvents,
+                                           compute_timeline, newest_commit_unix, wait_for_renders, write_timeline)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0
@@ -126,8 +130,99 @@ def test_timeline_clamps_events_out_of_order() -> None:
 def test_rank_events_round_trip_through_the_gather_tensor() -> None:
     ev = rank_events(snap=None)
     t = ev.to_tensor()
-    assert t.dtype == torch.float64 and t.numel() == 8
+    assert t.dtype == torch.float64 and t.numel() == 10
     assert RankEvents.from_tensor(t) == ev
+    inproc = dataclasses.replace(ev, abort_end=T0 + 1.0, activated_spare=1.0)
+    assert RankEvents.from_tensor(inproc.to_tensor()) == inproc
+
+
+# -- in-process recoveries -------------------------------------------------------------------------------------
+
+
+def inproc_events(*, survivor: bool = True, spare: bool = False, start: float = -100.0) -> RankEvents:
+    """A rank of an in-process recovery: its process started ``start`` s after T0 (long before the failure), a
+    survivor aborted at T0 + 0.7 (noticed at T0 + 0.5), a spare has no abort."""
+    return RankEvents(last_snapshot=T0, failure_noticed=T0 + 0.5 if survivor else None, process_start=T0 + start,
+                      process_group_ready=T0 + 1.0, recovery_start=T0 + 1.2, reconcile_end=T0 + 1.25,
+                      transfer_end=T0 + 1.3, restore_end=T0 + 1.4, abort_end=T0 + 0.7 if survivor else None,
+                      activated_spare=1.0 if spare else 0.0)
+
+
+def test_inprocess_timeline_has_abort_and_reform_no_restarted_rank_and_the_spare() -> None:
+    per_rank = [inproc_events(), inproc_events(survivor=False, spare=True), inproc_events(), inproc_events()]
+    tl = compute_timeline(per_rank, first_step_end=T0 + 1.6, attempt=AttemptInfo(launch=0, inprocess=1),
+                          outcome="restored", iteration=4)
+    assert tl.mode == "in-process" and tl.restarted_ranks == () and tl.spare_ranks == (1,) and tl.spare_used
+    assert tl.phase_names == PHASES_INPROCESS
+    assert tl.phases == pytest.approx({"detect": 0.5, "abort": 0.2, "reform": 0.5, "reconcile": 0.05,
+                                       "transfer": 0.05, "restore": 0.1, "first_step": 0.2}, abs=1e-5)
+    assert tl.total_s == pytest.approx(1.6) and tl.notes == ()
+    data = tl.to_json()
+    assert data["mode"] == "in-process" and data["restarted_ranks"] == [] and data["spare_used"] is True
+    assert data["spare_ranks"] == [1] and data["attempt"] == "0.1"
+    assert list(data["phases_s"]) == list(PHASES_INPROCESS) and list(data["events_unix"]) == list(EVENTS_INPROCESS)
+    assert set(data["definitions"]) == set(PHASES_INPROCESS)
+    assert "in-process, hot spare for rank(s) [1]" in tl.summary() and "abort 0.20 s" in tl.summary()
+
+
+def test_inprocess_timeline_without_spare_when_every_process_stays() -> None:
+    """An exception on one rank: every process stays, none is a spare."""
+    tl = compute_timeline([inproc_events() for _ in range(3)], first_step_end=T0 + 1.6,
+                          attempt=AttemptInfo(launch=2, inprocess=3), outcome="restored", iteration=4)
+    assert (tl.mode, tl.restarted_ranks, tl.spare_used, tl.attempt) == ("in-process", (), False, "2.3")
+
+
+def test_restart_timeline_lists_every_new_process_as_restarted() -> None:
+    """The launcher restarted every worker (in-process recovery gave up, or it is off): mode restart."""
+    tl = compute_timeline([rank_events(0.0), rank_events(0.1)], first_step_end=T0 + 7.0,
+                          attempt=AttemptInfo(launch=1), outcome="restored", iteration=3)
+    assert (tl.mode, tl.restarted_ranks, tl.spare_used, tl.attempt) == ("restart", (0, 1), False, 1)
+    assert tl.phase_names == PHASES and tl.to_json()["restarted_ranks"] == [0, 1]
+
+
+def test_timeline_mode_from_the_data_without_attempt_info() -> None:
+    """An int attempt: in process when some rank's process predates the failure; unknown reference -> None."""
+    mixed = [inproc_events(), dataclasses.replace(inproc_events(), process_start=T0 + 0.9)]
+    tl = compute_timeline(mixed, first_step_end=T0 + 1.6, attempt=0, outcome="restored", iteration=4)
+    assert tl.mode == "in-process" and tl.restarted_ranks == (1,)
+    unknown = compute_timeline([rank_events(snap=None, fail=None)], first_step_end=T0 + 7.0, attempt=1,
+                               outcome="restored", iteration=2)
+    assert unknown.mode == "restart" and unknown.restarted_ranks is None
+    with pytest.raises(ValueError, match="timeline mode"):
+        compute_timeline(mixed, first_step_end=None, attempt=0, outcome="restored", iteration=4, mode="both")
+
+
+def test_inprocess_timeline_png_draws_the_inprocess_phases(tmp_path: Path) -> None:
+    tl = compute_timeline([inproc_events(), inproc_events(survivor=False, spare=True)], first_step_end=T0 + 1.6,
+                          attempt=AttemptInfo(inprocess=1), outcome="restored", iteration=4)
+    from neighbor_ckpt.report import timeline as timeline_mod
+
+    assert [seg[1] for seg in timeline_mod._segments(tl)] == ["detect", "abort", "re-form groups", "reconcile",
+                                                               "transfer", "restore", "first step"]
+    out = write_timeline(tl, tmp_path, background=False)
+    assert out.path_png == tmp_path / "recovery_timeline.attempt0.1.png"
+    assert out.path_png.read_bytes()[:8] == PNG_MAGIC
+    assert json.loads(out.path_json.read_text())["mode"] == "in-process"
+
+
+def test_write_timeline_draws_the_png_off_the_calling_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JSON is there when write_timeline returns; the PNG is drawn by another thread (wait_for_renders)."""
+    from neighbor_ckpt.report import timeline as timeline_mod
+
+    drawn_on: list[str] = []
+    real = timeline_mod._render_png
+
+    def spy(tl, path):  # noqa: ANN001, ANN202
+        drawn_on.append(threading.current_thread().name)
+        real(tl, path)
+
+    monkeypatch.setattr(timeline_mod, "_render_png", spy)
+    tl = compute_timeline([rank_events()], first_step_end=T0 + 7.0, attempt=4, outcome="restored", iteration=2)
+    out = write_timeline(tl, tmp_path)
+    assert out.path_json is not None and json.loads(out.path_json.read_text())["png"] == str(out.path_png)
+    wait_for_renders()
+    assert drawn_on == ["neighbor_ckpt-timeline-png"]
+    assert out.path_png is not None and out.path_png.read_bytes()[:8] == PNG_MAGIC
 
 
 # -- timeline files ------------------------------------------------------------------------------------------
@@ -136,7 +231,7 @@ def test_rank_events_round_trip_through_the_gather_tensor() -> None:
 def test_write_timeline_writes_png_and_json(tmp_path: Path) -> None:
     tl = compute_timeline([rank_events(0.0), rank_events(0.2)], first_step_end=T0 + 7.5, attempt=3,
                           outcome="restored", iteration=12, recovery_phases={"inventory": 0.01, "transfer": 0.2})
-    out = write_timeline(tl, tmp_path / "a" / "b")
+    out = write_timeline(tl, tmp_path / "a" / "b", background=False)
     assert out.path_png == tmp_path / "a" / "b" / "recovery_timeline.attempt3.png"
     assert out.path_json == tmp_path / "a" / "b" / "recovery_timeline.attempt3.json"
     assert out.path_png.read_bytes()[:8] == PNG_MAGIC
@@ -151,7 +246,7 @@ def test_write_timeline_writes_png_and_json(tmp_path: Path) -> None:
 def test_write_timeline_with_missing_phases_still_draws(tmp_path: Path) -> None:
     tl = compute_timeline([rank_events(snap=None, fail=None)], first_step_end=None, attempt=0,
                           outcome="restored", iteration=1)
-    out = write_timeline(tl, tmp_path)
+    out = write_timeline(tl, tmp_path, background=False)
     assert out.path_png is not None and out.path_png.read_bytes()[:8] == PNG_MAGIC
     assert json.loads(out.path_json.read_text())["phases_s"]["detect"] is None
 
@@ -322,6 +417,7 @@ def test_reporter_timeline_after_the_first_step(tmp_path: Path, caplog: pytest.L
         tl = rep.finish_timeline(T0 + 7.0, step=8)
     assert not rep.timeline_pending and tl is not None
     assert tl.path_png == tmp_path / "reports" / "recovery_timeline.attempt1.png"
+    wait_for_renders()  # drawn off the calling (training) thread
     assert tl.path_png.read_bytes()[:8] == PNG_MAGIC and tl.path_json is not None and tl.path_json.exists()
     assert any(r.getMessage().startswith("neighbor_ckpt: recovery MTTR 7.00 s") and str(tl.path_png) in r.getMessage()
                for r in caplog.records)
