@@ -379,3 +379,50 @@ def test_snapshot_restores_into_cuda_model_and_optimizer_bit_exactly(tmpfs_store
     step(xs[3])
     for n, p in model.named_parameters():
         assert host_bits(p) == host_bits(after[n]), f"{n}: the step after the restore differs"
+
+
+def test_fp16_scaler_and_staged_buffers_are_copied_without_a_device_sync_and_before_the_next_forward(
+        tmpfs_store: HostStore):
+    """fp16 training with megatron-core's DynamicGradScaler: its state_dict's ``scale`` is a CUDA tensor, as is a
+    BatchNorm buffer the next forward updates. ``snapshot()`` returns while the GPU still computes them (no
+    ``.cpu()`` synchronization on the training thread), and the snapshot holds their values after that work and
+    before the next forward's in-place updates, enqueued right after ``snapshot()`` returned."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    store = tmpfs_store
+    scaler = DynamicGradScaler(initial_scale=2.0**16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                               growth_interval=2, hysteresis=2)
+    assert scaler.state_dict()["scale"].is_cuda
+    bn = nn.BatchNorm1d(64).cuda()
+    main = torch.randn(1 << 16, device="cuda")
+    named = [(TensorMeta.of("main/shard", StateKind.MAIN_PARAM, main), main),
+             (TensorMeta.of("buffer/bn.running_mean", StateKind.BUFFER, bn.running_mean), bn.running_mean)]
+    engine = make_engine(store, named)
+    assert [p.meta.name for p in engine.plan.staged] == ["buffer/bn.running_mean"]
+    a = torch.randn(1024, 1024, device="cuda")
+    try:
+        for it in range(1, 5):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SLEEP_CYCLES)
+            # the step's producers, still running when snapshot() returns
+            bn.running_mean.copy_((a @ a)[0, :64] * it)
+            scaler.update(found_inf=bool(it % 2))  # a new scale tensor computed on the device
+            engine.snapshot(it, {"grad_scaler": scaler.state_dict()})
+            busy = not torch.cuda.current_stream().query()
+            want_mean, want_scale = bn.running_mean.clone(), scaler.scale.clone()  # enqueued after the staging
+            bn.running_mean.add_(1.0)  # the next forward updates the buffer in place
+            scaler._scale.mul_(3.0)
+            engine.wait()
+            if it > store.versions:
+                assert busy, "snapshot() waited for the device (or raise SLEEP_CYCLES)"
+            torch.cuda.synchronize()
+            refs = {r.header.iteration: r for r in store.committed(ROLE_OWN, verify=True)}
+            slot = store.slot(ROLE_OWN, refs[it].index)
+            got = read_tensors(slot, refs[it].header)
+            assert host_bits(got["buffer/bn.running_mean"]) == host_bits(want_mean), f"iteration {it}"
+            saved = slot.read_extras(refs[it].header)["grad_scaler"]
+            assert not saved["scale"].is_cuda and host_bits(saved["scale"]) == host_bits(want_scale)
+            scaler._scale.div_(3.0)
+        assert engine.stats.failures == 0
+    finally:
+        engine.close()
