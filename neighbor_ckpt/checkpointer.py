@@ -21,7 +21,7 @@ within ``detector.timeout_s``, writes that backup from its own thread (the main 
 collective) and makes the job restart; the launcher's SIGTERM triggers the same backup.
 
 Reporting (rank 0, see :mod:`neighbor_ckpt.report.status`): a status line every ``report.status_every_n_steps``
-snapshots (None: 50), :meth:`NeighborCheckpointer.stats` at any time, and after every recovery the timeline
+snapshots (None: 10), :meth:`NeighborCheckpointer.stats` at any time, and after every recovery the timeline
 (:attr:`NeighborCheckpointer.last_timeline`), written to ``report.dir`` or, for a plain loop,
 ``<store root>/<user>/reports/<job_id>/`` (next to the host store, on the node of rank 0).
 """

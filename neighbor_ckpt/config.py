@@ -168,7 +168,7 @@ class ReportConfig:
 
     status_every_n_steps: int | None = None
     """Log one neighbor-checkpoint status line (rank 0) every N steps. None: the trainer's
-    ``log_every_n_steps`` (50 in a plain loop); 0: never."""
+    ``log_every_n_steps`` (10 in a plain loop, which has no log interval to follow); 0: never."""
 
     log_metrics: bool = True
     """Send snapshot time, bytes, replica lag, stream throughput and recovery phase times to the

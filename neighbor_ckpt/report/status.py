@@ -4,7 +4,9 @@ Everything here runs on global rank 0, at the status interval or once after a re
 of the other ranks never enters it. Per iteration the checkpointer pays one integer modulo
 (:meth:`Reporter.status_due`) and one attribute test (:attr:`Reporter.timeline_pending`).
 
-The status line (``logging.getLogger("neighbor_ckpt.report.status")``, INFO)::
+The status line (``logging.getLogger("neighbor_ckpt.report.status")``, INFO), every ``report.status_every_n_steps``
+steps: by default the trainer's ``log_every_n_steps`` under Lightning / NeMo, and every :data:`PLAIN_LOOP_LOG_EVERY`
+(10) steps in a plain loop, which has no log interval neighbor_ckpt could read::
 
     neighbor_ckpt: step 120 | snapshot 3.1 ms wait 0.2 ms | 12.4 MB unique/rank | replica lag 0 it | stream 1.3 GB/s | host store 52 MB
 
@@ -14,6 +16,12 @@ The status line (``logging.getLogger("neighbor_ckpt.report.status")``, INFO)::
 * replica lag: last snapshotted iteration minus the last one the ring successor acknowledged;
 * stream: bytes streamed to the successor / time spent streaming, since the previous status line;
 * host store: bytes of rank 0's slot files.
+
+A program that configured no logging at all (no handler on the way to the root logger and no level set, what a
+plain training script often is) would never show an INFO line: the status line and the recovery summary then go to
+stderr anyway, the way Python's last-resort handler shows warnings. Once logging is configured they follow it
+(``logging.getLogger("neighbor_ckpt.report.status").setLevel(logging.WARNING)`` silences them, as does
+``status_every_n_steps: 0``).
 
 Metrics (``logger.log_metrics(metrics, step=global_step)`` on every trainer logger, when
 ``report.log_metrics``): ``neighbor_ckpt/snapshot_ms``, ``wait_ms``, ``unique_bytes``, ``replica_lag``,
@@ -44,6 +52,7 @@ __all__ = [
     "PLAIN_LOOP_LOG_EVERY",
     "METRIC_PREFIX",
     "resolve_status_interval",
+    "logging_configured",
     "resolve_progress_mode",
     "replica_lag",
     "stream_gbps_between",
@@ -54,8 +63,10 @@ __all__ = [
     "recovery_progress",
 ]
 
-PLAIN_LOOP_LOG_EVERY = 50
-"""Status interval of a plain loop when ``report.status_every_n_steps`` is None (Lightning's default)."""
+PLAIN_LOOP_LOG_EVERY = 10
+"""Status interval of a plain loop when ``report.status_every_n_steps`` is None: there is no trainer log interval to
+follow, and a line every 10 steps shows a short example run working (the first line comes at step 10, once a snapshot
+has completed) while costing a long run one line where Megatron-LM logs one per ``--log-interval``."""
 
 METRIC_PREFIX = "neighbor_ckpt"
 
@@ -190,11 +201,53 @@ def log_to_loggers(loggers: Sequence[Any], metrics: Mapping[str, float], step: i
             save()
 
 
+# -- output ----------------------------------------------------------------------------------------------------
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is at each write (what logging's last-resort handler does)."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+
+_fallback_handler = _StderrHandler()
+
+
+def logging_configured(lg: logging.Logger | None = None) -> bool:
+    """Whether the program configured logging anywhere on ``lg``'s way to the root: a handler, or a level other than
+    the defaults (NOTSET below the root, WARNING at the root)."""
+    cur: logging.Logger | None = lg or logger
+    while cur is not None:
+        if cur.handlers:
+            return True
+        if cur.level != (logging.WARNING if cur is logging.root else logging.NOTSET):
+            return True
+        if not cur.propagate:
+            return False
+        cur = cur.parent  # type: ignore[assignment]
+    return False
+
+
+def _say(msg: str, *args: Any) -> None:
+    """One INFO line of this module's logger (the status line, the recovery summary); to stderr when the program
+    configured no logging at all (see the module docstring)."""
+    if logging_configured():
+        logger.info(msg, *args)
+        return
+    _fallback_handler.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None))
+
+
 # -- intervals and modes -------------------------------------------------------------------------------------
 
 
 def resolve_status_interval(configured: int | None, log_every_n_steps: int | None) -> int:
-    """Status interval in steps: the configured value, else the trainer's log interval (else 50); 0 = never.
+    """Status interval in steps: the configured value, else the trainer's log interval (else
+    :data:`PLAIN_LOOP_LOG_EVERY`); 0 = never.
 
     Raises:
         ConfigError: a negative value.
@@ -379,7 +432,7 @@ class Reporter:
             gbps = stream_gbps_between(self._prev, stats)
             self._prev = stats
             line = format_status(step, stats, gbps)
-            logger.info("%s", line)
+            _say("%s", line)
             if self.config.log_metrics and self.loggers:
                 log_to_loggers(self.loggers, status_metrics(stats, gbps), step)
             return line
@@ -414,9 +467,9 @@ class Reporter:
             if self.config.timeline:
                 tl = write_timeline(tl, self.report_dir)
             where = f"; timeline {tl.path_png or tl.path_json}" if tl.path_json else ""
-            logger.info("neighbor_ckpt: recovery %s%s", tl.summary(), where)
+            _say("neighbor_ckpt: recovery %s%s", tl.summary(), where)
             for note in tl.notes:
-                logger.info("neighbor_ckpt: recovery timeline: %s", note)
+                _say("neighbor_ckpt: recovery timeline: %s", note)
             if self.config.log_metrics and self.loggers and step is not None:
                 log_to_loggers(self.loggers, recovery_metrics(tl), step)
             return tl

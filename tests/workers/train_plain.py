@@ -1,6 +1,7 @@
 """Plain-loop worker (no Lightning): tiny model, DDP or ZeRO, snapshot every step, optional SIGKILL.
 
-Run under torchrun. Environment: OUT_DIR, TEST_STORE_BASE, STEPS, OPTIM (adam|zero), KILL_*, WIPE_RANKS.
+Run under torchrun. Environment: OUT_DIR, TEST_STORE_BASE, STEPS, OPTIM (adam|zero), KILL_*, WIPE_RANKS, JOB_ID
+(default ``plain``; empty: none configured, the launcher's run id or the launch's own id).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     torch.manual_seed(100 + rank)  # per-rank dropout stream
 
-    cfg = NeighborCkptConfig.from_dict({"job_id": os.environ.get("JOB_ID", "plain"),
+    cfg = NeighborCkptConfig.from_dict({"job_id": os.environ.get("JOB_ID", "plain") or None,  # "": the launcher's
                                         "store": {"cleanup_on_success": False}})
     ckpt = NeighborCheckpointer(cfg, adapter=adapter)
     try:
