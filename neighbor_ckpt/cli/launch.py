@@ -1,5 +1,15 @@
 """``neighbor-ckpt launch``: run a job file's recipe under torchrun with restarts, or write a Slurm script.
 
+With ``neighbor_ckpt.inprocess.enabled`` the job runs ``devices x nodes + spares`` processes under NVIDIA
+resiliency-ext's ``ft_launcher`` instead: one agent per (simulated) node with one worker each and
+``--ft-restart-policy min-healthy`` (when one worker dies, the other agents' workers keep running: plain torchrun
+stops its whole local worker group), plus the TCP store in a process of its own
+(``python -m neighbor_ckpt.inprocess.store_host``), which every rank's in-process wrapper and per-attempt process
+group use. Each simulated node gets its own host store directory (``<store dir>/node<i>``) and node id, as on a
+cluster, so a spare that replaces a lost rank starts with an empty store and pulls that rank's state from its ring
+successor. When in-process recovery gives up, every rank exits and ``ft_launcher`` restarts the job
+(``launch.max_restarts``): the restart path.
+
 The job file is validated (with the overrides applied) before anything starts; the resolved file is written to
 the run directory ``<launch.log_dir>/<name>-<timestamp>/config.yaml`` and the recipe reads only that, so a
 restarted worker group sees exactly what the first one saw. The torchrun rendezvous id is unique per launch
@@ -9,6 +19,7 @@ and stable across its restarts: it is the neighbor-checkpoint job id (unless the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 import shlex
@@ -23,9 +34,12 @@ from typing import Sequence
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 
-__all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "RECIPE"]
+__all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
+           "InprocessProcesses", "inprocess_processes", "NVRX_LAUNCHER"]
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "nemo_pretrain.py"
+NVRX_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
+"""NVRx's ``ft_launcher`` as a module (``python -m``), so it is the one of this interpreter's environment."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,11 +61,29 @@ class LaunchPlan:
     record: bool = False
     """Pass ``--record`` to the recipe (per-step losses and final fingerprints)."""
 
+    @property
+    def inprocess(self) -> bool:
+        """In-process recovery (``neighbor_ckpt.inprocess.enabled``): ``ft_launcher`` instead of torchrun."""
+        return self.job.neighbor_ckpt.inprocess.enabled
+
+    @property
+    def spares(self) -> int:
+        """Hot spare processes on top of the job's ranks (0 unless in process)."""
+        return self.job.neighbor_ckpt.inprocess.spares if self.inprocess else 0
+
+    @property
+    def processes(self) -> int:
+        """Processes the launch starts: ``devices x nodes + spares``."""
+        return self.job.world_size + self.spares
+
 
 def plan_launch(config: str | Path, overrides: Sequence[str] = (), *, run_dir: Path | None = None,
                 record: bool = False) -> LaunchPlan:
     """Validate ``config`` + ``overrides`` and decide the run directory and ids (no side effects)."""
     job = load_job(config, overrides)
+    if job.neighbor_ckpt.inprocess.enabled and not job.neighbor_ckpt.enabled:
+        raise ConfigError("config.neighbor_ckpt.inprocess.enabled: in-process recovery restores from the neighbor "
+                          "snapshots, but neighbor_ckpt.enabled is false; enable both, or neither")
     if not RECIPE.is_file():
         raise ConfigError(f"the recipe {RECIPE} is missing: `neighbor-ckpt launch` runs from a source checkout "
                           "of neighbor_ckpt (recipes/ is not part of the installed package)")
@@ -69,9 +101,61 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _recipe_args(plan: LaunchPlan) -> list[str]:
+def _recipe_args(plan: LaunchPlan, *, inprocess_store: str | None = None) -> list[str]:
     args = [str(plan.recipe), "--config", str(plan.run_dir / "config.yaml"), "--run-dir", str(plan.run_dir)]
+    if inprocess_store is not None:
+        args += ["--inprocess-store", inprocess_store]
     return args + (["--record"] if plan.record else [])
+
+
+def describe(plan: LaunchPlan) -> str:
+    """One line: what the launch starts."""
+    job = plan.job
+    if not plan.inprocess:
+        return f"{job.name}: {job.world_size} ranks under torchrun (restarts: {job.launch.max_restarts})"
+    return (f"{job.name}: {job.world_size} ranks + {plan.spares} hot spare(s) = {plan.processes} processes, "
+            f"in-process recovery (ft_launcher, one agent per simulated node, --ft-restart-policy min-healthy, "
+            f"a store host process; restarts when it gives up: {job.launch.max_restarts})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InprocessProcesses:
+    """The processes of an in-process launch on this machine (pure data): the store host, then one
+    ``ft_launcher`` agent per simulated node, each with its own environment additions."""
+
+    store: tuple[str, ...]
+    """The store host's command line."""
+
+    agents: tuple[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], ...]
+    """Per simulated node ``i``: (command line, environment additions)."""
+
+
+def inprocess_processes(plan: LaunchPlan, *, store_port: int, rdzv_endpoint: str, store_root: Path,
+                        store_ready: Path | None = None, parent: int | None = None,
+                        host: str = "127.0.0.1") -> InprocessProcesses:
+    """Store host + ``plan.processes`` agents for a single-machine in-process launch.
+
+    The agents rendezvous with ``--nnodes=<active - 1>:<processes>``: one below the active ranks, so a failure
+    that in-process recovery cannot absorb (no spare left) leaves enough healthy agents for the wrapper to
+    announce its give-up, after which every worker exits and ``ft_launcher`` restarts them all (the restart path).
+    """
+    if not plan.inprocess:
+        raise ConfigError("inprocess_processes: the job does not enable neighbor_ckpt.inprocess")
+    store = [sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host", host, "--port", str(store_port)]
+    if parent is not None:
+        store += ["--parent", str(parent)]
+    if store_ready is not None:
+        store += ["--ready", str(store_ready)]
+    lo = max(1, plan.job.world_size - 1)
+    agent = (sys.executable, "-m", NVRX_LAUNCHER, f"--nnodes={lo}:{plan.processes}", "--nproc-per-node=1",
+             f"--max-restarts={plan.job.launch.max_restarts}", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={plan.run_id}", "--monitor-interval=0.2",
+             "--ft-restart-policy=min-healthy", *_recipe_args(plan, inprocess_store=f"{host}:{store_port}"))
+    agents = tuple((agent, (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
+                            ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
+                            ("TORCH_CPP_LOG_LEVEL", "error")))
+                   for i in range(plan.processes))
+    return InprocessProcesses(store=tuple(store), agents=agents)
 
 
 def torchrun_command(plan: LaunchPlan, *, endpoint: str | None = None) -> list[str]:
@@ -121,14 +205,56 @@ def write_run_dir(plan: LaunchPlan) -> Path:
 
 
 def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
-    """Run the job on this node under torchrun; returns torchrun's exit code. Output goes to ``log`` if given
-    (the run directory's ``torchrun.log`` is the usual choice), else to this terminal."""
+    """Run the job on this node under torchrun (in process: ``ft_launcher`` agents and the store host); returns
+    the launcher's exit code (in process: the worst agent's). Output goes to ``log`` if given (the run directory's
+    ``torchrun.log`` is the usual choice), else to this terminal."""
     if plan.job.trainer.num_nodes != 1:
         raise ConfigError(f"config.trainer.num_nodes: {plan.job.trainer.num_nodes} nodes cannot run from one shell; "
                           "use `neighbor-ckpt launch CONFIG --slurm FILE` (or run torchrun on every node)")
+    if plan.inprocess:
+        from megatron_patches.nvrx_gloo import check_nvrx_version
+
+        check_nvrx_version()  # before anything starts: min-healthy exists in the release we pin only
     write_run_dir(plan)
-    cmd = torchrun_command(plan)
-    if log is None:
-        return subprocess.call(cmd)
-    with open(log, "w") as f:
-        return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    with contextlib.ExitStack() as stack:
+        out = None if log is None else stack.enter_context(open(log, "w"))
+        kw = {} if out is None else {"stdout": out, "stderr": subprocess.STDOUT}
+        if not plan.inprocess:
+            return subprocess.call(torchrun_command(plan), **kw)
+        return _run_inprocess(plan, kw)
+
+
+def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
+    """Start the store host, wait until it listens, start one agent per simulated node, wait for all of them."""
+    import os
+
+    ready = plan.run_dir / "store_host.ready"
+    ready.unlink(missing_ok=True)
+    root = Path(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
+    procs = inprocess_processes(plan, store_port=_free_port(), rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                                store_root=root, store_ready=ready, parent=os.getpid())
+    store = subprocess.Popen(list(procs.store), **kw)
+    agents: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if store.poll() is not None:
+                raise ConfigError(f"the in-process store host exited with status {store.returncode} before it "
+                                  f"listened (its output is in the launch log)")
+            if time.monotonic() > deadline:
+                raise ConfigError("the in-process store host did not listen within 120 s")
+            time.sleep(0.05)
+        for cmd, env in procs.agents:
+            agents.append(subprocess.Popen(list(cmd), env={**os.environ, **dict(env)}, **kw))
+        codes = [a.wait() for a in agents]
+        return max(codes, key=abs)  # the worst agent's: a signal's negative status is not lost behind a 0
+    finally:
+        for p in [*agents, store]:
+            if p.poll() is None:
+                p.terminate()
+        for p in [*agents, store]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -92,9 +92,16 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"wrote {args.slurm} (run directory {plan.run_dir}); submit it with: sbatch {args.slurm}")
         return 0
     if args.dry_run:
+        if plan.inprocess:
+            procs = launch.inprocess_processes(plan, store_port=29650, rdzv_endpoint="127.0.0.1:29500",
+                                               store_root=Path(plan.job.neighbor_ckpt.store.dir))
+            print(" ".join(procs.store) + " &")
+            for cmd, env in procs.agents:
+                print(" ".join([*(f"{k}={v}" for k, v in env), *cmd]) + " &")
+            return 0
         print(" ".join(launch.torchrun_command(plan)))
         return 0
-    print(f"neighbor-ckpt: {plan.job.name}: {plan.job.world_size} ranks, run directory {plan.run_dir}", flush=True)
+    print(f"neighbor-ckpt: {launch.describe(plan)}; run directory {plan.run_dir}", flush=True)
     return launch.run_local(plan)
 
 

@@ -54,3 +54,75 @@ def test_inspect_cli_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_cli_rejects_unknown_arguments(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["inspect", str(tmp_path), "--bogus"])
+
+
+# --- `neighbor-ckpt launch` / `demo` with in-process recovery (issue 17): what is planned, nothing runs ----------
+
+REPO = Path(__file__).resolve().parents[2]
+INPROC = ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=1"]
+
+
+def test_inprocess_launch_starts_devices_x_nodes_plus_spares_agents_under_min_healthy(tmp_path: Path) -> None:
+    from neighbor_ckpt.cli import launch
+
+    plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", INPROC, run_dir=tmp_path / "run")
+    assert (plan.inprocess, plan.spares, plan.processes) == (True, 1, 5)
+    assert "4 ranks + 1 hot spare(s) = 5 processes" in launch.describe(plan)
+    procs = launch.inprocess_processes(plan, store_port=29650, rdzv_endpoint="127.0.0.1:29500",
+                                       store_root=tmp_path / "shm")
+    assert procs.store[1:] == ("-m", "neighbor_ckpt.inprocess.store_host", "--host", "127.0.0.1", "--port", "29650")
+    assert len(procs.agents) == 5
+    for i, (cmd, env) in enumerate(procs.agents):
+        assert cmd[1:3] == ("-m", launch.NVRX_LAUNCHER)
+        assert {"--nnodes=3:5", "--nproc-per-node=1", "--ft-restart-policy=min-healthy", "--max-restarts=2",
+                f"--rdzv-id={plan.run_id}"} <= set(cmd)
+        assert cmd[cmd.index("--inprocess-store") + 1] == "127.0.0.1:29650"
+        assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"  # one simulated node per agent, its own store
+        assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}")
+    with pytest.raises(AttributeError):
+        plan.run_id = "other"  # type: ignore[misc]  # the plan stays frozen data
+
+
+def test_restart_path_launch_is_unchanged_when_inprocess_is_off(tmp_path: Path) -> None:
+    from neighbor_ckpt.cli import launch
+    from neighbor_ckpt.errors import ConfigError
+
+    plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", run_dir=tmp_path)
+    assert (plan.inprocess, plan.spares, plan.processes) == (False, 0, 4)
+    cmd = launch.torchrun_command(plan)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--inprocess-store" not in cmd
+    assert "under torchrun" in launch.describe(plan)
+    with pytest.raises(ConfigError, match="does not enable neighbor_ckpt.inprocess"):
+        launch.inprocess_processes(plan, store_port=1, rdzv_endpoint="h:2", store_root=tmp_path)
+
+
+def test_inprocess_without_neighbor_snapshots_is_refused(tmp_path: Path) -> None:
+    from neighbor_ckpt.cli import launch
+    from neighbor_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="neighbor_ckpt.enabled is false"):
+        launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", [*INPROC, "neighbor_ckpt.enabled=false"],
+                           run_dir=tmp_path)
+
+
+def test_launch_dry_run_prints_the_store_host_and_one_agent_per_process(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", str(REPO / "configs/gpt_tiny_cpu.yaml"), *INPROC, "--run-dir", str(tmp_path),
+                 "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "neighbor_ckpt.inprocess.store_host" in lines[0]
+    assert len(lines) == 6 and all("--ft-restart-policy=min-healthy" in line for line in lines[1:])
+
+
+def test_demo_inprocess_plans_the_restart_and_the_inprocess_runs_of_the_same_kill(tmp_path: Path) -> None:
+    from neighbor_ckpt.cli import demo
+
+    plans = demo.demo_plans(demo.parse_args(["--inprocess", "--out", str(tmp_path), "trainer.max_steps=8"]))
+    assert sorted(plans) == ["baseline", "faulted", "inprocess"]
+    assert [plans[k].inprocess for k in ("baseline", "faulted", "inprocess")] == [False, False, True]
+    assert plans["inprocess"].processes == 5 and plans["inprocess"].record
+    for k in ("faulted", "inprocess"):
+        fi = plans[k].job.neighbor_ckpt.fault_injection
+        assert (fi.enabled, fi.rank, fi.step, fi.phase) == (True, 1, 5, "optimizer")
+    assert not plans["baseline"].job.neighbor_ckpt.fault_injection.enabled
+    assert sorted(demo.demo_plans(demo.parse_args(["--out", str(tmp_path)]))) == ["baseline", "faulted"]
