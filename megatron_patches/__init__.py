@@ -11,6 +11,9 @@
   rank's state, and mcore's RNG tracker streams (read-only access used by the Megatron adapter);
 * :mod:`megatron_patches.distopt_load` — loading a distributed-optimizer checkpoint into an fp32 model under
   ``no_grad`` (NeMo's disk resume, our insurance fallback);
+* :mod:`megatron_patches.nemo_telemetry` — NeMo's OneLogger telemetry spans a failed in-process attempt left open,
+  stopped before the next attempt (else its ``on_train_start`` refuses to start);
+* :mod:`megatron_patches.nvrx_gloo` — what NVIDIA resiliency-ext's in-process restart needs on CPU / gloo;
 * :mod:`megatron_patches.fused_adam` — apex FusedAdam's semantics for mcore's Adam on a GPU image without
   Transformer Engine or apex (the GPU benchmark).
 

@@ -7,6 +7,12 @@ Launch it through the command, which validates the file first and runs torchrun 
 
 or directly under torchrun: ``torchrun ... recipes/nemo_pretrain.py --config CONFIG --run-dir DIR``.
 
+With ``neighbor_ckpt.inprocess.enabled`` (``neighbor-ckpt launch`` then starts ``ft_launcher`` agents and a store host
+and passes ``--inprocess-store HOST:PORT``) ``llm.pretrain`` runs under NVRx's in-process wrapper
+(:mod:`neighbor_ckpt.lightning.inprocess`): after a failure the surviving processes build the trainer, strategy
+and model again in place and restore from their host slots; a hot spare takes a lost rank's place. Imports happen
+once per process, before the wrapper (spares included).
+
 :func:`build_recipe` returns a ``nemo_run.Partial`` of ``llm.pretrain``. The full-size models start from NeMo's
 own recipe factories (``llm.llama3_8b``, ``llm.llama3_70b``, ``llm.gpt3_175b``) and get the job's parallelism,
 batch, steps and checkpointing applied, plus ``NeighborCheckpoint`` in ``trainer.callbacks``; nothing else of
@@ -26,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +44,20 @@ _NEMO_FACTORIES = {"llama3_8b": "llama3_8b", "llama3_70b": "llama3_70b", "gpt3_1
 _TINY_VOCAB = 128
 
 
-def _neighbor_callbacks(job: JobSpec) -> list[Any]:
+def _neighbor_callbacks(job: JobSpec, *, inject_faults: bool = True) -> list[Any]:
     import nemo_run as run
 
     from neighbor_ckpt import NeighborCheckpoint, NeighborCkptConfig
     from neighbor_ckpt.lightning.faults import FaultInjector
 
-    cfg = run.Config(NeighborCkptConfig.from_dict, job.neighbor_ckpt.to_dict())
+    d = job.neighbor_ckpt.to_dict()
+    if job.neighbor_ckpt.inprocess.enabled:
+        # NVRx's monitor process and thread detect failures in process; ours would exit the process, and it dials
+        # MASTER_PORT, a store of the ft_launcher agents that no attempt owns.
+        d["detector"] = {**d.get("detector", {}), "enabled": False}
+    cfg = run.Config(NeighborCkptConfig.from_dict, d)
     cbs = [run.Config(NeighborCheckpoint, config=cfg)]
-    if job.neighbor_ckpt.fault_injection.enabled:
+    if job.neighbor_ckpt.fault_injection.enabled and inject_faults:
         cbs.insert(0, run.Config(FaultInjector, config=cfg))
     return cbs
 
@@ -163,8 +175,10 @@ def _nemo_factory_recipe(job: JobSpec, run_dir: Path) -> Any:
                                num_gpus_per_node=job.trainer.devices)
 
 
-def build_recipe(job: JobSpec, run_dir: Path) -> Any:
-    """The ``nemo_run.Partial`` of ``llm.pretrain`` for ``job``, with the neighbor-checkpoint callback attached."""
+def build_recipe(job: JobSpec, run_dir: Path, *, inject_faults: bool = True) -> Any:
+    """The ``nemo_run.Partial`` of ``llm.pretrain`` for ``job``, with the neighbor-checkpoint callback attached
+    (and the fault injector when ``neighbor_ckpt.fault_injection`` is enabled, unless ``inject_faults`` is false:
+    an in-process restart, where the fault already happened)."""
     import nemo_run as run
     from nemo import lightning as nl
 
@@ -215,7 +229,7 @@ def build_recipe(job: JobSpec, run_dir: Path) -> Any:
 
     # neighbor checkpointing
     if job.neighbor_ckpt.enabled:
-        tr.callbacks = [*(tr.callbacks or []), *_neighbor_callbacks(job)]
+        tr.callbacks = [*(tr.callbacks or []), *_neighbor_callbacks(job, inject_faults=inject_faults)]
     return recipe
 
 
@@ -223,18 +237,23 @@ class _Record:
     """``--record``: per-step losses as NeMo reports them and final fingerprints (for the demo and tests)."""
 
     @staticmethod
-    def callback(out: Path) -> Any:
+    def callback(out: Path, *, attempt: int | None = None, label: str | None = None) -> Any:
+        """``attempt``: the number written with each loss (default: the launcher's restart count); ``label``: the
+        report file's ``attempt<label>`` (default: ``attempt``)."""
         import lightning.pytorch as pl
 
         rank = int(os.environ.get("RANK", "0"))
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt is None:
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        label = str(attempt) if label is None else label
 
         class Record(pl.Callback):
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
                 loss = trainer.callback_metrics.get("reduced_train_loss")
                 with open(out / f"losses.rank{rank}.jsonl", "a") as f:
                     f.write(json.dumps({"step": trainer.global_step - 1, "attempt": attempt,
-                                        "loss": None if loss is None else float(loss).hex()}) + "\n")
+                                        "loss": None if loss is None else float(loss).hex(), "pid": os.getpid(),
+                                        "unix": time.time()}) + "\n")
 
             def on_train_end(self, trainer: Any, pl_module: Any) -> None:
                 _Record.final(trainer, out / f"final.rank{rank}.json")
@@ -244,9 +263,33 @@ class _Record:
                 if cb is not None and cb.last_recovery is not None:
                     rep = {**cb.last_recovery.report.to_dict(), "iteration": cb.last_recovery.iteration,
                            "summary": cb.last_recovery.report.summary()}
-                    (out / f"report.rank{rank}.attempt{attempt}.json").write_text(json.dumps(rep, indent=1))
+                    (out / f"report.rank{rank}.attempt{label}.json").write_text(json.dumps(rep, indent=1))
 
         return Record()
+
+    @staticmethod
+    def fault_clock(out: Path, job: JobSpec) -> Any:
+        """When the injected fault fires (``fault.json``, unix time): placed before the fault injector, on the
+        rank and step it targets, in its phase's hook (``backward``: the start of that step's batch)."""
+        import lightning.pytorch as pl
+
+        f = job.neighbor_ckpt.fault_injection
+        rank = int(os.environ.get("RANK", "0"))
+
+        def stamp(trainer: Any, phase: str) -> None:
+            if rank == f.rank and trainer.global_step == f.step and (phase == f.phase or (
+                    phase == "forward" and f.phase == "backward")):
+                (out / "fault.json").write_text(json.dumps({"unix": time.time(), "rank": rank, "step": f.step,
+                                                            "phase": f.phase, "pid": os.getpid()}))
+
+        class FaultClock(pl.Callback):
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+                stamp(trainer, "forward")
+
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                stamp(trainer, "optimizer")
+
+        return FaultClock()
 
     @staticmethod
     def final(trainer: Any, path: Path) -> None:
@@ -270,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", type=Path, required=True, help="job file (configs/*.yaml), already resolved")
     ap.add_argument("--run-dir", type=Path, required=True, help="logs, reports and NeMo checkpoints go here")
     ap.add_argument("--record", action="store_true", help="write per-step losses and final fingerprints")
+    ap.add_argument("--inprocess-store", metavar="HOST:PORT", default=None,
+                    help="in-process recovery: the store host (`neighbor-ckpt launch` starts it and passes this)")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(name)s %(levelname)s %(message)s")
@@ -281,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     import fiddle as fdl
     import torch
 
+    if job.neighbor_ckpt.inprocess.enabled:
+        main_inprocess(job, args)
+        return
     torch.manual_seed(job.trainer.seed)
     recipe = build_recipe(job, args.run_dir)
     if args.record:
@@ -288,9 +336,65 @@ def main(argv: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         fn = fdl.build(recipe)
         fn.keywords["trainer"].callbacks.append(_Record.callback(out))
+        if job.neighbor_ckpt.fault_injection.enabled and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            fn.keywords["trainer"].callbacks.insert(0, _Record.fault_clock(out, job))
         fn()
     else:
         fdl.build(recipe)()
+
+
+def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
+    """``llm.pretrain`` under in-process recovery: each attempt builds the trainer, strategy and model anew
+    (:func:`neighbor_ckpt.lightning.inprocess.run_trainer`); exits with the wrapper's fallback status when in-process
+    recovery gives up (the launcher then restarts the job)."""
+    import fiddle as fdl
+    import torch
+
+    from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.inprocess import InprocessRecovery
+    from neighbor_ckpt.lightning import inprocess as lip
+
+    if not args.inprocess_store or ":" not in args.inprocess_store:
+        raise ConfigError("neighbor_ckpt.inprocess.enabled: the recipe needs --inprocess-store HOST:PORT (the store "
+                          "host process); start the job with `neighbor-ckpt launch`, which starts it")
+    host, port = args.inprocess_store.rsplit(":", 1)
+    t_start = time.time()
+    build_recipe(job, args.run_dir)  # every import the attempts need, now: a spare must be hot when it is activated
+    inproc = InprocessRecovery(spares=job.neighbor_ckpt.inprocess.spares, store_host=host, store_port=int(port),
+                               monitor_log_dir=args.run_dir / "nvrx")
+    if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:
+        raise ConfigError(f"in-process recovery: {inproc.world_size} processes were started, the job needs "
+                          f"{job.world_size} ranks + {job.neighbor_ckpt.inprocess.spares} spare(s); start it with "
+                          f"`neighbor-ckpt launch`")
+    lip.prepare_process()
+    lip.wait_for_all_processes(inproc)
+    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    out = args.run_dir / "record"
+    if args.record:
+        out.mkdir(parents=True, exist_ok=True)
+    suffix = f".launch{launch}" if launch else ""
+
+    def make(attempt: Any) -> tuple[Any, Any]:
+        torch.manual_seed(job.trainer.seed)  # as main() does before building: the first attempt is the plain run
+        fn = fdl.build(build_recipe(job, args.run_dir, inject_faults=attempt.iteration == 0))
+        trainer = fn.keywords["trainer"]
+        if args.record:
+            label = str(attempt.iteration) if not launch else f"{launch}.{attempt.iteration}"
+            trainer.callbacks.append(_Record.callback(out, attempt=launch + attempt.iteration, label=label))
+            if job.neighbor_ckpt.fault_injection.enabled and attempt.iteration == 0 and launch == 0:
+                trainer.callbacks.insert(0, _Record.fault_clock(out, job))
+            (out / f"attempt.initial{inproc.initial_rank}.iter{attempt.iteration}{suffix}.json").write_text(
+                json.dumps({"pid": os.getpid(), "rank": attempt.rank, "world_size": attempt.world_size,
+                            "initial_rank": inproc.initial_rank, "iteration": attempt.iteration,
+                            "launch": launch}))
+        return trainer, fn
+
+    try:
+        lip.run_trainer(inproc, make)
+    finally:
+        if args.record:
+            (out / f"events.initial{inproc.initial_rank}{suffix}.json").write_text(json.dumps(
+                {"pid": os.getpid(), "start": t_start, "events": inproc.events}, indent=1))
 
 
 if __name__ == "__main__":

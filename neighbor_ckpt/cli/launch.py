@@ -38,6 +38,8 @@ __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run
            "InprocessProcesses", "inprocess_processes", "NVRX_LAUNCHER"]
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "nemo_pretrain.py"
+RDZV_LAST_CALL_S = 300
+"""In-process launch: how long the agents' rendezvous waits for the last agents once the minimum has joined."""
 NVRX_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
 """NVRx's ``ft_launcher`` as a module (``python -m``), so it is the one of this interpreter's environment."""
 
@@ -138,6 +140,9 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int, rdzv_endpoint: str
     The agents rendezvous with ``--nnodes=<active - 1>:<processes>``: one below the active ranks, so a failure
     that in-process recovery cannot absorb (no spare left) leaves enough healthy agents for the wrapper to
     announce its give-up, after which every worker exits and ``ft_launcher`` restarts them all (the restart path).
+    Once the minimum has joined, the rendezvous waits up to ``RDZV_LAST_CALL_S`` for the others (torch's default,
+    30 s, closed it without the slowest agents on a loaded machine: fewer processes than the job has ranks); it
+    closes at once when all have joined.
     """
     if not plan.inprocess:
         raise ConfigError("inprocess_processes: the job does not enable neighbor_ckpt.inprocess")
@@ -149,7 +154,8 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int, rdzv_endpoint: str
     lo = max(1, plan.job.world_size - 1)
     agent = (sys.executable, "-m", NVRX_LAUNCHER, f"--nnodes={lo}:{plan.processes}", "--nproc-per-node=1",
              f"--max-restarts={plan.job.launch.max_restarts}", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={plan.run_id}", "--monitor-interval=0.2",
+             f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={plan.run_id}",
+             f"--rdzv-conf=last_call_timeout={RDZV_LAST_CALL_S}", "--monitor-interval=0.2",
              "--ft-restart-policy=min-healthy", *_recipe_args(plan, inprocess_store=f"{host}:{store_port}"))
     agents = tuple((agent, (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                             ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),

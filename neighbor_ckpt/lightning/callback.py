@@ -111,6 +111,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self._megatron = False
         self._hooks: Any = None
         self._group_ready: float | None = None
+        self.attempt: Any = None
+        """Which attempt this is, for the checkpointer (``attempt=``); set by in-process recovery
+        (:mod:`neighbor_ckpt.lightning.inprocess`), else None: the launcher's restart count."""
         if self.config.enabled:
             # Must happen before the strategy creates its process group (the trainer has not connected yet).
             prepare_torchrun_restart()
@@ -161,7 +164,7 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             mc = megatron_setup(trainer)
             self.checkpointer = NeighborCheckpointer(self.config, adapter=mc.adapter, dp_group=mc.dp_group,
                                                      model_parallel_coord=mc.coord, capture_rng_state=False,
-                                                     insurance=self._nemo_disk_resume)
+                                                     insurance=self._nemo_disk_resume, **self._attempt_kw())
             # NeMo runs backward inside training_step (no on_before_backward): the wait point and the step tags
             # come from mcore's gradient collectives and the mcore optimizer's step.
             self._hooks = install_hooks(self.checkpointer, mc.optimizer)
@@ -169,7 +172,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             # Same DDP bucket layout in every run, so the first step after a restart reduces like the original.
             pin_bucket_layout(trainer.strategy.model)
             self.checkpointer = NeighborCheckpointer(self.config, adapter=self._adapter(trainer, pl_module),
-                                                     insurance=insurance, capture_rng_state=False)
+                                                     insurance=insurance, capture_rng_state=False,
+                                                     **self._attempt_kw())
         self._attach_reporting(trainer)
         result = self.checkpointer.recover()
         self.last_recovery = result
@@ -186,6 +190,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             if trainer.is_global_zero:
                 logger.warning("NeighborCheckpoint: resumed at global step %d (%s)", trainer.global_step,
                                result.report.summary())
+
+    def _attempt_kw(self) -> dict[str, Any]:
+        return {} if self.attempt is None else {"attempt": self.attempt}
 
     def _attach_reporting(self, trainer: Any) -> None:
         """The trainer's log interval, loggers and log directory for the checkpointer's reporter (all ranks:
@@ -375,6 +382,14 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self._remove_hooks()
         if self.checkpointer is not None:
             self.checkpointer.close(success=True)
+
+    def close_failed(self) -> None:
+        """Close after a failed in-process attempt (:mod:`neighbor_ckpt.lightning.inprocess` calls it after the
+        abort freed the snapshot threads): hooks removed, host slots kept for the next attempt's recovery."""
+        self._remove_hooks()
+        if self.checkpointer is not None:
+            self.checkpointer.close(success=False)
+            self.checkpointer = None
 
     def _remove_hooks(self) -> None:
         if self._hooks is not None:

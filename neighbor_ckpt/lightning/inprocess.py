@@ -1,0 +1,140 @@
+"""In-process recovery (:mod:`neighbor_ckpt.inprocess`) for a Lightning / NeMo 2 trainer.
+
+The training entry point (``trainer.fit``, NeMo's ``llm.pretrain``) is called again in the same process after every
+contained failure; each attempt builds its own trainer, strategy and model (imports, the host store and the host
+slots stay). Usage::
+
+    inproc = InprocessRecovery(spares=1, store_host=host, store_port=port)
+    prepare_process()                         # once, before the first attempt
+    wait_for_all_processes(inproc)            # every process imported (the wrapper's barriers are short)
+
+    def make(attempt):                        # -> (trainer, entry point), built anew for every attempt
+        fn = fdl.build(recipe)                # e.g. NeMo's llm.pretrain partial
+        return fn.keywords["trainer"], fn
+
+    run_trainer(inproc, make)
+
+What :func:`attach` does to an attempt's trainer:
+
+* **Process group.** Lightning's strategy creates the default group itself (``init_process_group`` with ``env://``
+  at ``MASTER_ADDR:MASTER_PORT``, under ``ft_launcher`` a rendezvous store of an agent that may be gone, with keys
+  the previous attempt already used). NeMo's ``MegatronStrategy`` takes the store to create it on as its public
+  ``store`` attribute: it gets a prefix of the external store, new for each attempt, and then does everything else
+  as always (megatron-core parallel state, the data sampler). A plain Lightning strategy has no such attribute: the
+  group is created before ``fit`` (:meth:`InprocessRecovery.init_process_group`) and Lightning skips its own.
+  Ranks and world size come from ``RANK`` / ``WORLD_SIZE``, which the wrapper rewrites for every attempt (Lightning's
+  ``TorchElasticEnvironment`` reads them).
+* **Clean-up after the abort.** A failed attempt's :class:`~neighbor_ckpt.NeighborCheckpoint` is closed with
+  ``close(success=False)`` (host slots kept) by the wrapper's Finalize, after the abort freed its threads, and
+  megatron-core's parallel state and the process group are dropped there (:mod:`megatron_patches.nvrx_gloo`).
+* **NeMo's telemetry.** The spans a failed attempt left open are stopped after the abort
+  (:mod:`megatron_patches.nemo_telemetry`).
+* **Progress.** :class:`InprocessProgress` marks the attempt's first completed step (after the snapshot), which the
+  wrapper's fallback rules read, and records timeline events (``pg_ready``, ``recovered``).
+
+``prepare_process`` turns off :func:`~neighbor_ckpt.runtime.torchrun.prepare_torchrun_restart` (the callback calls
+it at construction): that fix re-hosts torchrun's rendezvous store on rank 0 for launcher restarts; in process the
+group lives on the external store, and rank 0 must not host anything the survivors need.
+
+May import: the checkpointer and everything below it, :mod:`neighbor_ckpt.inprocess`; never :mod:`neighbor_ckpt.cli`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from neighbor_ckpt.errors import NeighborCkptError
+from neighbor_ckpt.inprocess import InprocessRecovery
+from neighbor_ckpt.inprocess.wrapper import Attempt
+from neighbor_ckpt.lightning._compat import callback_bases
+from neighbor_ckpt.lightning._megatron import is_megatron_strategy
+from neighbor_ckpt.lightning.callback import NeighborCheckpoint
+
+__all__ = ["prepare_process", "wait_for_all_processes", "attach", "run_trainer", "InprocessProgress"]
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_process() -> None:
+    """Once per process, before the first attempt (see the module docstring)."""
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
+def wait_for_all_processes(inproc: InprocessRecovery, *, timeout_s: float = 900.0) -> None:
+    """Once per process, before :func:`run_trainer`: wait until every process of the launch (spares included) got
+    here, i.e. finished its imports. NeMo's imports take tens of seconds on a loaded machine and start at different
+    times; the wrapper's first store barrier allows ``barrier_timeout`` (seconds) for the slowest one."""
+    store = inproc.app_store()
+    key = f"imported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < inproc.world_size:
+        if time.monotonic() > deadline:
+            raise NeighborCkptError(f"in-process start: only {store.add(key, 0)} of {inproc.world_size} processes "
+                                    f"finished their imports within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+class InprocessProgress(*callback_bases()):  # type: ignore[misc]
+    """Timeline events of an attempt and its first completed step (appended after every other callback)."""
+
+    def __init__(self, inproc: InprocessRecovery) -> None:
+        super().__init__()
+        self.inproc = inproc
+        self._marked = False
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.inproc.event("pg_ready")  # the first hook after the strategy created the process group
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.inproc.event("recovered")  # after NeighborCheckpoint.on_fit_start restored (or started fresh)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._marked:
+            self._marked = True
+            self.inproc.mark_progress()
+
+
+def _close_failed(cb: NeighborCheckpoint) -> Callable[[], None]:
+    def close() -> None:
+        cb.close_failed()
+
+    return close
+
+
+def attach(inproc: InprocessRecovery, attempt: Attempt, trainer: Any) -> None:
+    """Make ``trainer`` (built for ``attempt``, not yet fitted) run as one in-process attempt."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "store"):  # NeMo's MegatronStrategy: init_process_group(..., store=strategy.store)
+        strategy.store = dist.PrefixStore(f"pg_{attempt.iteration}/", inproc.app_store())
+    else:
+        inproc.init_process_group()
+    for cb in trainer.callbacks:
+        if isinstance(cb, NeighborCheckpoint):
+            if hasattr(inproc, "attempt_info"):
+                cb.attempt = inproc.attempt_info()  # in-process attempts: their own records, timeline mode
+            inproc.on_restart(_close_failed(cb))
+    if is_megatron_strategy(strategy):
+        from megatron_patches.nemo_telemetry import end_open_spans
+
+        inproc.on_restart(end_open_spans)  # NeMo's telemetry refuses a second training_loop span otherwise
+    trainer.callbacks.append(InprocessProgress(inproc))
+
+
+def run_trainer(inproc: InprocessRecovery, make: Callable[[Attempt], tuple[Any, Callable[[], Any]]]) -> Any:
+    """``inproc.run`` over attempts that each build a trainer with ``make(attempt)`` and call its entry point.
+    Returns the entry point's value (None on a spare that was never used); raises ``SystemExit`` when in-process
+    recovery gives up (the launcher then restarts the job)."""
+
+    def attempt_fn(attempt: Attempt) -> Any:
+        trainer, entry = make(attempt)
+        inproc.event("built")
+        attach(inproc, attempt, trainer)
+        return entry()
+
+    return inproc.run(attempt_fn)
