@@ -41,8 +41,10 @@ class MegatronHooks:
 
 def install_hooks(ckpt: _Checkpointer, optimizer: Any) -> MegatronHooks:
     """Tag ``optimizer.step`` (``optimizer``: the object the loop calls ``step`` on) and mark mcore DDP
-    collectives: the wait point runs before the first gradient collective of each iteration and again
-    before the optimizer step; streaming pauses while collectives are in flight."""
+    collectives: the wait point runs before the first gradient collective of each iteration; streaming pauses while
+    collectives are in flight. The optimizer step's tag calls it too, for an iteration without a gradient
+    collective: the engine blocks once per snapshot, so there (and for every further bucket group) it is a flag
+    check that keeps the real wait's figure."""
     traffic = mark_training_traffic(ckpt.gate, before_grad_sync=ckpt.wait)
     try:
         tags = tag_optimizer_steps(optimizer, on_enter=ckpt.begin_optimizer_step, on_exit=ckpt.end_optimizer_step)

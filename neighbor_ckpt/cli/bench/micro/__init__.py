@@ -28,6 +28,10 @@ One run prints one table:
    (every store survived: own slot, verified, into the live tensors; slowest rank) against a ``torch.copy_``
    of the same bytes from a /dev/shm mapping, informational (a checksum pass alone costs about half a copy).
    The notes give the ``RecoveryReport.phases`` breakdown. ``--no-restore`` skips this.
+6. **Hot path.** What a snapshot costs per step besides copying bytes, one rank, no transport, for the tiny GPT's
+   state (159 tensors) and a 1,000-tensor state: ``snapshot()`` on the training thread, and the engine thread's
+   work until the commit minus its copy (slot choice, extras, checksums, header JSON, marker). Informational (no
+   target); ``--hotpath-iters 0`` skips it. :mod:`.hotpath` also runs alone, for A/B runs against another tree.
 
 Every timing is a median over ``--iters`` iterations after warm-up (first-touch page faults of a fresh
 ``/dev/shm`` file are not steady state). Stores go under ``$NEIGHBOR_CKPT_STORE_DIR`` (default
@@ -36,7 +40,7 @@ Every timing is a median over ``--iters`` iterations after warm-up (first-touch 
 Run ``scripts/bench`` (or ``python -m neighbor_ckpt.cli.bench.micro``) with ``--mib``, ``--iters``, ``--world``,
 ``--json PATH``.
 
-One module per concern: :mod:`.staging` (1), :mod:`.streaming` (2 + 3), :mod:`.restore` (4), :mod:`.report`
+One module per concern: :mod:`.staging` (1), :mod:`.streaming` (2 + 3), :mod:`.restore` (4), :mod:`.hotpath` (6), :mod:`.report`
 (the table), :mod:`.cli` (the options and the order); :mod:`.common` holds what they share.
 """
 

@@ -18,6 +18,7 @@ import neighbor_ckpt.cli.bench.micro as _package
 from neighbor_ckpt.cli.bench.machine import parse_size, cpu_sample, foreign_load, machine_info, wait_until_quiet
 from neighbor_ckpt.cli.bench.micro import common
 from neighbor_ckpt.cli.bench.micro.common import GB, MiB, Row, stat_summary
+from neighbor_ckpt.cli.bench.micro.hotpath import hotpath_rows
 from neighbor_ckpt.cli.bench.micro.report import render
 from neighbor_ckpt.cli.bench.micro.staging import bench_staging
 from neighbor_ckpt.cli.bench.micro.streaming import bench_stream
@@ -44,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="first wait up to S seconds for other processes to use < 10%% of the CPUs")
     ap.add_argument("--no-restore", action="store_true",
                     help="skip the restore figures (run after the streaming run of every --world size)")
+    ap.add_argument("--hotpath-iters", type=int, default=100, metavar="N",
+                    help="steps per state of the hot-path section (section 6; default 100, 0 skips it)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if any target is missed (2 on errors always)")
     args = ap.parse_args(argv)
     if args.iters < 1 or args.tensors < 1 or args.mib <= 0:
@@ -89,6 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             rows.append(Row("staging", "staging benchmark", float("nan"), "", None, f"failed: {e!r}", None,
                             0.9).judge())
+        if args.hotpath_iters > 0:
+            try:
+                r, extra = hotpath_rows(root, args.hotpath_iters)
+                rows += r
+                results["hotpath"] = extra
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append(Row("hotpath", "hot path", float("nan"), "", None, f"failed: {e!r}", None).judge())
         for w in worlds:
             try:
                 r, extra = bench_stream(args, root, w)
