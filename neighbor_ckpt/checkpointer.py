@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.errors import CallOrderError, HostMemoryError, TopologyError
+from neighbor_ckpt.errors import CallOrderError, ConfigError, HostMemoryError, TopologyError
 from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
 from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
@@ -65,6 +65,7 @@ from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
 from neighbor_ckpt.snapshot.store import HostStore, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
 from neighbor_ckpt.snapshot.transport import GlooRingTransport, TrafficGate
+from neighbor_ckpt.validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,11 @@ class NeighborCheckpointer:
                  dp_group: dist.ProcessGroup | None = None, model_parallel_coord: tuple[int, ...] = (),
                  insurance: InsuranceLoader | None = None, capture_rng_state: bool = True,
                  handle_sigterm: bool = True, attempt: AttemptInfo | None = None) -> None:
+        if config is not None and not isinstance(config, NeighborCkptConfig):
+            raise ConfigError(f"NeighborCheckpointer expects a NeighborCkptConfig, got {type(config).__name__}; "
+                              "build one with NeighborCkptConfig(...), .from_dict(...) or .from_yaml(...)")
         self.config = config or NeighborCkptConfig()
+        validate(self.config, "neighbor_ckpt", types=True)  # again: attributes may have been set after construction
         self.attempt = attempt if attempt is not None else AttemptInfo.from_env()
         if not dist.is_available() or not dist.is_initialized():
             raise TopologyError("NeighborCheckpointer needs torch.distributed to be initialized first")

@@ -1,6 +1,7 @@
 """The plain-loop API as a new user meets it: per-step calls made before ``recover()`` raise a CallOrderError that says
 what to call first, and a failure-free loop in a script that configured no logging shows the status line on rank 0
-every 10 steps (the plain-loop default). One single-rank gloo job in a subprocess (a process group per process)."""
+every 10 steps (the plain-loop default): one single-rank gloo job in a subprocess (a process group per process). A
+config changed after construction is checked when the checkpointer takes it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from neighbor_ckpt import NeighborCkptConfig
+from neighbor_ckpt.checkpointer import NeighborCheckpointer
+from neighbor_ckpt.errors import ConfigError
 
 _JOB = r"""
 import json, sys
@@ -66,3 +73,17 @@ def test_calls_before_recover_raise_and_a_plain_loop_shows_its_status_line(tmp_p
     assert [x.split(" | ")[0] for x in status] == ["neighbor_ckpt: step 10", "neighbor_ckpt: step 20"], proc.stderr
     assert "ms wait" in status[0] and "unique/rank" in status[0] and "replica off" in status[0]
     assert "host store" in status[0]
+
+
+def test_the_checkpointer_checks_a_config_changed_after_construction() -> None:
+    """Attributes set after construction are checked when the checkpointer takes the config (before any collective),
+    with the same key-path lines."""
+    cfg = NeighborCkptConfig()
+    cfg.job_id = 5  # type: ignore[assignment]
+    cfg.store.versions = 1
+    with pytest.raises(ConfigError) as ei:
+        NeighborCheckpointer(cfg, adapter=None)  # type: ignore[arg-type]
+    assert str(ei.value).splitlines() == ["neighbor_ckpt.job_id: expected a string, got 5",
+                                          "neighbor_ckpt.store.versions: 1 must be >= 2"]
+    with pytest.raises(ConfigError, match="^NeighborCheckpointer expects a NeighborCkptConfig, got dict"):
+        NeighborCheckpointer({"store": {"dir": "/x"}}, adapter=None)  # type: ignore[arg-type]
