@@ -1,5 +1,6 @@
 """Attach a :class:`~neighbor_ckpt.NeighborCheckpointer` to a megatron-core optimizer: step tags and the
-training-traffic signal together, removed together."""
+training-traffic signal together, removed together; and the data-position check's input (:meth:`MegatronHooks.observe`
+wraps the data iterator handed to ``forward_backward_func``)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,30 @@ class _Checkpointer(Protocol):
 
     def end_optimizer_step(self) -> None: ...
 
+    def observe_input(self, batch: Any) -> None: ...
+
 
 class MegatronHooks:
     """Both patches for one checkpointer; :meth:`remove` undoes them (idempotent)."""
 
-    def __init__(self, tags: StepTags, traffic: TrafficHooks) -> None:
+    def __init__(self, tags: StepTags, traffic: TrafficHooks, observe_input: Any = None) -> None:
         self.tags = tags
         self.traffic = traffic
+        self._observe_input = observe_input
+
+    def observe(self, data_iterator: Any) -> Any:
+        """The data iterator to hand to ``forward_backward_func``: each micro-batch goes to the checkpointer's
+        ``observe_input`` (the data-position check fingerprints the first one of every step) on its way to
+        ``forward_step_func``. Wrap the host-side iterator (before ``.cuda()``: no device synchronization). ``None``
+        (pipeline stages without data) and lists (virtual pipeline: the first chunk's iterator is wrapped) are
+        handled; an iterator created once and used for every step can be wrapped once."""
+        from neighbor_ckpt.recovery.datacheck import ObservedIterator
+
+        if data_iterator is None or self._observe_input is None:
+            return data_iterator
+        if isinstance(data_iterator, list):
+            return [self.observe(data_iterator[0]), *data_iterator[1:]] if data_iterator else data_iterator
+        return ObservedIterator(data_iterator, self._observe_input)
 
     def remove(self) -> None:
         self.tags.remove()
@@ -51,4 +69,4 @@ def install_hooks(ckpt: _Checkpointer, optimizer: Any) -> MegatronHooks:
     except Exception:
         traffic.remove()
         raise
-    return MegatronHooks(tags, traffic)
+    return MegatronHooks(tags, traffic, getattr(ckpt, "observe_input", None))

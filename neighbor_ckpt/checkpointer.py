@@ -50,7 +50,8 @@ from neighbor_ckpt.errors import CallOrderError, ConfigError, HostMemoryError, T
 from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
 from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
-from neighbor_ckpt.recovery.journal import take_failure_event
+from neighbor_ckpt.recovery.datacheck import SNAPSHOT_KEY, DataCheck, parse_input
+from neighbor_ckpt.recovery.journal import read_failure_input, take_failure_event
 from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult
 from neighbor_ckpt.report.status import Reporter, SnapshotStats, replica_lag, resolve_status_interval
 from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_rank_events, newest_commit_unix,
@@ -147,12 +148,16 @@ class NeighborCheckpointer:
         reaper.record(self.store.dir)
         if self.job_identity.source == "launch":  # an earlier launch's store under this root is never loaded: say so
             report_leftovers(self.store.job_dir.parent, self.store.job_id, self.topology.rank)
+        self.datacheck = DataCheck(self.config.data_check if self.config.enabled else "off",
+                                   store_dir=self.store.dir, rank=self.topology.rank)
+        """The data-position check (``data_check``): input fingerprints, compared after a recovery."""
         self.recoverer = Recoverer(store=self.store, topology=self.topology, group=self.group,
                                    chunk_bytes=int(self.config.transport.chunk_mb * 2**20), insurance=insurance,
                                    attempt=self.attempt.ordinal)
         """Decides and runs every recovery outcome; owns the restore journal."""
         self.failure = FailureBackup(store=self.store, topology=self.topology, attempt=self.attempt.record,
-                                     enabled=self.config.lazy_backup.enabled, weights=self._weights_tag)
+                                     enabled=self.config.lazy_backup.enabled, weights=self._weights_tag,
+                                     inflight_input=self.datacheck.failure_extras)
         """The failure path: the failure event and the lazy backup, once each."""
         self.gate = TrafficGate()
         self.plan: ShardPlan | None = None
@@ -160,6 +165,7 @@ class NeighborCheckpointer:
         self.transport: GlooRingTransport | None = None
         self._phase = Phase.IDLE
         self.last_iteration: int | None = None
+        self._restored_input: Any = None  # the restored snapshot's input fingerprint (the data check's)
         self.last_report: RecoveryReport | None = None
         self.last_timeline: RecoveryTimeline | None = None
         """Timeline of the last recovery (rank 0, once the first step after it ended; None elsewhere)."""
@@ -256,13 +262,18 @@ class NeighborCheckpointer:
         the snapshot group, in order: the recoverer's (journal verdict, inventory exchange, per round transfer +
         restore verdict), then the timeline gather (:meth:`_gather_recovery_events`) after a restore or an
         insurance load, when the reporter wants the timeline (the same configuration on every rank)."""
+        self.datacheck.refuse_if_stopped()
         started = time.time()
         last_commit = newest_commit_unix(self.store)
+        failure_input = parse_input(read_failure_input(self.failure.events_path))
+        self._restored_input = None
         noticed = take_failure_event(self.failure.events_path, not_after=started)
         with self.reporter.progress() as progress:
             result = self.recoverer.recover(layout=self.layout(), load=self._load, on_phase=progress.phase)
         self.last_report = result.report
         self._recovered = True
+        self.datacheck.arm(result.next_step, restored=result.restored, restored_iteration=result.iteration,
+                           snapshot_input=self._restored_input, failure_input=failure_input)
         if not result.restored:
             return result
         self.last_iteration = result.iteration
@@ -274,6 +285,7 @@ class NeighborCheckpointer:
     def _load(self, restored: Restored) -> None:
         """Apply a validated in-memory version to the live state: tensors, regenerated weights, RNG."""
         extras = restored.extras
+        self._restored_input = extras.get(SNAPSHOT_KEY)
         self.adapter.load(restored.tensors, extras["adapter"])
         failpoints.failpoint("recovery.load")
         self.adapter.regenerate(self.dp_group)
@@ -342,6 +354,15 @@ class NeighborCheckpointer:
                                   f"{int(failed.item())} other rank(s); their error gives the numbers")
         logger.debug("rank %d: host-memory preflight: %s", self.topology.rank, chk)
 
+    def observe_input(self, batch: Any) -> None:
+        """The data-position check's input: call with each micro-batch of a step (its token ids, or a batch holding
+        them: see :func:`~neighbor_ckpt.recovery.datacheck.token_tensor`) before it trains; the first one of each step
+        is fingerprinted (xxh3-64, a few microseconds). After a recovery the replayed step's fingerprint is compared
+        with the one recorded before the failure: ``data_check: error`` raises
+        :class:`~neighbor_ckpt.errors.DataPositionError` on a mismatch, ``warn`` logs, ``off`` does nothing.
+        ``megatron_patches.install_hooks(...).observe(data_iterator)`` and the Lightning callback call it for you."""
+        self.datacheck.observe(batch)
+
     def _require_recovered(self, call: str) -> None:
         if not self._recovered:
             raise CallOrderError(
@@ -395,7 +416,11 @@ class NeighborCheckpointer:
         extras: dict[str, Any] = {"adapter": self.adapter.capture_extras(), "user": user_state}
         if self.capture_rng_state:
             extras["rng"] = capture_rng()
+        seen = self.datacheck.snapshot_extras(iteration)
+        if seen is not None:
+            extras[SNAPSHOT_KEY] = seen
         self.engine.snapshot(iteration, extras)
+        self.datacheck.step_done(iteration)
         self.recoverer.step_completed()  # a step completed after a restore: that state did not fail
         if self.plan is not None and self.plan.has_lazy:
             # Survivors back up their weights as of their last optimizer step. For a lost rank's state to
@@ -469,6 +494,7 @@ class NeighborCheckpointer:
             self.engine.close()
         if self.transport is not None:
             self.transport.close()
+        self.datacheck.close()
         if success and (self.config.store.cleanup_on_success or self.detector is not None):
             # Every rank is done: nobody reads a replica any more, and no detector mistakes a finished rank (or
             # rank 0's store going away with it) for a failure.

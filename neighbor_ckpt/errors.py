@@ -19,6 +19,7 @@ __all__ = [
     "UnsupportedVersionError",
     "UnsupportedPlatformError",
     "CallOrderError",
+    "DataPositionError",
 ]
 
 
@@ -67,6 +68,22 @@ class UnsupportedVersionError(NeighborCkptError):
 
 class UnsupportedPlatformError(NeighborCkptError):
     """A facility was asked for on a platform it must not run on (e.g. the CPU shim on a CUDA machine)."""
+
+
+class DataPositionError(NeighborCkptError):
+    """After a recovery, the replayed step's input differs from the input that step had before the failure: the data
+    position (sampler, loader state, shuffle seed) was not restored, and training on would silently diverge.
+
+    Raised under ``neighbor_ckpt.data_check: error`` (the default); the message names the step, the rank and what to
+    do. Attributes: ``step``, ``rank``, ``expected`` and ``actual`` (the xxh3-64 fingerprints)."""
+
+    def __init__(self, message: str, *, step: int = -1, rank: int = -1, expected: int | None = None,
+                 actual: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.rank = rank
+        self.expected = expected
+        self.actual = actual
 
 
 class CallOrderError(NeighborCkptError, RuntimeError):

@@ -13,7 +13,8 @@ with the next unseen batch).
 Hook order (one training step)::
 
     on_train_start         after a restore: skip the batches of the current epoch already trained on
-    on_train_batch_start   apply the restored RNG state once, right before the first resumed step
+    on_train_batch_start   apply the restored RNG state once, right before the first resumed step; the batch's
+                           fingerprint for the data-position check (``data_check``; checked at the first resumed step)
     on_before_backward     the engine's wait point (before DDP's gradient all-reduce)
     on_before_optimizer_step  step tag: weights are torn from here ...
     on_train_batch_end     ... to here: snapshot of iteration ``global_step`` (returns at once)
@@ -296,6 +297,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self._apply_pending_rng()
         if self.checkpointer is not None:
             self.checkpointer.mark("forward")
+            if not self._megatron:  # under MegatronStrategy the batch is drawn inside NeMo's data step
+                self.checkpointer.observe_input(batch)
 
     def _apply_pending_rng(self) -> None:
         if self._pending_rng is not None:

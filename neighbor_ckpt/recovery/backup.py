@@ -4,7 +4,8 @@ Two things, once each, from whichever thread notices the failure first (the main
 handler, or the failure detector's thread while the main thread is blocked in a collective with the dead rank):
 
 * the failure event (:func:`~neighbor_ckpt.recovery.journal.record_failure_event`): when the failure was noticed,
-  the start of the next recovery's timeline;
+  the start of the next recovery's timeline, and the in-flight step's input fingerprint (the data-position check's
+  record of the failure, :mod:`neighbor_ckpt.recovery.datacheck`);
 * the lazy backup: the DP group's redundant state (weights and optimizer state under plain DDP) written into the
   host store, tagged with the iteration the live weights belong to. Under plain DDP this is the only copy of that
   state the recovery can use: snapshots carry only the small per-rank state.
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -61,15 +62,19 @@ class FailureBackup:
         attempt: the launcher's restart count (in the event, for the timeline).
         enabled: ``lazy_backup.enabled``.
         weights: reads the step tags (:class:`WeightsTag`); called from any thread.
+        inflight_input: the in-flight step and its input fingerprint (``{"step": i, "fp": hex}`` or None), for the
+            failure event; called from any thread.
     """
 
-    def __init__(self, *, store: HostStore, topology: Topology, attempt: int, enabled: bool,
-                 weights: Callable[[], WeightsTag]) -> None:
+    def __init__(self, *, store: HostStore, topology: Topology, attempt: int | str, enabled: bool,
+                 weights: Callable[[], WeightsTag],
+                 inflight_input: Callable[[], dict[str, Any] | None] | None = None) -> None:
         self.store = store
         self.topology = topology
         self.attempt = attempt
         self.enabled = enabled
         self.weights = weights
+        self.inflight_input = inflight_input
         self.noticed: float | None = None
         """Wall-clock time the failure was first noticed in this process (None: no failure)."""
         self._lock = threading.RLock()
@@ -93,7 +98,8 @@ class FailureBackup:
             if self.noticed is None:
                 self.noticed = time.time()
                 record_failure_event(self.events_path, rank=self.topology.rank, attempt=self.attempt,
-                                     reason=reason, when=self.noticed)
+                                     reason=reason, when=self.noticed,
+                                     inflight_input=self.inflight_input() if self.inflight_input else None)
             if self._written:
                 return True
             try:

@@ -7,7 +7,8 @@ Two small files survive a restart because the store does (shared memory, same no
   before finishing a step: it is never chosen again (without this, a state that crashes the job on load, or on the
   first step, would be restored forever: a restart loop);
 * the failure event (:data:`EVENTS_FILE`): the wall-clock time a survivor noticed the failure, the start of the
-  next recovery's timeline (:mod:`neighbor_ckpt.report.timeline`).
+  next recovery's timeline (:mod:`neighbor_ckpt.report.timeline`), and the survivor's in-flight step with the
+  fingerprint of its input (``"input"``, :mod:`neighbor_ckpt.recovery.datacheck`).
 
 Both are plain JSON, mode 0600, written atomically (temporary file + rename): a process killed mid-write leaves
 the previous file or none, never half of one.
@@ -21,7 +22,8 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["RESTORE_JOURNAL", "EVENTS_FILE", "RestoreJournal", "record_failure_event", "take_failure_event"]
+__all__ = ["RESTORE_JOURNAL", "EVENTS_FILE", "RestoreJournal", "record_failure_event", "take_failure_event",
+           "read_failure_input"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +92,17 @@ class RestoreJournal:
             self.clear()
 
 
-def record_failure_event(path: Path, *, rank: int, attempt: int, reason: str, when: float) -> None:
+def record_failure_event(path: Path, *, rank: int, attempt: int | str, reason: str, when: float,
+                         inflight_input: dict[str, object] | None = None) -> None:
     """Write ``{"failure_noticed_unix": when, ...}`` to ``path`` (0600, atomic). Never raises: it runs on the
-    failure path (a signal handler, the detector's thread), where the original error must stay visible."""
-    data = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "failure_noticed_unix": when,
-            "reason": reason[:200]}
+    failure path (a signal handler, the detector's thread), where the original error must stay visible.
+
+    ``inflight_input``: the in-flight step and its input fingerprint (``{"step": i, "fp": hex}``), kept as
+    ``"input"``."""
+    data: dict[str, object] = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "failure_noticed_unix": when,
+                               "reason": reason[:200]}
+    if inflight_input is not None:
+        data["input"] = inflight_input
     try:
         _write_atomic(path, data)
     except OSError as e:
@@ -121,3 +129,13 @@ def take_failure_event(path: Path, *, not_after: float) -> float | None:
         logger.warning("ignoring unreadable failure event %s", path)
         return None
     return when if math.isfinite(when) and when <= not_after else None
+
+
+def read_failure_input(path: Path) -> dict[str, object] | None:
+    """The ``"input"`` of a failure event (``{"step": i, "fp": hex}``), without consuming the event (None: no event,
+    unreadable, or none recorded). Read before :func:`take_failure_event` deletes it."""
+    try:
+        value = json.loads(path.read_bytes()).get("input")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, dict) else None

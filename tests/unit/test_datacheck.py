@@ -1,0 +1,277 @@
+"""The data-position check (neighbor_ckpt.recovery.datacheck): fingerprints, the input record that survives the
+process, the comparison after a recovery in each data_check mode, the stop marker, and the failure event's record."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from neighbor_ckpt.errors import DataPositionError
+from neighbor_ckpt.recovery.datacheck import (RECORD_FILE, RING, STOPPED_FILE, DataCheck, InputRecord,
+                                              ObservedIterator, Verdict, compare, fingerprint, parse_input,
+                                              token_tensor)
+from neighbor_ckpt.recovery.journal import read_failure_input, record_failure_event, take_failure_event
+
+
+def tokens(seed: int, shape: tuple[int, ...] = (2, 33)) -> torch.Tensor:
+    return torch.randint(0, 50_000, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# -- fingerprint and batch shapes -------------------------------------------------------------------------------------
+
+
+def test_fingerprint_is_deterministic_and_tells_batches_apart():
+    assert fingerprint(tokens(1)) == fingerprint(tokens(1).clone())
+    assert fingerprint(tokens(1)) != fingerprint(tokens(2))
+    t = tokens(3)
+    swapped = t.clone()
+    swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
+    assert fingerprint(t) != fingerprint(swapped)
+
+
+def test_fingerprint_of_a_non_contiguous_view_equals_its_contiguous_copy():
+    t = tokens(4, (4, 34))[:, :-1]
+    assert not t.is_contiguous()
+    assert fingerprint(t) == fingerprint(t.contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int32])
+def test_fingerprint_takes_any_dtype(dtype):
+    assert isinstance(fingerprint(torch.ones(3, 5).to(dtype)), int)
+
+
+def test_token_tensor_finds_the_ids_in_common_batch_shapes():
+    t, y = tokens(5), tokens(6)
+    assert token_tensor(t) is t
+    assert token_tensor({"labels": y, "tokens": t}) is t
+    assert token_tensor({"input_ids": t, "attention_mask": y}) is t
+    assert token_tensor({"x": t}) is t
+    assert token_tensor((t, y)) is t
+    assert token_tensor([{"tokens": t}, 3]) is t
+    assert token_tensor(({"tokens": t}, 0, 0)) is t  # NeMo-style (batch, batch_idx, dataloader_idx)
+    assert token_tensor(None) is None and token_tensor({"a": 1}) is None
+
+
+# -- the input record -------------------------------------------------------------------------------------------------
+
+
+def test_input_record_keeps_the_last_ring_steps_and_survives_reopening(tmp_path):
+    rec = InputRecord(tmp_path / RECORD_FILE)
+    for step in range(RING + 5):
+        rec.put(step, step * 1000 + 7)
+    rec.close()
+    again = InputRecord(tmp_path / RECORD_FILE)
+    assert again.get(RING + 4) == (RING + 4) * 1000 + 7
+    assert again.get(5) == 5007
+    assert again.get(4) is None, "overwritten by step RING + 4"
+    assert again.get(-1) is None and again.get(10_000) is None
+    assert oct((tmp_path / RECORD_FILE).stat().st_mode & 0o777) == "0o600"
+    again.clear()
+    assert again.get(5) is None
+    again.close()
+
+
+def test_a_torn_entry_of_the_input_record_is_ignored(tmp_path):
+    rec = InputRecord(tmp_path / RECORD_FILE)
+    rec.put(3, 0xDEADBEEF)
+    rec.close()
+    raw = bytearray((tmp_path / RECORD_FILE).read_bytes())
+    raw[3 * 24 + 9] ^= 0x01  # one bit of the fingerprint: a half-written entry
+    (tmp_path / RECORD_FILE).write_bytes(bytes(raw))
+    assert InputRecord(tmp_path / RECORD_FILE).get(3) is None
+
+
+def _record_then_die(path: str) -> None:
+    rec = InputRecord(Path(path))
+    rec.put(41, 0x1234)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_the_input_record_outlives_a_sigkilled_writer(tmp_path):
+    p = mp.get_context("spawn").Process(target=_record_then_die, args=(str(tmp_path / RECORD_FILE),))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    assert InputRecord(tmp_path / RECORD_FILE).get(41) == 0x1234
+
+
+# -- the comparison ----------------------------------------------------------------------------------------------------
+
+
+def test_compare_verdicts():
+    assert compare(None, 5) is Verdict.UNKNOWN
+    assert compare(5, 5) is Verdict.MATCH
+    assert compare(5, 6) is Verdict.MISMATCH
+
+
+def run_before_failure(store: Path, steps: int, *, mode: str = "error", seed_of=lambda s: s) -> DataCheck:
+    """Steps 0..steps-1 snapshotted, then step ``steps`` drew its input and the process "died"."""
+    dc = DataCheck(mode, store_dir=store, rank=3, attempt=0)
+    dc.arm(0, restored=False)
+    for step in range(steps):
+        dc.observe({"tokens": tokens(seed_of(step))})
+        dc.observe({"tokens": tokens(999)})  # a later micro-batch of the same step: ignored
+        dc.step_done(step)
+    dc.observe({"tokens": tokens(seed_of(steps))})  # the in-flight step
+    dc.close()
+    return dc
+
+
+def test_the_same_input_after_a_restore_is_verified(tmp_path, caplog):
+    run_before_failure(tmp_path, 6)
+    dc = DataCheck("error", store_dir=tmp_path, rank=3, attempt=1)
+    dc.arm(5, restored=True, restored_iteration=4)
+    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.recovery.datacheck"):
+        dc.observe(tokens(5))
+    assert dc.verdict is Verdict.MATCH
+    assert "step 5 replays the input it had before the failure" in caplog.text
+
+
+def test_other_input_after_a_restore_raises_a_data_position_error_naming_step_rank_and_remedy(tmp_path):
+    run_before_failure(tmp_path, 6)
+    dc = DataCheck("error", store_dir=tmp_path, rank=3, attempt=1)
+    dc.arm(5, restored=True, restored_iteration=4)
+    with pytest.raises(DataPositionError) as e:
+        dc.observe({"tokens": tokens(77)})
+    msg = str(e.value)
+    assert "rank 3: the data position was not restored: step 5" in msg
+    assert "restore of iteration 4" in msg
+    assert "StatefulDataLoader" in msg and "data_check: warn" in msg and "global RNG" in msg
+    assert (e.value.step, e.value.rank, e.value.expected) == (5, 3, fingerprint(tokens(5)))
+    assert InputRecord(tmp_path / RECORD_FILE).get(5) == fingerprint(tokens(5)), "the mismatch is never recorded"
+
+
+def test_warn_logs_the_mismatch_and_goes_on(tmp_path, caplog):
+    run_before_failure(tmp_path, 6)
+    dc = DataCheck("warn", store_dir=tmp_path, rank=3, attempt=1)
+    dc.arm(5, restored=True, restored_iteration=4)
+    with caplog.at_level(logging.WARNING, logger="neighbor_ckpt.recovery.datacheck"):
+        dc.observe(tokens(77))
+    assert dc.verdict is Verdict.MISMATCH
+    assert "data_check: warn, training goes on" in caplog.text and "step 5" in caplog.text
+    assert not (tmp_path / STOPPED_FILE).exists()
+
+
+def test_off_computes_and_writes_nothing(tmp_path):
+    dc = DataCheck("off", store_dir=tmp_path, rank=0)
+    dc.arm(5, restored=True, restored_iteration=4)
+    dc.observe(tokens(1))
+    assert dc.inflight is None and dc.verdict is None and not dc.enabled
+    assert not (tmp_path / RECORD_FILE).exists()
+
+
+def test_only_the_first_replayed_step_is_checked(tmp_path):
+    run_before_failure(tmp_path, 8)
+    dc = DataCheck("error", store_dir=tmp_path, rank=3, attempt=1)
+    dc.arm(5, restored=True, restored_iteration=4)
+    dc.observe(tokens(5))
+    dc.step_done(5)
+    dc.observe(tokens(123))  # step 6 differs: not checked (the expectation was for the first replayed step only)
+    assert dc.verdict is Verdict.MATCH
+
+
+def test_a_rank_without_a_record_checks_nothing(tmp_path, caplog):
+    dc = DataCheck("error", store_dir=tmp_path, rank=1, attempt=1)  # a replaced node: empty store
+    with caplog.at_level(logging.INFO, logger="neighbor_ckpt.recovery.datacheck"):
+        dc.arm(5, restored=True, restored_iteration=4)
+    dc.observe(tokens(77))
+    assert dc.verdict is None and "no input recorded for step 5" in caplog.text
+
+
+def test_the_failure_event_is_the_second_source(tmp_path):
+    dc = DataCheck("error", store_dir=tmp_path, rank=2, attempt=1)
+    dc.arm(5, restored=True, restored_iteration=4, failure_input=(5, fingerprint(tokens(5))))
+    with pytest.raises(DataPositionError, match="from this rank's failure event"):
+        dc.observe(tokens(6))
+
+
+def test_a_record_of_another_timeline_is_not_used(tmp_path, caplog):
+    run_before_failure(tmp_path, 6, seed_of=lambda s: s + 100)
+    dc = DataCheck("error", store_dir=tmp_path, rank=3, attempt=1)
+    snap = {"step": 4, "fp": f"{fingerprint(tokens(4)):016x}"}  # the restored snapshot saw other input at step 4
+    with caplog.at_level(logging.WARNING, logger="neighbor_ckpt.recovery.datacheck"):
+        dc.arm(5, restored=True, restored_iteration=4, snapshot_input=snap)
+    dc.observe(tokens(77))
+    assert dc.verdict is None and "from another timeline" in caplog.text
+
+
+def test_a_fresh_start_empties_the_record(tmp_path):
+    run_before_failure(tmp_path, 3)
+    dc = DataCheck("error", store_dir=tmp_path, rank=0, attempt=1)
+    dc.arm(0, restored=False)
+    assert dc.record is not None and dc.record.get(1) is None
+    dc.observe(tokens(55))
+    assert dc.verdict is None
+
+
+def test_snapshot_and_failure_extras_name_the_observed_step(tmp_path):
+    dc = DataCheck("error", store_dir=tmp_path, rank=0)
+    dc.arm(0, restored=False)
+    assert dc.failure_extras() is None and dc.snapshot_extras(0) is None
+    dc.observe(tokens(1))
+    assert parse_input(dc.snapshot_extras(0)) == (0, fingerprint(tokens(1)))
+    dc.step_done(0)
+    assert dc.snapshot_extras(1) is None
+    dc.observe(tokens(2))
+    assert parse_input(dc.failure_extras()) == (1, fingerprint(tokens(2)))
+    assert parse_input(None) is None and parse_input({"step": 1, "fp": "zz"}) is None
+
+
+# -- the stop marker: further restarts of the same launch stop at once -------------------------------------------------
+
+
+def test_after_a_mismatch_a_restart_of_the_same_launch_stops_at_once_and_a_new_launch_does_not(tmp_path):
+    run_before_failure(tmp_path, 6)
+    dc = DataCheck("error", store_dir=tmp_path, rank=3, attempt=1)
+    dc.arm(5, restored=True, restored_iteration=4)
+    with pytest.raises(DataPositionError):
+        dc.observe(tokens(77))
+    marker = json.loads((tmp_path / STOPPED_FILE).read_text())
+    assert marker["attempt"] == 1 and marker["step"] == 5
+    with pytest.raises(DataPositionError, match="attempt 1 of this launch stopped on a data-position mismatch"):
+        DataCheck("error", store_dir=tmp_path, rank=3, attempt=2).refuse_if_stopped()
+    DataCheck("warn", store_dir=tmp_path, rank=3, attempt=2).refuse_if_stopped()  # warn: goes on, marker removed
+    assert not (tmp_path / STOPPED_FILE).exists()
+    (tmp_path / STOPPED_FILE).write_text(json.dumps(marker))
+    DataCheck("error", store_dir=tmp_path, rank=3, attempt=0).refuse_if_stopped()  # a new launch
+    assert not (tmp_path / STOPPED_FILE).exists()
+
+
+# -- the survivors' failure record ---------------------------------------------------------------------------------
+
+
+def test_the_failure_event_keeps_the_in_flight_input_and_is_still_consumed_once(tmp_path):
+    path = tmp_path / "events.json"
+    record_failure_event(path, rank=1, attempt=0, reason="SIGTERM", when=100.0,
+                         inflight_input={"step": 5, "fp": "00000000000000ff"})
+    assert parse_input(read_failure_input(path)) == (5, 0xFF)
+    assert path.exists(), "reading the input does not consume the event"
+    assert take_failure_event(path, not_after=200.0) == 100.0
+    assert read_failure_input(path) is None
+    record_failure_event(path, rank=1, attempt=0, reason="x", when=1.0)
+    assert read_failure_input(path) is None
+
+
+# -- the iterator wrapper -----------------------------------------------------------------------------------------------
+
+
+def test_observed_iterator_hands_every_item_on_and_observes_it():
+    seen = []
+
+    class Source:
+        flag = "inner attribute"
+
+        def __iter__(self):
+            return iter([1, 2, 3])
+
+    it = ObservedIterator(Source(), seen.append)
+    assert list(it) == [1, 2, 3] and seen == [1, 2, 3]
+    assert it.flag == "inner attribute"
+
