@@ -275,3 +275,18 @@ def test_observed_iterator_hands_every_item_on_and_observes_it():
     assert list(it) == [1, 2, 3] and seen == [1, 2, 3]
     assert it.flag == "inner attribute"
 
+
+# -- the micro-benchmark's rows (no timing asserted) ------------------------------------------------------------------
+
+
+def test_bench_rows_are_observe_input_over_snapshot_against_one_percent():
+    from neighbor_ckpt.cli.bench.micro import fingerprint_rows
+    from neighbor_ckpt.cli.bench.micro.fingerprint import TOKEN_SHAPES
+
+    samples = {"snapshot": [1e-3, 2e-3, 3e-3], **{f"observe {a}x{b}": [5e-6, 8e-6, 30e-6] for a, b in TOKEN_SHAPES}}
+    samples[f"observe {TOKEN_SHAPES[1][0]}x{TOKEN_SHAPES[1][1]}"] = [40e-6, 50e-6, 60e-6]
+    small, big = fingerprint_rows(samples)
+    assert (small.unit, small.op, small.target) == ("us", "<=", 0.01)
+    assert small.value == pytest.approx(8.0) and small.baseline == pytest.approx(2000.0)
+    assert small.ratio == pytest.approx(0.004) and small.status == "PASS"
+    assert big.ratio == pytest.approx(0.025) and big.status == "MISS"

@@ -28,6 +28,10 @@ One run prints one table:
    (every store survived: own slot, verified, into the live tensors; slowest rank) against a ``torch.copy_``
    of the same bytes from a /dev/shm mapping, informational (a checksum pass alone costs about half a copy).
    The notes give the ``RecoveryReport.phases`` breakdown. ``--no-restore`` skips this.
+5. **Input fingerprint vs snapshot().** The data-position check's per-step cost on the training thread
+   (:meth:`NeighborCheckpointer.observe_input`: xxh3-64 of a micro-batch's token ids + the input record) against
+   :meth:`NeighborCheckpointer.snapshot`'s training-thread time, in one process with a real checkpointer (target
+   ``<= 0.01x``). ``--no-fingerprint`` skips this.
 6. **Hot path.** What a snapshot costs per step besides copying bytes, one rank, no transport, for the tiny GPT's
    state (159 tensors) and a 1,000-tensor state: ``snapshot()`` on the training thread, and the engine thread's
    work until the commit minus its copy (slot choice, extras, checksums, header JSON, marker). Informational (no
@@ -40,20 +44,23 @@ Every timing is a median over ``--iters`` iterations after warm-up (first-touch 
 Run ``scripts/bench`` (or ``python -m neighbor_ckpt.cli.bench.micro``) with ``--mib``, ``--iters``, ``--world``,
 ``--json PATH``.
 
-One module per concern: :mod:`.staging` (1), :mod:`.streaming` (2 + 3), :mod:`.restore` (4), :mod:`.hotpath` (6), :mod:`.report`
-(the table), :mod:`.cli` (the options and the order); :mod:`.common` holds what they share.
+One module per concern: :mod:`.staging` (1), :mod:`.streaming` (2 + 3), :mod:`.restore` (4), :mod:`.fingerprint`
+(5), :mod:`.hotpath` (6), :mod:`.report` (the table), :mod:`.cli` (the options and the order); :mod:`.common` holds
+what they share.
 """
 
 from __future__ import annotations
 
 from neighbor_ckpt.cli.bench.machine import cpu_sample, foreign_load, machine_info, wait_until_quiet
 from neighbor_ckpt.cli.bench.micro.common import GB, MiB, Row, make_metas, make_plan
+from neighbor_ckpt.cli.bench.micro.fingerprint import bench_fingerprint, fingerprint_rows
 from neighbor_ckpt.cli.bench.micro.report import render, row_cells
 from neighbor_ckpt.cli.bench.micro.restore import RESTORE_PHASES, phase_summary, restore_rows
 from neighbor_ckpt.cli.bench.micro.staging import bench_staging
 from neighbor_ckpt.cli.bench.micro.streaming import bench_stream
 from neighbor_ckpt.cli.bench.micro.cli import main
 
-__all__ = ["GB", "MiB", "RESTORE_PHASES", "Row", "bench_staging", "bench_stream", "cpu_sample", "foreign_load",
+__all__ = ["GB", "MiB", "RESTORE_PHASES", "Row", "bench_fingerprint", "bench_staging", "bench_stream",
+           "fingerprint_rows", "cpu_sample", "foreign_load",
            "machine_info", "main", "make_metas", "make_plan", "phase_summary", "render", "restore_rows", "row_cells",
            "wait_until_quiet"]

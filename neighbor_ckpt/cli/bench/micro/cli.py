@@ -18,6 +18,7 @@ import neighbor_ckpt.cli.bench.micro as _package
 from neighbor_ckpt.cli.bench.machine import parse_size, cpu_sample, foreign_load, machine_info, wait_until_quiet
 from neighbor_ckpt.cli.bench.micro import common
 from neighbor_ckpt.cli.bench.micro.common import GB, MiB, Row, stat_summary
+from neighbor_ckpt.cli.bench.micro.fingerprint import bench_fingerprint
 from neighbor_ckpt.cli.bench.micro.hotpath import hotpath_rows
 from neighbor_ckpt.cli.bench.micro.report import render
 from neighbor_ckpt.cli.bench.micro.staging import bench_staging
@@ -45,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="first wait up to S seconds for other processes to use < 10%% of the CPUs")
     ap.add_argument("--no-restore", action="store_true",
                     help="skip the restore figures (run after the streaming run of every --world size)")
+    ap.add_argument("--no-fingerprint", action="store_true",
+                    help="skip the data-position check's cost per step (section 5)")
     ap.add_argument("--hotpath-iters", type=int, default=100, metavar="N",
                     help="steps per state of the hot-path section (section 6; default 100, 0 skips it)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if any target is missed (2 on errors always)")
@@ -92,6 +95,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             rows.append(Row("staging", "staging benchmark", float("nan"), "", None, f"failed: {e!r}", None,
                             0.9).judge())
+        if not args.no_fingerprint:
+            try:
+                r, extra = bench_fingerprint(args, root)
+                rows += r
+                results["fingerprint"] = extra
+                notes.append("input fingerprint: NeighborCheckpointer.observe_input (xxh3-64 of the first micro-batch's "
+                             "token ids + one store into the memory-mapped input record) against snapshot() on the "
+                             "training thread, per step, one process (README 'Data position in plain loops').")
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append(Row("datacheck", "input fingerprint", float("nan"), "", None, f"failed: {e!r}", None,
+                                0.01).judge())
         if args.hotpath_iters > 0:
             try:
                 r, extra = hotpath_rows(root, args.hotpath_iters)

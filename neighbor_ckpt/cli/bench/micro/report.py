@@ -23,12 +23,16 @@ def row_cells(r: Row) -> list[str]:
     """The table cells of a row: metric, measured, baseline, ratio, target, result."""
     if r.unit == "GB/s":
         base = _fmt(r.baseline, "GB/s")
+    elif r.unit == "us":
+        base = f"{r.baseline:.1f} us" if r.baseline is not None and r.baseline == r.baseline else "-"
     elif r.unit == "s":
         base = f"{r.baseline:.3f} s" if r.baseline is not None and r.baseline == r.baseline else "-"
     else:
         base = f"{r.baseline / MiB:.1f} MiB" if r.baseline is not None else "-"
     tgt = "-" if r.target is None else f"{r.op} {r.target:g}x"
     val = _fmt(r.value, r.unit) if r.unit != "x" else _fmt(r.value, "x")
+    if r.unit == "us":
+        val = f"{r.value:.2f} us" if r.value == r.value else "-"
     if r.unit == "s":
         val = f"{r.value:.3f} s" if r.value == r.value else "-"
         if "gbps" in r.detail:

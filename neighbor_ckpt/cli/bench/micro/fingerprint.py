@@ -1,0 +1,101 @@
+"""Section 5: the data-position check's cost per step against ``snapshot()``'s training-thread time.
+
+One process (spawn; a gloo group of one, file init) runs a real :class:`~neighbor_ckpt.NeighborCheckpointer` over a
+small model and Adam (``TorchOptimizerAdapter``: the per-step work on the training thread is the same small-state
+work as under megatron-core: extras, RNG capture, codec, handing the copy to the engine thread). Every step draws a
+micro-batch of token ids (int64), calls :meth:`~neighbor_ckpt.NeighborCheckpointer.observe_input` with it (xxh3-64
+of the ids + one store into the memory-mapped input record) and, after the optimizer step,
+:meth:`~neighbor_ckpt.NeighborCheckpointer.snapshot`; both calls are timed on the training thread. The row's ratio is
+``observe_input`` over ``snapshot()`` per step (medians), target ``<= 0.01``. Two micro-batch sizes: 1 x 8192 tokens
+(one long-sequence micro-batch) and 8 x 8192 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from neighbor_ckpt.cli.bench.micro.common import Row, stat_summary
+
+TOKEN_SHAPES = ((1, 8192), (8, 8192))
+"""Micro-batch shapes (sequences x tokens) whose fingerprint is timed."""
+
+TARGET = 0.01
+"""observe_input per step must stay under 1% of snapshot()'s training-thread time."""
+
+
+def _worker(_: int, cfg: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig
+    from neighbor_ckpt.adapters import TorchOptimizerAdapter
+    from neighbor_ckpt.config import STORE_DIR_ENV
+
+    os.environ[STORE_DIR_ENV] = cfg["store"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{cfg['init_file']}", rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    nc = NeighborCkptConfig(job_id=f"bench-fingerprint-{os.getpid()}")
+    nc.report.status_every_n_steps = 0
+    nc.report.timeline = False
+    ckpt = NeighborCheckpointer(nc, adapter=TorchOptimizerAdapter(model, opt), handle_sigterm=False)
+    result = ckpt.recover()
+    g = torch.Generator().manual_seed(0)
+    batches = {shape: [torch.randint(0, 32768, shape, generator=g) for _ in range(4)] for shape in TOKEN_SHAPES}
+    x = torch.randn(8, 512, generator=g)
+    out: dict[str, list[float]] = {"snapshot": [], **{f"observe {a}x{b}": [] for a, b in TOKEN_SHAPES}}
+    steps = cfg["warmup"] + cfg["iters"]
+    try:
+        for step in range(result.next_step, result.next_step + steps):
+            timed = step - result.next_step >= cfg["warmup"]
+            shape = TOKEN_SHAPES[step % len(TOKEN_SHAPES)]
+            tokens = batches[shape][step % 4]
+            t0 = time.perf_counter()
+            ckpt.observe_input({"tokens": tokens})
+            t1 = time.perf_counter()
+            loss = model(x).square().mean()
+            ckpt.wait()
+            loss.backward()
+            with ckpt.optimizer_step():
+                opt.step()
+            opt.zero_grad()
+            t2 = time.perf_counter()
+            ckpt.snapshot(step, user_state={"consumed": step})
+            t3 = time.perf_counter()
+            if timed:
+                out[f"observe {shape[0]}x{shape[1]}"].append(t1 - t0)
+                out["snapshot"].append(t3 - t2)
+        ckpt.close(success=True)
+    finally:
+        dist.destroy_process_group()
+    Path(cfg["result"]).write_text(json.dumps(out))
+
+
+def fingerprint_rows(samples: dict[str, list[float]]) -> list[Row]:
+    """Pure: one row per micro-batch shape, ``observe_input`` over ``snapshot()`` (summary statistic of each)."""
+    snap = stat_summary(samples["snapshot"])
+    rows = []
+    for a, b in TOKEN_SHAPES:
+        obs = stat_summary(samples[f"observe {a}x{b}"])
+        rows.append(Row("datacheck", f"input fingerprint per step: observe_input({a} x {b} int64 tokens)", obs * 1e6,
+                        "us", snap * 1e6, "snapshot() on the training thread", obs / snap, TARGET, "<=",
+                        detail={"tokens": a * b, "bytes": a * b * 8}).judge())
+    return rows
+
+
+def bench_fingerprint(args: argparse.Namespace, root: Path) -> tuple[list[Row], dict[str, Any]]:
+    work = root / "fingerprint"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = {"store": str(work / "store"), "init_file": str(work / "pg-init"), "result": str(work / "result.json"),
+           "iters": max(40, 2 * args.iters * len(TOKEN_SHAPES) * 5), "warmup": max(4, args.warmup * 2)}
+    mp.start_processes(_worker, args=(cfg,), nprocs=1, join=True, start_method="spawn")
+    samples = json.loads(Path(cfg["result"]).read_text())
+    return fingerprint_rows(samples), {"samples_seconds": samples}
