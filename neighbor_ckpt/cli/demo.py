@@ -115,7 +115,7 @@ def _losses(record: Path) -> dict[int, dict[int, list[tuple[int, str]]]]:
 def _compare(base: launch.LaunchPlan, fault: launch.LaunchPlan, n: int) -> bool:
     """Print the recovery reports and the per-step comparison of ``fault`` with ``base``; True when identical."""
     rb, rf = base.run_dir / "record", fault.run_dir / "record"
-    print(f"\nrecovery report (attempt 1) of {fault.run_dir.name}:")
+    print(f"\nrecovery report (attempt 1): {fault.run_dir.name} run")
     for rank in range(n):
         p = rf / f"report.rank{rank}.attempt1.json"
         print(f"  rank {rank}: {json.loads(p.read_text())['summary'] if p.exists() else 'no recovery report'}")

@@ -135,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value, e.g. trainer.max_steps=20")
     p.add_argument("--run-dir", type=Path, default=None, help="default: <launch.log_dir>/<name>-<timestamp>")
     p.add_argument("--slurm", type=Path, default=None, metavar="FILE", help="write a Slurm batch script, do not run")
-    p.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the torchrun command (in process: the store host and agent commands), do not run")
     p.add_argument("--record", action="store_true", help="record per-step losses and final fingerprints")
     p = sub.add_parser("plan", help="bytes, host memory and time per iteration of a job file, per rank class")
     p.add_argument("config", type=Path)
