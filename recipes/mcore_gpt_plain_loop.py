@@ -22,6 +22,16 @@ gives the victims empty host stores (replaced nodes), ``--damage bitflip|truncat
 snapshot (``--damage-seed``: a random bit), and ``--kill-recovery RANK`` SIGKILLs that rank while it loads the
 restored state (needs ``--max-restarts 2``). ``--nodes N`` lays the ranks out as N "nodes" of consecutive ranks
 (``NEIGHBOR_CKPT_NODE_ID``), so the ring puts every replica on another node. See :mod:`neighbor_ckpt.runtime.failpoints` and :mod:`neighbor_ckpt.snapshot.damage`.
+
+**In-process recovery** (``neighbor_ckpt.inprocess.enabled: true`` in the ``--config`` file, ``spares: N``): the loop
+runs under :class:`neighbor_ckpt.inprocess.InprocessRecovery` (NVRx's wrapper); after a failure the surviving
+processes call :func:`train` again (a new process group, parallel state, model and optimizer; the host slots stay), a
+hot spare takes a lost rank's place. Launch ``active + spares`` processes, one ``ft_launcher`` agent per node with
+``--ft-restart-policy min-healthy``, and a store host (``python -m neighbor_ckpt.inprocess.store_host``) given as
+``--inprocess-store HOST:PORT`` or ``NEIGHBOR_CKPT_INPROCESS_STORE``; ``--kill`` then injects its fault in the first
+in-process attempt only.
+
+:func:`build_gpt` is the model, DDP, optimizer and scheduler of this recipe (the test workers build theirs with it).
 """
 
 from __future__ import annotations
@@ -71,7 +81,72 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="megatron-core distributed checkpoint every N steps: the insurance (0: none)")
     ap.add_argument("--insurance-dir", type=Path, default=None, help="where insurance checkpoints go (default: --out)")
     ap.add_argument("--config", type=Path, default=None, help="YAML file with a neighbor_ckpt: section")
+    ap.add_argument("--inprocess-store", default=os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE"), metavar="HOST:PORT",
+                    help="in-process recovery: the store host (default: NEIGHBOR_CKPT_INPROCESS_STORE)")
     return ap.parse_args(argv)
+
+
+class GPT:
+    """What :func:`build_gpt` returns: the mcore DDP model, its optimizer and scheduler, and the batch layout."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool = False, steps: int,
+              micro_batch_size: int = 2, micro_batches: int = 2) -> GPT:
+    """The recipe's tiny GPT on the initialized process group: megatron-core parallel state, seeds, ``GPTModel`` in
+    mcore ``DistributedDataParallel``, ``get_megatron_optimizer`` and the ``OptimizerParamScheduler``."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.1, hidden_dropout=0.1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage()).cuda()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, bucket_size=4096,
+                                               overlap_grad_reduce=overlap,
+                                               overlap_param_gather=overlap and dist_opt)
+    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01,
+                                                       clip_grad=1.0, use_distributed_optimizer=dist_opt),
+                                       [ddp_model])
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    mbs, n_mb = micro_batch_size, micro_batches
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    global_batch = mbs * n_mb * dp_size
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                                        lr_warmup_steps=3 * global_batch, lr_decay_steps=steps * global_batch,
+                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
+                                        wd_incr_style="constant")
+    return GPT(config=config, model=ddp_model, optimizer=optimizer, scheduler=scheduler, dp_rank=dp_rank,
+               dp_size=dp_size, global_batch=global_batch, mbs=mbs, n_mb=n_mb)
+
+
+def fingerprints(gpt: GPT) -> dict[str, Any]:
+    """The final state as ``final.rank<r>.json`` holds it (the end-to-end tests compare these with ``==``)."""
+    inner = [part.optimizer for part in getattr(gpt.optimizer, "chained_optimizers", [gpt.optimizer])]
+    return {
+        "params": _sha(dict(gpt.model.module.named_parameters())),
+        "optim": _sha({f"{i}.{j}.{k}": v for i, o in enumerate(inner) for j, st in enumerate(o.state.values())
+                       for k, v in st.items() if isinstance(v, torch.Tensor)}),
+        "scheduler": gpt.scheduler.state_dict()["num_steps"],
+        "param_groups": [[float(g["lr"]).hex(), g.get("step")] for o in inner for g in o.param_groups],
+    }
 
 
 def _sha(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -108,14 +183,12 @@ def main(argv: list[str] | None = None) -> None:
 
         enable_cpu(nemo=False)  # a plain mcore loop: no NeMo to patch (and no 5 s import of it per process)
 
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer import TransformerConfig
+    # build_gpt's imports, now: a hot spare must have them done before it takes a lost rank's place
+    import megatron.core.distributed, megatron.core.models.gpt.gpt_layer_specs  # noqa: E401,F401
+    import megatron.core.optimizer, megatron.core.optimizer_param_scheduler  # noqa: E401,F401
+    import megatron.core.transformer  # noqa: F401
 
     from megatron_patches import install_hooks, mcore_groups
     from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig, prepare_torchrun_restart
@@ -123,144 +196,147 @@ def main(argv: list[str] | None = None) -> None:
 
     rec = Recorder(args.out)
     victims, kill_step = _parse_kill(args.kill)
-    if args.nodes:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        os.environ["NEIGHBOR_CKPT_NODE_ID"] = f"node{RANK * args.nodes // world}"
-    prepare_torchrun_restart()  # neighbor_ckpt: a fresh rendezvous store per torchrun attempt
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
-    torch.manual_seed(1234)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.1, hidden_dropout=0.1,
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage()).cuda()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.dist_opt, bucket_size=4096,
-                                               overlap_grad_reduce=args.overlap,
-                                               overlap_param_gather=args.overlap and args.dist_opt)
-    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01,
-                                                       clip_grad=1.0, use_distributed_optimizer=args.dist_opt),
-                                       [ddp_model])
-    config.no_sync_func = ddp_model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    mbs, n_mb = args.micro_batch_size, args.micro_batches
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    global_batch = mbs * n_mb * dp_size
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
-                                        lr_warmup_steps=3 * global_batch, lr_decay_steps=args.steps * global_batch,
-                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
-                                        wd_incr_style="constant")
-
-    # neighbor_ckpt: the state adapter, mcore's DP group, step tags + training-traffic signal, recovery.
-    groups = mcore_groups()
     nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
     if args.job_id:
         nc_config.job_id = args.job_id
-    if RANK in victims and ATTEMPT == 1:
-        _damage_own_store(nc_config, args)
-    insurance = None
-    if args.insurance_every:
-        from megatron_patches.distopt_load import fix_fp32_distopt_load
+    inproc = None
+    if nc_config.inprocess.enabled:  # neighbor_ckpt: in-process recovery (see the module docstring)
+        from neighbor_ckpt.inprocess import InprocessRecovery
 
-        fix_fp32_distopt_load()  # mcore 0.15 cannot load a DistributedOptimizer checkpoint into fp32 params otherwise
-        insurance = Insurance(args.insurance_dir or args.out / "insurance", args.insurance_every, ddp_model, optimizer)
-    ckpt = NeighborCheckpointer(nc_config, insurance=insurance.load if insurance else None,
-                                adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
-                                dp_group=groups.dp_group, model_parallel_coord=groups.coord)
-    if RANK in victims and ATTEMPT == 0 and args.kill_phase == "optimizer":
-        _kill_inside_optimizer_step(optimizer, ckpt, kill_step, lambda: fault(rec, args, "optimizer"))  # before
-        # install_hooks: runs inside its step tag
-    if RANK == args.kill_recovery and ATTEMPT == 1:
-        from neighbor_ckpt.runtime import failpoints
+        host, sep, port = (args.inprocess_store or "").rpartition(":")
+        if not sep or not port.isdigit():
+            raise SystemExit("neighbor_ckpt.inprocess.enabled needs the store host: --inprocess-store HOST:PORT or "
+                             "NEIGHBOR_CKPT_INPROCESS_STORE (python -m neighbor_ckpt.inprocess.store_host)")
+        inproc = InprocessRecovery.from_config(nc_config, store_host=host, store_port=int(port))
 
-        failpoints.arm("recovery.load", lambda: fault(rec, args, "recovery", signal_name="SIGKILL"))
-    hooks = install_hooks(ckpt, optimizer)
-    result = ckpt.recover()
-    consumed = 0
-    if result.restored:
-        state = result.user_state if result.report.outcome == "restored" else insurance.state  # type: ignore[union-attr]
-        scheduler.load_state_dict(state["scheduler"])
-        consumed = state["consumed_samples"]
-    rec.json(f"report.rank{RANK}.attempt{ATTEMPT}.json", result.report.to_dict())
+    def train(att: Any = None) -> None:
+        """One attempt: everything that holds a process group is built here (again, after an in-process restart)."""
+        global RANK
+        first_attempt = ATTEMPT == 0 and (att is None or att.iteration == 0)
+        if args.nodes:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            os.environ["NEIGHBOR_CKPT_NODE_ID"] = f"node{RANK * args.nodes // world}"
+        if inproc is not None:
+            RANK = att.rank  # the wrapper's: a hot spare takes the lost rank's number
+            inproc.init_process_group()  # neighbor_ckpt: a new group per in-process attempt
+        else:
+            prepare_torchrun_restart()  # neighbor_ckpt: a fresh rendezvous store per torchrun attempt
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        gpt = build_gpt(tp=args.tp, pp=args.pp, dist_opt=args.dist_opt, overlap=args.overlap, steps=args.steps,
+                        micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches)
+        ddp_model, optimizer, scheduler = gpt.model, gpt.optimizer, gpt.scheduler
+        mbs, n_mb, dp_rank, global_batch = gpt.mbs, gpt.n_mb, gpt.dp_rank, gpt.global_batch
 
-    def batches(step: int) -> Iterator[dict[str, torch.Tensor]]:
-        # A deterministic stand-in for Megatron's pretraining sampler: position = consumed samples.
-        g = torch.Generator().manual_seed(consumed * 7919 + dp_rank)
-        for _ in range(n_mb):
-            tokens = torch.randint(0, VOCAB, (mbs, SEQ + 1), generator=g)
-            yield {"tokens": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda(),
-                   "position_ids": torch.arange(SEQ).unsqueeze(0).expand(mbs, SEQ).cuda()}
+        # neighbor_ckpt: the state adapter, mcore's DP group, step tags + training-traffic signal, recovery.
+        groups = mcore_groups()
+        if RANK in victims and ATTEMPT == 1:
+            _damage_own_store(nc_config, args)
+        insurance = None
+        if args.insurance_every:
+            from megatron_patches.distopt_load import fix_fp32_distopt_load
 
-    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
-        batch = next(data_iterator)
-        armed = RANK in victims and step == kill_step and ATTEMPT == 0
-        if armed and args.kill_phase == "forward":
-            fault(rec, args, "forward")
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        if armed and args.kill_phase == "backward" and output.requires_grad:
-            output.register_hook(lambda grad: fault(rec, args, "backward"))
+            fix_fp32_distopt_load()  # mcore 0.15 cannot load a DistributedOptimizer checkpoint into fp32 params else
+            insurance = Insurance(args.insurance_dir or args.out / "insurance", args.insurance_every, ddp_model,
+                                  optimizer)
+        ckpt = NeighborCheckpointer(nc_config, insurance=insurance.load if insurance else None,
+                                    adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
+                                    dp_group=groups.dp_group, model_parallel_coord=groups.coord,
+                                    attempt=inproc.attempt_info() if inproc is not None else None)
+        if inproc is not None:  # a failed attempt: closed after the abort, host slots kept
+            inproc.on_restart(lambda: ckpt.close(success=False))
+        if RANK in victims and first_attempt and args.kill_phase == "optimizer":
+            _kill_inside_optimizer_step(optimizer, ckpt, kill_step, lambda: fault(rec, args, "optimizer"))  # before
+            # install_hooks: runs inside its step tag
+        if RANK == args.kill_recovery and ATTEMPT == 1:
+            from neighbor_ckpt.runtime import failpoints
 
-        def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
-            loss = output_tensor.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            failpoints.arm("recovery.load", lambda: fault(rec, args, "recovery", signal_name="SIGKILL"))
+        hooks = install_hooks(ckpt, optimizer)
+        if inproc is not None:
+            inproc.on_restart(hooks.remove)
+        result = ckpt.recover()
+        consumed = 0
+        if result.restored:
+            state = (result.user_state if result.report.outcome == "restored"
+                     else insurance.state)  # type: ignore[union-attr]
+            scheduler.load_state_dict(state["scheduler"])
+            consumed = state["consumed_samples"]
+        rec.json(f"report.rank{RANK}.attempt{ckpt.attempt.label}.json", result.report.to_dict())
 
-        return output, loss_func
+        def batches(step: int) -> Iterator[dict[str, torch.Tensor]]:
+            # A deterministic stand-in for Megatron's pretraining sampler: position = consumed samples.
+            g = torch.Generator().manual_seed(consumed * 7919 + dp_rank)
+            for _ in range(n_mb):
+                tokens = torch.randint(0, VOCAB, (mbs, SEQ + 1), generator=g)
+                yield {"tokens": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda(),
+                       "position_ids": torch.arange(SEQ).unsqueeze(0).expand(mbs, SEQ).cuda()}
 
-    forward_backward = get_forward_backward_func()
-    try:
-        for step in range(result.next_step, args.steps):
-            ddp_model.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(step), model=[ddp_model],
-                                      num_microbatches=n_mb, seq_length=SEQ, micro_batch_size=mbs,
-                                      decoder_seq_length=SEQ, forward_only=False)
-            rec.loss(step, float(torch.stack([d["lm loss"] for d in losses]).mean()) if losses else None)
-            ok, _, _ = optimizer.step()
-            if not ok:
-                raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
-            scheduler.step(increment=global_batch)
-            consumed += global_batch
-            if RANK in victims and step == kill_step and ATTEMPT == 0 and args.kill_phase in ("copy", "stream"):
-                from neighbor_ckpt.runtime import failpoints
+        def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
+            batch = next(data_iterator)
+            armed = RANK in victims and step == kill_step and first_attempt
+            if armed and args.kill_phase == "forward":
+                fault(rec, args, "forward")
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            if armed and args.kill_phase == "backward" and output.requires_grad:
+                output.register_hook(lambda grad: fault(rec, args, "backward"))
 
-                failpoints.arm(f"snapshot.{args.kill_phase}", lambda: fault(rec, args, args.kill_phase))
-            ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(),  # neighbor_ckpt
-                                            "consumed_samples": consumed})
-            if insurance is not None:
-                insurance.maybe_save(step, {"scheduler": scheduler.state_dict(), "consumed_samples": consumed})
-    except Exception as e:
-        ckpt.on_failure(f"{type(e).__name__}: {e}")
-        raise
-    hooks.remove()
-    plan, engine = ckpt.plan, ckpt.engine
-    ckpt.close(success=True)  # drains the engine: its stats are final
-    inner = [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]
-    rec.json(f"final.rank{RANK}.json", {
-        "params": _sha(dict(ddp_model.module.named_parameters())),
-        "optim": _sha({f"{i}.{j}.{k}": v for i, o in enumerate(inner) for j, st in enumerate(o.state.values())
-                       for k, v in st.items() if isinstance(v, torch.Tensor)}),
-        "scheduler": scheduler.state_dict()["num_steps"],
-        "param_groups": [[float(g["lr"]).hex(), g.get("step")] for o in inner for g in o.param_groups],
-    })
-    rec.json(f"plan.rank{RANK}.json", {
-        "coord": list(groups.coord), "dp_size": groups.dp_size,
-        "local_params": sum(p.numel() for p in ddp_model.module.parameters()),
-        "plan": None if plan is None else {
-            "unique_bytes": plan.unique_bytes, "lazy_bytes": plan.lazy_bytes,
-            "extras_bytes": engine.stats.extras_bytes if engine is not None else None,
-            "unique": [[p.meta.name, p.meta.kind.value, p.meta.nbytes] for p in plan.unique],
-            "unique_tensor_bytes": sum(p.meta.nbytes for p in plan.unique),
-            "regenerable": [m.name for m in plan.regenerable]},
-    })
-    dist.destroy_process_group()
+            def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
+                loss = output_tensor.float().mean()
+                return loss, {"lm loss": loss.detach()}
+
+            return output, loss_func
+
+        forward_backward = get_forward_backward_func()
+        try:
+            for step in range(result.next_step, args.steps):
+                ddp_model.zero_grad_buffer()
+                optimizer.zero_grad()
+                losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(step),
+                                          model=[ddp_model], num_microbatches=n_mb, seq_length=SEQ,
+                                          micro_batch_size=mbs, decoder_seq_length=SEQ, forward_only=False)
+                rec.loss(step, float(torch.stack([d["lm loss"] for d in losses]).mean()) if losses else None)
+                ok, _, _ = optimizer.step()
+                if not ok:
+                    raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
+                scheduler.step(increment=global_batch)
+                consumed += global_batch
+                if RANK in victims and step == kill_step and first_attempt and args.kill_phase in ("copy", "stream"):
+                    from neighbor_ckpt.runtime import failpoints
+
+                    failpoints.arm(f"snapshot.{args.kill_phase}", lambda: fault(rec, args, args.kill_phase))
+                ckpt.snapshot(step, user_state={"scheduler": scheduler.state_dict(),  # neighbor_ckpt
+                                                "consumed_samples": consumed})
+                if inproc is not None and step == result.next_step:
+                    inproc.mark_progress()  # neighbor_ckpt: this in-process attempt completed a step
+                if insurance is not None:
+                    insurance.maybe_save(step, {"scheduler": scheduler.state_dict(), "consumed_samples": consumed})
+        except BaseException as e:  # an in-process restart arrives as a BaseException (NVRx's RankShouldRestart)
+            ckpt.on_failure(f"{type(e).__name__}: {e}")
+            raise
+        hooks.remove()
+        plan, engine = ckpt.plan, ckpt.engine
+        ckpt.close(success=True)  # drains the engine: its stats are final
+        rec.json(f"final.rank{RANK}.json", fingerprints(gpt))
+        rec.json(f"plan.rank{RANK}.json", {
+            "coord": list(groups.coord), "dp_size": groups.dp_size,
+            "local_params": sum(p.numel() for p in ddp_model.module.parameters()),
+            "plan": None if plan is None else {
+                "unique_bytes": plan.unique_bytes, "lazy_bytes": plan.lazy_bytes,
+                "extras_bytes": engine.stats.extras_bytes if engine is not None else None,
+                "unique": [[p.meta.name, p.meta.kind.value, p.meta.nbytes] for p in plan.unique],
+                "unique_tensor_bytes": sum(p.meta.nbytes for p in plan.unique),
+                "regenerable": [m.name for m in plan.regenerable]},
+        })
+        if inproc is not None:
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+    if inproc is None:
+        train()
+    else:
+        inproc.run(train)  # returns on success (also on a spare never used); exit 75 when it gives up
 
 
 class Insurance:

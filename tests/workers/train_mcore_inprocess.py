@@ -4,7 +4,7 @@ under in-process recovery with hot spares (:mod:`neighbor_ckpt.inprocess`).
 One process per rank, ``active + SPARES`` processes (NVRx ``ft_launcher``, one agent per simulated node). Heavy
 imports happen once, at process start (spares included); everything that holds a process group is built again in
 each attempt of the wrapped function: the gloo group, megatron-core's parallel state, model, DDP,
-DistributedOptimizer, scheduler and NeighborCheckpointer. Survivors find their own host slots; the spare (its own
+DistributedOptimizer, scheduler (all by the recipe's ``build_gpt``) and NeighborCheckpointer. Survivors find their own host slots; the spare (its own
 store root, like a fresh node) pulls the lost rank's state from the ring successor.
 
 On a failure the checkpointer is closed with ``close(success=False)`` (host slots kept) by the wrapper's Finalize,
@@ -14,19 +14,21 @@ training (an exception on one rank) until the abort frees it.
 
 Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<NODE_NAME>``), NODE_NAME
 (the simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS,
-NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|none),
-KILL_RANK, KILL_STEP (first attempt only: SIGKILL, or a RuntimeError, inside the optimizer step of KILL_STEP).
+NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|stop|none),
+KILL_RANK (a rank, or ranks separated by commas), KILL_STEP (first attempt only: SIGKILL, a RuntimeError, or SIGSTOP
+inside the optimizer step of KILL_STEP), NEIGHBOR_CKPT_INPROCESS_TIMERS (NVRx timer overrides).
 
 Outputs under OUT_DIR (``rank`` is the attempt's rank, ``initial`` the rank the process started as):
 ``losses.rank<r>.jsonl`` (step, loss hex, attempt = restart iteration, pid), ``final.rank<r>.json``
 (fingerprints, as tests/workers/train_mcore.py's recipe writes them), ``attempt.initial<i>.iter<k>.json``
 (pid, rank, times of this attempt's phases), ``events.initial<i>.json`` (every event of the process),
-``fault.json`` (when the fault was injected), ``report.rank<r>.attempt<k>.json`` (recovery report).
+``fault.json`` (when the fault was injected; ``fault.rank<r>.json`` per faulty rank), ``report.rank<r>.attempt<k>.json``
+(recovery report), ``reports/recovery_timeline.attempt<launch>[.<k>].json`` (rank 0's recovery timeline).
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -41,7 +43,6 @@ NODE = os.environ.get("NODE_NAME", f"node{INITIAL_RANK}")
 os.environ["NEIGHBOR_CKPT_STORE_DIR"] = str(Path(os.environ["TEST_STORE_BASE"]) / NODE)
 os.environ["NEIGHBOR_CKPT_NODE_ID"] = NODE
 OUT = Path(os.environ["OUT_DIR"])
-SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 32, 128, 64, 4, 2
 MBS, N_MB = 2, 2
 
 logging.basicConfig(level=logging.INFO, format=f"[init{INITIAL_RANK}] %(asctime)s %(name)s %(levelname)s %(message)s")
@@ -57,15 +58,8 @@ from megatron_patches import enable_cpu  # noqa: E402
 
 enable_cpu(nemo=False)
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,  # noqa: E402
-                                       finalize_model_grads)
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from megatron_patches import install_hooks, mcore_groups, tag_optimizer_steps  # noqa: E402
 from neighbor_ckpt import NeighborCkptConfig  # noqa: E402
@@ -74,11 +68,20 @@ from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
 from neighbor_ckpt.inprocess import InprocessRecovery  # noqa: E402
 from neighbor_ckpt.inprocess.wrapper import Attempt  # noqa: E402
 
+_spec = importlib.util.spec_from_file_location(
+    "mcore_gpt_plain_loop", Path(__file__).resolve().parents[2] / "recipes" / "mcore_gpt_plain_loop.py")
+assert _spec is not None and _spec.loader is not None  # noqa: S101 - the file is in this repository
+recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe)  # the recipe's GPT (build_gpt) and its final fingerprints
+# the recipe builds megatron-core's pieces with imports inside build_gpt: import them now, not in an attempt
+import megatron.core.distributed, megatron.core.models.gpt.gpt_layer_specs  # noqa: E401,E402,F401
+import megatron.core.optimizer, megatron.core.optimizer_param_scheduler, megatron.core.transformer  # noqa: E401,E402,F401
+SEQ, VOCAB = recipe.SEQ, recipe.VOCAB
 T_IMPORTED = time.time()
 STEPS = int(os.environ.get("STEPS", "10"))
 LAUNCH_ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # launcher-level restarts (the fallback)
 FAULT = os.environ.get("FAULT", "none")
-KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
+KILL_RANKS = {int(r) for r in os.environ.get("KILL_RANK", "-1").split(",")}
 KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
 log = logging.getLogger("train_mcore_inprocess")
 
@@ -94,23 +97,34 @@ def write_json(name: str, obj: Any) -> None:
     os.replace(tmp, OUT / name)
 
 
-def _sha(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            .hexdigest()[:24] for k, t in sorted(tensors.items())}
+
+def make_config() -> NeighborCkptConfig:
+    cfg = NeighborCkptConfig()  # job id and store root from NEIGHBOR_CKPT_JOB_ID / NEIGHBOR_CKPT_STORE_DIR
+    cfg.inprocess.enabled = True  # the checkpointer turns its own failure detector off: NVRx's monitors detect
+    cfg.inprocess.spares = int(os.environ.get("SPARES", "1"))
+    cfg.report.dir = str(OUT / "reports")
+    return cfg
 
 
-inproc = InprocessRecovery(spares=int(os.environ.get("SPARES", "1")), store_host=os.environ["STORE_HOST"],
-                           store_port=int(os.environ["STORE_PORT"]), monitor_log_dir=OUT / "nvrx")
+inproc = InprocessRecovery.from_config(make_config(), store_host=os.environ["STORE_HOST"],
+                                       store_port=int(os.environ["STORE_PORT"]), monitor_log_dir=OUT / "nvrx")
 
 
 def inject_fault(rank: int, att: Attempt) -> None:
-    write_json("fault.json", {"launch_attempt": LAUNCH_ATTEMPT, "rank": rank, "initial_rank": INITIAL_RANK,
-                              "step": KILL_STEP, "kind": FAULT, "unix": time.time(), "pid": os.getpid()})
+    rec = {"launch_attempt": LAUNCH_ATTEMPT, "rank": rank, "initial_rank": INITIAL_RANK, "step": KILL_STEP,
+           "kind": FAULT, "unix": time.time(), "pid": os.getpid()}
+    write_json(f"fault.rank{rank}.json", rec)
+    if rank == min(KILL_RANKS):
+        write_json("fault.json", rec)
     for h in logging.getLogger().handlers:
         h.flush()
     if FAULT == "kill":
         log.warning("fault injection: SIGKILL of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
         os.kill(os.getpid(), signal.SIGKILL)
+    if FAULT == "stop":
+        log.warning("fault injection: SIGSTOP of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
+        os.kill(os.getpid(), signal.SIGSTOP)  # NVRx's monitor process kills it after hard_timeout
+        time.sleep(3600)
     log.warning("fault injection: RuntimeError on rank %d inside the optimizer step of step %d", rank, KILL_STEP)
     raise RuntimeError(f"injected fault on rank {rank} at step {KILL_STEP}")
 
@@ -123,40 +137,18 @@ def train(att: Attempt) -> dict[str, Any]:
                 "iteration": att.iteration, "node": NODE, "times": times})
     inproc.init_process_group()
     times["pg_ready"] = time.time()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    times["mp_ready"] = time.time()
-    torch.manual_seed(1234)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.1, hidden_dropout=0.1,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=True, post_process=True).cuda()
-    ddp_model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-        use_distributed_optimizer=True, bucket_size=4096), module=model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01,
-                                                       clip_grad=1.0, use_distributed_optimizer=True), [ddp_model])
-    config.no_sync_func = ddp_model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    global_batch = MBS * N_MB * dp_size
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
-                                        lr_warmup_steps=3 * global_batch, lr_decay_steps=STEPS * global_batch,
-                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
-                                        wd_incr_style="constant")
+    gpt = recipe.build_gpt(steps=STEPS, micro_batch_size=MBS, micro_batches=N_MB)  # parallel state, model, optimizer
+    ddp_model, optimizer, scheduler = gpt.model, gpt.optimizer, gpt.scheduler
+    dp_rank, global_batch = gpt.dp_rank, gpt.global_batch
     times["built"] = time.time()
 
     groups = mcore_groups()
-    cfg = NeighborCkptConfig()  # job id and store root from NEIGHBOR_CKPT_JOB_ID / NEIGHBOR_CKPT_STORE_DIR
-    cfg.detector.enabled = False  # NVRx's monitor process and thread detect failures here
-    cfg.report.timeline = False  # rank 0 renders its PNG inside the first snapshot after a recovery: ~1.6 s
-    ckpt = NeighborCheckpointer(cfg, adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
-                                dp_group=groups.dp_group, model_parallel_coord=groups.coord, handle_sigterm=False)
+    ckpt = NeighborCheckpointer(make_config(), adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
+                                dp_group=groups.dp_group, model_parallel_coord=groups.coord, handle_sigterm=False,
+                                attempt=inproc.attempt_info())
     # Closed after the abort if this attempt fails (the abort frees its streaming threads first); slots stay.
     inproc.on_restart(lambda: ckpt.close(success=False))
-    armed = FAULT in ("kill", "raise") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank == KILL_RANK
+    armed = FAULT in ("kill", "raise", "stop") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
 
     def maybe_fault() -> None:
         if armed and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == KILL_STEP:
@@ -226,14 +218,7 @@ def train(att: Attempt) -> dict[str, Any]:
     hooks.remove()
     fault_tag.remove()
     ckpt.close(success=True)
-    inner = [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]
-    write_json(f"final.rank{rank}.json", {
-        "params": _sha(dict(ddp_model.module.named_parameters())),
-        "optim": _sha({f"{i}.{j}.{k}": v for i, o in enumerate(inner) for j, st in enumerate(o.state.values())
-                       for k, v in st.items() if isinstance(v, torch.Tensor)}),
-        "scheduler": scheduler.state_dict()["num_steps"],
-        "param_groups": [[float(g["lr"]).hex(), g.get("step")] for o in inner for g in o.param_groups],
-    })
+    write_json(f"final.rank{rank}.json", recipe.fingerprints(gpt))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {"rank": rank}
