@@ -123,6 +123,9 @@ class NeighborCheckpointer:
         self.config = config or NeighborCkptConfig()
         validate(self.config, "neighbor_ckpt", types=True)  # again: attributes may have been set after construction
         self.attempt = attempt if attempt is not None else AttemptInfo.from_env()
+        if attempt is None and self.config.inprocess.enabled:
+            logger.warning("neighbor_ckpt: inprocess.enabled but no attempt= given: pass InprocessRecovery."
+                           "attempt_info(), or in-process attempts share one attempt number (failure events, timeline)")
         if not dist.is_available() or not dist.is_initialized():
             raise TopologyError("NeighborCheckpointer needs torch.distributed to be initialized first")
         group_ready = time.time()  # the default process group exists: a marker of the recovery timeline
