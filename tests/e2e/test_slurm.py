@@ -7,6 +7,7 @@ optimizer state equal the failure-free ``neighbor-ckpt launch`` run bit for bit.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,7 @@ from tests.conftest import REPO, Baselines, RunResult, assert_same_training, fre
     run_logged
 from tests.e2e.slurm_cluster import SlurmCluster
 
-pytestmark = pytest.mark.e2e
-pytest.importorskip("nemo.collections.llm")
+e2e = pytest.mark.e2e
 
 CONFIG = "gpt_tiny_cpu.yaml"
 STEPS = "trainer.max_steps=10"
@@ -50,8 +50,10 @@ def sbatch_launch(cluster: SlurmCluster, tmp: Path, *overrides: str, timeout: fl
     return RunResult(sub.returncode, out, log), job_id, script.read_text()
 
 
+@e2e
 def test_slurm_script_restarts_a_killed_rank_inside_its_allocation_bit_exactly(
         slurm_cluster: SlurmCluster, baseline: Baselines, tmp_path: Path) -> None:
+    pytest.importorskip("nemo.collections.llm")
     base = baseline.launch(CONFIG, STEPS)
     res, job_id, script = sbatch_launch(slurm_cluster, tmp_path, STEPS, *FAULT,
                                         NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
@@ -65,3 +67,63 @@ def test_slurm_script_restarts_a_killed_rank_inside_its_allocation_bit_exactly(
     assert (rep["outcome"], rep["source"], rep["iteration"]) == ("restored", "replica", 5), rep
     assert recomputed_steps(res) <= {5}
     assert_same_training(base, res)
+
+
+INPROCESS = ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=1"]
+
+
+def _attempts(res: RunResult) -> dict[int, list[dict[str, Any]]]:
+    """Initial rank -> the in-process attempts that process ran (pid, rank, iteration), by iteration."""
+    by_proc: dict[int, list[dict[str, Any]]] = {}
+    for p in sorted(res.out.glob("attempt.initial*.iter*.json")):
+        a = json.loads(p.read_text())
+        by_proc.setdefault(a["initial_rank"], []).append(a)
+    return {r: sorted(v, key=lambda a: a["iteration"]) for r, v in by_proc.items()}
+
+
+@e2e
+def test_slurm_script_inprocess_hot_spare_replaces_a_killed_rank_bit_exactly(
+        slurm_cluster: SlurmCluster, baseline: Baselines, tmp_path: Path) -> None:
+    """One Slurm task per rank and per spare (``srun --kill-on-bad-exit=0``, an ft_launcher agent each): rank 1's
+    task loses its worker, the other tasks keep their processes, the spare becomes rank 1 and pulls its state."""
+    pytest.importorskip("nemo.collections.llm")
+    pytest.importorskip("nvidia_resiliency_ext.inprocess")
+    base = baseline.launch(CONFIG, STEPS)  # the same training as the restart-mode failure-free run
+    res, job_id, script = sbatch_launch(slurm_cluster, tmp_path, STEPS, *INPROCESS, *FAULT,
+                                        NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
+    assert res.returncode == 0, f"Slurm job {job_id} failed (sbatch --wait exit {res.returncode}):\n{res.log[-8000:]}"
+    assert "#SBATCH --ntasks=5" in script and "srun --kill-on-bad-exit=0" in script
+    assert "--ft-restart-policy=min-healthy" in script
+    assert_same_training(base, res)
+    procs = _attempts(res)
+    for initial in (0, 2, 3):  # the survivors: same process, same rank, through the recovery
+        its = procs[initial]
+        assert [a["iteration"] for a in its] == [0, 1] and len({a["pid"] for a in its}) == 1, its
+        assert {a["rank"] for a in its} == {initial}, its
+    assert [(a["iteration"], a["rank"]) for a in procs[4]] == [(1, 1)], procs[4]  # the spare took rank 1's place
+    rep = res.report(1, 1)  # the spare's store is empty (another simulated node): rank 1's state from a replica
+    assert (rep["outcome"], rep["source"]) == ("restored", "replica"), rep
+    assert "in-process recovery gives up" not in res.log and not list(res.out.glob("*.launch*")), \
+        "fell back to the launcher's restart path"
+    for r in range(4):
+        assert res.report(r, 1)["iteration"] == 5, res.report(r, 1)
+
+
+def test_inprocess_slurm_script_runs_one_task_per_rank_and_spare_with_spare_nodes_for_gpus(tmp_path: Path) -> None:
+    """Quick tier, no Slurm needed: the in-process script of a multi-node GPU job (Llama 3 70B, 16 nodes x 8 GPUs,
+    8 spares: one more node, one GPU per task) and of the CPU job above (5 tasks on one node, overcommitted)."""
+    from neighbor_ckpt.cli import launch
+
+    plan = launch.plan_launch(REPO / "configs/llama3_70b.yaml", INPROCESS[:1] + ["neighbor_ckpt.inprocess.spares=8"],
+                              run_dir=tmp_path / "run")
+    script = launch.slurm_script(plan)
+    for line in ("#SBATCH --nodes=17", "#SBATCH --ntasks=136", "#SBATCH --ntasks-per-node=8",
+                 "#SBATCH --gpus-per-task=1", "srun --kill-on-bad-exit=0 "):
+        assert line in script, line
+    assert "--nnodes=127:136 --nproc-per-node=1" in script and "--ft-restart-policy=min-healthy" in script
+    assert f"--inprocess-store ${{HEAD_NODE}}:{plan.job.launch.rdzv_port + 1}" in script
+    cpu = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS], run_dir=tmp_path))
+    assert "#SBATCH --ntasks=5" in cpu and "#SBATCH --overcommit" in cpu and "--gpus" not in cpu
+    for text in (script, cpu):
+        proc = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+        assert proc.returncode == 0, proc.stderr
