@@ -87,14 +87,16 @@ def _check_word(step: int, fp: int) -> int:
 def fingerprint(tokens: torch.Tensor) -> int:
     """xxh3-64 of the tensor's bytes (its dtype's element size included, its shape not). A CUDA tensor is copied to
     host memory first (a device synchronization: fingerprint the host batch, before ``.cuda()``, where you can)."""
-    t = tokens.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    t = tokens
+    if not t.is_cpu:
+        t = t.detach().cpu()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        t = t.reshape(-1).view(torch.uint8)
-    return xxhash.xxh3_64_intdigest(memoryview(t.numpy()).cast("B"))
+    try:
+        buf = t.numpy()  # token ids: a view, no copy (the common case costs about 1 us besides the hash)
+    except (TypeError, RuntimeError):  # requires grad, or a dtype numpy lacks (bfloat16): the same bytes as uint8
+        buf = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_intdigest(buf)
 
 
 def token_tensor(batch: Any) -> torch.Tensor | None:

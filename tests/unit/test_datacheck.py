@@ -290,3 +290,6 @@ def test_bench_rows_are_observe_input_over_snapshot_against_one_percent():
     assert small.value == pytest.approx(8.0) and small.baseline == pytest.approx(2000.0)
     assert small.ratio == pytest.approx(0.004) and small.status == "PASS"
     assert big.ratio == pytest.approx(0.025) and big.status == "MISS"
+    samples.update({f"snapshot {a}x{b}": [1e-3, 1e-3, 1e-3] for a, b in TOKEN_SHAPES})
+    small, _ = fingerprint_rows(samples)
+    assert small.detail["paired_ratio_median"] == pytest.approx(0.008)

@@ -100,9 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r, extra = bench_fingerprint(args, root)
                 rows += r
                 results["fingerprint"] = extra
+                paired = ", ".join(f"{row.metric.rpartition('(')[2].rstrip(')')} {row.detail['paired_ratio_median']:.4f}x"
+                                   for row in r)
                 notes.append("input fingerprint: NeighborCheckpointer.observe_input (xxh3-64 of the first micro-batch's "
                              "token ids + one store into the memory-mapped input record) against snapshot() on the "
-                             "training thread, per step, one process (README 'Data position in plain loops').")
+                             "training thread, per step, one process (README 'Data position in plain loops'); median "
+                             f"of per-step ratios (both calls of one step): {paired}.")
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rows.append(Row("datacheck", "input fingerprint", float("nan"), "", None, f"failed: {e!r}", None,
