@@ -87,16 +87,14 @@ def _check_word(step: int, fp: int) -> int:
 def fingerprint(tokens: torch.Tensor) -> int:
     """xxh3-64 of the tensor's bytes (its dtype's element size included, its shape not). A CUDA tensor is copied to
     host memory first (a device synchronization: fingerprint the host batch, before ``.cuda()``, where you can)."""
-    t = tokens
-    if not t.is_cpu:
-        t = t.detach().cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
     try:
-        buf = t.numpy()  # token ids: a view, no copy (the common case costs about 1 us besides the hash)
-    except (TypeError, RuntimeError):  # requires grad, or a dtype numpy lacks (bfloat16): the same bytes as uint8
-        buf = t.detach().reshape(-1).view(torch.uint8).numpy()
-    return xxhash.xxh3_64_intdigest(buf)
+        return xxhash.xxh3_64_intdigest(tokens.numpy())  # host token ids: one view, no copy, no other torch call
+    except (TypeError, RuntimeError, ValueError, BufferError):
+        pass  # on a device, requires grad, a dtype numpy lacks (bfloat16), or not contiguous: the same bytes as uint8
+    t = tokens.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    return xxhash.xxh3_64_intdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def token_tensor(batch: Any) -> torch.Tensor | None:
