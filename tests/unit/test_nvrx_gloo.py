@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import socket
 import subprocess
 import sys
@@ -151,3 +152,43 @@ def test_checkpointer_turns_its_detector_off_under_inprocess_recovery(monkeypatc
         assert ck.NeighborCheckpointer._make_detector(SimpleNamespace(config=cfg)) is None
     lines = [r.getMessage() for r in caplog.records if "failure detector off" in r.getMessage()]
     assert len(lines) == 1 and "in-process recovery is on" in lines[0]
+
+
+_ATTEMPT_JOB = r"""
+import json, logging, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from neighbor_ckpt import NeighborCkptConfig
+from neighbor_ckpt.adapters import TorchOptimizerAdapter
+from neighbor_ckpt.checkpointer import NeighborCheckpointer
+from neighbor_ckpt.recovery.attempt import AttemptInfo
+
+logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s", stream=sys.stdout)
+tmp = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+cfg = NeighborCkptConfig.from_dict({"job_id": "att", "store": {"dir": str(tmp / "store")},
+                                    "inprocess": {"enabled": True, "spares": 0}})
+plain = NeighborCheckpointer(cfg, adapter=TorchOptimizerAdapter(model, opt), handle_sigterm=False)
+print("PLAIN", plain.attempt.label)
+plain.close(success=False)
+ckpt = NeighborCheckpointer(cfg, adapter=TorchOptimizerAdapter(model, opt), handle_sigterm=False,
+                            attempt=AttemptInfo(launch=0, inprocess=2))
+ckpt.on_failure("RuntimeError: injected")
+print("EVENT", json.dumps(json.loads(ckpt.failure.events_path.read_text())["attempt"]))
+ckpt.close(success=False)
+dist.destroy_process_group()
+"""
+
+
+def test_checkpointer_records_the_inprocess_attempt_and_warns_without_one(tmp_path: Path) -> None:
+    """attempt=AttemptInfo(...) names the failure event ("0.2", not the launcher's 0 again); inprocess.enabled
+    without attempt= is one warning."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    proc = subprocess.run([sys.executable, "-c", _ATTEMPT_JOB, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PLAIN 0" in proc.stdout and 'EVENT "0.2"' in proc.stdout, proc.stdout
+    assert proc.stdout.count("inprocess.enabled but no attempt= given") == 1, proc.stdout
