@@ -266,7 +266,8 @@ class RecoveryTimeline:
         parts = " + ".join(f"{p.replace('_', ' ')} {_fmt_s(self.phases.get(p))}" for p in self.phase_names)
         what = f"iteration {self.iteration}" if self.iteration is not None else "nothing"
         spare = f", hot spare for rank(s) {list(self.spare_ranks)}" if self.spare_ranks else ""
-        return f"MTTR {self.total_s:.2f} s = {parts} ({self.mode}{spare}; {self.outcome}: {what}; attempt {self.attempt})"
+        return (f"MTTR {self.total_s:.2f} s = {parts} ({self.mode}{spare}; {self.outcome}: {what}; "
+                f"attempt {self.attempt})")
 
     def to_json(self) -> dict[str, Any]:
         return {
