@@ -1,4 +1,5 @@
-"""In-process recovery with hot spares (issue 17, first slice: the plain megatron-core loop).
+"""In-process recovery with hot spares (issue 17): the plain megatron-core loop (``recipes/mcore_gpt_plain_loop.py``
+with ``neighbor_ckpt.inprocess.enabled``) and, through :mod:`neighbor_ckpt.lightning.inprocess`, Lightning / NeMo.
 
 The surviving processes of a failure never restart: NVIDIA resiliency-ext's in-process wrapper
 (``nvidia_resiliency_ext.inprocess``) aborts their process groups, re-assigns ranks (a hot spare, started with the
@@ -15,6 +16,12 @@ dead rank's unique state from the ring successor).
 
 Launch: NVRx ``ft_launcher`` with one agent per node and ``--ft-restart-policy min-healthy`` (other agents' workers
 keep running when one worker dies; plain torchrun stops the whole local worker group).
+
+What is contained in process (``tests/e2e/test_inprocess_recovery.py``): a SIGKILLed rank (the spare takes its
+place), an exception on one rank (every process stays), a SIGSTOPped rank (NVRx's monitor process terminates it at
+``hard_timeout``, then as a kill). What falls back to the launcher's restart, announced (one line per rank, exit
+:data:`FALLBACK_EXIT_CODE`): no spare left (a loss without spares, two ranks lost with one spare), a failure during
+the recovery window, more than ``max_restarts``, a failure of the wrapper itself.
 
 **Failure detection under in-process recovery is NVRx's, not** :mod:`neighbor_ckpt.runtime.detector`'s: with
 ``neighbor_ckpt.inprocess.enabled`` the checkpointer turns its own detector off and says so in one log line. Why:
