@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from neighbor_ckpt.cli.bench.micro.hotpath import STATES, bench_hotpath, hotpath_rows
+from neighbor_ckpt.cli.bench.micro.hotpath import STATES, hotpath_rows
 
 
-def test_hotpath_times_both_states_and_the_overhead_is_the_engine_time_less_the_copy(tmp_path):
-    res = bench_hotpath(tmp_path, iters=3, warmup=1)
+def test_hotpath_times_both_states_as_informational_rows_and_removes_its_stores(tmp_path):
+    rows, res = hotpath_rows(tmp_path, 2, warmup=1)
     assert list(res) == list(STATES)
     assert res["tiny GPT (159 tensors)"]["tensors"] == 159 and res["1,000 tensors of 1 KiB"]["tensors"] == 1000
     for r in res.values():
         assert r["snapshot_ms"] > 0 and r["engine_ms"] >= r["copy_ms"] > 0 and r["overhead_ms"] >= 0
-    assert not list(tmp_path.rglob("*.slot")), "the benchmark's stores are removed"
-
-
-def test_hotpath_rows_are_informational_microseconds(tmp_path):
-    rows, res = hotpath_rows(tmp_path, 2)
     assert len(rows) == 2 * len(STATES) and {r.unit for r in rows} == {"us"}
     assert all(r.status == "INFO" for r in rows)
+    assert not list(tmp_path.rglob("*.slot")), "the benchmark's stores are removed"

@@ -114,11 +114,11 @@ def bench_hotpath(root: Path, iters: int = 200, warmup: int = 10) -> dict[str, d
     return out
 
 
-def hotpath_rows(root: Path, iters: int) -> tuple[list[Any], dict[str, Any]]:
+def hotpath_rows(root: Path, iters: int, warmup: int = 10) -> tuple[list[Any], dict[str, Any]]:
     """Section 6 of the micro-benchmark: one row per state and figure (microseconds per step, informational)."""
     from neighbor_ckpt.cli.bench.micro.common import Row
 
-    res = bench_hotpath(root, iters=iters)
+    res = bench_hotpath(root, iters=iters, warmup=warmup)
     rows = []
     for label, r in res.items():
         rows.append(Row("hotpath", f"{label}: snapshot() on the training thread", 1e3 * r["snapshot_ms"], "us",
