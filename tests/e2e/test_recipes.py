@@ -1,5 +1,6 @@
-"""End to end through the user's commands: ``neighbor-ckpt demo`` (the tiny GPT recipe: a failure-free run, then
-rank 1 SIGKILLed inside optimizer step 5 and restarted on an empty host store) and ``neighbor-ckpt launch`` of
+"""End to end through the user's commands: ``neighbor-ckpt demo --inprocess`` (the tiny GPT recipe: a failure-free
+run, then rank 1 SIGKILLed inside optimizer step 5 and restarted on an empty host store, then the same kill with
+in-process recovery and a hot spare; both MTTRs side by side) and ``neighbor-ckpt launch`` of
 the tiny Llama recipe (RMSNorm, SwiGLU, RoPE, GQA; TP2 x DP2; rank 1 SIGKILLed in the backward pass of step 5).
 Every per-step loss, the final weights and the optimizer state must equal the failure-free run exactly."""
 
@@ -32,10 +33,11 @@ def _assert_rank1_restored_from_its_successor(res: RunResult, *, iterations: tup
 
 # The demo command runs its own failure-free run of the tiny GPT recipe and compares with it; no other test trains
 # that recipe (the NeMo tests run tests/workers/train_nemo.py), so there is no baseline to share with it.
-def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly(tmp_path: Path) -> None:
+def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly_by_restart_and_in_process(
+        tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "neighbor_ckpt.cli", "demo", "--out", str(out), STEPS]
-    res = run_logged(cmd, tmp_path, out, timeout=900, env=job_env(tmp_path, out, {
+    cmd = [sys.executable, "-m", "neighbor_ckpt.cli", "demo", "--inprocess", "--out", str(out), STEPS]
+    res = run_logged(cmd, tmp_path, out, timeout=1800, env=job_env(tmp_path, out, {
         "NEIGHBOR_CKPT_STORE_DIR": tmp_path / "store"}))
     assert res.returncode == 0, res.log[-6000:]
     assert "bit-identical to the failure-free run" in res.log
@@ -54,6 +56,17 @@ def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly(tmp_p
     assert "exitcode: -9" in fault.log, "the kill did not happen"
     assert_same_training(base, fault)
     _assert_rank1_restored_from_its_successor(fault)
+    # in process: the same kill, 4 ranks + 1 hot spare; both MTTRs side by side, both runs bit-identical
+    assert "4 ranks + 1 hot spare(s) = 5 processes" in res.log
+    assert "the spare started as rank 4 became rank 1" in res.log and "ranks [0, 2, 3] kept their processes" in res.log
+    row = next(line for line in res.log.splitlines() if line.startswith("bit-identical to the failure-free run"))
+    assert [c.strip() for c in row.split("|")[1:]] == ["yes", "yes"], row
+    lines = res.log.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("MTTR (kill -> first completed step)"))
+    assert lines[head + 1].count(" s") == 2, lines[head + 1]  # both measured
+    inproc = RunResult(0, out / "inprocess" / "record", (out / "inprocess" / "torchrun.log").read_text())
+    assert_same_training(base, inproc)
+    assert inproc.report(1, 1)["source"] == "replica"
 
 
 def test_tiny_llama_recipe_tp2_killed_in_backward_recovers_bit_exactly(baseline: Baselines, tmp_path: Path) -> None:
