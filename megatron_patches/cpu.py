@@ -49,6 +49,9 @@ undone exactly by :meth:`CpuPatch.disable`:
    * the optimizer: ``megatron.core.optimizer.{Adam, USING_PYTORCH_OPTIMIZER}`` and
      ``megatron.core.optimizer.distrib_optimizer.{Adam, HAVE_APEX_OR_TE, USING_APEX_OPTIMIZER}``. See "Adam".
 
+   * mixture of experts: the entries of :data:`megatron_patches.moe.PATCHES` (that module's docstring says what
+     each fixes and why).
+
 3. A :class:`logging.Filter` on the ``megatron.core.tensor_parallel.random`` logger that drops its
    "CPU RNG state changed within GPU RNG context" warning, which fires on every dropout inside
    ``CudaRNGStatesTracker.fork`` here by construction (see "RNG").
@@ -98,6 +101,7 @@ from torch.overrides import TorchFunctionMode
 
 from neighbor_ckpt.errors import UnsupportedPlatformError
 
+from . import moe as _moe
 from ._versions import check_versions
 
 __all__ = [
@@ -401,6 +405,8 @@ class _Attr:
     """Skipped when its package is not installed (NeMo is an optional extra)."""
     framework: str | None = None
     """The optional framework this patch is for (``"nemo"``): :func:`enable_cpu` can be told to leave it out."""
+    missing_ok: bool = False
+    """The attribute may not exist yet: the patch defines it, :meth:`CpuPatch.disable` removes it."""
 
 
 def _const(value: Any) -> Callable[[], Any]:
@@ -465,6 +471,8 @@ PATCHED_ATTRIBUTES: tuple[_Attr, ...] = (
     # NeMo 2 (only when installed)
     _Attr("nemo.lightning.megatron_init", "_set_random_seed", _nemo_set_random_seed,
           "NeMo seeds the RNG tracker only when torch.cuda.device_count() > 0", optional=True, framework="nemo"),
+    # mixture of experts (megatron_patches/moe.py)
+    *(_Attr(m.module, m.name, m.replacement, m.why, missing_ok=m.missing_ok) for m in _moe.PATCHES),
 )
 
 _MISSING = object()
@@ -484,7 +492,8 @@ class CpuPatch:
     ``disable()`` undoes the patch for every holder."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, Any]] = []  # (module, name, original or _MISSING)
+        self._saved: list[tuple[Any, str, Any]] = []  # (module or class, name, original or _MISSING)
+        self._names: list[tuple[str, str]] = []  # (module, name as in PATCHED_ATTRIBUTES) of each saved entry
         self._mode: CudaToCpuMode | None = None
         self._filter: _DropForkWarning | None = None
         self._active = False
@@ -495,7 +504,7 @@ class CpuPatch:
 
     def replaced(self) -> list[tuple[str, str]]:
         """``(module, attribute)`` of every attribute currently replaced."""
-        return [(m.__name__, n) for m, n, _ in self._saved]
+        return list(self._names)
 
     def _apply(self, *, skip: frozenset[str] = frozenset()) -> None:
         try:
@@ -508,12 +517,17 @@ class CpuPatch:
                     if attr.optional:
                         continue
                     raise
-                original = module.__dict__.get(attr.name, _MISSING)
-                if original is _MISSING:
+                *path, leaf = attr.name.split(".")  # "Class.method": an attribute of a class of the module
+                owner = module
+                for part in path:
+                    owner = getattr(owner, part)
+                original = owner.__dict__.get(leaf, _MISSING)
+                if original is _MISSING and not attr.missing_ok:
                     raise RuntimeError(f"megatron_patches.cpu: {attr.module}.{attr.name} does not exist; "
                                        f"the installed version is not one this patch was written for")
-                self._saved.append((module, attr.name, original))
-                setattr(module, attr.name, attr.replacement())
+                self._saved.append((owner, leaf, original))
+                self._names.append((attr.module, attr.name))
+                setattr(owner, leaf, attr.replacement())
             self._filter = _DropForkWarning()
             logging.getLogger(_MCORE_RANDOM).addFilter(self._filter)
             self._mode = CudaToCpuMode()
@@ -532,10 +546,12 @@ class CpuPatch:
             self._filter = None
         for module, name, original in reversed(self._saved):
             if original is _MISSING:
-                module.__dict__.pop(name, None)
+                if name in module.__dict__:
+                    delattr(module, name)
             else:
                 setattr(module, name, original)
         self._saved.clear()
+        self._names.clear()
 
     def disable(self) -> None:
         """Restore every replaced attribute (identity-exact), pop the device mode, drop the log filter.

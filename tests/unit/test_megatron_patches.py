@@ -88,7 +88,11 @@ def _snapshot() -> dict[str, Any]:
 
     snap: dict[str, Any] = {}
     for a in cpu.PATCHED_ATTRIBUTES:
-        snap[f"{a.module}.{a.name}"] = importlib.import_module(a.module).__dict__.get(a.name, "<missing>")
+        *path, leaf = a.name.split(".")  # "Class.method": an attribute of a class of the module
+        owner = importlib.import_module(a.module)
+        for part in path:
+            owner = getattr(owner, part)
+        snap[f"{a.module}.{a.name}"] = owner.__dict__.get(leaf, "<missing>")
     snap["<mode stack>"] = torch._C._len_torch_function_stack()
     snap["<filters>"] = tuple(logging.getLogger("megatron.core.tensor_parallel.random").filters)
     return snap
