@@ -7,7 +7,9 @@ loss depends on) are restored bit for bit after a real SIGKILL (issue 16).
 * DP = 1 (one rank, plain AdamW): everything is unique; the buffers are copied on the training thread at each
   snapshot, never by the engine thread while the next forward updates them.
 
-Every per-step loss, the final parameters, buffers and optimizer state equal the failure-free run."""
+Every per-step loss, the final parameters, buffers and optimizer state equal the failure-free run. Against the code
+before issue 16 (ZeRO tagged buffers as regenerable weights and never restored them) the first test fails at rank 0's
+first recomputed loss."""
 
 from __future__ import annotations
 
@@ -31,9 +33,11 @@ def test_zero_optimizer_with_batchnorm_kill_with_empty_store_restores_buffers_bi
     base = baseline(WORKER, OPTIM="zero")
     assert base.final(0)["buffers"], "the model has no buffers to compare"
     assert_same_training(base, res)
-    assert recomputed_steps(res) <= {7}
     rep = res.report(0, 1)
-    assert rep["outcome"] == "restored" and rep["iteration"] == 7
+    # Rank 0 dies in the forward of step 7, before its wait point: the replica of its snapshot 7 may still be in
+    # flight, and then every rank goes back to 6 (the version-skew rule). Either way nothing older is recomputed.
+    assert rep["outcome"] == "restored" and rep["iteration"] in (6, 7)
+    assert recomputed_steps(res) <= set(range(rep["iteration"], 8))
     assert rep["source"] == "replica" and rep["pulled_bytes"] > 0
 
 

@@ -54,7 +54,9 @@ class BufferNet(nn.Module):
         self.fc2 = nn.Linear(d_hidden, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.bn(self.fc1(self.center(x)))))
+        # ReLU before BatchNorm: BatchNorm right after a linear layer would cancel the centering's shift, and the
+        # loss would not depend on its buffer.
+        return self.fc2(self.bn(torch.relu(self.fc1(self.center(x)))))
 
 
 class Module(pl.LightningModule):
