@@ -23,6 +23,14 @@ class McoreGroups:
     pp_rank: int
     tp_size: int
     pp_size: int
+    ep_rank: int = 0
+    """Expert-parallel rank (mixture of experts): which ``E / ep`` experts of every layer this rank holds."""
+    ep_size: int = 1
+    """Expert-parallel size; 1 without expert parallelism."""
+    expert_dp_size: int = 1
+    """Expert-data-parallel size, world / (expert TP x EP x PP): the group mcore's distributed optimizer shards the
+    expert params over (its own buffers and param all-gather; the snapshot ring stays on ``dp_group``, whose members
+    each hold their own shard of both)."""
 
     @property
     def coord(self) -> tuple[int, int]:
@@ -40,4 +48,6 @@ def mcore_groups() -> McoreGroups:
     return McoreGroups(dp_group=dp, dp_size=dist.get_world_size(dp),
                        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                        tp_size=ps.get_tensor_model_parallel_world_size(),
-                       pp_size=ps.get_pipeline_model_parallel_world_size())
+                       pp_size=ps.get_pipeline_model_parallel_world_size(),
+                       ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+                       expert_dp_size=ps.get_expert_data_parallel_world_size())

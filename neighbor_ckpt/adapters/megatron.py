@@ -19,6 +19,12 @@ Module buffers are classified by :func:`~neighbor_ckpt.adapters.base.classify_bu
 router's ``expert_bias``, updated from token counts every step; BatchNorm statistics) is staged by every rank every
 iteration and loaded on every rank (the distributed optimizer's regeneration rebuilds parameters only); a constant
 one (RoPE frequencies, non-persistent scratch such as ``local_tokens_per_expert``) is left as the model built it.
+
+Mixture of experts with expert parallelism: mcore marks expert-parallel params ``allreduce = False`` and shards their
+fp32 main params and moments over the expert-data-parallel group (a separate buffer and optimizer of the chained
+optimizer). Each rank's shard of both is its own unique state, snapshotted and ringed like the dense one; weights
+regenerate through mcore's own param all-gather, which uses each buffer's group. The replicated optimizer is refused
+with EP: its lazy backups come from a dense-DP peer, which holds other experts.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from neighbor_ckpt.adapters.base import StateAdapter, buffer_tensors, classify_buffers, load_buffers
-from neighbor_ckpt.errors import SnapshotMismatchError
+from neighbor_ckpt.errors import SnapshotMismatchError, TopologyError
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -67,6 +73,15 @@ class MegatronOptimizerAdapter(StateAdapter):
         if len(kinds) != 1:
             raise TypeError("a ChainedOptimizer mixing distributed and non-distributed optimizers is not supported")
         self.distributed_optimizer = kinds.pop()
+        self.expert_params = [n for c in self.chunks for n, p in c.named_parameters()
+                              if getattr(p, "allreduce", True) is False]
+        """Expert-parallel params (mcore's ``allreduce = False``): sharded over the expert-data-parallel group."""
+        if self.expert_params and not self.distributed_optimizer:
+            raise TopologyError(
+                f"{len(self.expert_params)} expert-parallel params (e.g. {self.expert_params[0]}) under a replicated "
+                "optimizer: neighbor_ckpt backs replicated state up lazily from a data-parallel peer, and with expert "
+                "parallelism that peer holds other experts. Use the distributed optimizer "
+                "(use_distributed_optimizer=True), which neighbor_ckpt snapshots exactly for experts too.")
         self._names: dict[int, str] = {}
         for ci, chunk in enumerate(self.chunks):
             for name, p in chunk.named_parameters():

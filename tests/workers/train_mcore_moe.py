@@ -185,7 +185,12 @@ def main() -> None:
         hooks.remove()
         plan = ckpt.plan
         ckpt.close(success=True)
+        module = ddp_model.module
         (out / f"plan.rank{RANK}.json").write_text(json.dumps({
+            "ep_rank": groups.ep_rank, "ep_size": groups.ep_size, "expert_dp_size": groups.expert_dp_size,
+            "dp_size": groups.dp_size,
+            "expert_params": sum(p.numel() for p in module.parameters() if getattr(p, "allreduce", True) is False),
+            "dense_params": sum(p.numel() for p in module.parameters() if getattr(p, "allreduce", True)),
             "unique": [[p.meta.name, p.meta.kind.value, p.disposition.value, p.meta.nbytes] for p in plan.unique],
             "regenerable": [m.name for m in plan.regenerable], "lazy": [p.meta.name for p in plan.lazy]}, indent=1))
     (out / f"final.rank{RANK}.json").write_text(json.dumps(fingerprints(gpt), indent=1, sort_keys=True))
