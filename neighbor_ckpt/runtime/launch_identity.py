@@ -153,17 +153,6 @@ def _is_launch_dir(name: str) -> bool:
     return name == "none" or name.startswith(LAUNCH_PREFIX)
 
 
-def _bytes_under(path: Path) -> int:
-    total = 0
-    for p in path.rglob("*"):
-        try:
-            if p.is_file():
-                total += p.stat().st_size
-        except OSError:
-            pass
-    return total
-
-
 def leftover_launch_stores(user_dir: Path, job_id: str, rank: int) -> list[tuple[Path, int]]:
     """This rank's directories (and their sizes in bytes) left under ``user_dir`` (``<store root>/<user>``) by
     earlier torchrun launches without a run id: job ids ``none`` (before launch ids existed) or ``launch-*``, other
@@ -178,7 +167,7 @@ def leftover_launch_stores(user_dir: Path, job_id: str, rank: int) -> list[tuple
             continue
         d = job_dir / f"rank{rank}"
         if d.is_dir():
-            out.append((d, _bytes_under(d)))
+            out.append((d, procs.dir_bytes(d)))
     return out
 
 

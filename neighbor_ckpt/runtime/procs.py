@@ -20,8 +20,8 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["boot_id", "process_start", "group_members", "mem_available_bytes", "RUN_TAG_ENV", "new_run_tag",
-           "kill_tagged"]
+__all__ = ["boot_id", "process_start", "group_members", "mem_available_bytes", "dir_bytes", "RUN_TAG_ENV",
+           "new_run_tag", "kill_tagged"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 """The kernel's unit of process start times (psutil divides by the same)."""
@@ -71,6 +71,20 @@ def mem_available_bytes() -> int | None:
 
 
 RUN_TAG_ENV = "NEIGHBOR_CKPT_HARNESS_RUN"
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a directory (files that vanish meanwhile count 0)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 def new_run_tag() -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from neighbor_ckpt.cli.bench.compare.systems.variant import Variant, dir_bytes
+from neighbor_ckpt.cli.bench.compare.systems.variant import Variant
+from neighbor_ckpt.runtime.procs import dir_bytes
 
 
 class LightningSave(Variant):

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neighbor_ckpt.cli.bench.compare.systems.variant import Variant, dir_bytes
+from neighbor_ckpt.cli.bench.compare.systems.variant import Variant
+from neighbor_ckpt.runtime.procs import dir_bytes
 
 if TYPE_CHECKING:
     from neighbor_ckpt.cli.bench.compare.gpt import Trainer

@@ -6,7 +6,8 @@ import time
 from typing import Any
 
 from neighbor_ckpt.cli.bench.compare.systems.mcore_dist import mcore_sharded_state_dict
-from neighbor_ckpt.cli.bench.compare.systems.variant import Variant, dir_bytes
+from neighbor_ckpt.cli.bench.compare.systems.variant import Variant
+from neighbor_ckpt.runtime.procs import dir_bytes
 
 
 class NvrxLocal(Variant):

@@ -9,20 +9,6 @@ if TYPE_CHECKING:
     from neighbor_ckpt.cli.bench.compare.gpt import Trainer
 
 
-def dir_bytes(path: Path) -> int:
-    """Bytes of a file, or of every file under a directory (what one save left on disk)."""
-    total = 0
-    if path.is_file():
-        return path.stat().st_size
-    for p in path.rglob("*"):
-        try:
-            if p.is_file():
-                total += p.stat().st_size
-        except OSError:
-            pass
-    return total
-
-
 class Variant:
     """One way of checkpointing every step. Methods run on every rank.
 
