@@ -9,11 +9,20 @@ two ranks of a node, a rank and its ring successor, a whole DP group or every ra
 a random bit flip, a truncation or a malformed header in the victim's newest snapshot. Its per-step losses and final
 parameters / optimizer state are compared (``==``) with a failure-free run of the same configuration.
 
+The in-process kinds (``inproc-kill``: SIGKILL of a rank in its optimizer step; ``inproc-hang``: SIGSTOP there, NVRx's
+hard timeout kills it) run the recipe in its in-process mode instead: 4 active ranks + 1 hot spare, the store host
+and one NVRx ``ft_launcher`` agent per simulated node (the commands of ``neighbor-ckpt launch``,
+:func:`neighbor_ckpt.cli.launch.inprocess_commands`); the spare takes the victim's place, no process restarts.
+Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
+(in-process recovery changes no arithmetic).
+
 Outcomes: ``exact`` (the job finished and every loss, recomputed ones included, and the final state equal the
 failure-free run), ``fallback`` (the job said it fell back to the insurance checkpoint, a megatron-core distributed
 checkpoint every ``--insurance-every`` steps, and finished every step), ``FAILED``
 (anything else: divergence, a crash, a hang past the deadline). For hangs the table also gives the detection
-time: from the moment the victim stopped (``fault.json``) to the first rank's detection log line.
+time: from the moment the victim stopped (``fault.json``) to the first rank's detection log line. An in-process case
+whose recovery gave up (announced) and that the restart path then recovered exactly is a ``fallback`` too; its MTTR
+is the recovery timeline's (fault to the first completed step).
 
 Cases are drawn from ``random.Random(seed)``: the seed reproduces the campaign. Usage::
 
@@ -73,6 +82,9 @@ class Kind:
     """A second fault: on the restart, a random rank is SIGKILLed while it loads the restored state."""
     tp: int | None = None
     """Tensor parallelism (None: drawn, 1 or 2)."""
+    inprocess: bool = False
+    """In-process recovery with a hot spare (the recipe's in-process mode under ``ft_launcher`` agents); always the
+    distributed optimizer."""
 
 
 KIND_SPECS: dict[str, Kind] = {
@@ -90,12 +102,18 @@ KIND_SPECS: dict[str, Kind] = {
     "lose-node": Kind(victims="node", store="replaced"),
     "lose-adjacent-pair": Kind(victims="adjacent-pair", store="replaced"),
     "lose-dp-group": Kind(victims="dp-group", store="replaced"),
+    "inproc-kill": Kind(phase="optimizer", tp=1, inprocess=True),
+    "inproc-hang": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
 in-memory version (a rank and its ring successor, or a whole DP group, restart with empty stores): the expected
 outcome is the announced fallback to the insurance checkpoint. A lost node is covered by the replicas its ranks
-streamed to the other node."""
+streamed to the other node. The ``inproc-*`` kinds are last, so adding them left every earlier draw of a seed as it
+was."""
+
+SPARES = 1
+"""Hot spares of an in-process case (on top of the ``WORLD`` active ranks)."""
 
 _DETECTED_RE = re.compile(r"detected a failure \((\w+)\) at unix ([0-9.]+)")
 _MTTR_RE = re.compile(r"recovery MTTR ([0-9.]+) s")
@@ -165,11 +183,18 @@ class Case:
 
     @property
     def max_restarts(self) -> int:
+        """torchrun's (in process: each ``ft_launcher`` agent's, the restart path a give-up falls back to)."""
         return 2 if self.recovery_rank is not None else 1
+
+    @property
+    def inprocess(self) -> bool:
+        return self.spec.inprocess
 
     def recipe_args(self) -> list[str]:
         args = ["--kill", f"{','.join(map(str, self.victims))}:{self.step}", "--kill-phase", self.phase,
-                "--kill-signal", self.signal, "--nodes", str(NODES)]
+                "--kill-signal", self.signal]
+        if not self.inprocess:  # in process, every agent is a simulated node of its own (NEIGHBOR_CKPT_NODE_ID)
+            args += ["--nodes", str(NODES)]
         if self.tp != 1:
             args += ["--tp", str(self.tp)]
         if self.spec.store == "replaced":
@@ -217,6 +242,7 @@ def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequ
         phase = spec.phase or rng.choice(("forward", "backward", "optimizer"))
         tp = spec.tp or rng.choice((1, 1, 2))
         recovery_rank = rng.randrange(world) if spec.recovery_kill else None
+        dist_opt = dist_opt or spec.inprocess  # drawn all the same: the draws of the cases after it stay as they were
         damage_seed = rng.randrange(2**31) if spec.store == "bitflip" else None
         case = Case(index=i, kind=kind, rank=rank, step=step, dist_opt=dist_opt, phase=phase, tp=tp,
                     recovery_rank=recovery_rank, damage_seed=damage_seed)
@@ -257,6 +283,53 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
         pass
     kill_tagged(tag)
     return rc, log.read_text(errors="replace")
+
+
+def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
+                  store_port: int, rdzv_port: int, max_restarts: int, insurance_every: int = 0):  # noqa: ANN201
+    """The store host and ``ft_launcher`` agent commands of an in-process case (nothing runs): ``WORLD`` active
+    ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store root per
+    simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
+    ``neighbor-ckpt launch`` builds its own."""
+    from neighbor_ckpt.cli.launch import inprocess_commands
+
+    program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
+               "--insurance-every", str(insurance_every), "--inprocess-store", f"127.0.0.1:{store_port}", *args]
+    return inprocess_commands(program, active=WORLD, spares=SPARES, max_restarts=max_restarts, run_id=job_id,
+                              store_port=store_port, rdzv_endpoint=f"127.0.0.1:{rdzv_port}", store_root=store,
+                              store_ready=out / "store_host.ready", parent=os.getpid())
+
+
+def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
+                   timeout: float, max_restarts: int) -> tuple[int, str]:
+    """Run an in-process case (:func:`inprocess_job`); the agents' and the store host's output in ``launch.log``.
+    Returns (the worst agent's exit status, -999 past ``timeout``; the log)."""
+    from neighbor_ckpt.cli.launch import run_inprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
+                          store_port=_free_port(), rdzv_port=_free_port(), max_restarts=max_restarts)
+    tag = new_run_tag()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
+    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic
+    log = out / "launch.log"
+    with open(log, "w") as f:
+        try:
+            rc = run_inprocess(procs, ready=out / "store_host.ready", env=env, timeout=timeout, stdout=f,
+                               stderr=subprocess.STDOUT)
+        except subprocess.TimeoutExpired:
+            rc = -999
+    kill_tagged(tag)  # a stopped victim nobody killed, or a worker its agent left behind
+    return rc, log.read_text(errors="replace")
+
+
+def _timeline_mttr(out: Path) -> float | None:
+    """The MTTR of the recovery timeline rank 0 wrote (in process: fault to the first completed step)."""
+    for path in sorted((out / "reports").glob("recovery_timeline.*.json")):
+        value = json.loads(path.read_text()).get("mttr_s")
+        if value is not None:
+            return float(value)
+    return None
 
 
 def _losses(out: Path) -> dict[int, dict[int, list[str]]]:
@@ -311,16 +384,23 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     # What an interrupted earlier run of this case left (a resumed campaign) must not be found by this one.
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(rank_dir(work / "store", job_id, 0).parent, ignore_errors=True)
+    inproc_store = work / "store" / f"inproc-{case.index}"  # one root per simulated node under it
+    shutil.rmtree(inproc_store, ignore_errors=True)
     t0 = time.time()
-    rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
-                        config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
-                        insurance_every=insurance_every)
+    if case.inprocess:
+        own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=SPARES, report_dir=out / "reports")
+        rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
+                                 steps=steps, timeout=timeout, max_restarts=case.max_restarts)
+    else:
+        rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
+                            config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
+                            insurance_every=insurance_every)
     wall = time.time() - t0
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
     detection = None
     if case.signal == "SIGSTOP" and detected and (out / "fault.json").exists():
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
-    mttr = [float(m.group(1)) for m in _MTTR_RE.finditer(log)]
+    mttr = [float(m.group(1)) for m in _MTTR_RE.finditer(log)] or [x for x in [_timeline_mttr(out)] if x is not None]
     common = dict(detection_s=detection, mttr_s=mttr[0] if mttr else None, wall_s=wall)
     if not (out / "fault.json").exists():
         return Outcome(case, "FAILED", "the fault never fired", **common)
@@ -334,6 +414,9 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
             return Outcome(case, "FAILED", f"fell back to insurance but did not finish training: {missing}", **common)
         return Outcome(case, "fallback", "announced fallback to insurance", **common)
     diff = compare(base, out)
+    if case.inprocess and not diff and "in-process recovery gives up" in log:
+        return Outcome(case, "fallback", "in-process recovery gave up (announced); the restart path recovered "
+                                         "exactly", **common)
     return Outcome(case, "FAILED" if diff else "exact", diff, **common)
 
 
@@ -356,12 +439,21 @@ def summarize(outcomes: Sequence[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def write_config(path: Path, *, interval_s: float, timeout_s: float) -> Path:
+def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0, base: Path | None = None,
+                 inprocess_spares: int | None = None, report_dir: Path | None = None) -> Path:
     """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
-    middle of streaming leaves a replica really half written."""
+    middle of streaming leaves a replica really half written. ``base``: that section as written before (the
+    campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares) and
+    ``report_dir`` (where the recovery timeline goes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
-                    "  store:\n    cleanup_on_success: true\n  transport:\n    chunk_mb: 0.0625\n")
+    text = base.read_text() if base is not None else (
+        f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
+        "  store:\n    cleanup_on_success: true\n  transport:\n    chunk_mb: 0.0625\n")
+    if inprocess_spares is not None:
+        text += f"  inprocess:\n    enabled: true\n    spares: {inprocess_spares}\n"
+    if report_dir is not None:
+        text += f"  report:\n    dir: {json.dumps(str(report_dir))}\n"
+    path.write_text(text)
     return path
 
 
@@ -470,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{case.index + 1}/{len(cases)}] {case.kind:20s} rank {case.rank} step {case.step} {case.phase:9s} "
               f"tp{case.tp} {'distopt' if case.dist_opt else 'replicated':10s} -> {o.result} "
               + (f"(detected in {o.detection_s:.2f} s) " if o.detection_s is not None else "")
+              + (f"(MTTR {o.mttr_s:.2f} s) " if o.mttr_s is not None else "")
               + f"{o.wall_s:.0f} s {o.detail}", flush=True)
     print(f"\nseed {args.seed}, {len(cases)} faults, detector timeout {args.detector_timeout:g} s / interval "
           f"{args.detector_interval:g} s, source {settings['source']}\n")

@@ -29,13 +29,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
-           "InprocessProcesses", "inprocess_processes", "NVRX_LAUNCHER"]
+           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "NVRX_LAUNCHER"]
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "nemo_pretrain.py"
 RDZV_LAST_CALL_S = 300
@@ -146,21 +146,35 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int, rdzv_endpoint: str
     """
     if not plan.inprocess:
         raise ConfigError("inprocess_processes: the job does not enable neighbor_ckpt.inprocess")
+    return inprocess_commands(_recipe_args(plan, inprocess_store=f"{host}:{store_port}"),
+                              active=plan.job.world_size, spares=plan.spares,
+                              max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
+                              rdzv_endpoint=rdzv_endpoint, store_root=store_root, store_ready=store_ready,
+                              parent=parent, host=host)
+
+
+def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
+                       store_port: int, rdzv_endpoint: str, store_root: Path, store_ready: Path | None = None,
+                       parent: int | None = None, host: str = "127.0.0.1") -> InprocessProcesses:
+    """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments, the store
+    host's ``--inprocess-store`` included): ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault
+    campaign the plain megatron-core loop."""
     store = [sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host", host, "--port", str(store_port)]
     if parent is not None:
         store += ["--parent", str(parent)]
     if store_ready is not None:
         store += ["--ready", str(store_ready)]
-    lo = max(1, plan.job.world_size - 1)
-    agent = (sys.executable, "-m", NVRX_LAUNCHER, f"--nnodes={lo}:{plan.processes}", "--nproc-per-node=1",
-             f"--max-restarts={plan.job.launch.max_restarts}", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={plan.run_id}",
+    processes = active + spares
+    lo = max(1, active - 1)
+    agent = (sys.executable, "-m", NVRX_LAUNCHER, f"--nnodes={lo}:{processes}", "--nproc-per-node=1",
+             f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
              f"--rdzv-conf=last_call_timeout={RDZV_LAST_CALL_S}", "--monitor-interval=0.2",
-             "--ft-restart-policy=min-healthy", *_recipe_args(plan, inprocess_store=f"{host}:{store_port}"))
+             "--ft-restart-policy=min-healthy", *program)
     agents = tuple((agent, (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                             ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                             ("TORCH_CPP_LOG_LEVEL", "error")))
-                   for i in range(plan.processes))
+                   for i in range(processes))
     return InprocessProcesses(store=tuple(store), agents=agents)
 
 
@@ -310,7 +324,20 @@ def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
     root = Path(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
     procs = inprocess_processes(plan, store_port=_free_port(), rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                                 store_root=root, store_ready=ready, parent=os.getpid())
-    store = subprocess.Popen(list(procs.store), **kw)
+    return run_inprocess(procs, ready=ready, **kw)
+
+
+def run_inprocess(procs: InprocessProcesses, *, ready: Path, env: dict[str, str] | None = None,
+                  timeout: float | None = None, **kw: Any) -> int:
+    """Start the store host of ``procs``, wait until it listens (``ready`` exists), start the agents (environment:
+    ``env`` or this process's, plus each agent's additions), wait for all of them; returns the worst agent's exit
+    status. ``timeout``: seconds for the agents, then :class:`subprocess.TimeoutExpired`; every process still
+    running is stopped on the way out."""
+    import os
+
+    ready.unlink(missing_ok=True)
+    base = dict(os.environ if env is None else env)
+    store = subprocess.Popen(list(procs.store), env=base, **kw)
     agents: list[subprocess.Popen] = []
     try:
         deadline = time.monotonic() + 120
@@ -321,9 +348,10 @@ def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
             if time.monotonic() > deadline:
                 raise ConfigError("the in-process store host did not listen within 120 s")
             time.sleep(0.05)
-        for cmd, env in procs.agents:
-            agents.append(subprocess.Popen(list(cmd), env={**os.environ, **dict(env)}, **kw))
-        codes = [a.wait() for a in agents]
+        for cmd, extra in procs.agents:
+            agents.append(subprocess.Popen(list(cmd), env={**base, **dict(extra)}, **kw))
+        end = None if timeout is None else time.monotonic() + timeout
+        codes = [a.wait(timeout=None if end is None else max(0.0, end - time.monotonic())) for a in agents]
         return max(codes, key=abs)  # the worst agent's: a signal's negative status is not lost behind a 0
     finally:
         for p in [*agents, store]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from neighbor_ckpt.cli.campaign import (KINDS, Case, Outcome, compare, dp_ring, draw_cases, load_outcomes,
-                                         resume_point, summarize)
+from neighbor_ckpt.cli.campaign import (KINDS, RECIPE, SPARES, WORLD, Case, Outcome, compare, dp_ring, draw_cases,
+                                         inprocess_job, load_outcomes, resume_point, summarize, write_config)
 from neighbor_ckpt.snapshot.topology import build_topology
 
 
@@ -157,3 +157,55 @@ def test_resume_refuses_another_commit_other_options_or_other_cases(tmp_path: Pa
         resume_point(tmp_path, settings, draw_cases(10, 4, steps=6))
     with pytest.raises(ValueError, match="does not exist"):
         resume_point(tmp_path / "elsewhere", settings, cases)
+
+
+def test_in_process_kinds_strike_a_distributed_optimizer_rank_in_its_optimizer_step_at_tp_1() -> None:
+    cases = [c for c in draw_cases(4 * len(KINDS), 5, steps=8) if c.inprocess]
+    assert {c.kind for c in cases} == {"inproc-kill", "inproc-hang"}
+    for c in cases:
+        # compared with the restart-path cases' failure-free run of that configuration: no baseline of their own
+        assert c.flavour == (True, 1) and c.phase == "optimizer" and not c.needs_insurance, c
+        assert c.signal == ("SIGSTOP" if c.kind == "inproc-hang" else "SIGKILL")
+        assert 0 <= c.rank < 4 and c.max_restarts == 1
+    kill = Case(index=0, kind="inproc-kill", rank=2, step=4, dist_opt=True, phase="optimizer")
+    # no --nodes: in process every ft_launcher agent is a simulated node of its own (NEIGHBOR_CKPT_NODE_ID)
+    assert kill.recipe_args() == ["--kill", "2:4", "--kill-phase", "optimizer", "--kill-signal", "SIGKILL"]
+    assert dataclasses.replace(kill, kind="inproc-hang").recipe_args()[-1] == "SIGSTOP"
+
+
+def test_adding_the_in_process_kinds_left_the_restart_path_draws_of_a_seed_as_they_were() -> None:
+    restart = [k for k in KINDS if not k.startswith("inproc-")]
+    assert KINDS[:len(restart)] == tuple(restart)
+    for seed in (7, 149):
+        assert draw_cases(len(restart), seed, steps=6, kinds=restart) == draw_cases(len(KINDS), seed, steps=6)[
+            :len(restart)]
+
+
+def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_ft_launcher_agent_per_node(
+        tmp_path: Path) -> None:
+    from neighbor_ckpt.cli.launch import NVRX_LAUNCHER
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    base = write_config(tmp_path / "campaign.yaml", interval_s=0.5, timeout_s=3.0)
+    own = write_config(tmp_path / "case" / "nckpt.yaml", base=base, inprocess_spares=SPARES,
+                       report_dir=tmp_path / "case" / "reports")
+    cfg = NeighborCkptConfig.from_yaml(own)
+    assert (cfg.inprocess.enabled, cfg.inprocess.spares) == (True, 1) and cfg.detector.timeout_s == 3.0
+    assert Path(cfg.report.dir) == tmp_path / "case" / "reports"
+    assert not NeighborCkptConfig.from_yaml(base).inprocess.enabled  # the restart-path cases' config is unchanged
+
+    case = Case(index=3, kind="inproc-kill", rank=1, step=2, dist_opt=True, phase="optimizer")
+    procs = inprocess_job(tmp_path / "case", case.recipe_args(), job_id="campaign-3", store=tmp_path / "store",
+                          config=own, steps=6, store_port=4001, rdzv_port=4002, max_restarts=case.max_restarts)
+    assert procs.store[1:3] == ("-m", "neighbor_ckpt.inprocess.store_host") and "4001" in procs.store
+    assert len(procs.agents) == WORLD + SPARES
+    for i, (cmd, env) in enumerate(procs.agents):
+        assert cmd[1:3] == ("-m", NVRX_LAUNCHER)
+        assert {"--nnodes=3:5", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-endpoint=127.0.0.1:4002",
+                "--rdzv-id=campaign-3", "--ft-restart-policy=min-healthy"} <= set(cmd)
+        program = list(cmd[cmd.index(str(RECIPE)):])
+        assert program[program.index("--config") + 1] == str(own)
+        assert program[program.index("--inprocess-store") + 1] == "127.0.0.1:4001"
+        assert program[-len(case.recipe_args()):] == case.recipe_args()
+        assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"
+        assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "store" / f"node{i}")
