@@ -84,7 +84,9 @@ class Kind:
     """Tensor parallelism (None: drawn, 1 or 2)."""
     inprocess: bool = False
     """In-process recovery with a hot spare (the recipe's in-process mode under ``ft_launcher`` agents); always the
-    distributed optimizer."""
+    distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path, which restores from
+    the host stores. NVRx detects the hang (its hard timeout), so the table gives no detection time for it; the
+    MTTR (fault to the first completed step) includes it."""
 
 
 KIND_SPECS: dict[str, Kind] = {

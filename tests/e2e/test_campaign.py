@@ -1,7 +1,9 @@
 """The fault campaign's CI subset: one case of every fault kind, drawn from a fixed seed, through
 ``neighbor-ckpt campaign`` itself (each a real torchrun job of the mcore recipe on 4 gloo ranks laid out as 2 nodes,
 real SIGKILL / SIGSTOP, real restarts, compared with the failure-free run of its configuration). The full
-randomized campaign (README) runs the same code with more faults."""
+randomized campaign (README) runs the same code with more faults. One in-process case (``inproc-kill``: 4 active ranks
++ 1 hot spare under one ``ft_launcher`` agent each) shares the distributed-optimizer TP 1 failure-free run: one extra
+job, no extra baseline (``inproc-hang`` runs in the full campaign only)."""
 
 from __future__ import annotations
 
@@ -21,18 +23,26 @@ SEED = 149
 """One case per kind, TP 1 throughout (TP 2 layouts are in test_mcore_recovery.py), two failure-free configurations
 (distributed and replicated optimizer): the hang strikes a distributed-optimizer rank in its backward pass, a
 replicated-optimizer rank restarts with its newest snapshot truncated (its weights come from a survivor's lazy
-backup), and the lost DP group is the whole job (no snapshot anywhere: the insurance checkpoint)."""
+backup), and the lost DP group is the whole job (no snapshot anywhere: the insurance checkpoint). The in-process kill
+strikes rank 1 in the optimizer step of step 1."""
+KINDS = tuple(k for k in campaign.KINDS if k != "inproc-hang")
+
+
+def _case_dir(root: Path, c: dict) -> Path:
+    return root / f"case{c['index']:04d}-{c['kind']}-r{c['rank']}-s{c['step']}"
 
 
 def _log(root: Path, c: dict) -> str:
-    return (root / f"case{c['index']:04d}-{c['kind']}-r{c['rank']}-s{c['step']}" / "torchrun.log").read_text()
+    d = _case_dir(root, c)
+    return (d / "launch.log" if (d / "launch.log").exists() else d / "torchrun.log").read_text()
 
 
-@pytest.mark.timeout(2700)  # 15 faulted jobs + 2 failure-free ones, about 45 s each on 2 quiet cores
+@pytest.mark.timeout(3000)  # 16 faulted jobs + 2 failure-free ones, about 45 s each on 2 quiet cores
 def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announced(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    kinds = campaign.KINDS
-    rc = campaign.main(["--faults", str(len(kinds)), "--seed", str(SEED), "--steps", "6", "--out", str(tmp_path)])
+    kinds = KINDS
+    rc = campaign.main(["--faults", str(len(kinds)), "--seed", str(SEED), "--steps", "6", "--kinds", ",".join(kinds),
+                        "--out", str(tmp_path)])
     out = capsys.readouterr().out
     outcomes = [json.loads(line) for line in (tmp_path / "outcomes.jsonl").read_text().splitlines()]
     assert rc == 0, out
@@ -60,6 +70,17 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
     assert lost.count("from the replica on its successor") == 2, "both ranks of the lost node pull their replicas"
     for kind in ("lose-adjacent-pair", "lose-dp-group"):
         assert "falling back to the insurance checkpoint" in _log(tmp_path, by_kind[kind]["case"]), kind
+    # In process: no launcher restart, the hot spare took the victim's place and pulled its state from the ring
+    # successor; the MTTR is the recovery timeline's.
+    inproc = by_kind["inproc-kill"]
+    c, d = inproc["case"], _case_dir(tmp_path, inproc["case"])
+    assert len(list(tmp_path.glob("baseline-*"))) == 2, "the in-process case has no failure-free run of its own"
+    tl = json.loads(next((d / "reports").glob("recovery_timeline.*.json")).read_text())
+    assert (tl["mode"], tl["restarted_ranks"], tl["spare_ranks"]) == ("in-process", [], [c["rank"]]), tl
+    assert inproc["mttr_s"] is not None and abs(inproc["mttr_s"] - tl["mttr_s"]) < 0.01, inproc  # logged, 2 digits
+    rep = json.loads(next(d.glob(f"report.rank{c['rank']}.attempt*.1.json")).read_text())
+    assert rep["outcome"] == "restored" and rep["source"] == "replica", rep
+    assert "in-process recovery gives up" not in _log(tmp_path, c)
 
     # The startup window (the CI flake of an earlier version): the victim dies with its first snapshot half copied,
     # before any replica exists; no complete version anywhere and no insurance yet. The job starts over, announced,
