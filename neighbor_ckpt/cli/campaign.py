@@ -307,6 +307,7 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
     """Run an in-process case (:func:`inprocess_job`); the agents' and the store host's output in ``launch.log``.
     Returns (the worst agent's exit status, -999 past ``timeout``; the log)."""
     from neighbor_ckpt.cli.launch import run_inprocess
+    from neighbor_ckpt.errors import ConfigError
 
     out.mkdir(parents=True, exist_ok=True)
     procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
@@ -321,6 +322,9 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
                                stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
             rc = -999
+        except ConfigError as e:  # the store host never listened: this case failed, the campaign goes on
+            f.write(f"\ncampaign: {e}\n")
+            rc = -998
     kill_tagged(tag)  # a stopped victim nobody killed, or a worker its agent left behind
     return rc, log.read_text(errors="replace")
 
