@@ -18,7 +18,9 @@ pytest.importorskip("megatron.core")
 STEPS = 6
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+# The alltoall dispatcher's two-runs check is the kill test's: its restarted job must reproduce the failure-free
+# run's losses bit for bit (one job fewer in CI); the structural checks below run on its baseline too.
+@pytest.mark.parametrize("dispatcher", ["allgather"])
 def test_tiny_moe_gpt_with_expert_bias_trains_on_cpu_with_finite_losses_equal_in_two_runs(
         dispatcher: str, baseline: Baselines, tmp_path: Path) -> None:
     first = baseline("train_mcore_moe.py", STEPS=STEPS, EP=2, DISPATCHER=dispatcher, ROUTER="bias")
@@ -29,12 +31,19 @@ def test_tiny_moe_gpt_with_expert_bias_trains_on_cpu_with_finite_losses_equal_in
     assert sorted(losses) == [0, 1, 2, 3]
     for rank, steps in losses.items():
         assert sorted(steps) == list(range(STEPS)), f"rank {rank} trained other steps"
-        values = [float.fromhex(recs[-1][1]) for _, recs in sorted(steps.items())]
-        assert all(math.isfinite(v) for v in values), (rank, values)
     assert second.losses() == losses, "two failure-free runs must give the same losses, bit for bit"
     for rank in range(4):
-        final = first.final(rank)
-        assert final == second.final(rank), f"rank {rank}: final state differs between two runs"
+        assert first.final(rank) == second.final(rank), f"rank {rank}: final state differs between two runs"
+    _assert_moe_state(first)
+
+
+def _assert_moe_state(run) -> None:  # noqa: ANN001 - a RunResult of tests.conftest
+    """Every loss finite; two chained optimizers (dense, expert); every router's expert_bias present and updated."""
+    for rank, steps in run.losses().items():
+        values = [float.fromhex(recs[-1][1]) for _, recs in sorted(steps.items())]
+        assert all(math.isfinite(v) for v in values), (rank, values)
+    for rank in range(4):
+        final = run.final(rank)
         assert final["chained"] == 2, "the distributed optimizer keeps the dense and the expert parameters apart"
         biases = final["expert_bias"]
         assert sorted(biases) == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in range(2)]
@@ -52,6 +61,7 @@ def test_moe_kill_at_step_5_with_an_empty_store_is_bit_exact_including_every_exp
                        ROUTER="bias", KILL_RANK=1, KILL_STEP=5, WIPE_RANKS=1)
     assert res.returncode == 0, res.log[-6000:]
     assert "exitcode: -9" in res.log, "the kill did not happen"
+    _assert_moe_state(base)
     assert_same_training(base, res)  # losses (each recomputation too), final params, optimizer state, expert_bias
     assert recomputed_steps(res) <= {4, 5}
     rep = res.report(1, 1)
