@@ -24,8 +24,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-__all__ = ["ParamState", "optimizer_parts", "is_distributed", "param_states", "shard_layout", "grad_scaler_of",
-           "regenerate_weights", "materialize_state"]
+__all__ = ["ParamState", "optimizer_parts", "is_distributed", "param_states", "shard_layout", "shard_spans",
+           "grad_scaler_of", "regenerate_weights", "materialize_state"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,20 @@ def shard_layout(part: Any, names: dict[int, str]) -> list[list[Any]]:
         gbuf_index, dtype, bucket = part.model_param_gbuf_map[s.model_param]
         rng = part.gbuf_ranges[gbuf_index][dtype][bucket]["param_map"][s.model_param]["gbuf_world_in_bucket"]
         out.append([names.get(id(s.model_param), "?"), gbuf_index, str(dtype), bucket, rng.start, rng.end])
+    return out
+
+
+def shard_spans(part: Any) -> dict[int, tuple[int, int, int]]:
+    """Per model param (by ``id``) this rank's shard holds a slice of: (param numel, start, end), the slice of the
+    flattened param in param-local elements (mcore's ``param_map[param]["param"]`` range). Empty when not distributed.
+    Another data-parallel size cuts the same params at other places: the elastic reshard maps one onto the other."""
+    if not is_distributed(part):
+        return {}
+    out: dict[int, tuple[int, int, int]] = {}
+    for s in param_states(part):
+        gbuf_index, dtype, bucket = part.model_param_gbuf_map[s.model_param]
+        rng = part.gbuf_ranges[gbuf_index][dtype][bucket]["param_map"][s.model_param]["param"]
+        out[id(s.model_param)] = (s.model_param.numel(), int(rng.start), int(rng.end))
     return out
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "DetectorConfig",
     "FaultInjectionConfig",
     "InprocessConfig",
+    "ElasticConfig",
     "NeighborCkptConfig",
     "JobIdChoice",
     "decide_job_id",
@@ -251,6 +252,11 @@ class FaultInjectionConfig:
     replace_store: bool = True
     """The killed rank restarts with an empty host store, as a replaced node would."""
 
+    permanent: bool = False
+    """The victim never comes back: its node is gone. The launcher agent that started it is killed with it, so no
+    restart brings that rank back (in-process recovery: no spare is started for it either); with
+    ``elastic.enabled`` the job goes on with a smaller data-parallel size."""
+
     def _check(self, p: Problems) -> None:
         p.at_least("rank", self.rank, 0)
         p.at_least("step", self.step, 0)
@@ -273,6 +279,26 @@ class InprocessConfig:
 
     def _check(self, p: Problems) -> None:
         p.at_least("spares", self.spares, 0)
+
+
+@checked("neighbor_ckpt.elastic")
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    """Go on with fewer data-parallel ranks when a rank is lost for good and no hot spare is left (ReCoVer's
+    constant global batch), and back to more when ranks return: :mod:`neighbor_ckpt.recovery.reshard`. The fp32
+    main-param and Adam-moment shards of the old layout (each rank's own slots and the lost ranks' replicas on their
+    ring successors) are re-partitioned into the new layout of megatron-core's distributed optimizer, from memory;
+    the training loop keeps the global batch by giving each rank more micro-batches."""
+
+    enabled: bool = False
+    """Allow the data-parallel size to change at a recovery. Off: a snapshot of another data-parallel size is refused
+    like any other layout change, and in-process recovery without a spare gives up (the launcher restarts the job)."""
+
+    min_data_parallel: int = 1
+    """Never shrink below this data-parallel size: with fewer ranks the job falls back to the launcher's restart."""
+
+    def _check(self, p: Problems) -> None:
+        p.at_least("min_data_parallel", self.min_data_parallel, 1)
 
 
 @checked("neighbor_ckpt")
@@ -315,6 +341,9 @@ class NeighborCkptConfig:
 
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     """In-process recovery with hot spares (off by default)."""
+
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Continue on fewer (or return to more) data-parallel ranks, resharding from memory (off by default)."""
 
     data_check: Literal["error", "warn", "off"] = "error"
     """After a recovery, each rank compares a fingerprint of the replayed step's input with the one recorded

@@ -115,5 +115,16 @@ class StateAdapter(ABC):
         snapshot must match besides tensor names and shapes. Default: nothing more."""
         return None
 
+    def materialize(self) -> None:  # noqa: B027 - optional hook
+        """Create state that exists only after a first optimizer step (torch optimizers create theirs lazily), so
+        :meth:`named_tensors` names every tensor :meth:`load` will fill. Default: nothing to create."""
+
+    def dp_shards(self) -> dict[str, tuple[int, int, int]] | None:
+        """For an elastic reshard (``neighbor_ckpt.elastic``): the tensors of :meth:`named_tensors` that are slices of
+        a larger tensor cut over the data-parallel group, by name: ``(numel of the whole, start, end)`` in flattened
+        elements. Every other unique tensor is whole (the same in any data-parallel layout). None (the default for a
+        sharded optimizer): this adapter cannot say, and its state cannot be resharded."""
+        return None if self.distributed_optimizer else {}
+
     def regenerate(self, dp_group: dist.ProcessGroup | None) -> None:  # noqa: B027 - optional hook
         """Rebuild regenerable tensors (collective over ``dp_group``). Default: nothing is regenerable."""

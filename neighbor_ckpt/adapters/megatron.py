@@ -136,6 +136,30 @@ class MegatronOptimizerAdapter(StateAdapter):
         order has other ranges and is refused."""
         return [self._ms.shard_layout(p, self._names) for p in self.parts]
 
+    def materialize(self) -> None:
+        for part in self.parts:
+            self._ms.materialize_state(part)
+
+    def dp_shards(self) -> dict[str, tuple[int, int, int]]:
+        """The fp32 main-param shard and each moment of it are slices of the flattened param: ``(param numel, start,
+        end)`` from mcore's shard ranges (elastic resharding cuts the same params for another DP size)."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for part, states in zip(self.parts, self._states):
+            spans = self._ms.shard_spans(part)
+            inner_state = part.optimizer.state
+            for s in states:
+                span = spans.get(id(s.model_param))
+                if span is None:
+                    continue
+                name = self._name(s.model_param)
+                n = span[2] - span[1]
+                if s.main_param is not None and s.main_param.numel() == n:
+                    out[f"main/{name}"] = span
+                for key, v in inner_state.get(s.stepped, {}).items():
+                    if isinstance(v, torch.Tensor) and v.numel() == n and v.dim() > 0:
+                        out[f"optim/{name}/{key}"] = span
+        return out
+
     def capture_extras(self) -> dict[str, Any]:
         groups = [[{k: v for k, v in g.items() if k != "params"} for g in part.optimizer.param_groups]
                   for part in self.parts]
@@ -157,8 +181,7 @@ class MegatronOptimizerAdapter(StateAdapter):
         if len(extras["param_groups"]) != len(self.parts):
             raise SnapshotMismatchError(f"snapshot has {len(extras['param_groups'])} optimizers, this job "
                                         f"{len(self.parts)}")
-        for part in self.parts:
-            self._ms.materialize_state(part)
+        self.materialize()
         with torch.no_grad():
             if not self.distributed_optimizer:
                 for ci, chunk in enumerate(self.chunks):

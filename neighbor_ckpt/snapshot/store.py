@@ -42,7 +42,8 @@ from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, Snapshot
 logger = logging.getLogger(__name__)
 
 __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "MIN_EXTRAS_BYTES", "HEADER_ALLOWANCE_BYTES",
-           "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir", "pick_slot_for_write", "encode_meta"]
+           "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir", "generation_dir", "store_generations", "remove_generations",
+           "pick_slot_for_write", "encode_meta"]
 
 MAGIC = b"NCKPTSLT"
 MARKER_MAGIC = b"NCKPTCMT"
@@ -464,9 +465,51 @@ def _user() -> str:
         return f"uid{os.getuid()}"
 
 
-def rank_dir(root: Path, job_id: str, rank: int) -> Path:
-    """Directory of one rank's slot files: ``<root>/<user>/<job_id>/rank<rank>``."""
-    return Path(root) / _user() / job_id / f"rank{rank}"
+GENERATION_PREFIX = "g"
+"""Generation ``k >= 1`` of a job's store lives in ``<job dir>/g<k>/``; generation 0 is the job directory itself."""
+
+
+def generation_dir(root: Path, job_id: str, generation: int = 0) -> Path:
+    """Directory of one generation of a job's store: ``<root>/<user>/<job_id>`` (generation 0), or its ``g<k>``
+    subdirectory. A new generation begins when the data-parallel layout changes (an elastic reshard: every rank's
+    number and shard may change, so the previous layout's slots stay apart until the new one is complete)."""
+    d = Path(root) / _user() / job_id
+    return d if generation == 0 else d / f"{GENERATION_PREFIX}{generation}"
+
+
+def rank_dir(root: Path, job_id: str, rank: int, generation: int = 0) -> Path:
+    """Directory of one rank's slot files: ``<root>/<user>/<job_id>/rank<rank>`` (generation 0), or under the
+    generation's subdirectory."""
+    return generation_dir(root, job_id, generation) / f"rank{rank}"
+
+
+def store_generations(root: Path, job_id: str) -> list[int]:
+    """The generations of a job's store present under ``root`` (on this node), oldest first."""
+    job = generation_dir(root, job_id)
+    if not job.is_dir():
+        return []
+    out = [0] if any(p.is_dir() for p in job.glob("rank*")) else []
+    for p in job.glob(f"{GENERATION_PREFIX}*"):
+        num = p.name[len(GENERATION_PREFIX):]
+        if p.is_dir() and num.isdigit() and int(num) > 0:
+            out.append(int(num))
+    return sorted(out)
+
+
+def remove_generations(root: Path, job_id: str, *, below: int) -> list[Path]:
+    """Delete this node's slot files of every generation of the job older than ``below`` (the previous layouts'
+    snapshots, once the current layout has a complete version); returns what was removed. Several ranks of a node may
+    call it at once."""
+    removed: list[Path] = []
+    for gen in store_generations(root, job_id):
+        if gen >= below:
+            continue
+        targets = sorted(generation_dir(root, job_id).glob("rank*")) if gen == 0 else \
+            [generation_dir(root, job_id, gen)]
+        for d in targets:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 class HostStore:
@@ -478,20 +521,29 @@ class HostStore:
         rank: global rank of this process.
         versions: slots per role.
         use_checksum: compute / verify xxh3 checksums.
+        generation: the store generation (:func:`generation_dir`; 0 unless the data-parallel layout changed).
     """
 
-    def __init__(self, root: Path, *, job_id: str, rank: int, versions: int = 2, use_checksum: bool = True) -> None:
+    def __init__(self, root: Path, *, job_id: str, rank: int, versions: int = 2, use_checksum: bool = True,
+                 generation: int = 0) -> None:
         self.root = Path(root)
         self.job_id = job_id
         self.rank = rank
         self.versions = versions
         self.use_checksum = use_checksum
-        self.dir = rank_dir(self.root, job_id, rank)
-        self.job_dir = self.dir.parent
+        self.generation = generation
+        self.user_dir = self.root / _user()
+        """``<root>/<user>``: every job of this user on this node."""
+        self.job_dir = generation_dir(self.root, job_id)
+        """``<root>/<user>/<job_id>``: this job's store, every generation."""
+        self.gen_dir = generation_dir(self.root, job_id, generation)
+        """This generation's directory (the job directory for generation 0)."""
+        self.dir = rank_dir(self.root, job_id, rank, generation)
         self.root.mkdir(parents=True, exist_ok=True)
-        for d in (self.root / _user(), self.job_dir, self.dir):
+        dirs = list(dict.fromkeys((self.user_dir, self.job_dir, self.gen_dir, self.dir)))
+        for d in dirs:
             d.mkdir(mode=0o700, exist_ok=True)
-        for d in (self.root / _user(), self.job_dir, self.dir):
+        for d in dirs:
             os.chmod(d, 0o700)
         self._slots: dict[tuple[str, int], SlotFile] = {}
 
@@ -627,13 +679,14 @@ class HostStore:
         self._slots.clear()
 
     def destroy(self) -> None:
-        """Close and delete this rank's files (the job directory goes when it is empty)."""
+        """Close and delete this rank's files (the generation's and the job's directories go when they are empty)."""
         self.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-        try:
-            self.job_dir.rmdir()
-        except OSError:
-            pass
+        for d in dict.fromkeys((self.gen_dir, self.job_dir)):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
     def host_bytes(self) -> int:
         """Bytes of all slot files of this rank."""

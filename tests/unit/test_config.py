@@ -234,8 +234,8 @@ def test_constructor_null_section_gives_its_defaults_as_from_dict_does():
      "neighbor_ckpt.store.dirr: unknown key (allowed keys of neighbor_ckpt.store: checksum, cleanup_on_success, dir, "
      "extras_capacity_mb, reap_orphans, versions)"),
     (lambda: NeighborCkptConfig(stor={}), "neighbor_ckpt.stor: unknown key (allowed keys of neighbor_ckpt: "
-     "data_check, detector, enabled, fault_injection, inprocess, insurance, job_id, lazy_backup, report, ring, store, "
-     "transport)"),
+     "data_check, detector, elastic, enabled, fault_injection, inprocess, insurance, job_id, lazy_backup, report, "
+     "ring, store, transport)"),
     (lambda: NeighborCkptConfig(data_check="maybe"),
      "neighbor_ckpt.data_check: 'maybe' is not allowed (allowed values: 'error', 'warn', 'off')"),
     (lambda: StoreConfig(versions=1), "neighbor_ckpt.store.versions: 1 must be >= 2"),
