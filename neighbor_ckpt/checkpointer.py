@@ -51,8 +51,9 @@ from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
 from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
 from neighbor_ckpt.recovery.datacheck import SNAPSHOT_KEY, DataCheck, parse_input
+from neighbor_ckpt.recovery.elastic import Generations, rank_layout
 from neighbor_ckpt.recovery.journal import read_failure_input, take_failure_event
-from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult
+from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult, Reshard
 from neighbor_ckpt.report.status import Reporter, SnapshotStats, replica_lag, resolve_status_interval
 from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_rank_events, newest_commit_unix,
                                            process_start_unix, wait_for_renders)
@@ -105,12 +106,17 @@ class NeighborCheckpointer:
     Collectives on the snapshot group (:attr:`group`, gloo), one place per phase, in this order on every rank
     (gloo hangs when ranks disagree, so each "whether" below depends only on gathered data or the configuration):
 
-    1. construction: the group itself (``new_group``), then the topology all-gather (:func:`discover_topology`);
+    1. construction: the group itself (``new_group``), then the topology all-gather (:func:`discover_topology`),
+       then the store generation all-gather (:class:`~neighbor_ckpt.recovery.elastic.Generations`);
     2. :meth:`recover`: the :class:`~neighbor_ckpt.recovery.recoverer.Recoverer`'s (journal verdict, inventory
-       exchange, per round: transfers + restore verdict), then the timeline gather (:meth:`_gather_recovery_events`);
+       exchange, per round: transfers + restore verdict; or the elastic reshard's), then the timeline gather
+       (:meth:`_gather_recovery_events`);
     3. the first :meth:`snapshot`: the preflight verdict (:meth:`_preflight_host_memory`, one all-reduce);
     4. every :meth:`snapshot`: the ring transport's point-to-point streaming, on its own thread (pairs only);
-    5. :meth:`close` on success: one barrier.
+    5. after an elastic reshard, from the second :meth:`snapshot` on until it succeeds: the release verdict
+       (:meth:`Generations.maybe_release <neighbor_ckpt.recovery.elastic.Generations.maybe_release>`, one
+       all-reduce);
+    6. :meth:`close` on success: one barrier.
     """
 
     def __init__(self, config: NeighborCkptConfig | None = None, *, adapter: StateAdapter,
@@ -122,6 +128,11 @@ class NeighborCheckpointer:
                               "build one with NeighborCkptConfig(...), .from_dict(...) or .from_yaml(...)")
         self.config = config or NeighborCkptConfig()
         validate(self.config, "neighbor_ckpt", types=True)  # again: attributes may have been set after construction
+        if self.config.elastic.enabled and (not adapter.distributed_optimizer or adapter.dp_shards() is None):
+            raise ConfigError(
+                f"neighbor_ckpt.elastic.enabled: {type(adapter).__name__} keeps optimizer state that cannot be "
+                "re-partitioned for another data-parallel size. Elastic resharding needs megatron-core's distributed "
+                "optimizer (use_distributed_optimizer=True, MegatronOptimizerAdapter); turn elastic off otherwise")
         self.attempt = attempt if attempt is not None else AttemptInfo.from_env()
         if attempt is None and self.config.inprocess.enabled:
             logger.warning("neighbor_ckpt: inprocess.enabled but no attempt= given: pass InprocessRecovery."
@@ -143,14 +154,19 @@ class NeighborCheckpointer:
         self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
                                                     policy=self.config.ring.policy,
                                                     model_parallel_coord=model_parallel_coord)
+        self.generations = Generations(root=self.config.resolved_store_dir(), job_id=self.job_identity.job_id,
+                                       topology=self.topology, group=self.group, elastic=self.config.elastic.enabled)
+        """The store generation this layout uses, and whether :meth:`recover` reshards into it from the previous one
+        (the newest snapshots have another world or data-parallel size and ``elastic`` is on)."""
         self.store = HostStore(self.config.resolved_store_dir(), job_id=self.job_identity.job_id,
                                rank=self.topology.rank, versions=self.config.store.versions,
-                               use_checksum=self.config.store.checksum != "none")
+                               use_checksum=self.config.store.checksum != "none",
+                               generation=self.generations.generation)
         if self.config.store.reap_orphans:
             reaper.reap_previous(self.store.dir, rank=self.topology.rank)
         reaper.record(self.store.dir)
         if self.job_identity.source == "launch":  # an earlier launch's store under this root is never loaded: say so
-            report_leftovers(self.store.job_dir.parent, self.store.job_id, self.topology.rank)
+            report_leftovers(self.store.user_dir, self.store.job_id, self.topology.rank)
         self.datacheck = DataCheck(self.config.data_check if self.config.enabled else "off",
                                    store_dir=self.store.dir, rank=self.topology.rank)
         """The data-position check (``data_check``): input fingerprints, compared after a recovery."""
@@ -176,7 +192,7 @@ class NeighborCheckpointer:
             self.config.report, rank_zero=self.topology.rank == 0, attempt=self.attempt,
             every_n_steps=resolve_status_interval(self.config.report.status_every_n_steps, None),
             report_dir=Path(self.config.report.dir) if self.config.report.dir
-            else self.store.job_dir.parent / "reports" / self.store.job_id,
+            else self.store.user_dir / "reports" / self.store.job_id,
             process_group_ready=group_ready)
         """Status line, metrics and recovery timeline; the Lightning callback attaches the trainer's."""
         self._first_snapshot: int | None = None
@@ -271,12 +287,24 @@ class NeighborCheckpointer:
         failure_input = parse_input(read_failure_input(self.failure.events_path))
         self._restored_input = None
         noticed = take_failure_event(self.failure.events_path, not_after=started)
+        reshard = None
+        if self.generations.reshard_from is not None:
+            reshard = Reshard(self.generations.reshard_from, rank_layout(self.adapter, self.topology))
         with self.reporter.progress() as progress:
-            result = self.recoverer.recover(layout=self.layout(), load=self._load, on_phase=progress.phase)
+            result = self.recoverer.recover(layout=self.layout(), load=self._load, on_phase=progress.phase,
+                                            reshard=reshard)
         self.last_report = result.report
         self._recovered = True
-        self.datacheck.arm(result.next_step, restored=result.restored, restored_iteration=result.iteration,
-                           snapshot_input=self._restored_input, failure_input=failure_input)
+        if result.report.resharded:
+            # Another data-parallel size deals the samples to other ranks: no rank's first micro-batch of the replayed
+            # step is the one it had before the failure. The data position itself (consumed samples) is the
+            # training loop's, restored with its state.
+            logger.info("rank %d: neighbor_ckpt data check: not checked after an elastic reshard (each rank's "
+                        "micro-batches change with the data-parallel size)", self.topology.rank)
+            self.datacheck.arm(result.next_step, restored=False)
+        else:
+            self.datacheck.arm(result.next_step, restored=result.restored, restored_iteration=result.iteration,
+                               snapshot_input=self._restored_input, failure_input=failure_input)
         if not result.restored:
             return result
         self.last_iteration = result.iteration
@@ -309,7 +337,8 @@ class NeighborCheckpointer:
                           abort_end=att.abort_end_unix, activated_spare=1.0 if att.activated_spare else 0.0)
         per_rank = gather_rank_events(mine, self.group)
         self.reporter.begin_timeline(per_rank, outcome=report.outcome, iteration=report.iteration,
-                                     recovery_phases=ph)
+                                     recovery_phases=ph,
+                                     data_parallel=(report.data_parallel_before, report.data_parallel_after))
 
     # -- per iteration ---------------------------------------------------------------------------------
 
@@ -325,9 +354,11 @@ class NeighborCheckpointer:
                                                gate=self.gate,
                                                rate_limit_bps=self.config.transport.rate_limit_mb_per_s * 1e6)
             self.transport.start()
+        unique = {p.meta.name for p in self.plan.unique}
         meta = {"world_size": self.topology.world_size, "dp_ranks": list(self.topology.dp_ranks),
                 "ring": list(self.topology.ring), "has_lazy": self.plan.has_lazy,
-                "unique_bytes": self.plan.unique_bytes, "lazy_bytes": self.plan.lazy_bytes}
+                "unique_bytes": self.plan.unique_bytes, "lazy_bytes": self.plan.lazy_bytes,
+                **self.generations.snapshot_meta(self.adapter, unique)}  # what an elastic reshard reads
         self._layout = self.layout()
         self.failure.arm(self.plan, [live[p.meta.name] for p in self.plan.lazy], self._layout)
         self.engine = SnapshotEngine(store=self.store, plan=self.plan,
@@ -345,7 +376,7 @@ class NeighborCheckpointer:
         on any rank's node (a rank that failed alone would leave the others hanging in the next collective)."""
         assert self.plan is not None  # noqa: S101
         ecap = self.config.store.extras_capacity_mb
-        chk = check_host_memory(self.store.root, self.store.job_dir, need_per_rank=store_bytes_per_rank(
+        chk = check_host_memory(self.store.root, self.store.gen_dir, need_per_rank=store_bytes_per_rank(
             unique_bytes=self.plan.unique_bytes, lazy_bytes=self.plan.lazy_bytes if self.plan.has_lazy else 0,
             versions=self.store.versions, extras_bytes=None if ecap is None else int(ecap * 2**20)))
         failed = torch.tensor([0 if chk.ok else 1], dtype=torch.int64)
@@ -423,6 +454,10 @@ class NeighborCheckpointer:
         if seen is not None:
             extras[SNAPSHOT_KEY] = seen
         self.engine.snapshot(iteration, extras)
+        if self.generations.release_pending and self._first_snapshot is not None and iteration > self._first_snapshot:
+            es = self.engine.stats
+            self.generations.maybe_release(first_snapshot=self._first_snapshot, committed=es.iteration,
+                                           replicated=es.replicated_iteration if self.transport is not None else None)
         self.datacheck.step_done(iteration)
         self.recoverer.step_completed()  # a step completed after a restore: that state did not fail
         if self.plan is not None and self.plan.has_lazy:
@@ -508,6 +543,7 @@ class NeighborCheckpointer:
             self.recoverer.step_completed()  # training ended right after a restore: that state did not fail
         if success and self.config.store.cleanup_on_success:
             self.store.destroy()
+            self.generations.release()  # the previous layout's snapshots, if not released yet
         else:
             self.store.close()
         if success:

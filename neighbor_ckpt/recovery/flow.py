@@ -64,15 +64,28 @@ class RecoveryReport:
     notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: inventory, exchange, transfer, verify, load."""
+    data_parallel_before: int | None = None
+    """Data-parallel size of the snapshots restored (None: not known, no restore)."""
+    data_parallel_after: int | None = None
+    """Data-parallel size of this layout (differs from :attr:`data_parallel_before` after an elastic reshard)."""
     decision: RecoveryDecision | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (without the decision object), for logs and tests."""
         return {"outcome": self.outcome, "iteration": self.iteration, "source": self.source,
                 "lazy_from": self.lazy_from, "pulled_bytes": self.pulled_bytes, "lazy_bytes": self.lazy_bytes,
-                "reason": self.reason, "newest": self.newest, "notes": list(self.notes), "phases": dict(self.phases)}
+                "reason": self.reason, "newest": self.newest, "notes": list(self.notes), "phases": dict(self.phases),
+                "data_parallel_before": self.data_parallel_before, "data_parallel_after": self.data_parallel_after}
+
+    @property
+    def resharded(self) -> bool:
+        """The restored state was re-partitioned from another data-parallel size (an elastic reshard)."""
+        return self.source == "reshard"
 
     def summary(self) -> str:
+        if self.outcome == "restored" and self.resharded:
+            return (f"{self.reason}; received {self.pulled_bytes} bytes of shards from other ranks; "
+                    + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.phases.items()))
         if self.outcome == "restored":
             how = "its own host slot" if self.source == SOURCE_OWN else "the replica on its successor"
             lazy = f", redundant state from rank {self.lazy_from}'s lazy backup" if self.lazy_from is not None else ""
@@ -204,7 +217,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
           failure anywhere ends the flow (restored), else the failed copies are excluded and the next round
           reconciles again.
     """
-    rep = RecoveryReport()
+    rep = RecoveryReport(data_parallel_before=topology.dp_size, data_parallel_after=topology.dp_size)
     on_phase("inventory")
     t0 = time.perf_counter()
     rejected: dict[int, str] = {}

@@ -61,7 +61,6 @@ def reconcile(table: Sequence[RankVersions], exclude: frozenset[tuple[int, int, 
     ``failed_iterations`` the iterations a previous attempt restored and then died before completing a step
     (never chosen again: no restart loop)."""
     by_rank = {r.rank: r for r in table}
-    holder_of = {r.successor: r.rank for r in table}  # successor -> owner; replica of owner lives there
     groups: dict[int, list[RankVersions]] = {}
     for r in table:
         groups.setdefault(r.dp_group, []).append(r)

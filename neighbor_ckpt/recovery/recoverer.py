@@ -17,6 +17,12 @@ rank because every input is the result of a collective or the same configuration
 * **refuse**: nothing complete and no insurance outside the startup window: :class:`NoRecoverableStateError`,
   nothing loaded. Never a partial or corrupted state.
 
+Where the in-memory version comes from: the restore flow (:func:`~neighbor_ckpt.recovery.flow.run_recovery`: this
+layout's own snapshots), or, when the checkpointer found the newest snapshots taken with another data-parallel size
+and ``neighbor_ckpt.elastic`` is on (a :class:`Reshard` request), the elastic reshard
+(:func:`~neighbor_ckpt.recovery.elastic.run_reshard`): the only place a layout change is accepted. Both end in the
+same outcomes.
+
 The restore journal (:class:`~neighbor_ckpt.recovery.journal.RestoreJournal`) is part of the policy: a restored
 state whose attempt dies before completing a step is never chosen again.
 
@@ -36,15 +42,17 @@ import torch
 import torch.distributed as dist
 
 from neighbor_ckpt.errors import NoRecoverableStateError
+from neighbor_ckpt.recovery.elastic import run_reshard
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored, all_gather_int64, run_recovery
 from neighbor_ckpt.recovery.journal import RestoreJournal
+from neighbor_ckpt.recovery.reshard import RankLayout
 from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Recoverer", "RecoveryResult", "Outcome", "OutcomeDecision", "decide_outcome", "settle_insurance",
-           "InsuranceLoader"]
+           "InsuranceLoader", "Reshard"]
 
 InsuranceLoader = Callable[[], "int | None"]
 """Loads the newest persistent checkpoint into the live model/optimizer; returns its iteration or None."""
@@ -117,6 +125,15 @@ def settle_insurance(decision: OutcomeDecision, *, configured: bool, iteration: 
 
 
 @dataclass(frozen=True)
+class Reshard:
+    """Restore by an elastic reshard: the snapshots of store generation ``from_generation`` were taken with another
+    data-parallel size; this rank's part of them in ``layout`` (its unique tensors and their shard spans)."""
+
+    from_generation: int
+    layout: RankLayout
+
+
+@dataclass(frozen=True)
 class RecoveryResult:
     """Outcome of :meth:`NeighborCheckpointer.recover <neighbor_ckpt.checkpointer.NeighborCheckpointer.recover>`."""
 
@@ -162,7 +179,7 @@ class Recoverer:
         self.journal = RestoreJournal(store.dir, rank=topology.rank)
 
     def recover(self, *, layout: str, load: Callable[[Restored], None],
-                on_phase: Callable[[str], None] = _no_progress) -> RecoveryResult:
+                on_phase: Callable[[str], None] = _no_progress, reshard: Reshard | None = None) -> RecoveryResult:
         """Collective over the snapshot group: restore the newest version every rank can, or the fallback.
 
         ``load`` applies a validated in-memory version to the live training state (the adapter load, weight
@@ -174,7 +191,9 @@ class Recoverer:
 
         1. journal verdict: one all-gather of every rank's restore journal (:meth:`_failed_restores`);
         2. the restore flow (:func:`~neighbor_ckpt.recovery.flow.run_recovery`): the inventory exchange, then per
-           round the transfers (point-to-point) and the restore verdict;
+           round the transfers (point-to-point) and the restore verdict; with ``reshard``, the elastic reshard
+           instead (:func:`~neighbor_ckpt.recovery.elastic.run_reshard`: the exchange, per round the verification
+           verdict, the point-to-point moves);
         3. nothing else: the insurance loader may use its own collectives (on the trainer's groups), the timeline
            gather is the checkpointer's, after this returns.
 
@@ -183,8 +202,16 @@ class Recoverer:
         """
         t0 = time.perf_counter()
         failed = self._failed_restores()
-        report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group, layout=layout,
-                                        chunk_bytes=self.chunk_bytes, on_phase=on_phase, failed_iterations=failed)
+        if reshard is None:
+            report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group,
+                                            layout=layout, chunk_bytes=self.chunk_bytes, on_phase=on_phase,
+                                            failed_iterations=failed)
+        else:
+            report, restored = run_reshard(root=self.store.root, job_id=self.store.job_id,
+                                           generation=reshard.from_generation, rank=self.topology.rank,
+                                           new_layout=reshard.layout, group=self.group, versions=self.store.versions,
+                                           verify=self.store.use_checksum, failed_iterations=failed,
+                                           on_phase=on_phase)
         decision = decide_outcome(report, versions=self.store.versions,
                                   insurance_configured=self.insurance is not None, restarted=self.attempt > 0)
         if decision.outcome is Outcome.RESTORE:

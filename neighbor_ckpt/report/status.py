@@ -392,7 +392,8 @@ class Reporter:
         self.loggers: tuple[Any, ...] = tuple(loggers)
         self._every = every_n_steps if rank_zero else 0
         self._prev: SnapshotStats | None = None
-        self._pending: tuple[list[RankEvents], str, int | None, dict[str, float]] | None = None
+        self._pending: tuple[list[RankEvents], str, int | None, dict[str, float],
+                             tuple[int | None, int | None]] | None = None
         self.timeline_pending = False
         """A recovery happened and its timeline waits for the end of the first step (rank 0 only)."""
 
@@ -447,11 +448,12 @@ class Reporter:
         return recovery_progress(self.config.progress, enabled=self.rank_zero)
 
     def begin_timeline(self, per_rank: Sequence[RankEvents], *, outcome: str, iteration: int | None,
-                       recovery_phases: Mapping[str, float]) -> None:
+                       recovery_phases: Mapping[str, float],
+                       data_parallel: tuple[int | None, int | None] = (None, None)) -> None:
         """Keep the gathered events until the first step after the restore ends (rank 0)."""
         if not self.rank_zero:
             return
-        self._pending = (list(per_rank), outcome, iteration, dict(recovery_phases))
+        self._pending = (list(per_rank), outcome, iteration, dict(recovery_phases), data_parallel)
         self.timeline_pending = True
 
     def finish_timeline(self, first_step_end: float | None, *, step: int | None) -> RecoveryTimeline | None:
@@ -460,14 +462,16 @@ class Reporter:
         pending, self._pending, self.timeline_pending = self._pending, None, False
         if pending is None:
             return None
-        per_rank, outcome, iteration, phases = pending
+        per_rank, outcome, iteration, phases, data_parallel = pending
         try:
             tl = compute_timeline(per_rank, first_step_end=first_step_end, attempt=self.attempt, outcome=outcome,
-                                  iteration=iteration, recovery_phases=phases)
+                                  iteration=iteration, recovery_phases=phases, data_parallel=data_parallel)
             if self.config.timeline:
                 tl = write_timeline(tl, self.report_dir)
             where = f"; timeline {tl.path_png or tl.path_json}" if tl.path_json else ""
             _say("neighbor_ckpt: recovery %s%s", tl.summary(), where)
+            if tl.resized:
+                _say("neighbor_ckpt: %s", tl.resize_note())
             for note in tl.notes:
                 _say("neighbor_ckpt: recovery timeline: %s", note)
             if self.config.log_metrics and self.loggers and step is not None:

@@ -236,6 +236,10 @@ class RecoveryTimeline:
     per_rank: tuple[RankEvents, ...] = ()
     recovery_phases: Mapping[str, float] = field(default_factory=dict)
     """Rank 0's :attr:`RecoveryReport.phases` (seconds)."""
+    data_parallel_before: int | None = None
+    """Data-parallel size of the restored snapshots (None: unknown, nothing restored)."""
+    data_parallel_after: int | None = None
+    """Data-parallel size the job continues with (differs after an elastic reshard)."""
     path_png: Path | None = None
     path_json: Path | None = None
 
@@ -252,6 +256,22 @@ class RecoveryTimeline:
         return bool(self.spare_ranks)
 
     @property
+    def resized(self) -> bool:
+        """The data-parallel size changed in this recovery (an elastic reshard)."""
+        return (self.data_parallel_before is not None and self.data_parallel_after is not None
+                and self.data_parallel_before != self.data_parallel_after)
+
+    def resize_note(self) -> str:
+        """What an elastic reshard changed for training, in words (empty when nothing did)."""
+        if not self.resized:
+            return ""
+        before, after = self.data_parallel_before, self.data_parallel_after
+        assert before is not None and after is not None  # noqa: S101 - resized
+        return (f"data-parallel size {before} -> {after}: the global batch is unchanged, so each rank trains "
+                f"{before}/{after} = {before / after:.2f}x the micro-batches per step, and a step takes about "
+                f"{before / after:.2f}x as long (throughput x {after / before:.2f})")
+
+    @property
     def origin(self) -> float | None:
         """Time zero of the timeline: the first known event."""
         return next((self.events[e] for e in self.event_names if self.events.get(e) is not None), None)
@@ -266,7 +286,8 @@ class RecoveryTimeline:
         parts = " + ".join(f"{p.replace('_', ' ')} {_fmt_s(self.phases.get(p))}" for p in self.phase_names)
         what = f"iteration {self.iteration}" if self.iteration is not None else "nothing"
         spare = f", hot spare for rank(s) {list(self.spare_ranks)}" if self.spare_ranks else ""
-        return (f"MTTR {self.total_s:.2f} s = {parts} ({self.mode}{spare}; {self.outcome}: {what}; "
+        resized = f", data-parallel {self.data_parallel_before} -> {self.data_parallel_after}" if self.resized else ""
+        return (f"MTTR {self.total_s:.2f} s = {parts} ({self.mode}{spare}{resized}; {self.outcome}: {what}; "
                 f"attempt {self.attempt})")
 
     def to_json(self) -> dict[str, Any]:
@@ -276,6 +297,8 @@ class RecoveryTimeline:
             "restarted_ranks": None if self.restarted_ranks is None else list(self.restarted_ranks),
             "spare_used": self.spare_used,
             "spare_ranks": list(self.spare_ranks),
+            "data_parallel_before": self.data_parallel_before,
+            "data_parallel_after": self.data_parallel_after,
             "outcome": self.outcome,
             "iteration": self.iteration,
             "mttr_s": self.total_s,
@@ -325,7 +348,8 @@ def restarted_ranks(per_rank: Sequence[RankEvents], *, failure: float | None) ->
 
 def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | None, attempt: int | str | AttemptInfo,
                      outcome: str, iteration: int | None, recovery_phases: Mapping[str, float] | None = None,
-                     mode: str | None = None) -> RecoveryTimeline:
+                     mode: str | None = None, data_parallel: tuple[int | None, int | None] = (None, None)
+                     ) -> RecoveryTimeline:
     """Job-wide events from every rank's events, and the phases between them (pure).
 
     The earliest survivor's notice counts as the failure; for every other event the latest rank counts (the
@@ -391,7 +415,8 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
     return RecoveryTimeline(attempt=record, outcome=outcome, iteration=iteration,
                             events={e: events[e] for e in event_names}, phases=phases, notes=tuple(notes),
                             mode=mode, restarted_ranks=restarted, spare_ranks=spares, process_group_ready=pg_ready,
-                            per_rank=tuple(per_rank), recovery_phases=dict(recovery_phases or {}))
+                            per_rank=tuple(per_rank), recovery_phases=dict(recovery_phases or {}),
+                            data_parallel_before=data_parallel[0], data_parallel_after=data_parallel[1])
 
 
 # -- files ---------------------------------------------------------------------------------------------------

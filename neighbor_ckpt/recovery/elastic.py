@@ -1,0 +1,559 @@
+"""Elastic resharding, the collective part: the previous data-parallel layout's snapshots, found in the host stores of
+the surviving processes, re-partitioned into this layout (the plan is pure: :mod:`neighbor_ckpt.recovery.reshard`).
+
+When it runs: the checkpointer's store generation check (:func:`decide_generation`, at construction) found that the
+newest snapshots of this job were taken with another world size or data-parallel size, and ``neighbor_ckpt.elastic``
+is on. Every rank's number may have changed (in-process shrink renumbers the survivors; a launcher restart with fewer
+nodes assigns ranks anew), so snapshots are found by *scanning* every rank directory of the previous generation on
+this node, not by this rank's number, and this layout's snapshots go to a new generation (``g<k>``) of the store.
+
+:func:`run_reshard`, collective over the snapshot group, in this order on every rank:
+
+1. exchange: one all-gather (:func:`all_gather_bytes`) of what each process holds (every committed own or replica
+   slot of the previous generation on its node: old owner, iteration, the old rank's layout) and this rank's new
+   layout (its unique tensors with their shard spans);
+2. per round (at most ``versions`` x 2 + 2): the choice (:func:`~neighbor_ckpt.recovery.reshard.choose_version`,
+   pure), the holders verify the checksums of the copies they serve, one all-gather of the failed copies; none
+   failed ends the rounds, else they are excluded and the next round chooses again;
+3. the moves (:func:`~neighbor_ckpt.recovery.reshard.plan_reshard`, pure): point-to-point between the pairs the plan
+   names, in two phases (sizes, then data), every receive posted before any wait; each message carries the xxh3 of
+   its bytes, checked on arrival.
+
+Nothing is loaded unless every piece arrived and checked; the caller loads the result into the optimizer (the adapter)
+and regenerates the weights with the new layout's param all-gather.
+
+May import: :mod:`neighbor_ckpt.snapshot`, :mod:`neighbor_ckpt.errors`, the rest of :mod:`neighbor_ckpt.recovery`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+
+from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
+from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
+from neighbor_ckpt.recovery.reshard import (Copy, Piece, RankLayout, ReshardPlan, ShardSpan, TensorEntry,
+                                            VersionChoice, choose_version, plan_reshard)
+from neighbor_ckpt.snapshot import codec
+from neighbor_ckpt.snapshot.razor import StateKind, plan_shards
+from neighbor_ckpt.snapshot.store import (ROLE_OWN, ROLE_REPLICA, SlotFile, SlotHeader, generation_dir,
+                                          remove_generations, store_generations)
+from neighbor_ckpt.snapshot.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GenerationInfo", "LocalGeneration", "local_generation", "decide_generation", "scan_copies",
+           "layout_from_meta", "run_reshard", "all_gather_bytes", "ELASTIC_META_KEYS", "Generations", "model_identity",
+           "rank_layout"]
+
+ELASTIC_META_KEYS = ("world_size", "dp_ranks", "coord", "model", "shards", "tensors")
+"""What a slot header's ``meta`` must hold for its snapshot to be resharded (the checkpointer writes them all)."""
+
+TAG_SIZES = 7201
+TAG_DATA = 7202
+
+
+# -- generations ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalGeneration:
+    """The newest generation of this job's store on this node that holds a committed snapshot, and the layout of its
+    snapshots (-1: none)."""
+
+    generation: int = -1
+    world_size: int = -1
+    dp_size: int = -1
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    """Which store generation this process uses, and whether it reshards into it (:func:`decide_generation`)."""
+
+    generation: int
+    """The generation this layout's snapshots go to (and are restored from)."""
+    reshard_from: int | None = None
+    """The previous generation, when its snapshots were taken with another world or data-parallel size: they are
+    resharded into this one (None: an ordinary restore, or a fresh start)."""
+    world_before: int | None = None
+    dp_before: int | None = None
+
+
+def _committed_headers(gen_dir: Path) -> list[tuple[str, Path, SlotHeader]]:
+    """Every committed own / replica slot under a generation directory (unreadable or torn slots skipped)."""
+    out: list[tuple[str, Path, SlotHeader]] = []
+    for rd in sorted(gen_dir.glob("rank*")):
+        if not rd.is_dir():
+            continue
+        for role in (ROLE_OWN, ROLE_REPLICA):
+            for path in sorted(rd.glob(f"{role}.*.slot")):
+                try:
+                    slot = SlotFile.open(path)
+                except (SnapshotCorruptError, SnapshotMismatchError, OSError):
+                    continue
+                try:
+                    out.append((role, path, slot.read_header()))
+                except (SnapshotCorruptError, SnapshotMismatchError):
+                    pass
+                finally:
+                    slot.close()
+    return out
+
+
+def local_generation(root: Path, job_id: str) -> LocalGeneration:
+    """This node's newest generation of the job with a committed snapshot, and that snapshot's layout."""
+    for gen in reversed(store_generations(root, job_id)):
+        for _, _, hdr in _committed_headers(generation_dir(root, job_id, gen)):
+            if hdr.job_id != job_id:
+                continue
+            world = int(hdr.meta.get("world_size", -1))
+            dp = len(hdr.meta.get("dp_ranks", ())) or -1
+            return LocalGeneration(gen, world, dp)
+    return LocalGeneration()
+
+
+def decide_generation(rows: list[LocalGeneration], *, world_size: int, dp_size: int, elastic: bool) -> GenerationInfo:
+    """Pure (every rank's :func:`local_generation`, gathered): the newest generation anywhere; an ordinary restore in
+    it when its snapshots have this world and data-parallel size (or elastic is off: the restore flow then refuses
+    another layout, as always), else a reshard from it into the next generation."""
+    newest = max((r.generation for r in rows), default=-1)
+    if newest < 0:
+        return GenerationInfo(0)
+    layouts = {(r.world_size, r.dp_size) for r in rows if r.generation == newest}
+    world, dp = min(layouts)
+    if not elastic or layouts == {(world_size, dp_size)}:
+        return GenerationInfo(newest)
+    return GenerationInfo(newest + 1, reshard_from=newest, world_before=world, dp_before=dp)
+
+
+def gather_generations(mine: LocalGeneration, group: dist.ProcessGroup) -> list[LocalGeneration]:
+    """Collective over ``group``: every rank's :class:`LocalGeneration`."""
+    t = torch.tensor([mine.generation, mine.world_size, mine.dp_size], dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [LocalGeneration(*(int(x) for x in o.tolist())) for o in out]
+
+
+class Generations:
+    """The checkpointer's side of the store generations: which one this layout uses (:func:`decide_generation`,
+    collective, at construction), what a snapshot header records for a later reshard (:meth:`snapshot_meta`), and the
+    release of the previous layout's snapshots once this layout has a complete version (:meth:`maybe_release`,
+    collective).
+
+    Args:
+        root, job_id: the host store's root and job.
+        topology: this rank's place in this layout.
+        group: the snapshot group (gloo).
+        elastic: ``neighbor_ckpt.elastic.enabled`` (off: the newest generation is restored as it is; a snapshot of
+            another layout is then refused by the restore flow, as always).
+    """
+
+    def __init__(self, *, root: Path, job_id: str, topology: Topology, group: dist.ProcessGroup,
+                 elastic: bool) -> None:
+        self.root, self.job_id, self.topology, self.group = Path(root), job_id, topology, group
+        rows = gather_generations(local_generation(self.root, job_id), group)
+        self.info = decide_generation(rows, world_size=topology.world_size, dp_size=topology.dp_size,
+                                      elastic=elastic)
+        """The generation this layout uses, and the one it reshards from (if any)."""
+        self._release_below: int | None = self.info.generation if self.info.reshard_from is not None else None
+        if self.info.reshard_from is not None:
+            logger.info("rank %d: neighbor_ckpt: the newest snapshots (store generation %d) were taken with %d ranks, "
+                        "data-parallel size %d; this job has %d ranks, data-parallel size %d: elastic reshard into "
+                        "generation %d", topology.rank, self.info.reshard_from, self.info.world_before,
+                        self.info.dp_before, topology.world_size, topology.dp_size, self.info.generation)
+
+    @property
+    def generation(self) -> int:
+        return self.info.generation
+
+    @property
+    def reshard_from(self) -> int | None:
+        return self.info.reshard_from
+
+    def snapshot_meta(self, adapter: Any, unique: set[str]) -> dict[str, Any]:
+        """What every snapshot header records for a later elastic reshard (:func:`layout_from_meta`): this rank's
+        model-parallel coordinate, the model identity and the shard span of each DP-sharded unique tensor."""
+        return {"coord": list(self.topology.model_parallel_coord), "model": model_identity(adapter),
+                "shards": {n: list(span) for n, span in (adapter.dp_shards() or {}).items() if n in unique}}
+
+    def maybe_release(self, *, first_snapshot: int, committed: int, replicated: int | None) -> None:
+        """Collective (one all-reduce), on every rank at the same iterations from this layout's second snapshot on,
+        until it succeeds: once every rank's first snapshot in this layout is committed and (``replicated``, None
+        without a ring) replicated, the previous layouts' snapshots are deleted on every node; until then they are
+        what a failure would be resharded from again."""
+        if self._release_below is None:
+            return
+        ready = committed >= first_snapshot and (replicated is None or replicated >= first_snapshot)
+        verdict = torch.tensor([1 if ready else 0], dtype=torch.int64)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.group)
+        if int(verdict.item()):
+            self.release()
+
+    def release(self) -> None:
+        """Delete this node's snapshots of the previous layouts (not collective; at the end of a successful run)."""
+        below, self._release_below = self._release_below, None
+        if below is None:
+            return
+        removed = remove_generations(self.root, self.job_id, below=below)
+        logger.info("rank %d: neighbor_ckpt: this layout has a complete snapshot; the previous layout's snapshots are "
+                    "released (%d director%s on this node)", self.topology.rank, len(removed),
+                    "y" if len(removed) == 1 else "ies")
+
+    @property
+    def release_pending(self) -> bool:
+        return self._release_below is not None
+
+
+def model_identity(adapter: Any) -> str:
+    """Identity of the model a rank holds a part of, independent of the data-parallel size (the adapter, the names,
+    dtypes and shapes of its weights): an elastic reshard accepts snapshots of the same model identity only."""
+    key = {"adapter": type(adapter).__name__,
+           "weights": [(m.name, str(m.dtype), list(m.shape)) for m, _ in adapter.named_tensors()
+                       if m.kind is StateKind.WEIGHT]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def rank_layout(adapter: Any, topology: Topology) -> RankLayout:
+    """This rank's unique tensors in this layout, with the shard span of each data-parallel-sharded one: what an
+    elastic reshard fills."""
+    adapter.materialize()  # optimizer state that exists after a first step only: named, so it is filled too
+    tensors = adapter.named_tensors()
+    plan = plan_shards([m for m, _ in tensors], dp_size=topology.dp_size,
+                       distributed_optimizer=adapter.distributed_optimizer)
+    shards = adapter.dp_shards() or {}
+    return RankLayout(
+        rank=topology.rank, world_size=topology.world_size, coord=tuple(topology.model_parallel_coord),
+        dp_index=topology.dp_rank, dp_size=topology.dp_size, model=model_identity(adapter),
+        tensors=tuple(TensorEntry(p.meta.name, str(p.meta.dtype).removeprefix("torch."), tuple(p.meta.shape),
+                                  ShardSpan(*shards[p.meta.name]) if p.meta.name in shards else None)
+                      for p in plan.unique))
+
+
+# -- what this process holds ------------------------------------------------------------------------------------
+
+
+def layout_from_meta(owner: int, meta: Mapping[str, Any]) -> RankLayout | None:
+    """The old rank's layout as its snapshot header recorded it; None when the header lacks what a reshard needs."""
+    if any(k not in meta for k in ELASTIC_META_KEYS):
+        return None
+    dp_ranks = [int(r) for r in meta["dp_ranks"]]
+    if owner not in dp_ranks:
+        return None
+    shards = meta["shards"]
+    tensors = tuple(TensorEntry(str(t["name"]), str(t["dtype"]), tuple(int(x) for x in t["shape"]),
+                                ShardSpan.from_json(shards[t["name"]]) if t["name"] in shards else None)
+                    for t in meta["tensors"])
+    return RankLayout(rank=owner, world_size=int(meta["world_size"]), coord=tuple(int(c) for c in meta["coord"]),
+                      dp_index=dp_ranks.index(owner), dp_size=len(dp_ranks), model=str(meta["model"]),
+                      tensors=tensors)
+
+
+@dataclass
+class LocalCopies:
+    """The previous generation's snapshots this process can read."""
+
+    copies: list[Copy] = field(default_factory=list)
+    layouts: dict[int, RankLayout] = field(default_factory=dict)
+    paths: dict[tuple[int, int, str], Path] = field(default_factory=dict)
+    """(owner, iteration, role) -> slot file."""
+
+
+def scan_copies(root: Path, job_id: str, generation: int, *, holder: int) -> LocalCopies:
+    """Every committed own / replica slot of ``generation`` on this node whose header is intact, of this job, and
+    carries the layout a reshard needs (checksums are verified later, for the copies chosen)."""
+    found = LocalCopies()
+    for role, path, hdr in _committed_headers(generation_dir(root, job_id, generation)):
+        if hdr.job_id != job_id:
+            logger.warning("rank %d: %s holds a snapshot of job %r; ignored", holder, path, hdr.job_id)
+            continue
+        layout = layout_from_meta(hdr.owner_rank, hdr.meta)
+        if layout is None:
+            logger.warning("rank %d: %s lacks the layout a reshard needs (written by an older neighbor_ckpt); "
+                           "ignored", holder, path)
+            continue
+        key = (hdr.owner_rank, hdr.iteration, role)
+        if key in found.paths:
+            continue
+        found.paths[key] = path
+        found.copies.append(Copy(hdr.owner_rank, hdr.iteration, holder, role))
+        found.layouts.setdefault(hdr.owner_rank, layout)
+    return found
+
+
+# -- collectives ------------------------------------------------------------------------------------------------
+
+
+def all_gather_bytes(data: bytes, group: dist.ProcessGroup) -> list[bytes]:
+    """Collective over ``group``: every rank's ``data``, by group rank (two all-gathers: lengths, then the padded
+    bytes)."""
+    world = dist.get_world_size(group)
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    lens = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(lens, n, group=group)
+    size = max(int(x.item()) for x in lens)
+    buf = torch.zeros(max(size, 1), dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf, group=group)
+    return [bytes(o[:int(n_.item())].numpy().tobytes()) for o, n_ in zip(out, lens)]
+
+
+# -- the reshard ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Open:
+    """The chosen copies this process serves, opened and verified."""
+
+    slots: dict[int, tuple[SlotFile, SlotHeader]] = field(default_factory=dict)
+    """old owner -> (slot, header)."""
+
+    def close(self) -> None:
+        for slot, _ in self.slots.values():
+            slot.close()
+        self.slots.clear()
+
+
+def _serve(choice: VersionChoice, local: LocalCopies, *, rank: int, verify: bool) -> tuple[_Open, list[list]]:
+    """Open (and checksum) the copies this process was chosen to serve; returns them and the keys that failed."""
+    opened, failed = _Open(), []
+    for c in choice.sources:
+        if c.holder != rank:
+            continue
+        path = local.paths[(c.owner, c.iteration, c.role)]
+        try:
+            slot = SlotFile.open(path)
+            hdr = slot.read_header()
+            if hdr.iteration != c.iteration or hdr.owner_rank != c.owner:
+                raise SnapshotCorruptError(f"{path}: holds iteration {hdr.iteration} of rank {hdr.owner_rank} now")
+            if verify:
+                slot.verify(hdr)
+            opened.slots[c.owner] = (slot, hdr)
+        except (SnapshotCorruptError, SnapshotMismatchError, OSError) as e:
+            logger.warning("rank %d: old rank %d's %s copy of iteration %d failed verification: %s", rank, c.owner,
+                           c.role, c.iteration, e)
+            failed.append(list(c.key))
+    return opened, failed
+
+
+def _views(slot: SlotFile, hdr: SlotHeader) -> dict[str, torch.Tensor]:
+    """The slot's tensors, flat, as views of host memory."""
+    return {t["name"]: slot.payload_view(t["offset"], getattr(torch, t["dtype"]), t["shape"]).reshape(-1)
+            for t in hdr.meta.get("tensors", [])}
+
+
+def _pack(pieces: list[Piece], opened: _Open, extras_owner: int | None) -> tuple[dict[str, Any], np.ndarray]:
+    """What one receiver gets from this process: the pieces' bytes in plan order, then (when this process serves the
+    receiver's extras owner) that old rank's extras region, and the optimizer's per-param scalars of the params it
+    sends. Returns (JSON part, bytes)."""
+    views: dict[int, dict[str, torch.Tensor]] = {}
+    chunks: list[np.ndarray] = []
+    scalars: dict[str, Any] = {}
+    for p in pieces:
+        if p.owner not in views:
+            views[p.owner] = _views(*opened.slots[p.owner])
+        src = views[p.owner][p.tensor][p.src_offset:p.src_offset + p.count]
+        chunks.append(src.contiguous().view(torch.uint8).numpy())
+    owners = sorted({p.owner for p in pieces})
+    for o in owners:
+        slot, hdr = opened.slots[o]
+        adapter = (slot.read_extras(hdr) or {}).get("adapter") or {}
+        names = {p.tensor.split("/", 2)[1] for p in pieces if p.owner == o and p.tensor.startswith(("main/", "optim/"))}
+        for name, vals in (adapter.get("scalars") or {}).items():
+            if name in names:
+                scalars.setdefault(name, vals)
+    head: dict[str, Any] = {"pieces_nbytes": int(sum(c.nbytes for c in chunks))}
+    text, tensors = codec.encode(scalars)
+    if tensors:
+        raise SnapshotMismatchError("per-parameter optimizer scalars hold tensors; they cannot be resharded")
+    head["scalars"] = text
+    if extras_owner is not None:
+        slot, hdr = opened.slots[extras_owner]
+        region = slot.segment(slot.extras_off, hdr.extras_nbytes).numpy()
+        chunks.append(region)
+        head["extras"] = {"owner": extras_owner, "json_nbytes": hdr.extras_json_nbytes,
+                          "tensors": hdr.extras_tensors, "nbytes": hdr.extras_nbytes}
+    blob = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+    head["xxh3"] = xxhash.xxh3_64_intdigest(blob)
+    return head, blob
+
+
+def _encode_message(head: dict[str, Any], blob: np.ndarray) -> torch.Tensor:
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    pad = (-len(raw)) % 8
+    out = np.empty(8 + len(raw) + pad + blob.nbytes, dtype=np.uint8)
+    out[:8] = np.frombuffer(np.int64(len(raw)).tobytes(), dtype=np.uint8)
+    out[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    out[8 + len(raw):8 + len(raw) + pad] = 0
+    out[8 + len(raw) + pad:] = blob
+    return torch.from_numpy(out)
+
+
+def _decode_message(buf: torch.Tensor, src: int, rank: int) -> tuple[dict[str, Any], np.ndarray]:
+    arr = buf.numpy()
+    n = int(np.frombuffer(arr[:8].tobytes(), dtype=np.int64)[0])
+    head = json.loads(arr[8:8 + n].tobytes())
+    blob = arr[8 + n + ((-n) % 8):]
+    if xxhash.xxh3_64_intdigest(blob) != head["xxh3"]:
+        raise SnapshotCorruptError(f"rank {rank}: the reshard data received from rank {src} fails its checksum")
+    return head, blob
+
+
+def _exchange_messages(out: dict[int, torch.Tensor], expect_from: list[int], group: dist.ProcessGroup
+                       ) -> dict[int, torch.Tensor]:
+    """Point-to-point: send ``out[dst]`` to every ``dst``, receive one message from every ``expect_from`` rank. Two
+    phases (sizes, then data), each with every receive and send posted before any wait: no order can deadlock."""
+    sizes_in = {s: torch.zeros(1, dtype=torch.int64) for s in expect_from}
+    works = [dist.irecv(t, src=s, group=group, tag=TAG_SIZES) for s, t in sizes_in.items()]
+    sizes_out = {d: torch.tensor([m.numel()], dtype=torch.int64) for d, m in out.items()}
+    works += [dist.isend(t, dst=d, group=group, tag=TAG_SIZES) for d, t in sizes_out.items()]
+    for w in works:
+        w.wait()
+    data_in = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes_in.items()}
+    works = [dist.irecv(t, src=s, group=group, tag=TAG_DATA) for s, t in data_in.items()]
+    works += [dist.isend(m, dst=d, group=group, tag=TAG_DATA) for d, m in out.items()]
+    for w in works:
+        w.wait()
+    return data_in
+
+
+def _max_rounds(versions: int) -> int:
+    """Every round but the last excludes at least one copy; each old rank has at most own + replica per version."""
+    return 2 * versions + 2
+
+
+def run_reshard(*, root: Path, job_id: str, generation: int, rank: int, new_layout: RankLayout,
+                group: dist.ProcessGroup, versions: int, verify: bool,
+                failed_iterations: frozenset[int] = frozenset(),
+                on_phase: Callable[[str], None] = lambda phase: None) -> tuple[RecoveryReport, Restored | None]:
+    """Collective over ``group`` (every rank): reshard the snapshots of store ``generation`` into ``new_layout`` (see
+    the module docstring for the order of the collectives). Returns the report and, when every old rank's state was
+    found and moved, this rank's :class:`~neighbor_ckpt.recovery.flow.Restored` (tensors by name, the extras of its
+    extras owner with the scalars of its params merged in)."""
+    rep = RecoveryReport()
+    on_phase("inventory")
+    t0 = time.perf_counter()
+    local = scan_copies(root, job_id, generation, holder=rank)
+    rep.phases["inventory"] = time.perf_counter() - t0
+
+    on_phase("exchange")
+    t0 = time.perf_counter()
+    mine = {"copies": [list(c.key) for c in local.copies],
+            "layouts": {str(o): lay.to_json() for o, lay in local.layouts.items()},
+            "new": new_layout.to_json()}
+    rows = [json.loads(b) for b in all_gather_bytes(json.dumps(mine, separators=(",", ":")).encode(), group)]
+    rep.phases["exchange"] = time.perf_counter() - t0
+    copies = [Copy(int(o), int(i), int(h), str(r)) for row in rows for o, i, h, r in row["copies"]]
+    old: dict[int, RankLayout] = {}
+    for row in rows:
+        for o, lay in row["layouts"].items():
+            old.setdefault(int(o), RankLayout.from_json(lay))
+    new = {int(row["new"]["rank"]): RankLayout.from_json(row["new"]) for row in rows}
+    if not copies:
+        rep.reason = f"no snapshot of store generation {generation} on any rank"
+        return rep, None
+    rep.newest = max(c.iteration for c in copies)
+    worlds = {lay.world_size for lay in old.values()}
+    if len(worlds) != 1:
+        raise SnapshotMismatchError(f"rank {rank}: the snapshots of store generation {generation} were taken with "
+                                    f"world sizes {sorted(worlds)}; refusing to reshard them")
+    old_world = worlds.pop()
+    rep.data_parallel_before = next(iter(old.values())).dp_size
+    rep.data_parallel_after = new_layout.dp_size
+
+    exclude: set[tuple[int, int, int, str]] = set()
+    verify_s = 0.0
+    for _ in range(_max_rounds(versions)):
+        choice = choose_version(copies, old_world=old_world, exclude=exclude, failed_iterations=failed_iterations)
+        if choice.iteration is None:
+            rep.outcome, rep.reason = "insurance", choice.reason
+            return rep, None
+        on_phase("verify")
+        t1 = time.perf_counter()
+        opened, failed = _serve(choice, local, rank=rank, verify=verify)
+        verify_s += time.perf_counter() - t1
+        verdicts = [json.loads(b) for b in all_gather_bytes(json.dumps(failed).encode(), group)]
+        bad = {tuple(k) for v in verdicts for k in v}
+        if not bad:
+            break
+        opened.close()
+        exclude |= bad  # type: ignore[arg-type]
+    else:
+        rep.outcome, rep.reason = "insurance", "copies of the previous layout kept failing verification"
+        return rep, None
+    rep.phases["verify"] = verify_s
+
+    try:
+        plan = plan_reshard({o: old[o] for o in range(old_world)}, new, choice)
+        on_phase("transfer")
+        t1 = time.perf_counter()
+        restored = _move(plan, opened, rank=rank, new_layout=new_layout, group=group)
+        rep.phases["transfer"] = time.perf_counter() - t1
+    finally:
+        opened.close()
+    it = plan.iteration
+    rep.outcome, rep.iteration, rep.source = "restored", it, "reshard"
+    rep.pulled_bytes = plan.moved_bytes(rank)
+    rep.reason = (f"resharded iteration {it} from data-parallel size {plan.dp_before} ({old_world} ranks) to "
+                  f"{plan.dp_after} ({len(new)} ranks)")
+    rep.notes = [f"small state (RNG streams, counters, user state) from old rank {plan.extras_from(rank)}"]
+    return rep, restored
+
+
+def _move(plan: ReshardPlan, opened: _Open, *, rank: int, new_layout: RankLayout,
+          group: dist.ProcessGroup) -> Restored:
+    """Execute ``plan`` for this rank: pack what others need, exchange, assemble this rank's tensors."""
+    outgoing = plan.outgoing(rank)
+    extras_dsts = {dst for dst, owner in plan.extras_owner if plan.holder_of(owner) == rank}
+    messages: dict[int, tuple[dict[str, Any], np.ndarray]] = {}
+    for dst in sorted(set(outgoing) | extras_dsts):
+        messages[dst] = _pack(outgoing.get(dst, []), opened,
+                              plan.extras_from(dst) if dst in extras_dsts else None)
+    incoming = plan.incoming(rank)
+    eo = plan.extras_from(rank)
+    senders = sorted((set(incoming) | {plan.holder_of(eo)}) - {rank})
+    received = _exchange_messages({d: _encode_message(*m) for d, m in messages.items() if d != rank}, senders, group)
+    parts = {s: _decode_message(buf, s, rank) for s, buf in received.items()}
+    if rank in messages:
+        parts[rank] = messages[rank]
+
+    tensors = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in new_layout.tensors}
+    scalars: dict[str, Any] = {}
+    extras: Any = None
+    for src in sorted(parts):
+        head, blob = parts[src]
+        offset = 0
+        for p in incoming.get(src, []):
+            n = p.nbytes
+            dst = tensors[p.tensor].reshape(-1).view(torch.uint8)
+            item = n // p.count if p.count else 1
+            dst[p.dst_offset * item:p.dst_offset * item + n] = torch.from_numpy(blob[offset:offset + n].copy())
+            offset += n
+        if offset != head["pieces_nbytes"]:
+            raise SnapshotCorruptError(f"rank {rank}: rank {src} sent {head['pieces_nbytes']} bytes of shards, the "
+                                       f"plan says {offset}")
+        for name, vals in codec.decode(head["scalars"], []).items():
+            scalars.setdefault(name, vals)
+        if head.get("extras") is not None and head["extras"]["owner"] == eo:
+            e = head["extras"]
+            region = blob[offset:offset + e["nbytes"]]
+            text = region[:e["json_nbytes"]].tobytes().decode()
+            start = -(-e["json_nbytes"] // 64) * 64
+            extras = codec.decode(text, codec.bytes_to_tensors(e["tensors"], memoryview(region[start:])))
+    if extras is None:
+        raise SnapshotCorruptError(f"rank {rank}: the small state of old rank {eo} did not arrive")
+    adapter = extras.get("adapter")
+    if isinstance(adapter, dict) and "scalars" in adapter:
+        adapter["scalars"] = scalars
+    return Restored(plan.iteration, tensors, extras)
