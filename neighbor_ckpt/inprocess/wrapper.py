@@ -23,11 +23,19 @@ is activated *with the lost rank's number*; every survivor keeps its number, so 
 and its ring neighbors stay what they were, and only the spare (whose store holds nothing for that rank) pulls
 state from the ring successor. ``MaxActiveWorldSize + ShiftRanks`` would renumber every rank after the lost one.
 
+**Elastic shrink** (``elastic``: an :class:`~neighbor_ckpt.recovery.reshard.ElasticPolicy`, from
+``neighbor_ckpt.elastic``): when no spare is left, the survivors go on with a smaller world instead of giving up. The
+tree's root layer also *backfills*: the highest active rank takes the lost rank's number (NVRx ``BACKFILL``), the
+ranks after it keep theirs, and the world shrinks to the policy's size (a multiple of the model-parallel size whose
+data-parallel size divides the global batch); a survivor beyond it becomes an idle spare. The training function
+then builds a layout of the new size and ``recover()`` reshards the snapshots into it (each survivor's own slots,
+the lost rank's replica on its ring successor).
+
 **Fallback.** In-process recovery gives up (every rank exits with :data:`FALLBACK_EXIT_CODE`, announced in one log
 line, and the launcher's restart path takes over; ``recover()`` then resumes from the host stores as today) when:
-no spare is left to fill the lost rank; a recovery attempt fails before it completes a step (a second failure in
-the recovery window, or a failing recovery); more than ``max_restarts`` in-process restarts; or the wrapper itself
-fails.
+no spare is left to fill the lost rank (and elastic shrinking is off, or no smaller world fits its policy); a
+recovery attempt fails before it completes a step (a second failure in the recovery window, or a failing recovery);
+more than ``max_restarts`` in-process restarts; or the wrapper itself fails.
 
 **Timers** (:class:`InprocessTimers`): the values that held 9 of 9 times on a 2-core CPU machine with gloo
 (``/work/shared/notes/cpu-stack.md``); tighter ones caused false soft timeouts and a store-barrier bug of NVRx 0.4.1.
@@ -54,6 +62,7 @@ import torch.distributed as dist
 from neighbor_ckpt.config import InprocessConfig, NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
+from neighbor_ckpt.recovery.reshard import ElasticPolicy
 
 __all__ = ["InprocessRecovery", "InprocessTimers", "Attempt", "FALLBACK_EXIT_CODE", "TIMERS_ENV"]
 
@@ -147,11 +156,13 @@ class InprocessRecovery:
         timers: wrapper timers.
         max_restarts: at most this many in-process restarts (None: bounded by the spares and the no-progress rule).
         monitor_log_dir: where NVRx's monitor processes log (default: not kept).
+        elastic: continue on a smaller world when no spare is left (see the module docstring; None: give up).
     """
 
     def __init__(self, *, spares: int, store_host: str, store_port: int, world_size: Optional[int] = None,
                  run_id: Optional[str] = None, timers: Optional[InprocessTimers] = None,
-                 max_restarts: Optional[int] = None, monitor_log_dir: Optional[Path] = None) -> None:
+                 max_restarts: Optional[int] = None, monitor_log_dir: Optional[Path] = None,
+                 elastic: Optional[ElasticPolicy] = None) -> None:
         from megatron_patches.nvrx_gloo import check_nvrx_version
 
         check_nvrx_version()
@@ -169,6 +180,7 @@ class InprocessRecovery:
         self.timers = timers or InprocessTimers.from_env()
         self.max_restarts = max_restarts
         self.monitor_log_dir = monitor_log_dir
+        self.elastic = elastic
         self.initial_rank = int(os.environ.get("RANK", "0"))
         self.current: Optional[Attempt] = None
         self.events: list[dict[str, Any]] = []
@@ -184,14 +196,21 @@ class InprocessRecovery:
 
     @classmethod
     def from_config(cls, config: "NeighborCkptConfig | InprocessConfig", *, store_host: str, store_port: int,
+                    model_parallel: int = 1, batch_micro_batches: Optional[int] = None,
                     **kwargs: Any) -> "InprocessRecovery":
-        """Built from the ``neighbor_ckpt.inprocess`` section (``spares``); ``kwargs`` as for the constructor.
+        """Built from the ``neighbor_ckpt.inprocess`` section (``spares``) and, given the whole configuration, its
+        ``elastic`` section (with ``model_parallel`` = TP x PP x CP and ``batch_micro_batches`` = global batch /
+        micro-batch size of the job: the world sizes it may shrink to); ``kwargs`` as for the constructor.
 
         Raises :class:`ConfigError` when the section is not enabled (the caller should run without the wrapper)."""
         section = config.inprocess if isinstance(config, NeighborCkptConfig) else config
         if not section.enabled:
             raise ConfigError("neighbor_ckpt.inprocess.enabled is false: run the training function without "
                               "InprocessRecovery (or set neighbor_ckpt.inprocess.enabled=true)")
+        if isinstance(config, NeighborCkptConfig) and config.elastic.enabled and "elastic" not in kwargs:
+            kwargs["elastic"] = ElasticPolicy(model_parallel=model_parallel,
+                                              min_data_parallel=config.elastic.min_data_parallel,
+                                              batch_micro_batches=batch_micro_batches)
         return cls(spares=section.spares, store_host=store_host, store_port=store_port, **kwargs)
 
     def attempt_info(self) -> AttemptInfo:
@@ -283,13 +302,11 @@ class InprocessRecovery:
             def __call__(self, state: Any) -> Any:
                 outer._iteration = state.iteration
                 outer.event("initialize")
-                why = None
-                if state.active_world_size is not None and state.active_world_size < outer.active_world_size:
-                    why = (f"no hot spare left to replace the lost rank(s) ({state.active_world_size} of "
-                           f"{outer.active_world_size} active ranks remain)")
-                elif outer.max_restarts is not None and state.iteration > outer.max_restarts:
+                why = outer._shrink_refused(state)
+                if why is None and outer.max_restarts is not None and state.iteration > outer.max_restarts:
                     why = f"more than {outer.max_restarts} in-process restarts"
-                elif state.iteration >= 2 and not outer.app_store().check([f"progress/{state.iteration - 1}"]):
+                elif why is None and state.iteration >= 2 and \
+                        not outer.app_store().check([f"progress/{state.iteration - 1}"]):
                     why = (f"in-process restart {state.iteration - 1} failed before completing a step (a failure "
                            f"during recovery, or a second failure in its window)")
                 if why is not None:
@@ -298,6 +315,23 @@ class InprocessRecovery:
                 return state
 
         return _NeighborCkptGate()
+
+    def _shrink_refused(self, state: Any) -> Optional[str]:
+        """Why the assigned world may not go on (None: it may): fewer active ranks than the job's, and no elastic
+        policy, or none that allows this size. Identical on every rank (the same tree, the same policy)."""
+        active = state.active_world_size
+        if active is None or active >= self.active_world_size:
+            return None
+        policy = self.elastic
+        if policy is None:
+            return (f"no hot spare left to replace the lost rank(s) ({active} of {self.active_world_size} active "
+                    "ranks remain)")
+        if active % policy.model_parallel or not policy.data_parallel_ok(active // policy.model_parallel):
+            return f"no hot spare left and no smaller world to continue with: {policy.why_not(active)}"
+        if state.iteration > 0:
+            logger.warning("neighbor_ckpt: no hot spare left: continuing on %d of %d ranks (elastic, data-parallel "
+                           "size %d)", active, self.active_world_size, active // policy.model_parallel)
+        return None
 
     def _finalize(self) -> Any:
         from megatron_patches.nvrx_gloo import FinalizeMegatron
@@ -312,6 +346,12 @@ class InprocessRecovery:
         import megatron_patches.nvrx_gloo as nvrx_gloo
 
         store_cls = nvrx_gloo.ClientPrefixStore
+        flag = LayerFlag.RESERVE if self.elastic is None else LayerFlag.RESERVE | LayerFlag.BACKFILL
+        policy = self.elastic
+
+        def world_size_filter(active: int) -> int:  # the largest world the elastic policy allows, else unchanged
+            return (policy.world_size(active) or active) if policy is not None else active
+
         log_file = None
         if self.monitor_log_dir is not None:
             Path(self.monitor_log_dir).mkdir(parents=True, exist_ok=True)
@@ -325,7 +365,8 @@ class InprocessRecovery:
             finalize=self._finalize(),
             health_check=None,  # NVRx's CudaHealthCheck is a no-op on CPU
             rank_assignment=Tree([Layer(min_ranks=1, max_ranks=self.active_world_size, key_or_fn="root",
-                                        flag=LayerFlag.RESERVE)]),
+                                        flag=flag)],
+                                 world_size_filter=world_size_filter if policy is not None else None),
             monitor_process_logfile=log_file,
             **self.timers.as_kwargs(),
         )

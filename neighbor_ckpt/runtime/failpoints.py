@@ -19,7 +19,7 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FAILPOINTS", "arm", "disarm", "failpoint", "kill_self"]
+__all__ = ["FAILPOINTS", "arm", "disarm", "failpoint", "kill_self", "lose_node"]
 
 FAILPOINTS = ("snapshot.copy", "snapshot.stream", "recovery.load")
 """``snapshot.copy``: the engine thread invalidated the oldest own slot and copied the first planned tensor into it
@@ -59,3 +59,16 @@ def failpoint(point: str) -> None:
 def kill_self(sig: int = signal.SIGKILL) -> Callable[[], None]:
     """An action for :func:`arm`: signal this process (SIGKILL: it dies on the spot, from whichever thread)."""
     return lambda: os.kill(os.getpid(), sig)
+
+
+def lose_node() -> None:
+    """Fault injection of a node that is gone for good (``fault_injection.permanent``): SIGKILL this worker's launcher
+    agent (its parent process: a torchrun / ft_launcher agent), so no restart brings this rank back; the caller then
+    kills itself. Under in-process recovery every simulated node has an agent of its own; under one torchrun agent for
+    all local workers this takes the whole node down, as losing it would."""
+    parent = os.getppid()
+    if parent > 1:
+        logger.warning("fault injection: the node is gone: SIGKILL of this worker's launcher agent (pid %d)", parent)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(parent, signal.SIGKILL)
