@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=0.1, help="attention and hidden dropout")
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="samples per step, kept whatever the data-parallel size (default: micro-batch size x "
+                         "micro-batches x the data-parallel size at start); needed to shrink with neighbor_ckpt.elastic")
     ap.add_argument("--no-dist-opt", dest="dist_opt", action="store_false",
                     help="replicated optimizer state (megatron's Float16/FP32 optimizer) instead of the distributed one")
     ap.add_argument("--overlap", action="store_true", help="overlap grad reduce-scatter and param all-gather")
@@ -70,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="signal these ranks at STEP (first attempt only)")
     ap.add_argument("--kill-phase", choices=("forward", "backward", "optimizer", "copy", "stream"), default="optimizer")
     ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP"), default="SIGKILL")
+    ap.add_argument("--kill-permanent", action="store_true",
+                    help="the victim's node is gone: its launcher agent (the parent process) is killed with it")
     ap.add_argument("--replace-store", action="store_true", help="the killed rank restarts with an empty host store")
     ap.add_argument("--damage", choices=("bitflip", "truncate", "header"), default=None,
                     help="on the restart, damage the killed rank's newest own snapshot")
@@ -94,9 +100,14 @@ class GPT:
 
 
 def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool = False, steps: int,
-              micro_batch_size: int = 2, micro_batches: int = 2) -> GPT:
+              micro_batch_size: int = 2, micro_batches: int = 2, global_batch: int | None = None,
+              dropout: float = 0.1) -> GPT:
     """The recipe's tiny GPT on the initialized process group: megatron-core parallel state, seeds, ``GPTModel`` in
-    mcore ``DistributedDataParallel``, ``get_megatron_optimizer`` and the ``OptimizerParamScheduler``."""
+    mcore ``DistributedDataParallel``, ``get_megatron_optimizer`` and the ``OptimizerParamScheduler``.
+
+    ``global_batch`` (samples per step) fixes the global batch whatever the data-parallel size: each rank trains
+    ``global_batch / (micro_batch_size x DP)`` micro-batches (megatron-core's num-microbatches rule; what keeps an
+    elastic shrink on the same trajectory). None: ``micro_batches`` per rank, the global batch follows DP."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -110,7 +121,8 @@ def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool 
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.1, hidden_dropout=0.1,
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=dropout,
+        hidden_dropout=dropout,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
@@ -128,13 +140,47 @@ def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool 
     config.finalize_model_grads_func = finalize_model_grads
     mbs, n_mb = micro_batch_size, micro_batches
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    global_batch = mbs * n_mb * dp_size
+    if global_batch is None:
+        global_batch = mbs * n_mb * dp_size
+    elif global_batch % (mbs * dp_size):
+        raise ValueError(f"global batch {global_batch} is not a multiple of micro-batch size {mbs} x data-parallel "
+                         f"size {dp_size}")
+    else:
+        n_mb = global_batch // (mbs * dp_size)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
                                         lr_warmup_steps=3 * global_batch, lr_decay_steps=steps * global_batch,
                                         lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
                                         wd_incr_style="constant")
     return GPT(config=config, model=ddp_model, optimizer=optimizer, scheduler=scheduler, dp_rank=dp_rank,
-               dp_size=dp_size, global_batch=global_batch, mbs=mbs, n_mb=n_mb)
+               dp_size=dp_size, global_batch=global_batch, mbs=mbs, n_mb=n_mb,
+               dp_group=parallel_state.get_data_parallel_group())
+
+
+SAMPLE_SEED = 1_000_003
+
+
+def sample_batches(gpt: GPT, consumed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of the step that starts at ``consumed`` samples: a miniature of Megatron's pretraining
+    sampler. The step's global batch is samples ``consumed .. consumed + global_batch``; micro-batch ``m`` of DP rank
+    ``r`` holds samples ``consumed + (m x DP + r) x mbs + [0, mbs)``, and each sample's tokens are drawn from its own
+    index. So the global batch is the same samples for any data-parallel size (an elastic shrink redistributes them)."""
+    mbs, dp = gpt.mbs, gpt.dp_size
+    for m in range(gpt.n_mb):
+        first = consumed + (m * dp + gpt.dp_rank) * mbs
+        tokens = torch.stack([torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(
+            SAMPLE_SEED + i)) for i in range(first, first + mbs)])
+        yield {"tokens": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda(),
+               "position_ids": torch.arange(SEQ).unsqueeze(0).expand(mbs, SEQ).cuda()}
+
+
+def global_loss(gpt: GPT, losses: list[dict[str, torch.Tensor]]) -> float | None:
+    """The step's loss over the global batch: this rank's mean over its micro-batches, averaged over the DP group
+    (every rank trains as many samples). None on a pipeline stage without the loss."""
+    if not losses:
+        return None
+    mean = torch.stack([d["lm loss"] for d in losses]).mean().reshape(1).float()
+    dist.all_reduce(mean, group=gpt.dp_group)
+    return float(mean.item() / gpt.dp_size)
 
 
 def fingerprints(gpt: GPT) -> dict[str, Any]:
@@ -162,11 +208,11 @@ class Recorder:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
 
-    def loss(self, step: int, loss: float | None) -> None:
+    def loss(self, step: int, loss: float | None, *, consumed: int | None = None) -> None:
         if self.out is not None:
             with open(self.out / f"losses.rank{RANK}.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": None if loss is None else loss.hex(),
-                                    "attempt": ATTEMPT}) + "\n")
+                                    "attempt": ATTEMPT, "consumed_samples": consumed}) + "\n")
 
     def json(self, name: str, obj: Any) -> None:
         if self.out is not None:
@@ -197,6 +243,10 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder(args.out)
     victims, kill_step = _parse_kill(args.kill)
     nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
+    # The global batch, fixed at start: an elastic shrink gives the survivors more micro-batches instead.
+    active = int(os.environ.get("WORLD_SIZE", "1")) - (nc_config.inprocess.spares if nc_config.inprocess.enabled else 0)
+    global_batch = args.global_batch or \
+        args.micro_batch_size * args.micro_batches * max(1, active // (args.tp * args.pp))
     if args.job_id:
         nc_config.job_id = args.job_id
     inproc = None
@@ -207,7 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         if not sep or not port.isdigit():
             raise SystemExit("neighbor_ckpt.inprocess.enabled needs the store host: --inprocess-store HOST:PORT or "
                              "NEIGHBOR_CKPT_INPROCESS_STORE (python -m neighbor_ckpt.inprocess.store_host)")
-        inproc = InprocessRecovery.from_config(nc_config, store_host=host, store_port=int(port))
+        inproc = InprocessRecovery.from_config(nc_config, store_host=host, store_port=int(port),
+                                               model_parallel=args.tp * args.pp,
+                                               batch_micro_batches=global_batch // args.micro_batch_size)
 
     def train(att: Any = None) -> None:
         """One attempt: everything that holds a process group is built here (again, after an in-process restart)."""
@@ -225,9 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         gpt = build_gpt(tp=args.tp, pp=args.pp, dist_opt=args.dist_opt, overlap=args.overlap, steps=args.steps,
-                        micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches)
+                        micro_batch_size=args.micro_batch_size, global_batch=global_batch, dropout=args.dropout)
         ddp_model, optimizer, scheduler = gpt.model, gpt.optimizer, gpt.scheduler
-        mbs, n_mb, dp_rank, global_batch = gpt.mbs, gpt.n_mb, gpt.dp_rank, gpt.global_batch
+        mbs, n_mb = gpt.mbs, gpt.n_mb
 
         # neighbor_ckpt: the state adapter, mcore's DP group, step tags + training-traffic signal, recovery.
         groups = mcore_groups()
@@ -265,14 +317,6 @@ def main(argv: list[str] | None = None) -> None:
             consumed = state["consumed_samples"]
         rec.json(f"report.rank{RANK}.attempt{ckpt.attempt.label}.json", result.report.to_dict())
 
-        def batches(step: int) -> Iterator[dict[str, torch.Tensor]]:
-            # A deterministic stand-in for Megatron's pretraining sampler: position = consumed samples.
-            g = torch.Generator().manual_seed(consumed * 7919 + dp_rank)
-            for _ in range(n_mb):
-                tokens = torch.randint(0, VOCAB, (mbs, SEQ + 1), generator=g)
-                yield {"tokens": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda(),
-                       "position_ids": torch.arange(SEQ).unsqueeze(0).expand(mbs, SEQ).cuda()}
-
         def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
             batch = next(data_iterator)
             armed = RANK in victims and step == kill_step and first_attempt
@@ -284,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
 
             def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
                 loss = output_tensor.float().mean()
-                return loss, {"lm loss": loss.detach()}
+                return loss, {"lm loss": loss.detach().clone()}  # mcore divides the loss in place
 
             return output, loss_func
 
@@ -293,10 +337,10 @@ def main(argv: list[str] | None = None) -> None:
             for step in range(result.next_step, args.steps):
                 ddp_model.zero_grad_buffer()
                 optimizer.zero_grad()
-                losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(step),
+                losses = forward_backward(forward_step_func=forward_step, data_iterator=sample_batches(gpt, consumed),
                                           model=[ddp_model], num_microbatches=n_mb, seq_length=SEQ,
                                           micro_batch_size=mbs, decoder_seq_length=SEQ, forward_only=False)
-                rec.loss(step, float(torch.stack([d["lm loss"] for d in losses]).mean()) if losses else None)
+                rec.loss(step, global_loss(gpt, losses), consumed=consumed)
                 ok, _, _ = optimizer.step()
                 if not ok:
                     raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
@@ -398,6 +442,10 @@ def fault(rec: Recorder, args: argparse.Namespace, phase: str, signal_name: str 
     logging.getLogger(__name__).warning("fault injection: %s of rank %d in the %s phase", sig, RANK, phase)
     for h in logging.getLogger().handlers:
         h.flush()
+    if args.kill_permanent and sig == "SIGKILL" and phase != "recovery":
+        from neighbor_ckpt.runtime.failpoints import lose_node
+
+        lose_node()
     os.kill(os.getpid(), getattr(signal, sig))
 
 

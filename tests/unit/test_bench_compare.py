@@ -182,6 +182,9 @@ def _recipe_literals() -> tuple[tuple[int, ...], dict[str, dict[str, object]]]:
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and \
                 [getattr(t, "id", None) for t in node.targets[0].elts] == ["SEQ", "VOCAB", "HIDDEN", "HEADS", "LAYERS"]:
             shape = ast.literal_eval(node.value)
+        if isinstance(node, ast.FunctionDef) and node.name == "build_gpt":
+            defaults = dict(zip([a.arg for a in node.args.kwonlyargs], node.args.kw_defaults))
+            calls["build_gpt"] = {k: v.value for k, v in defaults.items() if isinstance(v, ast.Constant)}
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             calls.setdefault(node.func.id, {}).update(
                 {k.arg: k.value.value for k in node.keywords if k.arg and isinstance(k.value, ast.Constant)})
@@ -193,6 +196,7 @@ def test_the_bench_gpt_is_the_recipes_gpt() -> None:
     shape, calls = _recipe_literals()
     assert shape == (gpt.SEQ, gpt.VOCAB, gpt.HIDDEN, gpt.HEADS, gpt.LAYERS)
     assert calls["TransformerConfig"] == gpt.RECIPE_TRANSFORMER
+    assert calls["build_gpt"]["dropout"] == gpt.RECIPE_DROPOUT
     assert calls["DistributedDataParallelConfig"] == gpt.RECIPE_DDP
     assert calls["OptimizerConfig"] == gpt.RECIPE_OPTIMIZER
     assert calls["OptimizerParamScheduler"] == gpt.RECIPE_SCHEDULER

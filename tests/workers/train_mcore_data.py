@@ -19,7 +19,6 @@ exception that stopped the rank, if any).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import signal

@@ -4,8 +4,8 @@ under in-process recovery with hot spares (:mod:`neighbor_ckpt.inprocess`).
 One process per rank, ``active + SPARES`` processes (NVRx ``ft_launcher``, one agent per simulated node). Heavy
 imports happen once, at process start (spares included); everything that holds a process group is built again in
 each attempt of the wrapped function: the gloo group, megatron-core's parallel state, model, DDP,
-DistributedOptimizer, scheduler (all by the recipe's ``build_gpt``) and NeighborCheckpointer. Survivors find their own host slots; the spare (its own
-store root, like a fresh node) pulls the lost rank's state from the ring successor.
+DistributedOptimizer, scheduler (all by the recipe's ``build_gpt``) and NeighborCheckpointer. Survivors find their own
+host slots; the spare (its own store root, like a fresh node) pulls the lost rank's state from the ring successor.
 
 On a failure the checkpointer is closed with ``close(success=False)`` (host slots kept) by the wrapper's Finalize,
 i.e. *after* the abort: closed from the exception handler, before the abort, its transport would send a close
@@ -16,10 +16,18 @@ Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE
 (the simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS,
 NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|stop|none),
 KILL_RANK (a rank, or ranks separated by commas), KILL_STEP (first attempt only: SIGKILL, a RuntimeError, or SIGSTOP
-inside the optimizer step of KILL_STEP), NEIGHBOR_CKPT_INPROCESS_TIMERS (NVRx timer overrides).
+inside the optimizer step of KILL_STEP), PERMANENT (1: a SIGKILLed rank's node is gone, its ft_launcher agent is
+killed too), NEIGHBOR_CKPT_INPROCESS_TIMERS (NVRx timer overrides), TP (tensor parallel size, default 1),
+GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the initial DP), DROPOUT
+(default 0.1), ELASTIC (1:
+``neighbor_ckpt.elastic.enabled``: without a spare the survivors continue on a smaller data-parallel size), KEEP_OLD
+(1: after an elastic reshard each survivor copies the previous layout's store to ``OUT/oldstore/<node>`` before
+training on, for the test's reference resharding).
 
 Outputs under OUT_DIR (``rank`` is the attempt's rank, ``initial`` the rank the process started as):
-``losses.rank<r>.jsonl`` (step, loss hex, attempt = restart iteration, pid), ``final.rank<r>.json``
+``losses.rank<r>.jsonl`` (step, loss over the global batch as hex, attempt = restart iteration, pid, consumed samples
+before the step, data-parallel size), ``resharded.rank<r>.npz`` + ``resharded.rank<r>.json`` (after an elastic
+reshard: this rank's optimizer shards as loaded, and their spans), ``final.rank<r>.json``
 (fingerprints, as tests/workers/train_mcore.py's recipe writes them), ``attempt.initial<i>.iter<k>.json``
 (pid, rank, times of this attempt's phases), ``events.initial<i>.json`` (every event of the process),
 ``fault.json`` (when the fault was injected; ``fault.rank<r>.json`` per faulty rank), ``report.rank<r>.attempt<k>.json``
@@ -79,6 +87,9 @@ import megatron.core.optimizer, megatron.core.optimizer_param_scheduler, megatro
 SEQ, VOCAB = recipe.SEQ, recipe.VOCAB
 T_IMPORTED = time.time()
 STEPS = int(os.environ.get("STEPS", "10"))
+TP = int(os.environ.get("TP", "1"))
+ACTIVE = int(os.environ["WORLD_SIZE"]) - int(os.environ.get("SPARES", "1"))
+GLOBAL_BATCH = int(os.environ.get("GLOBAL_BATCH") or MBS * N_MB * (ACTIVE // TP))
 LAUNCH_ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # launcher-level restarts (the fallback)
 FAULT = os.environ.get("FAULT", "none")
 KILL_RANKS = {int(r) for r in os.environ.get("KILL_RANK", "-1").split(",")}
@@ -102,12 +113,14 @@ def make_config() -> NeighborCkptConfig:
     cfg = NeighborCkptConfig()  # job id and store root from NEIGHBOR_CKPT_JOB_ID / NEIGHBOR_CKPT_STORE_DIR
     cfg.inprocess.enabled = True  # the checkpointer turns its own failure detector off: NVRx's monitors detect
     cfg.inprocess.spares = int(os.environ.get("SPARES", "1"))
+    cfg.elastic.enabled = os.environ.get("ELASTIC") == "1"
     cfg.report.dir = str(OUT / "reports")
     return cfg
 
 
 inproc = InprocessRecovery.from_config(make_config(), store_host=os.environ["STORE_HOST"],
-                                       store_port=int(os.environ["STORE_PORT"]), monitor_log_dir=OUT / "nvrx")
+                                       store_port=int(os.environ["STORE_PORT"]), monitor_log_dir=OUT / "nvrx",
+                                       model_parallel=TP, batch_micro_batches=GLOBAL_BATCH // MBS)
 
 
 def inject_fault(rank: int, att: Attempt) -> None:
@@ -120,6 +133,10 @@ def inject_fault(rank: int, att: Attempt) -> None:
         h.flush()
     if FAULT == "kill":
         log.warning("fault injection: SIGKILL of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
+        if os.environ.get("PERMANENT") == "1":
+            from neighbor_ckpt.runtime.failpoints import lose_node
+
+            lose_node()
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULT == "stop":
         log.warning("fault injection: SIGSTOP of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
@@ -137,9 +154,10 @@ def train(att: Attempt) -> dict[str, Any]:
                 "iteration": att.iteration, "node": NODE, "times": times})
     inproc.init_process_group()
     times["pg_ready"] = time.time()
-    gpt = recipe.build_gpt(steps=STEPS, micro_batch_size=MBS, micro_batches=N_MB)  # parallel state, model, optimizer
+    gpt = recipe.build_gpt(tp=TP, steps=STEPS, micro_batch_size=MBS,  # parallel state, model, optimizer
+                           global_batch=GLOBAL_BATCH, dropout=float(os.environ.get("DROPOUT", "0.1")))
     ddp_model, optimizer, scheduler = gpt.model, gpt.optimizer, gpt.scheduler
-    dp_rank, global_batch = gpt.dp_rank, gpt.global_batch
+    global_batch = gpt.global_batch
     times["built"] = time.time()
 
     groups = mcore_groups()
@@ -166,13 +184,8 @@ def train(att: Attempt) -> dict[str, Any]:
         scheduler.load_state_dict(result.user_state["scheduler"])
         consumed = result.user_state["consumed_samples"]
     write_json(f"report.rank{rank}.attempt{att.iteration}{_launch_suffix()}.json", result.report.to_dict())
-
-    def batches() -> Iterator[dict[str, torch.Tensor]]:
-        g = torch.Generator().manual_seed(consumed * 7919 + dp_rank)
-        for _ in range(N_MB):
-            tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
-            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                   "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)}
+    if result.report.resharded:
+        dump_resharded(ckpt, rank)
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
         batch = next(data_iterator)
@@ -180,7 +193,7 @@ def train(att: Attempt) -> dict[str, Any]:
 
         def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
             loss = output_tensor.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            return loss, {"lm loss": loss.detach().clone()}  # mcore divides the loss in place
 
         return output, loss_func
 
@@ -190,10 +203,12 @@ def train(att: Attempt) -> dict[str, Any]:
         for step in range(result.next_step, STEPS):
             ddp_model.zero_grad_buffer()
             optimizer.zero_grad()
-            losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(), model=[ddp_model],
-                                      num_microbatches=N_MB, seq_length=SEQ, micro_batch_size=MBS,
+            losses = forward_backward(forward_step_func=forward_step,
+                                      data_iterator=recipe.sample_batches(gpt, consumed), model=[ddp_model],
+                                      num_microbatches=gpt.n_mb, seq_length=SEQ, micro_batch_size=MBS,
                                       decoder_seq_length=SEQ, forward_only=False)
-            loss = float(torch.stack([d["lm loss"] for d in losses]).mean())
+            loss = recipe.global_loss(gpt, losses)
+            step_consumed = consumed
             ok, _, _ = optimizer.step()
             if not ok:
                 raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
@@ -203,7 +218,8 @@ def train(att: Attempt) -> dict[str, Any]:
             with open(OUT / f"losses.rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss.hex(), "attempt": att.iteration,
                                     "launch_attempt": LAUNCH_ATTEMPT, "pid": os.getpid(),
-                                    "initial_rank": INITIAL_RANK, "unix": time.time()}) + "\n")
+                                    "initial_rank": INITIAL_RANK, "unix": time.time(),
+                                    "consumed_samples": step_consumed, "dp": gpt.dp_size}) + "\n")
             if first:
                 first = False
                 inproc.mark_progress()
@@ -222,6 +238,27 @@ def train(att: Attempt) -> dict[str, Any]:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {"rank": rank}
+
+
+def dump_resharded(ckpt: NeighborCheckpointer, rank: int) -> None:
+    """After an elastic reshard: this rank's optimizer shards as loaded into megatron-core (read back from the live
+    optimizer) with their spans, and (KEEP_OLD) a copy of the previous layout's store on this node, which the
+    checkpointer releases once the new layout has a complete snapshot."""
+    import shutil
+
+    import numpy as np
+
+    spans = ckpt.adapter.dp_shards() or {}
+    live = {m.name: t for m, t in ckpt.adapter.named_tensors() if m.name in spans}
+    np.savez(OUT / f"resharded.rank{rank}.npz", **{n: t.detach().cpu().numpy() for n, t in live.items()})
+    write_json(f"resharded.rank{rank}.json", {"spans": {n: list(v) for n, v in spans.items()},
+                                             "coord": list(ckpt.topology.model_parallel_coord),
+                                             "report": ckpt.last_report.to_dict() if ckpt.last_report else None})
+    if os.environ.get("KEEP_OLD") == "1":
+        src = ckpt.store.job_dir
+        dst = OUT / "oldstore" / NODE
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(f"g{ckpt.generations.generation}"),
+                        dirs_exist_ok=True)
 
 
 def main() -> int:

@@ -16,11 +16,13 @@ from typing import Any
 
 # The recipe's shape (recipes/mcore_gpt_plain_loop.py): SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 32, 128, 64, 4, 2.
 SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 32, 128, 64, 4, 2
-RECIPE_TRANSFORMER = dict(attention_dropout=0.1, hidden_dropout=0.1, use_cpu_initialization=True,
+RECIPE_TRANSFORMER = dict(use_cpu_initialization=True,
                           gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                           bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
                           apply_rope_fusion=False)
 """The literal settings of the recipe's ``TransformerConfig`` (the shape and the parallel sizes are set apart)."""
+RECIPE_DROPOUT = 0.1
+"""The recipe's default attention and hidden dropout (``build_gpt(dropout=...)``)."""
 RECIPE_DDP = dict(bucket_size=4096)
 """The literal settings of the recipe's ``DistributedDataParallelConfig``."""
 RECIPE_OPTIMIZER = dict(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, clip_grad=1.0)
@@ -86,7 +88,8 @@ class Trainer:
         # --- from recipes/mcore_gpt_plain_loop.py (tp = pp = 1, distributed optimizer, no overlap) ---
         config = TransformerConfig(**{**dict(
             num_layers=layers, hidden_size=hidden, num_attention_heads=heads, tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1, pipeline_dtype=torch.float32, **RECIPE_TRANSFORMER), **tc_gpu})
+            pipeline_model_parallel_size=1, pipeline_dtype=torch.float32, attention_dropout=RECIPE_DROPOUT,
+            hidden_dropout=RECIPE_DROPOUT, **RECIPE_TRANSFORMER), **tc_gpu})
         model = wrap(GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                               max_sequence_length=seq, pre_process=True, post_process=True).cuda())
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
