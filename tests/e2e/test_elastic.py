@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from neighbor_ckpt.snapshot.store import SlotFile
-from tests.conftest import RunResult
+from tests.conftest import RunResult, run_torchrun
 from tests.e2e.test_inprocess_recovery import attempts, launch_inprocess, timeline
 
 pytestmark = pytest.mark.e2e
@@ -149,3 +149,48 @@ def test_plain_loop_with_tp2_loses_a_rank_and_continues_on_dp1(tmp_path: Path) -
     _check_shrink(base, res, dp_before=2, dp_after=1, survivors=2, global_batch=8)
     idle = [a for a in attempts(res) if a["initial_rank"] == 2 and a["iteration"] == 1]
     assert not idle, f"initial rank 2 should be idle after the shrink: {idle}"
+
+
+def test_restart_path_reshards_to_the_nodes_that_come_back_and_grows_back_to_the_configured_size(
+        tmp_path: Path) -> None:
+    """The restart path (plain torchrun, the recipe unmodified): the whole job dies in step 5 and comes back on 3
+    nodes (one is gone), which reshard the DP-4 snapshots to DP 3; it dies again in step 7 and comes back on 4 nodes
+    (a new, empty one among them), which reshard the DP-3 snapshots back to DP 4 (grow back) and finish. The nodes are
+    the per-rank store roots under one TEST_STORE_BASE, shared by the launches; the job id is fixed."""
+    cfg = tmp_path / "elastic.yaml"
+    cfg.write_text("neighbor_ckpt:\n  elastic:\n    enabled: true\n")
+    store = tmp_path / "store"
+    common = dict(STEPS=STEPS, NCKPT_CONFIG=cfg, EXTRA_ARGS="--global-batch 24 --dropout 0", TEST_STORE_BASE=store)
+    base = run_torchrun("train_mcore.py", tmp_path / "base", NEIGHBOR_CKPT_JOB_ID="base",
+                        TEST_STORE_BASE=tmp_path / "base-store", **{k: v for k, v in common.items()
+                                                                    if k != "TEST_STORE_BASE"})
+    assert base.returncode == 0, base.log[-6000:]
+    runs = [run_torchrun("train_mcore.py", tmp_path / "dp4", nproc=4, KILL_RANK="0,1,2,3", KILL_STEP=5,
+                         NEIGHBOR_CKPT_JOB_ID="grow", **common),
+            run_torchrun("train_mcore.py", tmp_path / "dp3", nproc=3, KILL_RANK="0,1,2", KILL_STEP=7,
+                         NEIGHBOR_CKPT_JOB_ID="grow", **common),
+            run_torchrun("train_mcore.py", tmp_path / "dp4-again", nproc=4, NEIGHBOR_CKPT_JOB_ID="grow", **common)]
+    assert runs[2].returncode == 0, runs[2].log[-6000:]
+    expected = {json.loads(line)["step"]: json.loads(line) for line in
+                (base.out / "losses.rank0.jsonl").read_text().splitlines()}
+    steps: dict[int, tuple[int, dict[str, Any]]] = {}
+    for i, r in enumerate(runs):
+        for line in (r.out / "losses.rank0.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            steps[rec["step"]] = (i, rec)
+    assert sorted(steps) == list(range(STEPS))
+    for step, (i, rec) in steps.items():
+        assert i == (0 if step < 5 else 1 if step < 7 else 2), (step, i)
+        assert rec["consumed_samples"] == expected[step]["consumed_samples"] == step * 24
+        if step < 5:
+            assert rec["loss"] == expected[step]["loss"], step
+        else:
+            a, b = float.fromhex(rec["loss"]), float.fromhex(expected[step]["loss"])
+            assert abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+    for run, nranks, it, dp in ((runs[1], 3, 4, (4, 3)), (runs[2], 4, 6, (3, 4))):
+        for r in range(nranks):
+            rep = run.report(r, 0)
+            assert (rep["outcome"], rep["source"], rep["iteration"]) == ("restored", "reshard", it), rep
+            assert (rep["data_parallel_before"], rep["data_parallel_after"]) == dp, rep
+    # the successful end removed every generation of the job's store on every node
+    assert not list(store.glob("node*/*/grow/**/*.slot")), sorted(store.glob("node*/*/grow/**/*.slot"))

@@ -2,13 +2,14 @@
 
 Environment: OUT_DIR, TEST_STORE_BASE, WIPE_RANKS (see ``common.setup_store_env``), STEPS, TP, PP,
 DIST_OPT (1|0), KILL_RANK, KILL_STEP, KILL_PHASE (forward|optimizer), KILL_SIGNAL (SIGKILL|SIGSTOP),
-NCKPT_CONFIG (a YAML file with a neighbor_ckpt: section).
+NCKPT_CONFIG (a YAML file with a neighbor_ckpt: section), EXTRA_ARGS (more recipe arguments, shell-quoted).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def main() -> None:
                  "--kill-signal", env.get("KILL_SIGNAL", "SIGKILL")]
     if env.get("NCKPT_CONFIG"):
         argv += ["--config", env["NCKPT_CONFIG"]]
+    argv += shlex.split(env.get("EXTRA_ARGS", ""))
     spec = importlib.util.spec_from_file_location("mcore_gpt_plain_loop", RECIPE)
     assert spec is not None and spec.loader is not None  # noqa: S101 - the file is in this repository
     recipe = importlib.util.module_from_spec(spec)
