@@ -150,8 +150,10 @@ def _make_finalize_class() -> type:
     class FinalizeMegatron(Finalize):  # type: ignore[misc, valid-type]
         """NVRx ``Finalize`` for CPU: run the attempt's clean-ups (``cleanups()`` returns callables, run last first;
         e.g. closing the snapshot engine once the abort has freed its threads), then drop megatron-core's
-        ``parallel_state`` and any process group left. An exception here makes the wrapper give up (the process
-        exits and the launcher restarts the job), which is the right outcome for a process we cannot clean."""
+        ``parallel_state``, its num-microbatches calculator (NeMo's data sampler refuses to set up a second one, and
+        an elastic shrink needs another number of micro-batches per rank) and any process group left. An exception
+        here makes the wrapper give up (the process exits and the launcher restarts the job), which is the right
+        outcome for a process we cannot clean."""
 
         def __init__(self, cleanups: Callable[[], list[Callable[[], None]]] | None = None,
                      on_event: Callable[[str, float], None] | None = None) -> None:
@@ -167,6 +169,9 @@ def _make_finalize_class() -> type:
                 parallel_state = None
             if parallel_state is not None:
                 parallel_state.destroy_model_parallel()
+                from megatron.core import num_microbatches_calculator
+
+                num_microbatches_calculator.destroy_num_microbatches_calculator()
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
             if self.on_event is not None:

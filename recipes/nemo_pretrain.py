@@ -249,11 +249,17 @@ class _Record:
 
         class Record(pl.Callback):
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+                from megatron.core import parallel_state
+
                 loss = trainer.callback_metrics.get("reduced_train_loss")
+                sampler = getattr(trainer.datamodule, "data_sampler", None)
+                consumed = None if sampler is None else int(sampler.compute_consumed_samples(
+                    trainer.global_step - sampler.init_global_step))
                 with open(out / f"losses.rank{rank}.jsonl", "a") as f:
                     f.write(json.dumps({"step": trainer.global_step - 1, "attempt": attempt,
                                         "loss": None if loss is None else float(loss).hex(), "pid": os.getpid(),
-                                        "unix": time.time()}) + "\n")
+                                        "unix": time.time(), "consumed_samples": consumed,
+                                        "dp": parallel_state.get_data_parallel_world_size()}) + "\n")
 
             def on_train_end(self, trainer: Any, pl_module: Any) -> None:
                 _Record.final(trainer, out / f"final.rank{rank}.json")
@@ -360,8 +366,11 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
     host, port = args.inprocess_store.rsplit(":", 1)
     t_start = time.time()
     build_recipe(job, args.run_dir)  # every import the attempts need, now: a spare must be hot when it is activated
-    inproc = InprocessRecovery(spares=job.neighbor_ckpt.inprocess.spares, store_host=host, store_port=int(port),
-                               monitor_log_dir=args.run_dir / "nvrx")
+    p, t = job.parallelism, job.trainer
+    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store_host=host, store_port=int(port),
+                                           monitor_log_dir=args.run_dir / "nvrx",
+                                           model_parallel=p.tensor * p.pipeline * p.context,
+                                           batch_micro_batches=t.global_batch_size // t.micro_batch_size)
     if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:
         raise ConfigError(f"in-process recovery: {inproc.world_size} processes were started, the job needs "
                           f"{job.world_size} ranks + {job.neighbor_ckpt.inprocess.spares} spare(s); start it with "
@@ -376,7 +385,11 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
 
     def make(attempt: Any) -> tuple[Any, Any]:
         torch.manual_seed(job.trainer.seed)  # as main() does before building: the first attempt is the plain run
-        fn = fdl.build(build_recipe(job, args.run_dir, inject_faults=attempt.iteration == 0))
+        recipe = build_recipe(job, args.run_dir, inject_faults=attempt.iteration == 0)
+        if attempt.world_size != job.world_size:  # an elastic shrink: Lightning wants devices x nodes = world size
+            nodes = t.num_nodes if attempt.world_size % t.num_nodes == 0 else 1
+            recipe.trainer.devices, recipe.trainer.num_nodes = attempt.world_size // nodes, nodes
+        fn = fdl.build(recipe)
         trainer = fn.keywords["trainer"]
         if args.record:
             label = str(attempt.iteration) if not launch else f"{launch}.{attempt.iteration}"

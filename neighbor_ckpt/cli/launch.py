@@ -24,6 +24,7 @@ import dataclasses
 import secrets
 import shlex
 import socket
+import signal
 import subprocess
 import sys
 import time
@@ -327,6 +328,18 @@ def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
     return run_inprocess(procs, ready=ready, **kw)
 
 
+def launch_status(codes: Sequence[int]) -> int:
+    """The exit status of an in-process launch from its agents' (pure): 0 when every agent succeeded, or when the only
+    failures are agents killed by SIGKILL (a node lost for good: ``fault_injection.permanent``) and more than half of
+    the agents succeeded (min-healthy: the survivors finished the job); else the worst status (a signal's negative
+    status is not lost behind a 0)."""
+    ok = sum(c == 0 for c in codes)
+    lost = [c for c in codes if c != 0]
+    if all(c == -signal.SIGKILL for c in lost) and ok > len(codes) // 2:
+        return 0
+    return max(codes, key=abs)
+
+
 def run_inprocess(procs: InprocessProcesses, *, ready: Path, env: dict[str, str] | None = None,
                   timeout: float | None = None, **kw: Any) -> int:
     """Start the store host of ``procs``, wait until it listens (``ready`` exists), start the agents (environment:
@@ -352,7 +365,7 @@ def run_inprocess(procs: InprocessProcesses, *, ready: Path, env: dict[str, str]
             agents.append(subprocess.Popen(list(cmd), env={**base, **dict(extra)}, **kw))
         end = None if timeout is None else time.monotonic() + timeout
         codes = [a.wait(timeout=None if end is None else max(0.0, end - time.monotonic())) for a in agents]
-        return max(codes, key=abs)  # the worst agent's: a signal's negative status is not lost behind a 0
+        return launch_status(codes)
     finally:
         for p in [*agents, store]:
             if p.poll() is None:

@@ -2,7 +2,8 @@
 
 :class:`FaultInjector` kills (SIGKILL) or hangs (SIGSTOP) one rank once, in one phase of one step, on the first
 attempt of the job only (``TORCHELASTIC_RESTART_COUNT == 0``), so the restarted job trains through. With
-``replace_store`` the victim restarts with an empty host store, as a replacement node would.
+``replace_store`` the victim restarts with an empty host store, as a replacement node would; with ``permanent`` its
+launcher agent is killed with it (its node is gone: no restart brings it back).
 
 Phases: ``forward`` (start of the training batch), ``backward`` (when the first gradient is computed: a tensor
 hook, so it fires inside megatron-core's forward-backward too) and ``optimizer`` (Lightning's
@@ -19,6 +20,7 @@ from typing import Any
 
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.lightning._compat import callback_bases
+from neighbor_ckpt.runtime.failpoints import lose_node
 from neighbor_ckpt.snapshot.store import rank_dir
 
 __all__ = ["FaultInjector"]
@@ -58,6 +60,8 @@ class FaultInjector(*callback_bases()):  # type: ignore[misc]
                        where, self.fault.step)
         for h in logging.getLogger().handlers:
             h.flush()
+        if self.fault.permanent and sig == signal.SIGKILL:
+            lose_node()  # its node is gone: no restart brings this rank back
         os.kill(os.getpid(), sig)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

@@ -309,6 +309,13 @@ class JobSpec:
                 p.check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "trainer.global_batch_size",
                         f"{t.global_batch_size} is not a multiple of micro_batch_size x data-parallel size = "
                         f"{t.micro_batch_size} x {dp}")
+                el = self.neighbor_ckpt.elastic
+                if el.enabled:
+                    p.check(par.distributed_optimizer, "neighbor_ckpt.elastic.enabled",
+                            "needs parallelism.distributed_optimizer: true (elastic resharding re-partitions "
+                            "megatron-core's distributed-optimizer shards)")
+                    p.check(el.min_data_parallel <= dp, "neighbor_ckpt.elastic.min_data_parallel",
+                            f"{el.min_data_parallel} exceeds the job's data-parallel size {dp}")
                 if p.ok("parallelism.expert", "parallelism.expert_tensor"):
                     emp = self.expert_tensor * par.expert * par.pipeline
                     p.check(world % emp == 0, "parallelism.expert",

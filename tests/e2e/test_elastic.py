@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from neighbor_ckpt.snapshot.store import SlotFile
-from tests.conftest import RunResult, run_torchrun
+from tests.conftest import Baselines, RunResult, run_launch, run_torchrun
 from tests.e2e.test_inprocess_recovery import attempts, launch_inprocess, timeline
 
 pytestmark = pytest.mark.e2e
@@ -194,3 +194,40 @@ def test_restart_path_reshards_to_the_nodes_that_come_back_and_grows_back_to_the
             assert (rep["data_parallel_before"], rep["data_parallel_after"]) == dp, rep
     # the successful end removed every generation of the job's store on every node
     assert not list(store.glob("node*/*/grow/**/*.slot")), sorted(store.glob("node*/*/grow/**/*.slot"))
+
+
+@pytest.mark.timeout(2400)
+def test_nemo_recipe_loses_a_rank_for_good_and_continues_on_dp3_in_process(baseline: Baselines,
+                                                                           tmp_path: Path) -> None:
+    """``neighbor-ckpt launch configs/gpt_tiny_cpu.yaml`` (NeMo 2 ``llm.pretrain``, MegatronStrategy, distributed
+    optimizer, 4 CPU ranks, global batch 24, micro-batch 2, dropout 0) with in-process recovery and elastic on and no
+    spare; rank 1 is killed for good in step 5's optimizer step: the launch finishes every step on DP 3. Compared
+    with the failure-free DP-4 run of the same file (the restart path's, shared): losses bit-exact before the
+    failure, within 1e-4 after it, the consumed-samples sequence identical; the timeline says 4 -> 3."""
+    over = ("trainer.max_steps=10", "trainer.global_batch_size=24", "model.dropout=0")
+    base = baseline.launch("gpt_tiny_cpu.yaml", *over)
+    res = run_launch("gpt_tiny_cpu.yaml", tmp_path / "fault", *over, "neighbor_ckpt.inprocess.enabled=true",
+                     "neighbor_ckpt.elastic.enabled=true", "neighbor_ckpt.fault_injection.enabled=true",
+                     "neighbor_ckpt.fault_injection.rank=1", "neighbor_ckpt.fault_injection.step=5",
+                     "neighbor_ckpt.fault_injection.phase=optimizer", "neighbor_ckpt.fault_injection.permanent=true",
+                     "neighbor_ckpt.fault_injection.replace_store=false", timeout=1800,
+                     NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
+    assert res.returncode == 0, res.log[-8000:]
+    assert "continuing on 3 of 4 ranks" in res.log and "in-process recovery gives up" not in res.log
+    expected = {json.loads(line)["step"]: json.loads(line) for line in
+                (base.out / "losses.rank0.jsonl").read_text().splitlines()}
+    got: dict[int, list[dict[str, Any]]] = {}
+    for line in (res.out / "losses.rank0.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        got.setdefault(rec["step"], []).append(rec)
+    assert sorted(got) == list(range(10)), sorted(got)
+    for step, recs in got.items():
+        for rec in recs:
+            assert rec["consumed_samples"] == expected[step]["consumed_samples"] == (step + 1) * 24, (step, rec)
+            if step < 5:
+                assert rec["loss"] == expected[step]["loss"] and rec["dp"] == 4, (step, rec)
+            else:
+                a, b = float.fromhex(rec["loss"]), float.fromhex(expected[step]["loss"])
+                assert rec["dp"] == 3 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+    tls = [json.loads(p.read_text()) for p in (tmp_path / "fault" / "run").rglob("recovery_timeline.*.json")]
+    assert [(t["mode"], t["data_parallel_before"], t["data_parallel_after"]) for t in tls] == [("in-process", 4, 3)], tls

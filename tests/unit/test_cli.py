@@ -126,3 +126,12 @@ def test_demo_inprocess_plans_the_restart_and_the_inprocess_runs_of_the_same_kil
         assert (fi.enabled, fi.rank, fi.step, fi.phase) == (True, 1, 5, "optimizer")
     assert not plans["baseline"].job.neighbor_ckpt.fault_injection.enabled
     assert sorted(demo.demo_plans(demo.parse_args(["--out", str(tmp_path)]))) == ["baseline", "faulted"]
+
+
+def test_an_inprocess_launch_succeeds_when_only_a_lost_nodes_agent_died() -> None:
+    from neighbor_ckpt.cli.launch import launch_status
+
+    assert launch_status([0, 0, 0, 0]) == 0
+    assert launch_status([0, -9, 0, 0]) == 0  # a node gone for good (SIGKILL of its agent), the survivors finished
+    assert launch_status([0, -9, -9, 0]) == -9  # half the agents lost: not a finished job
+    assert launch_status([0, 1, 0, 0]) == 1 and launch_status([0, -15, 0, 0]) == -15
