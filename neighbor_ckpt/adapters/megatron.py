@@ -140,9 +140,13 @@ class MegatronOptimizerAdapter(StateAdapter):
         for part in self.parts:
             self._ms.materialize_state(part)
 
-    def dp_shards(self) -> dict[str, tuple[int, int, int]]:
+    def dp_shards(self) -> dict[str, tuple[int, int, int]] | None:
         """The fp32 main-param shard and each moment of it are slices of the flattened param: ``(param numel, start,
-        end)`` from mcore's shard ranges (elastic resharding cuts the same params for another DP size)."""
+        end)`` from mcore's shard ranges (elastic resharding cuts the same params for another DP size). None with
+        expert parallelism: an expert's local name is the same on every EP rank while the expert is another one, and
+        its shards live in the expert-data-parallel group; resharding those is not supported."""
+        if self.expert_params:
+            return None
         out: dict[str, tuple[int, int, int]] = {}
         for part, states in zip(self.parts, self._states):
             spans = self._ms.shard_spans(part)

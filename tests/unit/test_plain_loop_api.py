@@ -87,3 +87,17 @@ def test_the_checkpointer_checks_a_config_changed_after_construction() -> None:
                                           "neighbor_ckpt.store.versions: 1 must be >= 2"]
     with pytest.raises(ConfigError, match="^NeighborCheckpointer expects a NeighborCkptConfig, got dict"):
         NeighborCheckpointer({"store": {"dir": "/x"}}, adapter=None)  # type: ignore[arg-type]
+
+
+def test_elastic_needs_state_that_can_be_resharded() -> None:
+    """``elastic.enabled`` with an adapter whose optimizer state cannot be re-partitioned for another DP size (a torch
+    optimizer, replicated) is refused when the checkpointer is built, before any collective."""
+    import torch
+
+    from neighbor_ckpt.adapters import TorchOptimizerAdapter
+
+    model = torch.nn.Linear(4, 2)
+    adapter = TorchOptimizerAdapter(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ConfigError, match="^neighbor_ckpt.elastic.enabled: TorchOptimizerAdapter keeps optimizer "
+                                          "state that cannot be re-partitioned"):
+        NeighborCheckpointer(NeighborCkptConfig(elastic={"enabled": True}), adapter=adapter)
