@@ -197,14 +197,17 @@ def test_restart_path_reshards_to_the_nodes_that_come_back_and_grows_back_to_the
 
 
 @pytest.mark.timeout(2400)
-def test_nemo_recipe_loses_a_rank_for_good_and_continues_on_dp3_in_process(baseline: Baselines,
-                                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp,dp_after", [(1, 3), (2, 1)], ids=["tp1-dp4-to-dp3", "tp2-dp2-to-dp1"])
+def test_nemo_recipe_loses_a_rank_for_good_and_continues_on_a_smaller_dp_in_process(
+        tp: int, dp_after: int, baseline: Baselines, tmp_path: Path) -> None:
     """``neighbor-ckpt launch configs/gpt_tiny_cpu.yaml`` (NeMo 2 ``llm.pretrain``, MegatronStrategy, distributed
     optimizer, 4 CPU ranks, global batch 24, micro-batch 2, dropout 0) with in-process recovery and elastic on and no
-    spare; rank 1 is killed for good in step 5's optimizer step: the launch finishes every step on DP 3. Compared
-    with the failure-free DP-4 run of the same file (the restart path's, shared): losses bit-exact before the
-    failure, within 1e-4 after it, the consumed-samples sequence identical; the timeline says 4 -> 3."""
-    over = ("trainer.max_steps=10", "trainer.global_batch_size=24", "model.dropout=0")
+    spare; rank 1 is killed for good in step 5's optimizer step: the launch finishes every step on a smaller DP (TP 1:
+    DP 4 -> 3; TP 2: DP 2 -> 1, one survivor idles). Compared with the failure-free run of the same file (the restart
+    path's, shared): losses bit-exact before the failure, within 1e-4 after it, the consumed-samples sequence
+    identical; the timeline says what changed."""
+    over = ("trainer.max_steps=10", "trainer.global_batch_size=24", "model.dropout=0", f"parallelism.tensor={tp}")
+    dp_before = 4 // tp
     base = baseline.launch("gpt_tiny_cpu.yaml", *over)
     res = run_launch("gpt_tiny_cpu.yaml", tmp_path / "fault", *over, "neighbor_ckpt.inprocess.enabled=true",
                      "neighbor_ckpt.elastic.enabled=true", "neighbor_ckpt.fault_injection.enabled=true",
@@ -213,7 +216,7 @@ def test_nemo_recipe_loses_a_rank_for_good_and_continues_on_dp3_in_process(basel
                      "neighbor_ckpt.fault_injection.replace_store=false", timeout=1800,
                      NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
     assert res.returncode == 0, res.log[-8000:]
-    assert "continuing on 3 of 4 ranks" in res.log and "in-process recovery gives up" not in res.log
+    assert f"continuing on {dp_after * tp} of 4 ranks" in res.log and "in-process recovery gives up" not in res.log
     expected = {json.loads(line)["step"]: json.loads(line) for line in
                 (base.out / "losses.rank0.jsonl").read_text().splitlines()}
     got: dict[int, list[dict[str, Any]]] = {}
@@ -225,9 +228,10 @@ def test_nemo_recipe_loses_a_rank_for_good_and_continues_on_dp3_in_process(basel
         for rec in recs:
             assert rec["consumed_samples"] == expected[step]["consumed_samples"] == (step + 1) * 24, (step, rec)
             if step < 5:
-                assert rec["loss"] == expected[step]["loss"] and rec["dp"] == 4, (step, rec)
+                assert rec["loss"] == expected[step]["loss"] and rec["dp"] == dp_before, (step, rec)
             else:
                 a, b = float.fromhex(rec["loss"]), float.fromhex(expected[step]["loss"])
-                assert rec["dp"] == 3 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+                assert rec["dp"] == dp_after and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
     tls = [json.loads(p.read_text()) for p in (tmp_path / "fault" / "run").rglob("recovery_timeline.*.json")]
-    assert [(t["mode"], t["data_parallel_before"], t["data_parallel_after"]) for t in tls] == [("in-process", 4, 3)], tls
+    assert [(t["mode"], t["data_parallel_before"], t["data_parallel_after"]) for t in tls] == \
+        [("in-process", dp_before, dp_after)], tls
