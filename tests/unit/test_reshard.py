@@ -166,3 +166,18 @@ def test_random_layouts_and_losses() -> None:
             for t in lay.tensors:
                 if t.span is not None:
                     assert torch.equal(got[r][t.name], full[(lay.coord, t.name)][t.span.start:t.span.end])
+
+
+def test_elastic_policy_picks_the_largest_world_that_keeps_the_global_batch() -> None:
+    from neighbor_ckpt.recovery.reshard import ElasticPolicy
+
+    gb12 = ElasticPolicy(model_parallel=1, batch_micro_batches=12)  # global batch 24, micro-batch 2
+    assert [gb12.world_size(n) for n in (4, 3, 2, 1)] == [4, 3, 2, 1]
+    assert ElasticPolicy(model_parallel=1, batch_micro_batches=8).world_size(3) == 2  # DP 3 does not divide 8
+    tp2 = ElasticPolicy(model_parallel=2, batch_micro_batches=4)
+    assert tp2.world_size(3) == 2 and tp2.world_size(1) is None  # an even world; none left below TP
+    floor = ElasticPolicy(model_parallel=1, min_data_parallel=3, batch_micro_batches=12)
+    assert floor.world_size(2) is None
+    assert "elastic.min_data_parallel 3" in floor.why_not(2) and "12 micro-batches" in floor.why_not(2)
+    with pytest.raises(ValueError):
+        ElasticPolicy(model_parallel=0)
