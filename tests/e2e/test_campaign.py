@@ -42,7 +42,7 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     kinds = KINDS
     rc = campaign.main(["--faults", str(len(kinds)), "--seed", str(SEED), "--steps", "6", "--kinds", ",".join(kinds),
-                        "--out", str(tmp_path)])
+                        "--insurance-where-needed", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     outcomes = [json.loads(line) for line in (tmp_path / "outcomes.jsonl").read_text().splitlines()]
     assert rc == 0, out
