@@ -288,7 +288,7 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
 
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
-                  store_port: int, rdzv_port: int, max_restarts: int, insurance_every: int = 0):  # noqa: ANN201
+                  store_port: int, max_restarts: int, insurance_every: int = 0):  # noqa: ANN201
     """The store host and ``ft_launcher`` agent commands of an in-process case (nothing runs): ``WORLD`` active
     ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store root per
     simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
@@ -298,7 +298,7 @@ def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, confi
     program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
                "--insurance-every", str(insurance_every), "--inprocess-store", f"127.0.0.1:{store_port}", *args]
     return inprocess_commands(program, active=WORLD, spares=SPARES, max_restarts=max_restarts, run_id=job_id,
-                              store_port=store_port, rdzv_endpoint=f"127.0.0.1:{rdzv_port}", store_root=store,
+                              store_port=store_port, store_root=store,
                               store_ready=out / "store_host.ready", parent=os.getpid())
 
 
@@ -311,7 +311,7 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
 
     out.mkdir(parents=True, exist_ok=True)
     procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
-                          store_port=_free_port(), rdzv_port=_free_port(), max_restarts=max_restarts)
+                          store_port=_free_port(), max_restarts=max_restarts)
     tag = new_run_tag()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic

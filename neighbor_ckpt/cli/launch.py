@@ -133,7 +133,7 @@ class InprocessProcesses:
     """Per simulated node ``i``: (command line, environment additions)."""
 
 
-def inprocess_processes(plan: LaunchPlan, *, store_port: int, rdzv_endpoint: str, store_root: Path,
+def inprocess_processes(plan: LaunchPlan, *, store_port: int, store_root: Path,
                         store_ready: Path | None = None, parent: int | None = None,
                         host: str = "127.0.0.1") -> InprocessProcesses:
     """Store host + ``plan.processes`` agents for a single-machine in-process launch.
@@ -143,19 +143,21 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int, rdzv_endpoint: str
     announce its give-up, after which every worker exits and ``ft_launcher`` restarts them all (the restart path).
     Once the minimum has joined, the rendezvous waits up to ``RDZV_LAST_CALL_S`` for the others (torch's default,
     30 s, closed it without the slowest agents on a loaded machine: fewer processes than the job has ranks); it
-    closes at once when all have joined.
+    closes at once when all have joined. The rendezvous store is the store host's (``is_host=false``: no agent hosts
+    it): by default the first agent to start hosts it, and losing that agent's node for good hung every other agent
+    in its next store call, after training had finished.
     """
     if not plan.inprocess:
         raise ConfigError("inprocess_processes: the job does not enable neighbor_ckpt.inprocess")
     return inprocess_commands(_recipe_args(plan, inprocess_store=f"{host}:{store_port}"),
                               active=plan.job.world_size, spares=plan.spares,
                               max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
-                              rdzv_endpoint=rdzv_endpoint, store_root=store_root, store_ready=store_ready,
+                              store_root=store_root, store_ready=store_ready,
                               parent=parent, host=host)
 
 
 def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
-                       store_port: int, rdzv_endpoint: str, store_root: Path, store_ready: Path | None = None,
+                       store_port: int, store_root: Path, store_ready: Path | None = None,
                        parent: int | None = None, host: str = "127.0.0.1") -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments, the store
     host's ``--inprocess-store`` included): ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault
@@ -169,8 +171,8 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
     lo = max(1, active - 1)
     agent = (sys.executable, "-m", NVRX_LAUNCHER, f"--nnodes={lo}:{processes}", "--nproc-per-node=1",
              f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
-             f"--rdzv-conf=last_call_timeout={RDZV_LAST_CALL_S}", "--monitor-interval=0.2",
+             f"--rdzv-endpoint={host}:{store_port}", f"--rdzv-id={run_id}",
+             f"--rdzv-conf=is_host=false,last_call_timeout={RDZV_LAST_CALL_S}", "--monitor-interval=0.2",
              "--ft-restart-policy=min-healthy", *program)
     agents = tuple((agent, (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                             ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
@@ -235,7 +237,7 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
     one worker and ``--ft-restart-policy min-healthy`` (the agent command of :func:`inprocess_processes`), started
     by one ``srun --kill-on-bad-exit=0``: a task whose worker dies does not end the step, the other ranks keep their
     processes and the wrapper re-forms the groups around a spare. The store host runs in the batch script on the
-    first node (``launch.rdzv_port + 1``; the agents' rendezvous is on ``launch.rdzv_port``) and exits with it.
+    first node (``launch.rdzv_port + 1``, the agents' rendezvous store too) and exits with it.
     On one node every task is a simulated node (node id ``node<task>``, host store ``<store dir>/node<task>``), as
     ``neighbor-ckpt launch`` does on one machine, so a spare starts with an empty store; on several nodes the
     node id is the host name and the node's ranks share its store directory. GPU jobs get one GPU per task and
@@ -250,8 +252,7 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
     else:
         opts.append("--overcommit")
     store_port = lc.rdzv_port + 1
-    procs = inprocess_processes(plan, store_port=store_port, rdzv_endpoint=f"{_HEAD}:{lc.rdzv_port}",
-                                store_root=Path("/"), host=_HEAD)
+    procs = inprocess_processes(plan, store_port=store_port, store_root=Path("/"), host=_HEAD)
     agent = shlex.join(procs.agents[0][0]).replace(_HEAD, "${HEAD_NODE}")
     env = {k: v for k, v in procs.agents[0][1] if k not in ("NEIGHBOR_CKPT_NODE_ID", "NEIGHBOR_CKPT_STORE_DIR")}
     ready = shlex.quote(str(plan.run_dir / "store_host.ready"))
@@ -323,8 +324,8 @@ def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
     ready = plan.run_dir / "store_host.ready"
     ready.unlink(missing_ok=True)
     root = Path(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-    procs = inprocess_processes(plan, store_port=_free_port(), rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                                store_root=root, store_ready=ready, parent=os.getpid())
+    procs = inprocess_processes(plan, store_port=_free_port(), store_root=root, store_ready=ready,
+                                parent=os.getpid())
     return run_inprocess(procs, ready=ready, **kw)
 
 

@@ -93,7 +93,7 @@ def _launch(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         if plan.inprocess:
-            procs = launch.inprocess_processes(plan, store_port=29650, rdzv_endpoint="127.0.0.1:29500",
+            procs = launch.inprocess_processes(plan, store_port=29650,
                                                store_root=Path(plan.job.neighbor_ckpt.store.dir))
             print(" ".join(procs.store) + " &")
             for cmd, env in procs.agents:

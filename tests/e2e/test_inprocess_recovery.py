@@ -42,7 +42,7 @@ def launch_inprocess(tmp: Path, *, active: int = ACTIVE, spares: int = SPARES, t
     nodes = active + spares
     out = tmp / "out"
     tmp.mkdir(parents=True, exist_ok=True)
-    store_port, rdzv_port = free_port(), free_port()
+    store_port = free_port()
     py = shlex.quote(sys.executable)
     ft = shlex.quote(str(Path(sys.executable).with_name("ft_launcher")))
     worker = program or shlex.quote(str(WORKERS / "train_mcore_inprocess.py"))
@@ -51,7 +51,8 @@ def launch_inprocess(tmp: Path, *, active: int = ACTIVE, spares: int = SPARES, t
     agents = "\n".join(
         f"NODE_NAME=node{i} NEIGHBOR_CKPT_NODE_ID=node{i} NEIGHBOR_CKPT_STORE_DIR={stores}/node{i} "
         f"{ft} --nnodes={min_nodes or active}:{nodes} --nproc-per-node=1 --rdzv-backend=c10d "
-        f"--rdzv-endpoint=127.0.0.1:{rdzv_port} --rdzv-id=inproc --max-restarts={max_restarts} --monitor-interval=0.2 "
+        f"--rdzv-endpoint=127.0.0.1:{store_port} --rdzv-conf=is_host=false --rdzv-id=inproc "
+        f"--max-restarts={max_restarts} --monitor-interval=0.2 "
         f"--ft-restart-policy=min-healthy {worker} > {shlex.quote(str(tmp / f'agent{i}.log'))} 2>&1 &\n"
         f"pids+=($!)" for i in range(nodes))
     script = f"""

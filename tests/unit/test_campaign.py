@@ -196,13 +196,14 @@ def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_ft_launche
 
     case = Case(index=3, kind="inproc-kill", rank=1, step=2, dist_opt=True, phase="optimizer")
     procs = inprocess_job(tmp_path / "case", case.recipe_args(), job_id="campaign-3", store=tmp_path / "store",
-                          config=own, steps=6, store_port=4001, rdzv_port=4002, max_restarts=case.max_restarts)
+                          config=own, steps=6, store_port=4001, max_restarts=case.max_restarts)
     assert procs.store[1:3] == ("-m", "neighbor_ckpt.inprocess.store_host") and "4001" in procs.store
     assert len(procs.agents) == WORLD + SPARES
     for i, (cmd, env) in enumerate(procs.agents):
         assert cmd[1:3] == ("-m", NVRX_LAUNCHER)
-        assert {"--nnodes=3:5", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-endpoint=127.0.0.1:4002",
+        assert {"--nnodes=3:5", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-endpoint=127.0.0.1:4001",
                 "--rdzv-id=campaign-3", "--ft-restart-policy=min-healthy"} <= set(cmd)
+        assert next(a for a in cmd if a.startswith("--rdzv-conf=")).startswith("--rdzv-conf=is_host=false,")
         program = list(cmd[cmd.index(str(RECIPE)):])
         assert program[program.index("--config") + 1] == str(own)
         assert program[program.index("--inprocess-store") + 1] == "127.0.0.1:4001"

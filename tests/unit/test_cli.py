@@ -68,14 +68,16 @@ def test_inprocess_launch_starts_devices_x_nodes_plus_spares_agents_under_min_he
     plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", INPROC, run_dir=tmp_path / "run")
     assert (plan.inprocess, plan.spares, plan.processes) == (True, 1, 5)
     assert "4 ranks + 1 hot spare(s) = 5 processes" in launch.describe(plan)
-    procs = launch.inprocess_processes(plan, store_port=29650, rdzv_endpoint="127.0.0.1:29500",
+    procs = launch.inprocess_processes(plan, store_port=29650,
                                        store_root=tmp_path / "shm")
     assert procs.store[1:] == ("-m", "neighbor_ckpt.inprocess.store_host", "--host", "127.0.0.1", "--port", "29650")
     assert len(procs.agents) == 5
     for i, (cmd, env) in enumerate(procs.agents):
         assert cmd[1:3] == ("-m", launch.NVRX_LAUNCHER)
         assert {"--nnodes=3:5", "--nproc-per-node=1", "--ft-restart-policy=min-healthy", "--max-restarts=2",
-                f"--rdzv-id={plan.run_id}"} <= set(cmd)
+                f"--rdzv-id={plan.run_id}", "--rdzv-endpoint=127.0.0.1:29650"} <= set(cmd)
+        # the rendezvous store is the store host's: no agent hosts it, so no lost node takes it down
+        assert next(a for a in cmd if a.startswith("--rdzv-conf=")).startswith("--rdzv-conf=is_host=false,")
         assert cmd[cmd.index("--inprocess-store") + 1] == "127.0.0.1:29650"
         assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"  # one simulated node per agent, its own store
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}")
@@ -93,7 +95,7 @@ def test_restart_path_launch_is_unchanged_when_inprocess_is_off(tmp_path: Path) 
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--inprocess-store" not in cmd
     assert "under torchrun" in launch.describe(plan)
     with pytest.raises(ConfigError, match="does not enable neighbor_ckpt.inprocess"):
-        launch.inprocess_processes(plan, store_port=1, rdzv_endpoint="h:2", store_root=tmp_path)
+        launch.inprocess_processes(plan, store_port=1, store_root=tmp_path)
 
 
 def test_inprocess_without_neighbor_snapshots_is_refused(tmp_path: Path) -> None:
