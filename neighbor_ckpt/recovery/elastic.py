@@ -17,10 +17,13 @@ this node, not by this rank's number, and this layout's snapshots go to a new ge
    failed ends the rounds, else they are excluded and the next round chooses again;
 3. the moves (:func:`~neighbor_ckpt.recovery.reshard.plan_reshard`, pure): point-to-point between the pairs the plan
    names, in two phases (sizes, then data), every receive posted before any wait; each message carries the xxh3 of
-   its bytes, checked on arrival.
+   its bytes, checked on arrival;
+4. the move verdict: one all-gather of each rank's problem, if any (a message that failed its checksum): one failure
+   anywhere and every rank reports the fallback (the restore flow's insurance outcome), so no rank loads a resharded
+   state while another cannot.
 
-Nothing is loaded unless every piece arrived and checked; the caller loads the result into the optimizer (the adapter)
-and regenerates the weights with the new layout's param all-gather.
+Nothing is loaded unless every piece arrived and checked on every rank; the caller loads the result into the optimizer
+(the adapter) and regenerates the weights with the new layout's param all-gather.
 
 May import: :mod:`neighbor_ckpt.snapshot`, :mod:`neighbor_ckpt.errors`, the rest of :mod:`neighbor_ckpt.recovery`.
 """
@@ -494,14 +497,26 @@ def run_reshard(*, root: Path, job_id: str, generation: int, rank: int, new_layo
         return rep, None
     rep.phases["verify"] = verify_s
 
+    problem = ""
     try:
         plan = plan_reshard({o: old[o] for o in range(old_world)}, new, choice)
         on_phase("transfer")
         t1 = time.perf_counter()
-        restored = _move(plan, opened, rank=rank, new_layout=new_layout, group=group)
+        try:
+            restored: Restored | None = _move(plan, opened, rank=rank, new_layout=new_layout, group=group)
+        except SnapshotCorruptError as e:  # raised after the exchange: every peer got past it too
+            restored, problem = None, str(e)
+            logger.error("rank %d: %s", rank, problem)
         rep.phases["transfer"] = time.perf_counter() - t1
     finally:
         opened.close()
+    problems = [json.loads(b) for b in all_gather_bytes(json.dumps(problem).encode(), group)]
+    failed_ranks = [r for r, p in enumerate(problems) if p]
+    if failed_ranks:
+        rep.outcome = "insurance"
+        rep.reason = (f"the resharded state did not arrive intact on rank(s) {failed_ranks} "
+                      f"({problems[failed_ranks[0]]})")
+        return rep, None
     it = plan.iteration
     rep.outcome, rep.iteration, rep.source = "restored", it, "reshard"
     rep.pulled_bytes = plan.moved_bytes(rank)
