@@ -184,9 +184,9 @@ def test_inprocess_hang_is_killed_by_nvrx_and_replaced_by_the_spare(inprocess_ba
     assert f"SIGTERM psutil.Process(pid={victim}," in monitor, "NVRx's monitor process did not terminate the victim"
 
 
-def check_fallback(base: RunResult, res: RunResult, *, why: str) -> None:
+def check_fallback(base: RunResult, res: RunResult, *, why: str, iteration: int = 4) -> None:
     """In-process recovery gave up, announced on every surviving rank; ft_launcher restarted every worker and
-    recover() resumed from the host stores, bit for bit; the timeline of the restart says so."""
+    recover() resumed ``iteration`` from the host stores, bit for bit; the timeline of the restart says so."""
     assert res.returncode == 0, res.log[-8000:]
     assert "in-process recovery gives up" in res.log and why in res.log, res.log[-8000:]
     assert "(exitcode: 75)" in res.log, "the survivors leave with the fallback status"
@@ -194,7 +194,7 @@ def check_fallback(base: RunResult, res: RunResult, *, why: str) -> None:
     assert_same_training(base, res, nranks=ACTIVE)
     for r in range(ACTIVE):
         rep = json.loads((res.out / f"report.rank{r}.attempt0.launch1.json").read_text())
-        assert rep["outcome"] == "restored" and rep["iteration"] == 4, rep
+        assert rep["outcome"] == "restored" and rep["iteration"] == iteration, rep
     tl = timeline(res, "1")
     assert tl["mode"] == "restart" and tl["restarted_ranks"] == list(range(ACTIVE)) and tl["spare_used"] is False
 
@@ -207,6 +207,21 @@ def test_inprocess_two_ranks_lost_with_one_spare_fall_back_to_launcher_restart(i
                            KILL_STEP=5)
     check_fallback(inprocess_baseline, res, why="no hot spare left")
     assert sorted(_load(p)["rank"] for p in res.out.glob("fault.rank*.json")) == [1, 2]
+
+
+def test_inprocess_failure_during_recovery_falls_back_to_launcher_restart(inprocess_baseline: RunResult,
+                                                                         tmp_path: Path) -> None:
+    """A failure inside the in-process recovery: rank 1 SIGKILLed in step 5, the first of two spares takes its place,
+    and rank 2 is SIGKILLed while it loads the restored state (failpoint ``recovery.load``), before the attempt
+    completes a step. A spare is still left, but a recovery that failed is not tried again in process: announced,
+    every rank exits 75, and the launcher's restart recovers bit for bit. It restores iteration 3, not 4: the
+    restore journal says iteration 4 was loaded by an attempt that died before completing a step after it, and such
+    a state is never chosen again (it might be what kills the job)."""
+    res = launch_inprocess(tmp_path, spares=2, min_nodes=ACTIVE - 1, max_restarts=1, STEPS=10, FAULT="kill",
+                           KILL_RANK=1, KILL_STEP=5, RECOVERY_KILL_RANK=2)
+    check_fallback(inprocess_baseline, res, why="failed before completing a step", iteration=3)
+    assert "failpoint recovery.load reached" in res.log
+    assert "iteration(s) [4] were restored by the previous attempt" in res.log
 
 
 def test_inprocess_without_spare_falls_back_to_launcher_restart(inprocess_baseline: RunResult, tmp_path: Path) -> None:

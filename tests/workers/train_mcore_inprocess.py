@@ -16,7 +16,8 @@ Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE
 (the simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS,
 NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|stop|none),
 KILL_RANK (a rank, or ranks separated by commas), KILL_STEP (first attempt only: SIGKILL, a RuntimeError, or SIGSTOP
-inside the optimizer step of KILL_STEP), PERMANENT (1: a SIGKILLed rank's node is gone, its ft_launcher agent is
+inside the optimizer step of KILL_STEP), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while
+it loads the restored state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is gone, its ft_launcher agent is
 killed too), NEIGHBOR_CKPT_INPROCESS_TIMERS (NVRx timer overrides), TP (tensor parallel size, default 1),
 GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the initial DP), DROPOUT
 (default 0.1), ELASTIC (1:
@@ -75,6 +76,7 @@ from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter  # noqa: E4
 from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
 from neighbor_ckpt.inprocess import InprocessRecovery  # noqa: E402
 from neighbor_ckpt.inprocess.wrapper import Attempt  # noqa: E402
+from neighbor_ckpt.runtime import failpoints  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "mcore_gpt_plain_loop", Path(__file__).resolve().parents[2] / "recipes" / "mcore_gpt_plain_loop.py")
@@ -94,6 +96,7 @@ LAUNCH_ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # launc
 FAULT = os.environ.get("FAULT", "none")
 KILL_RANKS = {int(r) for r in os.environ.get("KILL_RANK", "-1").split(",")}
 KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
+RECOVERY_KILL_RANK = int(os.environ.get("RECOVERY_KILL_RANK", "-1"))
 log = logging.getLogger("train_mcore_inprocess")
 
 
@@ -177,6 +180,10 @@ def train(att: Attempt) -> dict[str, Any]:
     hooks = install_hooks(ckpt, optimizer)
     inproc.on_restart(hooks.remove)
     times["ckpt_ready"] = time.time()
+    if att.iteration == 1 and LAUNCH_ATTEMPT == 0 and rank == RECOVERY_KILL_RANK:
+        log.warning("fault injection: SIGKILL of rank %d while it loads the restored state (in-process attempt 1)",
+                    rank)
+        failpoints.arm("recovery.load", failpoints.kill_self())
     result = ckpt.recover()
     times["recovered"] = time.time()
     consumed = 0
