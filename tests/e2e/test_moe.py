@@ -1,6 +1,7 @@
 """End to end on a real megatron-core mixture-of-experts GPT on CPU (``megatron_patches.enable_cpu()`` with the MoE
 patches of ``megatron_patches/moe.py``): 4 gloo ranks, EP = 2, 4 experts top-2, SequentialMLP, the distributed
-optimizer, the aux-loss-free sigmoid router with its ``expert_bias`` (``tests/workers/train_mcore_moe.py``)."""
+optimizer, the aux-loss-free sigmoid router with its ``expert_bias`` (``tests/workers/train_mcore_moe.py``), and the
+same layers under NeMo 2's ``MegatronStrategy`` with the ``NeighborCheckpoint`` callback (``train_nemo.py``, EP=2)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,32 @@ def test_moe_with_a_replicated_optimizer_is_refused_before_training(tmp_path: Pa
     assert res.returncode != 0
     assert "TopologyError" in res.log and "Use the distributed optimizer" in res.log, res.log[-4000:]
     assert not any(res.losses().values()), "no step may run"
+
+
+def test_nemo_moe_kill_in_the_optimizer_step_with_an_empty_store_is_bit_exact_including_every_expert_bias(
+        baseline: Baselines, tmp_path: Path) -> None:
+    """The same MoE layers under NeMo 2 (``llm.GPTModel``, ``MegatronStrategy(expert_model_parallel_size=2)``, the
+    unchanged ``NeighborCheckpoint`` callback, ``tests/workers/train_nemo.py`` with EP=2): rank 1 is SIGKILLed inside
+    step 5's optimizer step and restarts with an empty host store; every ``reduced_train_loss``, every rank's final
+    weights, optimizer state (dense and expert chained optimizers) and every router's ``expert_bias`` equal the
+    failure-free run bit for bit."""
+    pytest.importorskip("nemo.collections.llm")
+    env = dict(STEPS=8, TP=1, PP=1, EP=2, DIST_OPT=1, KILL_PHASE="optimizer")
+    base = baseline("train_nemo.py", **env)
+    res = run_torchrun("train_nemo.py", tmp_path / "fault", max_restarts=1, KILL_RANK=1, KILL_STEP=5, WIPE_RANKS=1,
+                       **env)
+    assert res.returncode == 0, res.log[-6000:]
+    assert "exitcode: -9" in res.log, "the kill did not happen"
+    assert_same_training(base, res)  # losses (each recomputation too), final params, optimizer state, expert_bias
+    assert recomputed_steps(res) <= {5}
+    rep = res.report(1, 1)
+    assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 5, "replica"), rep
+    assert rep["lazy_bytes"] == 0, "under the distributed optimizer expert weights regenerate, never backed up"
+    for rank in range(4):
+        biases = base.final(rank)["expert_bias"]
+        assert len(biases) == 2 and all(name.endswith("mlp.router.expert_bias") for name in biases), biases
+        assert any(float.fromhex(x) != 0.0 for b in biases.values() for x in b), "expert_bias never updated"
+        assert res.final(rank)["expert_bias"] == biases
+        optimizers = {key.split(".")[0] for key in base.final(rank)["optim"]}
+        assert optimizers == {"0", "1"}, "the dense and the expert distributed optimizers, chained"
+        assert any(".mlp.experts.local_experts." in name for name in base.final(rank)["params"])

@@ -3,8 +3,11 @@
 
 Environment: OUT_DIR, TEST_STORE_BASE, WIPE_RANKS (see ``common.setup_store_env``), STEPS, TP, PP, DIST_OPT (1|0),
 KILL_RANK, KILL_STEP, KILL_PHASE (first attempt only; ``optimizer``: SIGKILL inside that optimizer step, after
-the gradient collectives; ``forward``: at the start of that step).
-Writes per rank: losses.rank<r>.jsonl (``reduced_train_loss`` of every step), report/final JSON.
+the gradient collectives; ``forward``: at the start of that step), EP (expert parallel size; > 0 makes every layer's
+MLP a mixture of 4 experts, top-2, SequentialMLP, alltoall dispatcher, the aux-loss-free sigmoid router with its
+``expert_bias``, as ``train_mcore_moe.py``).
+Writes per rank: losses.rank<r>.jsonl (``reduced_train_loss`` of every step), report/final JSON (with ``expert_bias``
+under MoE).
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ def main() -> None:
     dist_opt = os.environ.get("DIST_OPT", "1") == "1"
     kill_step = int(os.environ["KILL_STEP"]) if os.environ.get("KILL_RANK") == str(RANK) and attempt() == 0 else None
     kill_phase = os.environ.get("KILL_PHASE", "optimizer")
+    ep = int(os.environ.get("EP", "0"))
+    moe = (dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_grouped_gemm=False,
+                moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
+                moe_router_load_balancing_type="none", expert_model_parallel_size=ep)
+           if ep else {})
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
     from nemo_pretrain import mock_data_module  # the recipe's CPU fix of NeMo's MockDataModule
@@ -77,10 +86,12 @@ def main() -> None:
 
     config = llm.GPTConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=SEQ,
                            hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
-                           transformer_layer_spec=get_gpt_layer_local_spec(), gradient_accumulation_fusion=False,
+                           transformer_layer_spec=get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"),
+                                                                           moe_grouped_gemm=False),
+                           gradient_accumulation_fusion=False,
                            masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
                            persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False,
-                           share_embeddings_and_output_weights=True, make_vocab_size_divisible_by=128)
+                           share_embeddings_and_output_weights=True, make_vocab_size_divisible_by=128, **moe)
     tokenizer = NullTokenizer(vocab_size=VOCAB)
     opt = nl.MegatronOptimizerModule(
         config=OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0, bf16=False, fp16=False,
@@ -91,6 +102,7 @@ def main() -> None:
                        num_workers=0, pin_memory=False, num_train_samples=10_000)
     strategy = nl.MegatronStrategy(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        expert_model_parallel_size=max(ep, 1),
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, bucket_size=4096),
         ckpt_async_save=False)
     disk_every = int(os.environ.get("DISK_EVERY", "0"))
@@ -128,6 +140,8 @@ def main() -> None:
                   for k, v in st.items() if isinstance(v, torch.Tensor)},
         "param_groups": [[float(g["lr"]).hex(), g.get("step")] for o in inner for g in o.param_groups],
         "global_step": trainer.global_step,
+        "expert_bias": {n: [float(x).hex() for x in b.tolist()] for n, b in
+                        sorted(trainer.lightning_module.named_buffers()) if n.endswith("expert_bias")},
     })
     faulthandler.dump_traceback_later(90, exit=True)  # a hang at interpreter exit prints every thread's stack
 
