@@ -506,7 +506,7 @@ def resume_point(work: Path, settings: dict[str, Any], cases: Sequence[Case]) ->
                          + "; check out that commit and pass the same options, or start a new campaign")
     done = load_outcomes(work / "outcomes.jsonl")
     for position, o in enumerate(done):
-        if o.case.index != position or o.case != cases[position]:
+        if position >= len(cases) or o.case != cases[position]:
             raise ValueError(f"--resume: recorded case {o.case} is not case {position} of this campaign")
     return done
 
@@ -525,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="write the insurance only in the cases no in-memory version can cover (the failure-free runs "
                          "and every other case run without it, and then fail where they would fall back): a "
                          "dist_checkpointing save costs ~3 s here, a third of a case")
+    ap.add_argument("--only", default="",
+                    help="comma-separated case numbers (from 1) of the draw to run, the others skipped: reproduces "
+                         "cases of a long campaign with the same ranks, steps and damage")
     ap.add_argument("--out", type=Path, default=Path("runs/campaign"))
     ap.add_argument("--resume", action="store_true",
                     help="continue the stopped campaign in --out (same options and commit): keep its recorded "
@@ -534,9 +537,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    try:
+        only = sorted({int(n) for n in args.only.split(",") if n.strip()})
+    except ValueError:
+        ap.error(f"--only takes case numbers separated by commas, not {args.only!r}")
+    if only and not 1 <= only[0] <= only[-1] <= args.faults:
+        ap.error(f"--only: case numbers run from 1 to --faults ({args.faults}), not {only}")
     work = args.out
     cases = draw_cases(args.faults, args.seed, steps=args.steps, kinds=kinds)
+    if only:
+        cases = [c for c in cases if c.index + 1 in only]
     settings = _settings(args, kinds)
+    if only:
+        settings["only"] = only  # absent otherwise: a campaign recorded before --only existed still resumes
     results = work / "outcomes.jsonl"
     if args.resume:
         try:
@@ -571,12 +584,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcomes.append(o)
         with open(results, "a") as f:
             f.write(json.dumps(asdict(o)) + "\n")
-        print(f"[{case.index + 1}/{len(cases)}] {case.kind:20s} rank {case.rank} step {case.step} {case.phase:9s} "
+        print(f"[{case.index + 1}/{args.faults}] {case.kind:20s} rank {case.rank} step {case.step} {case.phase:9s} "
               f"tp{case.tp} {'distopt' if case.dist_opt else 'replicated':10s} -> {o.result} "
               + (f"(detected in {o.detection_s:.2f} s) " if o.detection_s is not None else "")
               + (f"(MTTR {o.mttr_s:.2f} s) " if o.mttr_s is not None else "")
               + f"{o.wall_s:.0f} s {o.detail}", flush=True)
-    print(f"\nseed {args.seed}, {len(cases)} faults, detector timeout {args.detector_timeout:g} s / interval "
+    print(f"\nseed {args.seed}, {len(cases)} faults{f' (cases {args.only} of {args.faults})' if only else ''}, detector timeout {args.detector_timeout:g} s / interval "
           f"{args.detector_interval:g} s, source {settings['source']}\n")
     print(summarize(outcomes))
     (work / "table.md").write_text(summarize(outcomes) + "\n")

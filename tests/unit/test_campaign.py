@@ -210,3 +210,33 @@ def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_ft_launche
         assert program[-len(case.recipe_args()):] == case.recipe_args()
         assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "store" / f"node{i}")
+
+
+def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--only 2,4`` runs cases 2 and 4 exactly as drawn among all ``--faults`` (same rank, step, damage), needs only
+    their failure-free configurations, and a resume keeps to that selection."""
+    import neighbor_ckpt.cli.campaign as campaign
+
+    ran: list[Case] = []
+    bases: list[list[str]] = []
+
+    def fake_torchrun(out: Path, flags: list[str], **_: object) -> tuple[int, str]:
+        bases.append(flags)
+        return 0, ""
+
+    def fake_run_case(case: Case, **_: object) -> Outcome:
+        ran.append(case)
+        return Outcome(case=case, result="exact", detail="", wall_s=1.0)
+
+    monkeypatch.setattr(campaign, "_torchrun", fake_torchrun)
+    monkeypatch.setattr(campaign, "run_case", fake_run_case)
+    drawn = draw_cases(6, 5, steps=6)
+    assert campaign.main(["--faults", "6", "--seed", "5", "--steps", "6", "--only", "4,2", "--out", str(tmp_path)]) == 0
+    assert ran == [drawn[1], drawn[3]]
+    assert len(bases) == len({c.flavour for c in ran})
+    assert json.loads((tmp_path / "campaign.json").read_text())["only"] == [2, 4]
+    for bad in ("0", "7", "two"):
+        with pytest.raises(SystemExit):
+            campaign.main(["--faults", "6", "--seed", "5", "--only", bad, "--out", str(tmp_path / "x")])
+    assert "--only" in capsys.readouterr().err
