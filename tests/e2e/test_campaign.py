@@ -1,9 +1,14 @@
-"""The fault campaign's CI subset: one case of every fault kind, drawn from a fixed seed, through
-``neighbor-ckpt campaign`` itself (each a real torchrun job of the mcore recipe on 4 gloo ranks laid out as 2 nodes,
-real SIGKILL / SIGSTOP, real restarts, compared with the failure-free run of its configuration). The full
-randomized campaign (README) runs the same code with more faults. One in-process case (``inproc-kill``: 4 active ranks
-+ 1 hot spare under one ``ft_launcher`` agent each) shares the distributed-optimizer TP 1 failure-free run: one extra
-job, no extra baseline (``inproc-hang`` runs in the full campaign only)."""
+"""The fault campaign's CI subset, through ``neighbor-ckpt campaign`` itself (each case a real torchrun job of the mcore
+recipe on 4 gloo ranks laid out as 2 nodes, real SIGKILL / SIGSTOP, real restarts, compared with the failure-free run
+of its configuration): one case of every fault kind is drawn from a fixed seed, and CI runs the cases of the kinds
+no other end-to-end test covers (``--only``), plus the startup-window case. The kinds left to their own tests:
+``kill-forward`` and ``kill-backward`` (test_plain_loop_recovery.py's kills in the forward and the backward pass,
+test_recipes.py's Llama killed in its backward pass, test_nemo_recovery.py's replicated optimizer killed at the start
+of a step; the startup-window case below is the early-step kill that once broke CI), ``kill-optimizer`` and
+``kill-replaced-store`` (test_mcore_recovery.py's kill inside the optimizer step with a replaced store, quick tier), ``kill-bitflip`` (test_lightning_recovery.py's flipped byte), ``lose-adjacent-pair``
+(test_lightning_recovery.py's rank and successor losing their stores, test_nemo_recovery.py's fallback to NeMo's
+disk checkpoint), ``inproc-kill`` (test_inprocess_recovery.py's kill with a hot spare, quick tier). The full
+randomized campaign (README) runs every kind with more faults."""
 
 from __future__ import annotations
 
@@ -23,9 +28,12 @@ SEED = 149
 """One case per kind, TP 1 throughout (TP 2 layouts are in test_mcore_recovery.py), two failure-free configurations
 (distributed and replicated optimizer): the hang strikes a distributed-optimizer rank in its backward pass, a
 replicated-optimizer rank restarts with its newest snapshot truncated (its weights come from a survivor's lazy
-backup), and the lost DP group is the whole job (no snapshot anywhere: the insurance checkpoint). The in-process kill
-strikes rank 1 in the optimizer step of step 1."""
+backup), and the lost DP group is the whole job (no snapshot anywhere: the insurance checkpoint)."""
 KINDS = tuple(k for k in campaign.KINDS if k != "inproc-hang")
+COVERED_ELSEWHERE = ("kill-forward", "kill-backward", "kill-optimizer", "kill-replaced-store", "kill-bitflip",
+                     "lose-adjacent-pair", "inproc-kill")
+"""Kinds whose drawn case CI does not run: a dedicated end-to-end test covers each (module docstring)."""
+RUN = tuple(i + 1 for i, k in enumerate(KINDS) if k not in COVERED_ELSEWHERE)
 
 
 def _case_dir(root: Path, c: dict) -> Path:
@@ -37,16 +45,16 @@ def _log(root: Path, c: dict) -> str:
     return (d / "launch.log" if (d / "launch.log").exists() else d / "torchrun.log").read_text()
 
 
-@pytest.mark.timeout(3000)  # 16 faulted jobs + 2 failure-free ones, about 45 s each on 2 quiet cores
+@pytest.mark.timeout(3000)  # 9 faulted jobs + 2 failure-free ones, about 60 s each on 2 quiet cores
 def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announced(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     kinds = KINDS
     rc = campaign.main(["--faults", str(len(kinds)), "--seed", str(SEED), "--steps", "6", "--kinds", ",".join(kinds),
-                        "--insurance-where-needed", "--out", str(tmp_path)])
+                        "--only", ",".join(map(str, RUN)), "--insurance-where-needed", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     outcomes = [json.loads(line) for line in (tmp_path / "outcomes.jsonl").read_text().splitlines()]
     assert rc == 0, out
-    assert [o["case"]["kind"] for o in outcomes] == list(kinds)
+    assert [o["case"]["kind"] for o in outcomes] == [k for k in kinds if k not in COVERED_ELSEWHERE]
     for o in outcomes:
         case = campaign.Case(**o["case"])
         # Only the cases no in-memory version can cover may fall back, and they must say so.
@@ -55,7 +63,7 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
 
     hang = by_kind["hang"]
     assert hang["detection_s"] is not None and hang["detection_s"] <= 3.0 + 0.5 + 2.0, hang
-    for kind in ("kill-bitflip", "kill-truncate", "kill-bad-header"):
+    for kind in ("kill-truncate", "kill-bad-header"):
         c = by_kind[kind]["case"]
         log = _log(tmp_path, c)
         assert "damage:" in log, f"{kind}: the damage was not done"
@@ -68,20 +76,7 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
     assert "they are not chosen again" in _log(tmp_path, by_kind["kill-in-recovery"]["case"])
     lost = _log(tmp_path, by_kind["lose-node"]["case"])
     assert lost.count("from the replica on its successor") == 2, "both ranks of the lost node pull their replicas"
-    for kind in ("lose-adjacent-pair", "lose-dp-group"):
-        assert "falling back to the insurance checkpoint" in _log(tmp_path, by_kind[kind]["case"]), kind
-    # In process: no launcher restart, the hot spare took the victim's place and pulled its state from the ring
-    # successor; the MTTR is the recovery timeline's.
-    inproc = by_kind["inproc-kill"]
-    c, d = inproc["case"], _case_dir(tmp_path, inproc["case"])
-    assert len(list(tmp_path.glob("baseline-*"))) == 2, "the in-process case has no failure-free run of its own"
-    tl = json.loads(next((d / "reports").glob("recovery_timeline.*.json")).read_text())
-    assert (tl["mode"], tl["restarted_ranks"], tl["spare_ranks"]) == ("in-process", [], [c["rank"]]), tl
-    assert inproc["mttr_s"] is not None and abs(inproc["mttr_s"] - tl["mttr_s"]) < 0.01, inproc  # logged, 2 digits
-    rep = json.loads(next(d.glob(f"report.rank{c['rank']}.attempt*.1.json")).read_text())
-    assert rep["outcome"] == "restored" and rep["source"] == "replica", rep
-    assert "in-process recovery gives up" not in _log(tmp_path, c)
-
+    assert "falling back to the insurance checkpoint" in _log(tmp_path, by_kind["lose-dp-group"]["case"])
     # The startup window (the CI flake of an earlier version): the victim dies with its first snapshot half copied,
     # before any replica exists; no complete version anywhere and no insurance yet. The job starts over, announced,
     # and trains exactly what the failure-free run did.

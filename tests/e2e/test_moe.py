@@ -19,22 +19,17 @@ pytest.importorskip("megatron.core")
 STEPS = 6
 
 
-# The alltoall dispatcher's two-runs check is the kill test's: its restarted job must reproduce the failure-free
-# run's losses bit for bit (one job fewer in CI); the structural checks below run on its baseline too.
+# Run-to-run determinism is the kill tests': their restarted jobs must reproduce the failure-free run's losses and
+# final state bit for bit (the alltoall dispatcher below, under megatron-core and under NeMo), so the allgather
+# dispatcher trains once here (one job fewer in CI).
 @pytest.mark.parametrize("dispatcher", ["allgather"])
-def test_tiny_moe_gpt_with_expert_bias_trains_on_cpu_with_finite_losses_equal_in_two_runs(
-        dispatcher: str, baseline: Baselines, tmp_path: Path) -> None:
+def test_tiny_moe_gpt_with_expert_bias_trains_on_cpu_with_finite_losses(dispatcher: str, baseline: Baselines) -> None:
     first = baseline("train_mcore_moe.py", STEPS=STEPS, EP=2, DISPATCHER=dispatcher, ROUTER="bias")
     assert first.returncode == 0, first.log[-6000:]
-    second = run_torchrun("train_mcore_moe.py", tmp_path, STEPS=STEPS, EP=2, DISPATCHER=dispatcher, ROUTER="bias")
-    assert second.returncode == 0, second.log[-6000:]
     losses = first.losses()
     assert sorted(losses) == [0, 1, 2, 3]
     for rank, steps in losses.items():
         assert sorted(steps) == list(range(STEPS)), f"rank {rank} trained other steps"
-    assert second.losses() == losses, "two failure-free runs must give the same losses, bit for bit"
-    for rank in range(4):
-        assert first.final(rank) == second.final(rank), f"rank {rank}: final state differs between two runs"
     _assert_moe_state(first)
 
 

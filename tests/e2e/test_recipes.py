@@ -1,6 +1,9 @@
 """End to end through the user's commands: ``neighbor-ckpt demo --inprocess`` (the tiny GPT recipe: a failure-free
 run, then rank 1 SIGKILLed inside optimizer step 5 and restarted on an empty host store, then the same kill with
-in-process recovery and a hot spare; both MTTRs side by side) and ``neighbor-ckpt launch`` of
+in-process recovery and a hot spare, i.e. ``neighbor-ckpt launch configs/gpt_tiny_cpu.yaml
+neighbor_ckpt.inprocess.enabled=true neighbor_ckpt.inprocess.spares=1``: the survivors keep their processes and
+ranks, the spare takes rank 1's place and pulls its state from the ring successor, no launcher restart; both MTTRs
+side by side) and ``neighbor-ckpt launch`` of
 the tiny Llama recipe (RMSNorm, SwiGLU, RoPE, GQA; TP2 x DP2; rank 1 SIGKILLed in the backward pass of step 5).
 Every per-step loss, the final weights and the optimizer state must equal the failure-free run exactly."""
 
@@ -65,8 +68,13 @@ def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly_by_re
     head = next(i for i, line in enumerate(lines) if line.startswith("MTTR (kill -> first completed step)"))
     assert lines[head + 1].count(" s") == 2, lines[head + 1]  # both measured
     inproc = RunResult(0, out / "inprocess" / "record", (out / "inprocess" / "torchrun.log").read_text())
+    assert "in-process recovery gives up" not in inproc.log, "fell back to the launcher's restart path"
+    assert not list(inproc.out.glob("*.launch*")), "a launcher-level restart happened"
     assert_same_training(base, inproc)
-    assert inproc.report(1, 1)["source"] == "replica"
+    rep = inproc.report(1, 1)  # the spare's store is empty (another simulated node): rank 1's state from a replica
+    assert (rep["outcome"], rep["source"], rep["iteration"]) == ("restored", "replica", 5), rep
+    for r in (0, 2, 3):
+        assert (inproc.report(r, 1)["outcome"], inproc.report(r, 1)["iteration"]) == ("restored", 5)
 
 
 def test_tiny_llama_recipe_tp2_killed_in_backward_recovers_bit_exactly(baseline: Baselines, tmp_path: Path) -> None:
