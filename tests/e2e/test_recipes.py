@@ -75,6 +75,9 @@ def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly_by_re
     assert (rep["outcome"], rep["source"], rep["iteration"]) == ("restored", "replica", 5), rep
     for r in (0, 2, 3):
         assert (inproc.report(r, 1)["outcome"], inproc.report(r, 1)["iteration"]) == ("restored", 5)
+    tls = [json.loads(p.read_text()) for p in (out / "inprocess").rglob("recovery_timeline.*.json")]
+    assert [(t["mode"], t["restarted_ranks"], t["spare_used"], t["spare_ranks"]) for t in tls] == \
+        [("in-process", [], True, [1])], tls
 
 
 def test_tiny_llama_recipe_tp2_killed_in_backward_recovers_bit_exactly(baseline: Baselines, tmp_path: Path) -> None:
