@@ -589,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f"(detected in {o.detection_s:.2f} s) " if o.detection_s is not None else "")
               + (f"(MTTR {o.mttr_s:.2f} s) " if o.mttr_s is not None else "")
               + f"{o.wall_s:.0f} s {o.detail}", flush=True)
-    print(f"\nseed {args.seed}, {len(cases)} faults{f' (cases {args.only} of {args.faults})' if only else ''}, detector timeout {args.detector_timeout:g} s / interval "
+    picked = f" (cases {args.only} of {args.faults})" if only else ""
+    print(f"\nseed {args.seed}, {len(cases)} faults{picked}, detector timeout {args.detector_timeout:g} s / interval "
           f"{args.detector_interval:g} s, source {settings['source']}\n")
     print(summarize(outcomes))
     (work / "table.md").write_text(summarize(outcomes) + "\n")

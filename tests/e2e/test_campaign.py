@@ -1,14 +1,14 @@
 """The fault campaign's CI subset, through ``neighbor-ckpt campaign`` itself (each case a real torchrun job of the mcore
 recipe on 4 gloo ranks laid out as 2 nodes, real SIGKILL / SIGSTOP, real restarts, compared with the failure-free run
-of its configuration): one case of every fault kind is drawn from a fixed seed, and CI runs the cases of the kinds
-no other end-to-end test covers (``--only``), plus the startup-window case. The kinds left to their own tests:
+of its configuration): one case of every fault kind is drawn from a fixed seed, and CI runs the cases of the kinds no
+other end-to-end test covers (``--only``), plus the startup-window case. The kinds left to their own tests:
 ``kill-forward`` and ``kill-backward`` (test_plain_loop_recovery.py's kills in the forward and the backward pass,
-test_recipes.py's Llama killed in its backward pass, test_nemo_recovery.py's replicated optimizer killed at the start
-of a step; the startup-window case below is the early-step kill that once broke CI), ``kill-optimizer`` and
-``kill-replaced-store`` (test_mcore_recovery.py's kill inside the optimizer step with a replaced store, quick tier), ``kill-bitflip`` (test_lightning_recovery.py's flipped byte), ``lose-adjacent-pair``
-(test_lightning_recovery.py's rank and successor losing their stores, test_nemo_recovery.py's fallback to NeMo's
-disk checkpoint), ``inproc-kill`` (test_inprocess_recovery.py's kill with a hot spare, quick tier). The full
-randomized campaign (README) runs every kind with more faults."""
+test_recipes.py's Llama killed in its backward pass; the startup-window case below is the early-step kill that once
+broke CI), ``kill-optimizer`` and ``kill-replaced-store`` (test_mcore_recovery.py's kill inside the optimizer step
+with a replaced store, quick tier), ``kill-bitflip`` (test_lightning_recovery.py's flipped byte),
+``lose-adjacent-pair`` (test_lightning_recovery.py's rank and successor losing their stores, test_nemo_recovery.py's
+fallback to NeMo's disk checkpoint), ``inproc-kill`` (test_inprocess_recovery.py's kill with a hot spare, quick
+tier). The full randomized campaign (README) runs every kind with more faults."""
 
 from __future__ import annotations
 

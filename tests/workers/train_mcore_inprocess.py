@@ -12,18 +12,17 @@ i.e. *after* the abort: closed from the exception handler, before the abort, its
 message to the successor and wait up to 30 s for its receiver thread, blocked on a predecessor that is still
 training (an exception on one rank) until the abort frees it.
 
-Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<NODE_NAME>``), NODE_NAME
-(the simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS,
-NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|stop|none),
-KILL_RANK (a rank, or ranks separated by commas), KILL_STEP (first attempt only: SIGKILL, a RuntimeError, or SIGSTOP
-inside the optimizer step of KILL_STEP), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while
-it loads the restored state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is gone, its ft_launcher agent is
-killed too), NEIGHBOR_CKPT_INPROCESS_TIMERS (NVRx timer overrides), TP (tensor parallel size, default 1),
-GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the initial DP), DROPOUT
-(default 0.1), ELASTIC (1:
-``neighbor_ckpt.elastic.enabled``: without a spare the survivors continue on a smaller data-parallel size), KEEP_OLD
-(1: after an elastic reshard each survivor copies the previous layout's store to ``OUT/oldstore/<node>`` before
-training on, for the test's reference resharding).
+Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<NODE_NAME>``), NODE_NAME (the
+simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS, NEIGHBOR_CKPT_JOB_ID
+(fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|stop|none), KILL_RANK (a rank, or
+ranks separated by commas), KILL_STEP (first attempt only: SIGKILL, a RuntimeError, or SIGSTOP inside the optimizer
+step of KILL_STEP), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the
+restored state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's
+node is gone, its ft_launcher agent is killed too), NEIGHBOR_CKPT_INPROCESS_TIMERS (NVRx timer overrides), TP (tensor
+parallel size, default 1), GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the
+initial DP), DROPOUT (default 0.1), ELASTIC (1: ``neighbor_ckpt.elastic.enabled``: without a spare the survivors
+continue on a smaller data-parallel size), KEEP_OLD (1: after an elastic reshard each survivor copies the previous
+layout's store to ``OUT/oldstore/<node>`` before training on, for the test's reference resharding).
 
 Outputs under OUT_DIR (``rank`` is the attempt's rank, ``initial`` the rank the process started as):
 ``losses.rank<r>.jsonl`` (step, loss over the global batch as hex, attempt = restart iteration, pid, consumed samples
