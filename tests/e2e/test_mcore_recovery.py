@@ -45,20 +45,8 @@ def test_distributed_optimizer_kill_inside_optimizer_step_with_replaced_store_is
     assert kept["source"] == "own" and kept["pulled_bytes"] == 0
 
 
-def test_replicated_optimizer_kill_recovers_redundant_state_from_lazy_backup(
-        baseline: Baselines, tmp_path: Path) -> None:
-    """Without the distributed optimizer everything is DP-redundant: survivors back it up at failure time and
-    the replaced rank loads it from its DP group's holder."""
-    base = _base(baseline, "replicated/dp4")
-    res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=0, KILL_RANK=1, KILL_STEP=5,
-                       KILL_PHASE="forward", WIPE_RANKS=1)
-    assert res.returncode == 0, res.log[-6000:]
-    assert "exitcode: -9" in res.log, "the kill did not happen"
-    assert_same_training(base, res)
-    assert recomputed_steps(res) <= {5}
-    rep = res.report(1, 1)
-    assert (rep["outcome"], rep["iteration"]) == ("restored", 4), rep
-    assert rep["lazy_bytes"] > 0 and rep["lazy_from"] is not None and rep["lazy_from"] != 1
+# The replicated optimizer's lazy backup after a replaced store is test_hung_rank_...'s replicated case below (the
+# detector threads write it while the main threads sit in gloo) and the fault campaign's truncated-snapshot case.
 
 
 @pytest.mark.parametrize("layout", [pytest.param("dp4", marks=pytest.mark.quick), "tp2-dp2"])
