@@ -63,6 +63,16 @@ class RunResult:
         p = self.out / f"error.rank{rank}.json"
         return json.loads(p.read_text()) if p.exists() else None
 
+    def killed(self, *, restarted: bool = True) -> bool:
+        """Whether a worker died and (``restarted``) torchrun restarted the group. torchrun names the first worker it
+        finds dead: usually the SIGKILLed victim (``exitcode: -9``), but a survivor whose collective failed on the
+        victim's closed connection can exit first (``-6``: gloo's threads abort the interpreter's exit). In these
+        jobs only the injected fault makes a worker fail, and the restarted attempt's reports show the restart."""
+        if "exitcode: -9" in self.log:
+            return True
+        died = "failed (exitcode: " in self.log
+        return died and (not restarted or any(self.out.glob("report.rank*.attempt1*.json")))
+
 
 def job_env(tmp: Path, out: Path, env: dict[str, Any]) -> dict[str, str]:
     full_env = dict(os.environ)

@@ -35,7 +35,7 @@ def test_distributed_optimizer_kill_inside_optimizer_step_with_replaced_store_is
     res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=1, KILL_RANK=1,
                        KILL_STEP=5, KILL_PHASE="optimizer", WIPE_RANKS=1, **LAYOUTS[layout])
     assert res.returncode == 0, res.log[-6000:]
-    assert "exitcode: -9" in res.log, "the kill did not happen"
+    assert res.killed(), "the kill did not happen"
     assert_same_training(base, res)
     assert recomputed_steps(res) <= {5}
     rep = res.report(1, 1)
