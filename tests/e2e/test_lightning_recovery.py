@@ -45,8 +45,14 @@ def test_kill_with_store_kept_restores_from_local_slot(baseline: Baselines, tmp_
     assert [res.report(r, 1)["lazy_bytes"] > 0 for r in range(4)] == [False, False, True, False]
 
 
-# ZeRO under Lightning: the version-skew test below (a process crash restores from its own slot, no transfer) and
-# test_buffers_recovery.py (a replaced store, buffers included).
+def test_zero_optimizer_kill_restores_everything_from_local_slots(baseline: Baselines, tmp_path: Path) -> None:
+    """With a sharded optimizer all state is unique: a process crash needs no network transfer at all."""
+    res = run_torchrun("train_lightning.py", tmp_path, max_restarts=1, OPTIM="zero", **KILL)
+    _restarted(res)
+    assert_same_training(baseline("train_lightning.py", OPTIM="zero"), res)
+    for rank in range(4):
+        rep = res.report(rank, 1)
+        assert rep["source"] == "own" and rep["pulled_bytes"] == 0 and rep["lazy_bytes"] == 0
 
 
 def test_version_skew_reconciles_to_earliest_common_iteration(baseline: Baselines, tmp_path: Path) -> None:
