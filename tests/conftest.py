@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +25,14 @@ from typing import Any
 
 import pytest
 
+from neighbor_ckpt.cli.launch import WORKER_PREFIX_ENV, worker_program
 from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
+from tests.warm.client import SOCKET_ENV as WARM_SOCKET_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "workers"
+COLD_ENV = "NEIGHBOR_CKPT_TEST_COLD"
+"""``NEIGHBOR_CKPT_TEST_COLD=1``: every end-to-end test starts its workers cold (no warm zygote, see tests/warm)."""
 
 
 def free_port() -> int:
@@ -116,11 +122,13 @@ def run_torchrun(worker: str, tmp: Path, *, nproc: int = 4, max_restarts: int = 
                  **env: Any) -> RunResult:
     """Run ``tests/workers/<worker>`` under ``torchrun --max-restarts``."""
     out = tmp / "out"
+    full_env = job_env(tmp, out, env)
+    options, program = worker_program([str(WORKERS / worker)], env=full_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-           "--monitor-interval=0.5", str(WORKERS / worker)]
+           "--monitor-interval=0.5", *options, *program]
     tmp.mkdir(parents=True, exist_ok=True)
-    return run_logged(cmd, tmp, out, timeout=timeout, env=job_env(tmp, out, env))
+    return run_logged(cmd, tmp, out, timeout=timeout, env=full_env)
 
 
 def run_launch(config: str, tmp: Path, *overrides: str, timeout: float = 480, **env: Any) -> RunResult:
@@ -163,6 +171,55 @@ def recomputed_steps(faulted: RunResult, attempt: int = 1) -> set[int]:
             if attempt in attempts and any(a < attempt for a in attempts):
                 again.add(step)
     return again
+
+
+# --- warm workers (tests/warm) --------------------------------------------------------------------------------------
+
+
+_ZYGOTE: list[tuple[subprocess.Popen, str]] = []
+
+
+def _warm_env() -> dict[str, str]:
+    """The environment that makes every launcher of the library start its workers from the warm zygote (started on
+    first use, for the rest of the session)."""
+    if not _ZYGOTE:
+        sock_dir = tempfile.mkdtemp(prefix="nckpt-warm-")
+        path = os.path.join(sock_dir, "zygote.sock")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log = open(os.path.join(sock_dir, "zygote.log"), "w")  # noqa: SIM115 - open for the zygote's lifetime
+        proc = subprocess.Popen([sys.executable, "-m", "tests.warm.zygote", "--socket", path,
+                                 "--parent", str(os.getpid())], env=env, cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        _ZYGOTE.append((proc, path))
+    _proc, path = _ZYGOTE[0]
+    return {WORKER_PREFIX_ENV: f"{sys.executable} {REPO / 'tests' / 'warm' / 'client.py'}", WARM_SOCKET_ENV: path}
+
+
+def _stop_zygote() -> None:
+    for proc, path in _ZYGOTE:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    _ZYGOTE.clear()
+
+
+@pytest.fixture(autouse=True)
+def _worker_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End-to-end tests start their workers warm (forked from the zygote: tests/warm), unless marked ``cold`` (the
+    quick tier's are) or ``NEIGHBOR_CKPT_TEST_COLD=1``; every other test runs with neither variable set."""
+    node = request.node
+    warm = (node.get_closest_marker("e2e") is not None and node.get_closest_marker("cold") is None
+            and node.get_closest_marker("quick") is None and os.environ.get(COLD_ENV) != "1")
+    if warm:
+        for key, value in _warm_env().items():
+            monkeypatch.setenv(key, value)
+    else:
+        monkeypatch.delenv(WORKER_PREFIX_ENV, raising=False)
+        monkeypatch.delenv(WARM_SOCKET_ENV, raising=False)
 
 
 # --- failure-free baselines, once per configuration per test run -------------------------------------------------
@@ -235,6 +292,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in [("e2e", "end-to-end kill-and-recover tests (real torchrun, SIGKILL)"),
                       ("multiproc", "multi-process gloo tests"), ("gpu", "needs CUDA"),
+                      ("cold", "an end-to-end test whose workers start cold, never forked from the warm zygote"),
                       ("quick", "an end-to-end test of the quick tier (scripts/test)"),
                       ("full", "the full tier: every e2e test not marked quick; run by --all (scripts/test --all)")]:
         config.addinivalue_line("markers", f"{name}: {doc}")
@@ -280,6 +338,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _DESELECTED.append(len(drop))
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _stop_zygote()
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return ("test tier: all (--all)" if config.getoption("all_tiers") else
             "test tier: quick (--all, 'scripts/test --all': every tier; naming a test file or node id runs it)")
@@ -289,6 +351,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if _DESELECTED:
         terminalreporter.write_line(f"quick tier: {sum(_DESELECTED)} full-tier tests deselected "
                                     "(scripts/test --all runs every tier)")
+    for _proc, path in _ZYGOTE:
+        log = Path(path).with_name("zygote.log")
+        forks = log.read_text(errors="replace").count(" forked ") if log.exists() else 0
+        terminalreporter.write_line(f"warm workers: {forks} worker processes forked from the zygote (tests/warm); "
+                                    f"the quick tier's, the Slurm tests' and {COLD_ENV}=1 runs' start cold")
     if not _BASELINES:
         return
     terminalreporter.section("failure-free baselines (each computed once, shared by the tests that compare with it)")

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from neighbor_ckpt.cli.launch import worker_program
 from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
 from neighbor_ckpt.snapshot.store import rank_dir
 
@@ -263,10 +264,11 @@ def _free_port() -> int:
 def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int, timeout: float,
               max_restarts: int, insurance_every: int = 0) -> tuple[int, str]:
     out.mkdir(parents=True, exist_ok=True)
+    options, worker = worker_program([str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id,
+                                      "--config", str(config), "--insurance-every", str(insurance_every), *args])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", f"--max-restarts={max_restarts}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--monitor-interval=0.5", str(RECIPE),
-           "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
-           "--insurance-every", str(insurance_every), *args]
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--monitor-interval=0.5", *options,
+           *worker]
     tag = new_run_tag()
     env = dict(os.environ, NEIGHBOR_CKPT_STORE_DIR=str(store), PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
     log = out / "torchrun.log"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import secrets
 import shlex
 import socket
@@ -30,19 +31,34 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
-           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "NVRX_LAUNCHER"]
+           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "NVRX_LAUNCHER",
+           "WORKER_PREFIX_ENV", "worker_program"]
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "nemo_pretrain.py"
 RDZV_LAST_CALL_S = 300
 """In-process launch: how long the agents' rendezvous waits for the last agents once the minimum has joined."""
 NVRX_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
 """NVRx's ``ft_launcher`` as a module (``python -m``), so it is the one of this interpreter's environment."""
+WORKER_PREFIX_ENV = "NEIGHBOR_CKPT_WORKER_PREFIX"
+"""A command every worker runs under (shell words), e.g. ``nsys profile -o /tmp/rank`` or ``numactl -N 0``: the
+launcher then runs ``PREFIX PYTHON -u SCRIPT ARGS`` for each worker (``--no-python``). The test suite starts its
+workers warm through it (tests/warm)."""
+
+
+def worker_program(program: Sequence[str], *, env: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """The launcher options and worker command line for ``program`` (a script and its arguments) under torchrun or
+    ``ft_launcher``: unchanged without ``NEIGHBOR_CKPT_WORKER_PREFIX`` (in ``env``, default this process's), else
+    ``--no-python`` and the prefixed interpreter command."""
+    prefix = shlex.split((os.environ if env is None else env).get(WORKER_PREFIX_ENV, ""))
+    if not prefix:
+        return [], list(program)
+    return ["--no-python"], [*prefix, sys.executable, "-u", *program]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,11 +185,12 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
         store += ["--ready", str(store_ready)]
     processes = active + spares
     lo = max(1, active - 1)
+    options, worker = worker_program(program)
     agent = (sys.executable, "-m", NVRX_LAUNCHER, f"--nnodes={lo}:{processes}", "--nproc-per-node=1",
              f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
              f"--rdzv-endpoint={host}:{store_port}", f"--rdzv-id={run_id}",
              f"--rdzv-conf=is_host=false,last_call_timeout={RDZV_LAST_CALL_S}", "--monitor-interval=0.2",
-             "--ft-restart-policy=min-healthy", *program)
+             "--ft-restart-policy=min-healthy", *options, *worker)
     agents = tuple((agent, (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                             ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                             ("TORCH_CPP_LOG_LEVEL", "error")))
@@ -184,10 +201,11 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
 def torchrun_command(plan: LaunchPlan, *, endpoint: str | None = None) -> list[str]:
     """The single-node torchrun command line (c10d rendezvous on localhost unless ``endpoint`` is given)."""
     t = plan.job.trainer
+    options, worker = worker_program(_recipe_args(plan))
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={t.num_nodes}",
             f"--nproc-per-node={t.devices}", f"--max-restarts={plan.job.launch.max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint or f'127.0.0.1:{_free_port()}'}",
-            f"--rdzv-id={plan.run_id}", "--monitor-interval=0.5", *_recipe_args(plan)]
+            f"--rdzv-id={plan.run_id}", "--monitor-interval=0.5", *options, *worker]
 
 
 def slurm_script(plan: LaunchPlan) -> str:

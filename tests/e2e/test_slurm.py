@@ -21,6 +21,7 @@ from tests.conftest import REPO, Baselines, RunResult, assert_same_training, fre
 from tests.e2e.slurm_cluster import SlurmCluster
 
 e2e = pytest.mark.e2e
+pytestmark = pytest.mark.cold  # srun starts the workers cold, as on a cluster (not forked from the warm zygote)
 
 CONFIG = "gpt_tiny_cpu.yaml"
 STEPS = "trainer.max_steps=10"

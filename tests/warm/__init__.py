@@ -1,0 +1,25 @@
+"""Warm worker start for the end-to-end tests: workers forked from an interpreter that has already imported torch,
+megatron-core, Lightning and NeMo, instead of each importing them again.
+
+Why: on the 2-core test machine an end-to-end job is mostly imports. NeMo costs ~25 s of CPU per process and
+megatron-core ~12 s; four ranks, and again after every restart, make a NeMo kill test ~2-3 minutes of which well
+over half is ``import``. Forking from one pre-imported process (a "zygote", as Android starts its apps) costs
+milliseconds per worker.
+
+What stays real: torchrun (or ``neighbor-ckpt launch``, the campaign, ``ft_launcher``) starts every worker as a
+process of its own, restarts them, and sees them die: each worker is a small client (:mod:`tests.warm.client`,
+standard library only, no torch) that asks the zygote (:mod:`tests.warm.zygote`) for a fork running the worker
+script with the client's argv, environment, working directory and stdio, forwards the signals it receives, and
+exits the way the fork exited (SIGKILL of the fork: the client SIGKILLs itself, so the launcher sees ``-9``). A
+fork whose client dies is SIGKILLed. Library code sees its launcher agent as its parent (``os.getppid``).
+
+What differs from a cold start: the module state of the pre-imported libraries is the zygote's (imports ran
+without the rank's environment; Lightning's ``rank_zero_only.rank`` is set again from it), the hash seed and
+numpy's global RNG are shared, and ``/proc/<pid>/environ`` shows the zygote's environment (its forks' processes
+are found by session instead, and stopped with their run). Where a test depends on the process being started
+cold, it runs cold: the quick tier's end-to-end tests, the Slurm tests and the launch-identity tests always do,
+and ``NEIGHBOR_CKPT_TEST_COLD=1`` runs every test cold. A cold and a warm run of one configuration share their
+failure-free baseline, so the suite itself compares warm and cold workers bit for bit.
+
+Hooked in through ``NEIGHBOR_CKPT_WORKER_PREFIX`` (a command every launcher of the library runs its workers
+under: :func:`neighbor_ckpt.cli.launch.worker_program`), set by ``tests.conftest.job_env``."""

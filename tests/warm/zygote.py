@@ -1,0 +1,280 @@
+"""The warm zygote: imports the heavy libraries once, then forks one worker per client request (see :mod:`tests.warm`).
+
+``python -m tests.warm.zygote --socket PATH --parent PID``: the socket appears once everything is imported; the
+zygote exits when process PID (the pytest session) is gone, stopping what its forks left.
+
+One request per connection: a 4-byte length, the JSON request (argv, env, cwd, unbuffered, client pid, the
+client's parent pid) and the client's stdin/stdout/stderr as file descriptors. Replies: ``pid N`` once forked, then
+``exit CODE`` or ``signal SIG`` when the fork ended. The fork:
+
+- starts a session of its own (as torchrun starts each worker), takes the client's stdio, working directory,
+  environment, argv and ``sys.path[0]``, and runs the script as ``__main__`` (``runpy``);
+- answers ``os.getppid()`` with the client's parent (the launcher agent, as a cold worker would: library code
+  identifies its launch by it, and a lost-node fault kills it);
+- SIGKILLs itself when its client goes away (a launcher's SIGKILL reaches the client only).
+
+What a fork started (megatron-core's manager servers, NeMo's checkpoint writers) stays in the fork's session; a
+harness that stops a run by its environment tag cannot see them (``/proc/<pid>/environ`` is the zygote's), so the
+zygote stops them once every client of that run is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import importlib
+import io
+import json
+import logging
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+logger = logging.getLogger("tests.warm.zygote")
+
+PRELOAD = ("torch", "torch.distributed", "numpy", "yaml", "xxhash", "megatron.core",
+           "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+           "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer", "lightning.pytorch",
+           "nemo.lightning", "nemo.collections.llm", "nvidia_resiliency_ext.inprocess")
+"""What the workers of the test suite import (the library's own modules are not: each fork imports them fresh)."""
+
+RUN_TAG_ENV = "NEIGHBOR_CKPT_HARNESS_RUN"  # neighbor_ckpt.runtime.procs.RUN_TAG_ENV (not imported here: see PRELOAD)
+
+
+@dataclass
+class _Run:
+    """The forks of one harness run (one tag): their clients, and their sessions once they ended."""
+
+    clients: set[int] = field(default_factory=set)
+    sessions: set[int] = field(default_factory=set)
+    live: set[int] = field(default_factory=set)
+
+
+class Zygote:
+    def __init__(self, path: str, parent: int) -> None:
+        self.path, self.parent, self.pid = path, parent, os.getpid()
+        self.children: dict[int, tuple[socket.socket, str]] = {}
+        self.runs: dict[str, _Run] = {}
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        tmp = f"{path}.tmp"
+        self.listener.bind(tmp)
+        os.chmod(tmp, 0o600)
+        self.listener.listen(64)
+        os.replace(tmp, path)  # the socket appears whole: clients wait for the path
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+
+    def serve(self) -> None:
+        while psutil.pid_exists(self.parent):
+            for _key, _ in self.selector.select(timeout=0.2):
+                conn, _ = self.listener.accept()
+                self._handle(conn)  # the fork returns from here only by SystemExit
+            self._reap()
+            self._sweep()
+        self.stop()
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(30)
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+            (size,) = struct.unpack("!I", data[:4])
+            data = data[4:]
+            while len(data) < size:
+                more = conn.recv(size - len(data))
+                if not more:
+                    raise ConnectionError("client went away mid-request")
+                data += more
+            request = json.loads(data)
+        except (OSError, ValueError, struct.error) as e:
+            logger.warning("bad request: %s", e)
+            conn.close()
+            return
+        conn.settimeout(None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(self._child(conn, fds, request))
+        for fd in fds:
+            os.close(fd)
+        tag = request["env"].get(RUN_TAG_ENV) or f"client-{request['client']}"
+        run = self.runs.setdefault(tag, _Run())
+        run.clients.add(request["client"])
+        run.live.add(pid)
+        self.children[pid] = (conn, tag)
+        try:
+            conn.sendall(f"pid {pid}\n".encode())
+        except OSError:
+            pass
+        logger.info("forked %d for client %d: %s", pid, request["client"], " ".join(request["argv"])[:200])
+
+    def _child(self, conn: socket.socket, fds: list[int], request: dict) -> int:
+        """In the fork: become the worker and run it; returns its exit code."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.selector.close()
+        self.listener.close()
+        for other, _tag in self.children.values():
+            other.close()
+        os.setsid()
+        for target, fd in enumerate(fds):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        threading.Thread(target=_watch_client, args=(conn,), name="warm-client-watch", daemon=True).start()
+        return _run_worker(request)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn, tag = self.children.pop(pid)
+            reply = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                     else f"exit {os.waitstatus_to_exitcode(status)}")
+            try:
+                conn.sendall(f"{reply}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+            run = self.runs[tag]
+            run.live.discard(pid)
+            run.sessions.add(pid)
+
+    def _sweep(self) -> None:
+        """Stop what the forks of a finished run left (a run is finished when no client of it is alive)."""
+        for tag, run in list(self.runs.items()):
+            if run.live or any(_alive(c) for c in run.clients):
+                continue
+            _kill_sessions(run.sessions)
+            del self.runs[tag]
+
+    def stop(self) -> None:
+        if os.getpid() != self.pid:
+            return
+        for pid in list(self.children):
+            _kill(pid)
+        _kill_sessions({s for run in self.runs.values() for s in run.sessions} | set(self.children))
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_sessions(sessions: set[int]) -> None:
+    if not sessions:
+        return
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) in sessions:
+                _kill(pid)
+        except OSError:
+            continue
+
+
+def _watch_client(conn: socket.socket) -> None:
+    """In the fork: SIGKILL this process when its client is gone (the client never sends after its request)."""
+    try:
+        while conn.recv(64):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_worker(request: dict) -> int:
+    env = request["env"]
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    argv = list(request["argv"])
+    script = os.path.abspath(argv[0])
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(script)
+    for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if p not in sys.path:
+            sys.path.insert(1, p)
+    if request.get("unbuffered") or env.get("PYTHONUNBUFFERED"):
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                      encoding=getattr(sys, name).encoding, errors=getattr(sys, name).errors)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
+    if env.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
+    launcher_agent = int(request["ppid"])
+    os.getppid = lambda: launcher_agent  # the worker's parent, as a cold start has it (see the module docstring)
+    _rank_from_env()
+    logging.root.handlers.clear()  # the zygote's logging setup is not the worker's
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _rank_from_env() -> None:
+    """Lightning reads the rank from the environment when it is imported (in the zygote: no rank)."""
+    module = sys.modules.get("lightning_utilities.core.rank_zero")
+    fabric = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if module is not None and fabric is not None:
+        module.rank_zero_only.rank = fabric._get_rank() or 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s zygote %(levelname)s %(message)s")
+    t0 = time.monotonic()
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a worker that needs it imports it itself (and fails there)
+            logger.warning("preload %s failed: %s", name, e)
+    logger.info("imported %d modules in %.1f s; threads: %s", len(sys.modules), time.monotonic() - t0,
+                [t.name for t in threading.enumerate()])
+    zygote = Zygote(args.socket, args.parent)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop() below, in the zygote only
+    try:
+        zygote.serve()
+    finally:
+        zygote.stop()
+
+
+if __name__ == "__main__":
+    main()
