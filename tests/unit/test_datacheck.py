@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from neighbor_ckpt.errors import DataPositionError
-from neighbor_ckpt.recovery.datacheck import (RECORD_FILE, RING, STOPPED_FILE, DataCheck, InputRecord,
+from neighbor_ckpt.recovery.datacheck import (RECORD_FILE, RING, SAMPLE_BYTES, STOPPED_FILE, DataCheck, InputRecord,
                                               ObservedIterator, Verdict, compare, fingerprint, parse_input,
                                               token_tensor)
 from neighbor_ckpt.recovery.journal import read_failure_input, record_failure_event, take_failure_event
@@ -34,6 +34,18 @@ def test_fingerprint_is_deterministic_and_tells_batches_apart():
     swapped = t.clone()
     swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
     assert fingerprint(t) != fingerprint(swapped)
+
+
+def test_fingerprint_of_a_large_micro_batch_is_a_sample_that_still_tells_batches_and_shifts_apart():
+    big = tokens(5, (8, 8192))  # 512 KiB of int64 ids: hashed by windows, not whole
+    assert big.numel() * 8 > SAMPLE_BYTES
+    assert fingerprint(big) == fingerprint(big.clone())
+    assert fingerprint(big) != fingerprint(tokens(6, (8, 8192)))
+    assert fingerprint(big) != fingerprint(torch.roll(big, 1)), "a data position off by one token"
+    assert fingerprint(big) != fingerprint(big[:, :4096].contiguous()), "the size is part of it"
+    last = big.clone()
+    last[-1, -1] += 1
+    assert fingerprint(big) != fingerprint(last), "the windows reach the last byte"
 
 
 def test_fingerprint_of_a_non_contiguous_view_equals_its_contiguous_copy():
@@ -293,3 +305,16 @@ def test_bench_rows_are_observe_input_over_snapshot_against_one_percent():
     samples.update({f"snapshot {a}x{b}": [1e-3, 1e-3, 1e-3] for a, b in TOKEN_SHAPES})
     small, _ = fingerprint_rows(samples)
     assert small.detail["paired_ratio_median"] == pytest.approx(0.008)
+
+
+def test_bench_rows_judge_the_training_threads_cpu_time_and_keep_the_wall_clock_beside_it():
+    from neighbor_ckpt.cli.bench.micro import fingerprint_rows
+    from neighbor_ckpt.cli.bench.micro.fingerprint import TOKEN_SHAPES
+
+    samples = {"snapshot": [4e-3] * 3, "snapshot cpu": [1e-3] * 3}
+    for a, b in TOKEN_SHAPES:  # the wall clock waited for the GIL; the thread's CPU time did not
+        samples.update({f"observe {a}x{b}": [80e-6] * 3, f"observe cpu {a}x{b}": [5e-6] * 3,
+                        f"snapshot cpu {a}x{b}": [1e-3] * 3})
+    small, _ = fingerprint_rows(samples)
+    assert small.ratio == pytest.approx(0.005) and small.status == "PASS"
+    assert small.detail["clock"] == "thread CPU time" and small.detail["wall_ratio"] == pytest.approx(0.02)
