@@ -43,6 +43,14 @@ with its own table after :func:`~megatron_patches._versions.check_versions` has 
    input as is, which autograd marks as a view that must not be modified in place. The replacement skips the
    autograd function when the group has one rank (its forward and backward are both the identity then) and calls the
    original otherwise. A bug of the local (non-Transformer-Engine) layers on any device.
+6. ``torch_norm.WrappedTorchNorm.__new__`` ("sequence parallel not supported by torch LayerNorm", any model with
+   tensor and sequence parallelism on the local layers, which MoE under TP needs: ``MoELayer`` refuses to train with
+   TP > 1 and no sequence parallelism). Under sequence parallelism a norm sees only its rank's part of the sequence,
+   so the gradients of its weight and bias must be all-reduced over the TP group, which megatron-core's
+   ``finalize_model_grads`` does for every parameter marked ``sequence_parallel`` (Transformer Engine's and apex's
+   norms mark theirs; ``torch.nn.LayerNorm`` has no such flag, hence the refusal). The replacement builds the torch
+   norm as the original does for a config without sequence parallelism and marks its parameters
+   ``sequence_parallel``, as megatron-core's own ``FusedLayerNorm`` does.
 """
 
 from __future__ import annotations
@@ -123,6 +131,26 @@ def _reduce_skips_a_group_of_one() -> Callable[..., Any]:
     return reduce_from_tensor_model_parallel_region
 
 
+def _torch_norm_sequence_parallel() -> Any:
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__dict__["__new__"].__func__
+
+    def __new__(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)  # not dataclasses.replace: __post_init__ again fails in 0.15 (no 'import warnings')
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True  # finalize_model_grads all-reduces these grads over the TP group
+        return norm
+
+    return staticmethod(__new__)
+
+
 PATCHES: tuple[MoePatch, ...] = (
     MoePatch(_MOE_UTILS, "te_general_gemm", lambda: None,
              "moe_utils binds it only when Transformer Engine imports; the router tests 'is not None' (1.)",
@@ -138,5 +166,8 @@ PATCHES: tuple[MoePatch, ...] = (
     MoePatch("megatron.core.tensor_parallel.layers", "reduce_from_tensor_model_parallel_region",
              _reduce_skips_a_group_of_one,
              "a TP group of one returns fc2's output as a view; the expert MLP adds its bias to it in place (5.)"),
+    MoePatch("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", _torch_norm_sequence_parallel,
+             "torch norms refuse sequence parallelism, which MoE under TP requires; marked params are all-reduced "
+             "over TP like FusedLayerNorm's (6.)"),
 )
 """The MoE patches, in the order :func:`~megatron_patches.cpu.enable_cpu` applies them."""

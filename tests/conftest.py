@@ -209,11 +209,11 @@ def _stop_zygote() -> None:
 
 @pytest.fixture(autouse=True)
 def _worker_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """End-to-end tests start their workers warm (forked from the zygote: tests/warm), unless marked ``cold`` (the
-    quick tier's are) or ``NEIGHBOR_CKPT_TEST_COLD=1``; every other test runs with neither variable set."""
+    """End-to-end tests start their workers warm (forked from the zygote: tests/warm), unless marked ``cold`` or
+    ``NEIGHBOR_CKPT_TEST_COLD=1``; every other test runs with neither variable set."""
     node = request.node
     warm = (node.get_closest_marker("e2e") is not None and node.get_closest_marker("cold") is None
-            and node.get_closest_marker("quick") is None and os.environ.get(COLD_ENV) != "1")
+            and os.environ.get(COLD_ENV) != "1")
     if warm:
         for key, value in _warm_env().items():
             monkeypatch.setenv(key, value)
@@ -250,9 +250,13 @@ class Baselines:
     def __init__(self, factory: pytest.TempPathFactory, user: str) -> None:
         self._factory, self._user = factory, user
 
-    def __call__(self, worker: str, *, nproc: int = 4, timeout: float = 420, **env: Any) -> RunResult:
+    def __call__(self, worker: str, *, nproc: int = 4, timeout: float = 420, warm: bool = False,
+                 **env: Any) -> RunResult:
+        """``warm``: if this call computes the run, its workers fork from the warm zygote even in a ``cold`` test (a
+        cold faulted job then checks warm and cold workers against each other, bit for bit)."""
         key = ("torchrun", worker, f"nproc={nproc}", *_env_key(env))
-        return self._get(key, lambda tmp: run_torchrun(worker, tmp, nproc=nproc, timeout=timeout, **env))
+        extra = _warm_env() if warm and os.environ.get(COLD_ENV) != "1" else {}
+        return self._get(key, lambda tmp: run_torchrun(worker, tmp, nproc=nproc, timeout=timeout, **env, **extra))
 
     def launch(self, config: str, *overrides: str, timeout: float = 480, **env: Any) -> RunResult:
         key = ("launch", config, *overrides, *_env_key(env))
@@ -355,7 +359,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         log = Path(path).with_name("zygote.log")
         forks = log.read_text(errors="replace").count(" forked ") if log.exists() else 0
         terminalreporter.write_line(f"warm workers: {forks} worker processes forked from the zygote (tests/warm); "
-                                    f"the quick tier's, the Slurm tests' and {COLD_ENV}=1 runs' start cold")
+                                    f"tests marked cold and {COLD_ENV}=1 runs start theirs cold")
     if not _BASELINES:
         return
     terminalreporter.section("failure-free baselines (each computed once, shared by the tests that compare with it)")

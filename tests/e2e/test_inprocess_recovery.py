@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from neighbor_ckpt.cli.launch import worker_program
 from neighbor_ckpt.inprocess.wrapper import TIMERS_ENV
 from tests.conftest import WORKERS, RunResult, assert_same_training, free_port, job_env, run_logged
 
@@ -45,7 +46,14 @@ def launch_inprocess(tmp: Path, *, active: int = ACTIVE, spares: int = SPARES, t
     store_port = free_port()
     py = shlex.quote(sys.executable)
     ft = shlex.quote(str(Path(sys.executable).with_name("ft_launcher")))
-    worker = program or shlex.quote(str(WORKERS / "train_mcore_inprocess.py"))
+    extra: dict[str, Any] = {TIMERS_ENV: os.environ[TIMERS_ENV]} if os.environ.get(TIMERS_ENV) else {}
+    full_env = job_env(tmp, out, {"STORE_HOST": "127.0.0.1", "STORE_PORT": store_port, "SPARES": spares,
+                                  "NEIGHBOR_CKPT_INPROCESS_STORE": f"127.0.0.1:{store_port}",
+                                  "NEIGHBOR_CKPT_JOB_ID": f"inproc-{tmp.name}", "TORCH_CPP_LOG_LEVEL": "error",
+                                  **extra, **env})
+    options, argv = worker_program(shlex.split(program) if program else [str(WORKERS / "train_mcore_inprocess.py")],
+                                   env=full_env)  # warm or cold, as tests.conftest decided for this test
+    worker = " ".join(shlex.quote(a) for a in [*options, *argv])
     ready = tmp / "store.ready"
     stores = shlex.quote(str(tmp / "store"))  # one host store root per simulated node (the worker sets the same)
     agents = "\n".join(
@@ -67,11 +75,6 @@ kill $store
 for i in $(seq 0 {nodes - 1}); do echo "===== agent $i"; cat {shlex.quote(str(tmp))}/agent$i.log; done
 exit $rc
 """
-    extra: dict[str, Any] = {TIMERS_ENV: os.environ[TIMERS_ENV]} if os.environ.get(TIMERS_ENV) else {}
-    full_env = job_env(tmp, out, {"STORE_HOST": "127.0.0.1", "STORE_PORT": store_port, "SPARES": spares,
-                                  "NEIGHBOR_CKPT_INPROCESS_STORE": f"127.0.0.1:{store_port}",
-                                  "NEIGHBOR_CKPT_JOB_ID": f"inproc-{tmp.name}", "TORCH_CPP_LOG_LEVEL": "error",
-                                  **extra, **env})
     return run_logged(["bash", "-c", script], tmp, out, timeout=timeout, env=full_env)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from neighbor_ckpt.cli.launch import worker_program
 from tests.conftest import (WORKERS, Baselines, RunResult, assert_same_training, free_port, job_env,
                             recomputed_steps, run_logged)
 
@@ -22,13 +23,14 @@ def plain_torchrun(tmp: Path, store: Path, *, max_restarts: int, **env: object) 
     """``torchrun --nproc-per-node=4 --max-restarts=N --master-port=P train_plain.py``, the static rendezvous a user
     gets without rendezvous arguments, with no job id configured and ``store`` as every rank's store base."""
     out = tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--max-restarts={max_restarts}",
-           f"--master-port={free_port()}", "--monitor-interval=0.5", str(WORKERS / "train_plain.py")]
     tmp.mkdir(parents=True, exist_ok=True)
     full = job_env(tmp, out, {"OPTIM": "adam", "STEPS": STEPS, "JOB_ID": "", **env})
     full["TEST_STORE_BASE"] = str(store)
     for var in ("NEIGHBOR_CKPT_JOB_ID", "NEIGHBOR_CKPT_LAUNCH_ID", "TORCHELASTIC_RUN_ID"):
         full.pop(var, None)
+    options, program = worker_program([str(WORKERS / "train_plain.py")], env=full)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--max-restarts={max_restarts}",
+           f"--master-port={free_port()}", "--monitor-interval=0.5", *options, *program]
     return run_logged(cmd, tmp, out, timeout=420, env=full)
 
 

@@ -24,14 +24,16 @@ def _base(baseline: Baselines, key: str) -> RunResult:
     return baseline("train_mcore.py", STEPS=STEPS, DIST_OPT=int(dist_opt == "distopt"), **LAYOUTS[layout])
 
 
-@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[pytest.mark.quick] if layout == "dp4" else [])
-                                    for layout in LAYOUTS])
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[pytest.mark.quick, pytest.mark.cold]
+                                                  if layout == "dp4" else []) for layout in LAYOUTS])
 def test_distributed_optimizer_kill_inside_optimizer_step_with_replaced_store_is_bit_exact(
         layout: str, baseline: Baselines, tmp_path: Path) -> None:
     """Rank 1 dies inside optimizer step 5 (weights torn) and loses its host memory: it pulls its shard of
     iteration 4 from its successor, every rank regenerates its weights from the fp32 shards, and training
-    continues bit-for-bit; only step 5 is computed twice."""
-    base = _base(baseline, f"distopt/{layout}")
+    continues bit-for-bit; only step 5 is computed twice. ``dp4`` is the headline test and starts its workers cold
+    (fresh interpreters, as a user's torchrun does); its failure-free run is forked warm (tests/warm), so it also
+    shows cold and warm workers computing the same bits."""
+    base = baseline("train_mcore.py", STEPS=STEPS, DIST_OPT=1, warm=True, **LAYOUTS[layout])
     res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=1, KILL_RANK=1,
                        KILL_STEP=5, KILL_PHASE="optimizer", WIPE_RANKS=1, **LAYOUTS[layout])
     assert res.returncode == 0, res.log[-6000:]

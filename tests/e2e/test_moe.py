@@ -1,7 +1,8 @@
 """End to end on a real megatron-core mixture-of-experts GPT on CPU (``megatron_patches.enable_cpu()`` with the MoE
 patches of ``megatron_patches/moe.py``): 4 gloo ranks, EP = 2, 4 experts top-2, SequentialMLP, the distributed
 optimizer, the aux-loss-free sigmoid router with its ``expert_bias`` (``tests/workers/train_mcore_moe.py``), and the
-same layers under NeMo 2's ``MegatronStrategy`` with the ``NeighborCheckpoint`` callback (``train_nemo.py``, EP=2)."""
+same layers under NeMo 2's ``MegatronStrategy`` with the ``NeighborCheckpoint`` callback (``train_nemo.py``, EP=2, and
+EP=2 x TP=2 with sequence parallelism)."""
 
 from __future__ import annotations
 
@@ -97,15 +98,20 @@ def test_moe_with_a_replicated_optimizer_is_refused_before_training(tmp_path: Pa
     assert not any(res.losses().values()), "no step may run"
 
 
+@pytest.mark.parametrize("layout", ["ep2-dp4", "ep2-tp2"])
 def test_nemo_moe_kill_in_the_optimizer_step_with_an_empty_store_is_bit_exact_including_every_expert_bias(
-        baseline: Baselines, tmp_path: Path) -> None:
+        layout: str, baseline: Baselines, tmp_path: Path) -> None:
     """The same MoE layers under NeMo 2 (``llm.GPTModel``, ``MegatronStrategy(expert_model_parallel_size=2)``, the
     unchanged ``NeighborCheckpoint`` callback, ``tests/workers/train_nemo.py`` with EP=2): rank 1 is SIGKILLed inside
     step 5's optimizer step and restarts with an empty host store; every ``reduced_train_loss``, every rank's final
     weights, optimizer state (dense and expert chained optimizers) and every router's ``expert_bias`` equal the
-    failure-free run bit for bit."""
+    failure-free run bit for bit. ``ep2-tp2``: EP 2 x TP 2 on the 4 ranks (sequence parallel, as megatron-core requires
+    for MoE under TP), the experts not tensor-parallel (expert TP 1), so the expert state is sharded over an
+    expert-DP group of 2 and the dense state over DP 2: each has a ring successor to restore from."""
     pytest.importorskip("nemo.collections.llm")
     env = dict(STEPS=8, TP=1, PP=1, EP=2, DIST_OPT=1, KILL_PHASE="optimizer")
+    if layout == "ep2-tp2":
+        env.update(TP=2, ETP=1)
     base = baseline("train_nemo.py", **env)
     res = run_torchrun("train_nemo.py", tmp_path / "fault", max_restarts=1, KILL_RANK=1, KILL_STEP=5, WIPE_RANKS=1,
                        **env)
@@ -124,3 +130,7 @@ def test_nemo_moe_kill_in_the_optimizer_step_with_an_empty_store_is_bit_exact_in
         optimizers = {key.split(".")[0] for key in base.final(rank)["optim"]}
         assert optimizers == {"0", "1"}, "the dense and the expert distributed optimizers, chained"
         assert any(".mlp.experts.local_experts." in name for name in base.final(rank)["params"])
+    if layout == "ep2-tp2":  # sequence parallel: each norm's grads all-reduced over TP (megatron_patches/moe.py 6.)
+        for a, b in ((0, 1), (2, 3)):
+            norms = {k: v for k, v in base.final(a)["params"].items() if "norm" in k}
+            assert norms and norms == {k: base.final(b)["params"][k] for k in norms}, "TP ranks' norms diverged"

@@ -6,7 +6,8 @@ dropout on, snapshotted every iteration by neighbor_ckpt (``NeighborCheckpointer
 DP group, the step hooks) as ``recipes/mcore_gpt_plain_loop.py`` does. Run under ``torchrun --nproc-per-node 4``.
 
 Environment: OUT_DIR (per-rank losses ``losses.rank<r>.jsonl``, ``final.rank<r>.json``, ``report.rank<r>.attempt<a>.json``),
-TEST_STORE_BASE and WIPE_RANKS (``common.setup_store_env``), STEPS (8), TP (1), EP (2), DISPATCHER (alltoall|allgather),
+TEST_STORE_BASE and WIPE_RANKS (``common.setup_store_env``), STEPS (8), TP (1), EP (2), ETP (expert tensor parallel
+size; default: TP), DISPATCHER (alltoall|allgather),
 ROUTER (``bias``: sigmoid scores with an aux-loss-free expert bias, the default; ``aux``: softmax scores with the
 load-balancing aux loss), DIST_OPT (1|0), NCKPT (1|0: neighbor_ckpt on, the default), KILL_RANK and KILL_STEP
 (SIGKILL that rank at the start of that step, first attempt only).
@@ -35,7 +36,7 @@ SEQ, VOCAB, HIDDEN, HEADS, LAYERS, EXPERTS, TOPK, EXPERT_FFN = 32, 128, 64, 4, 2
 
 
 def build_moe_gpt(*, tp: int, ep: int, dispatcher: str, router: str, dist_opt: bool, steps: int,
-                  micro_batch_size: int = 2, micro_batches: int = 2) -> dict[str, Any]:
+                  micro_batch_size: int = 2, micro_batches: int = 2, etp: int | None = None) -> dict[str, Any]:
     """Parallel state, seeds, the MoE ``GPTModel`` in mcore DDP, its optimizer and scheduler."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -45,7 +46,8 @@ def build_moe_gpt(*, tp: int, ep: int, dispatcher: str, router: str, dist_opt: b
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     routing = (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -55,7 +57,8 @@ def build_moe_gpt(*, tp: int, ep: int, dispatcher: str, router: str, dist_opt: b
                     moe_aux_loss_coeff=1e-2))
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.1, hidden_dropout=0.1,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
         num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_grouped_gemm=False,
         moe_token_dispatcher_type=dispatcher, **routing, pipeline_dtype=torch.float32,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
@@ -125,7 +128,7 @@ def main() -> None:
         setup_store_env(RANK)
         prepare_torchrun_restart()  # a fresh rendezvous store per torchrun attempt
     dist.init_process_group("gloo")
-    gpt = build_moe_gpt(tp=int(env.get("TP", "1")), ep=int(env.get("EP", "2")),
+    gpt = build_moe_gpt(tp=int(env.get("TP", "1")), ep=int(env.get("EP", "2")), etp=int(env.get("ETP", "0")) or None,
                         dispatcher=env.get("DISPATCHER", "alltoall"), router=env.get("ROUTER", "bias"),
                         dist_opt=env.get("DIST_OPT", "1") == "1", steps=steps)
     ddp_model, optimizer, scheduler = gpt["model"], gpt["optimizer"], gpt["scheduler"]

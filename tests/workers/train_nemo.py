@@ -5,7 +5,8 @@ Environment: OUT_DIR, TEST_STORE_BASE, WIPE_RANKS (see ``common.setup_store_env`
 KILL_RANK, KILL_STEP, KILL_PHASE (first attempt only; ``optimizer``: SIGKILL inside that optimizer step, after
 the gradient collectives; ``forward``: at the start of that step), EP (expert parallel size; > 0 makes every layer's
 MLP a mixture of 4 experts, top-2, SequentialMLP, alltoall dispatcher, the aux-loss-free sigmoid router with its
-``expert_bias``, as ``train_mcore_moe.py``).
+``expert_bias``, as ``train_mcore_moe.py``; with TP > 1 sequence parallel too), ETP (expert tensor parallel size;
+default: TP).
 Writes per rank: losses.rank<r>.jsonl (``reduced_train_loss`` of every step), report/final JSON (with ``expert_bias``
 under MoE).
 """
@@ -100,9 +101,11 @@ def main() -> None:
     model = llm.GPTModel(config, tokenizer=tokenizer, optim=opt)
     data = CpuMockData(seq_length=SEQ, tokenizer=tokenizer, micro_batch_size=2, global_batch_size=8,
                        num_workers=0, pin_memory=False, num_train_samples=10_000)
+    etp = int(os.environ.get("ETP", "0")) or None
     strategy = nl.MegatronStrategy(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-        expert_model_parallel_size=max(ep, 1),
+        expert_model_parallel_size=max(ep, 1), expert_tensor_parallel_size=etp,
+        sequence_parallel=bool(ep) and tp > 1,  # megatron-core requires it for MoE under tensor parallelism
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, bucket_size=4096),
         ckpt_async_save=False)
     disk_every = int(os.environ.get("DISK_EVERY", "0"))
