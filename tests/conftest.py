@@ -72,12 +72,21 @@ class RunResult:
     def killed(self, *, restarted: bool = True) -> bool:
         """Whether a worker died and (``restarted``) torchrun restarted the group. torchrun names the first worker it
         finds dead: usually the SIGKILLed victim (``exitcode: -9``), but a survivor whose collective failed on the
-        victim's closed connection can exit first (``-6``: gloo's threads abort the interpreter's exit). In these
-        jobs only the injected fault makes a worker fail, and the restarted attempt's reports show the restart."""
+        victim's closed connection can exit first (``-6``, or ``1`` for its RuntimeError when it exits fast, as a
+        warm worker does). In these jobs only the injected fault makes a worker fail; what a later attempt left (its
+        reports, its losses, its errors) shows the restart."""
         if "exitcode: -9" in self.log:
             return True
         died = "failed (exitcode: " in self.log
-        return died and (not restarted or any(self.out.glob("report.rank*.attempt1*.json")))
+        return died and (not restarted or self._later_attempt_ran())
+
+    def _later_attempt_ran(self) -> bool:
+        if any(self.out.glob("report.rank*.attempt[1-9]*.json")):
+            return True
+        for p in self.out.glob("losses.rank*.jsonl"):
+            if any(json.loads(line).get("attempt", 0) >= 1 for line in p.read_text().splitlines() if line.strip()):
+                return True
+        return any(json.loads(p.read_text()).get("attempt", 0) >= 1 for p in self.out.glob("error.rank*.json"))
 
 
 def job_env(tmp: Path, out: Path, env: dict[str, Any]) -> dict[str, str]:

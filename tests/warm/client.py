@@ -86,6 +86,8 @@ def main() -> None:
         os._exit(70)
     kind, value = how[0], int(how[1])
     if kind == "signal":  # die the way the fork died: the launcher reads the signal from this process
+        print(f"tests/warm/client.py: the worker (pid {child}) died of signal {value}; so does this process "
+              f"(pid {os.getpid()})", file=sys.stderr, flush=True)
         if value in FORWARDED:
             signal.signal(value, signal.SIG_DFL)
         os.kill(os.getpid(), value)
