@@ -15,9 +15,7 @@ fork whose client dies is SIGKILLed. Library code sees its launcher agent as its
 
 What differs from a cold start: the module state of the pre-imported libraries is the zygote's (imports ran
 without the rank's environment; Lightning's ``rank_zero_only.rank`` is set again from it; their objects are frozen
-out of the garbage collector, ``gc.freeze``), the hash seed and numpy's global RNG are shared, a fork ends with
-threads joined, atexit handlers run and stdio flushed but without the interpreter's module teardown (~3-4 s of CPU
-per NeMo process; a SIGKILL skips it too), and ``/proc/<pid>/environ`` shows the zygote's environment (its forks'
+out of the garbage collector, ``gc.freeze``), the hash seed and numpy's global RNG are shared, and ``/proc/<pid>/environ`` shows the zygote's environment (its forks'
 processes are found by session instead, and stopped with their run). Where a test depends on the process being started
 cold, it runs cold (marker ``cold``): the headline megatron-core kill test and the Slurm tests always do, and
 ``NEIGHBOR_CKPT_TEST_COLD=1`` runs every test cold. A cold and a warm run of one configuration share their
