@@ -103,11 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 paired = ", ".join(f"{row.metric.rpartition('(')[2].rstrip(')')} {row.detail['paired_ratio_median']:.4f}x"
                                    for row in r)
                 wall = ", ".join(f"{row.detail.get('wall_ratio', float('nan')):.4f}x" for row in r)
-                notes.append("input fingerprint: NeighborCheckpointer.observe_input (xxh3-64 of the first micro-batch's "
-                             "token ids, sampled beyond 16 KiB, + one store into the memory-mapped input record) "
-                             "against snapshot(), the training thread's CPU time per step, one process (README 'Data "
-                             f"position in plain loops'); median of per-step ratios (both calls of one step): {paired}; "
-                             f"on the wall clock (with the GIL waits): {wall}.")
+                notes.append("input fingerprint: NeighborCheckpointer.observe_input (xxh3-64 of the first "
+                             "micro-batch's token ids, sampled beyond 16 KiB, + one store into the memory-mapped "
+                             "input record) against snapshot(), the training thread's CPU time per step, one process "
+                             "(README 'Data position in plain loops'); median of per-step ratios (both calls of one "
+                             f"step): {paired}; on the wall clock (with the GIL waits): {wall}.")
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rows.append(Row("datacheck", "input fingerprint", float("nan"), "", None, f"failed: {e!r}", None,
