@@ -253,9 +253,9 @@ def _run_worker(request: dict) -> int:
 def _exit(code: int) -> NoReturn:
     """End the fork as the interpreter ends a cold worker: ``sys.exit`` from here unwinds to the interpreter's own
     shutdown (non-daemon threads joined, atexit handlers, module teardown, finalizers). Ending with ``os._exit`` after
-    the atexit handlers would save ~3-4 s of CPU per NeMo process; in the one full run that tried it, the NeMo
-    in-process elastic test (TP2 DP2 -> DP1) left its idle survivor in NVRx's soft timeout and never finished, and it
-    passes again with this. What runs at teardown stays part of the behaviour under test."""
+    the atexit handlers would save ~3-4 s of CPU per NeMo process; the one full run that tried it hung an NVRx idle
+    rank in its soft timeout, which later also happened with this exit (NVRx workers now start cold: client.py), so
+    it may be worth trying again. What runs at teardown stays part of the behaviour under test meanwhile."""
     sys.exit(code)
 
 
