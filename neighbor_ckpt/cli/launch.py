@@ -54,8 +54,16 @@ workers warm through it (tests/warm)."""
 def worker_program(program: Sequence[str], *, env: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
     """The launcher options and worker command line for ``program`` (a script and its arguments) under torchrun or
     ``ft_launcher``: unchanged without ``NEIGHBOR_CKPT_WORKER_PREFIX`` (in ``env``, default this process's), else
-    ``--no-python`` and the prefixed interpreter command."""
-    prefix = shlex.split((os.environ if env is None else env).get(WORKER_PREFIX_ENV, ""))
+    ``--no-python`` and the prefixed interpreter command.
+
+    Raises:
+        ConfigError: the variable is not a command line (unbalanced quotes)."""
+    raw = (os.environ if env is None else env).get(WORKER_PREFIX_ENV, "")
+    try:
+        prefix = shlex.split(raw)
+    except ValueError as e:
+        raise ConfigError(f"{WORKER_PREFIX_ENV}={raw!r} is not a command line ({e}): quote it as a shell would, "
+                          f"e.g. {WORKER_PREFIX_ENV}='numactl -N 0', or unset it") from None
     if not prefix:
         return [], list(program)
     return ["--no-python"], [*prefix, sys.executable, "-u", *program]

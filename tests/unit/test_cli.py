@@ -137,3 +137,17 @@ def test_an_inprocess_launch_succeeds_when_only_a_lost_nodes_agent_died() -> Non
     assert launch_status([0, -9, 0, 0]) == 0  # a node gone for good (SIGKILL of its agent), the survivors finished
     assert launch_status([0, -9, -9, 0]) == -9  # half the agents lost: not a finished job
     assert launch_status([0, 1, 0, 0]) == 1 and launch_status([0, -15, 0, 0]) == -15
+
+
+def test_worker_prefix_runs_every_worker_under_the_command_and_a_bad_one_is_a_config_error() -> None:
+    import sys
+
+    from neighbor_ckpt.cli.launch import WORKER_PREFIX_ENV, worker_program
+    from neighbor_ckpt.errors import ConfigError
+
+    assert worker_program(["train.py", "--steps", "3"], env={}) == ([], ["train.py", "--steps", "3"])
+    options, program = worker_program(["train.py"], env={WORKER_PREFIX_ENV: "numactl -N 0 'nsys profile'"})
+    assert options == ["--no-python"]
+    assert program == ["numactl", "-N", "0", "nsys profile", sys.executable, "-u", "train.py"]
+    with pytest.raises(ConfigError, match=f"{WORKER_PREFIX_ENV}=.*is not a command line"):
+        worker_program(["train.py"], env={WORKER_PREFIX_ENV: "numactl 'unbalanced"})
