@@ -7,7 +7,8 @@
 3. reconcile (pure, identical everywhere): target iteration and the source of every rank's state;
 4. transfer: a rank without its own copy receives the replica from its successor; DP groups with lazy
    state receive the holder's lazy backup;
-5. verify: the chosen copies (local or received) are checksummed; any failure is excluded and we reconcile again;
+5. verify: the chosen copies (local or received) are checksummed (a received copy was hashed chunk by chunk as it
+   arrived, overlapped with the transfer: no second pass); any failure is excluded and we reconcile again;
 6. load: tensors are handed out as views of host memory (the adapter copies them in).
 
 If no iteration is restorable by every rank the report says ``insurance``; what happens then (insurance, starting
@@ -28,9 +29,10 @@ import torch.distributed as dist
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
 from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, RecoveryDecision, decode_row, \
     encode_row, reconcile
-from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, \
+    SlotHeader
 from neighbor_ckpt.snapshot.topology import Topology
-from neighbor_ckpt.snapshot.transport import recv_image, send_image
+from neighbor_ckpt.snapshot.transport import pull_image, send_image
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,8 @@ class Transfer:
     """Rank that wrote the lazy backup used here (None: the DP group has no lazy state)."""
     notes: tuple[str, ...] = ()
     """Why a replica was pulled, and sends that failed (the receiver's verification says what that cost)."""
+    received: dict[str, SegmentChecksums] = field(default_factory=dict)
+    """Per role received here, the checksums computed while it arrived (verification does not hash it again)."""
 
 
 @dataclass
@@ -177,7 +181,8 @@ def all_gather_int64(mine: torch.Tensor, group: dist.ProcessGroup) -> list[torch
     return out
 
 
-def _check(slot: SlotFile | None, store: HostStore, *, iteration: int, layout: str | None, owner: int) -> SlotHeader:
+def _check(slot: SlotFile | None, store: HostStore, *, iteration: int, layout: str | None, owner: int,
+           received: SegmentChecksums | None = None) -> SlotHeader:
     if slot is None:
         raise SnapshotCorruptError("slot missing")
     hdr = slot.read_header()
@@ -189,7 +194,7 @@ def _check(slot: SlotFile | None, store: HostStore, *, iteration: int, layout: s
     if layout is not None and hdr.layout != layout:
         raise SnapshotMismatchError(f"received a snapshot of layout {hdr.layout}, expected {layout}")
     if store.use_checksum:
-        slot.verify(hdr)
+        slot.verify(hdr, received)
     return hdr
 
 
@@ -263,7 +268,8 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         own_hdr = lazy_hdr = None
         own_slot = store.slot(ROLE_OWN, moved.own_index) if moved.own_index is not None else None
         try:
-            own_hdr = _check(own_slot, store, iteration=it, layout=layout, owner=topology.rank)
+            own_hdr = _check(own_slot, store, iteration=it, layout=layout, owner=topology.rank,
+                             received=moved.received.get(ROLE_OWN))
         except (SnapshotCorruptError, SnapshotMismatchError) as e:
             own_fail = 1
             errors.append(f"copy of iteration {it} ({decision.sources[topology.rank]}) failed verification: {e}")
@@ -271,7 +277,8 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         if lazy_owner is not None:
             lazy_slot = store.slot(ROLE_LAZY, moved.lazy_index) if moved.lazy_index is not None else None
             try:
-                lazy_hdr = _check(lazy_slot, store, iteration=it, layout=layout, owner=lazy_owner)
+                lazy_hdr = _check(lazy_slot, store, iteration=it, layout=layout, owner=lazy_owner,
+                                  received=moved.received.get(ROLE_LAZY))
             except (SnapshotCorruptError, SnapshotMismatchError) as e:
                 lazy_fail = 1
                 errors.append(f"lazy backup of iteration {it} written by rank {lazy_owner} failed verification: {e}")
@@ -372,13 +379,15 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
     th = threading.Thread(target=_send_all, name="neighbor_ckpt-recovery-send", daemon=True)
     th.start()
     pulled = {ROLE_OWN: 0, ROLE_LAZY: 0}
+    received: dict[str, SegmentChecksums] = {}
     own_idx = where.get((ROLE_OWN, it)) if decision.sources[me] == SOURCE_OWN else None
     lazy_idx = where.get((ROLE_LAZY, it)) if lazy_owner == me else None
     for role, src in recvs:
         keep = {it} if role == ROLE_OWN else None
         idx = store.slot_for_write(role, keep=keep)
-        got = recv_image(store, role, src, group, chunk=chunk, index=idx)
-        assert got is not None  # noqa: S101
+        got = pull_image(store, role, src, group, chunk=chunk, index=idx)
+        assert got is not None and got.checksums is not None  # noqa: S101
+        received[role] = got.checksums
         s = store.slot(role, idx)
         try:
             if s is not None:
@@ -393,4 +402,4 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
     for e in send_errors:
         notes.append(f"sending a copy failed: {e}")
     return Transfer(pulled_bytes=pulled[ROLE_OWN], lazy_bytes=pulled[ROLE_LAZY], own_index=own_idx,
-                    lazy_index=lazy_idx, lazy_owner=lazy_owner, notes=tuple(notes))
+                    lazy_index=lazy_idx, lazy_owner=lazy_owner, notes=tuple(notes), received=received)

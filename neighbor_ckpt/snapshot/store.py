@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "MIN_EXTRAS_BYTES", "HEADER_ALLOWANCE_BYTES",
            "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir", "generation_dir", "store_generations", "remove_generations",
-           "pick_slot_for_write", "encode_meta"]
+           "pick_slot_for_write", "encode_meta", "SegmentChecksums"]
 
 MAGIC = b"NCKPTSLT"
 MARKER_MAGIC = b"NCKPTCMT"
@@ -106,6 +106,19 @@ def store_bytes_per_rank(*, unique_bytes: int, lazy_bytes: int, versions: int, e
 def checksum(data: memoryview | bytes) -> int:
     """xxh3-64 of ``data`` (releases the GIL)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class SegmentChecksums:
+    """xxh3-64 of byte ranges of a slot computed while they were received (``transport.pull_image``): segment
+    offset -> (length, checksum). :meth:`SlotFile.verify` uses one where its offset and length are exactly the
+    range it would hash, and hashes the slot itself otherwise."""
+
+    by_offset: dict[int, tuple[int, int]]
+
+    def get(self, offset: int, nbytes: int) -> int | None:
+        got = self.by_offset.get(offset)
+        return got[1] if got is not None and got[0] == nbytes else None
 
 
 @dataclass(frozen=True)
@@ -360,9 +373,17 @@ class SlotFile:
             raise SnapshotCorruptError(f"{where}: header sizes exceed the slot's capacities")
         return hdr
 
-    def verify(self, hdr: SlotHeader) -> None:
-        """Check payload and extras checksums; raises :class:`SnapshotCorruptError`."""
-        p, e = self.checksums(hdr.payload_nbytes, hdr.extras_nbytes)
+    def verify(self, hdr: SlotHeader, received: SegmentChecksums | None = None) -> None:
+        """Check payload and extras checksums; raises :class:`SnapshotCorruptError`. ``received``: checksums
+        computed as the image arrived (a range they do not cover exactly is hashed here)."""
+        p = e = None
+        if received is not None:
+            p = received.get(self.payload_off, hdr.payload_nbytes)
+            e = received.get(self.extras_off, hdr.extras_nbytes)
+        if p is None and hdr.payload_xxh3 is not None:
+            p = checksum(self._buf[self.payload_off:self.payload_off + hdr.payload_nbytes])
+        if e is None and hdr.extras_xxh3 is not None:
+            e = checksum(self._buf[self.extras_off:self.extras_off + hdr.extras_nbytes])
         if hdr.payload_xxh3 is not None and p != hdr.payload_xxh3:
             raise SnapshotCorruptError(f"{self.path}: payload checksum mismatch (iteration {hdr.iteration})")
         if hdr.extras_xxh3 is not None and e != hdr.extras_xxh3:

@@ -17,18 +17,20 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from neighbor_ckpt.runtime import failpoints
-from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, SlotHeader
 from neighbor_ckpt.snapshot.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NeighborTransport", "GlooRingTransport", "TrafficGate", "send_image", "recv_image"]
+__all__ = ["NeighborTransport", "GlooRingTransport", "TrafficGate", "send_image", "recv_image", "pull_image", "Pulled"]
 
 TAG_META = 7101
 TAG_DATA = 7102
@@ -125,6 +127,31 @@ def recv_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, 
 
     The slot is invalidated before the first byte lands and the marker segment arrives last.
     """
+    got = pull_image(store, role, src, group, chunk=chunk, meta=meta, index=index, hash_while_receiving=False)
+    return None if got is None else (got.index, got.iteration)
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What :func:`pull_image` received."""
+
+    index: int
+    """Slot of the role that now holds the image."""
+    iteration: int
+    """The iteration the sender announced (the header, read after the marker landed, is what counts)."""
+    checksums: SegmentChecksums | None
+    """xxh3-64 of the payload and extras segments, computed as their chunks arrived (None: not asked for)."""
+
+
+def pull_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, *, chunk: int,
+               meta: torch.Tensor | None = None, index: int | None = None,
+               hash_while_receiving: bool = True) -> Pulled | None:
+    """:func:`recv_image` for a restore: receives chunk ``k + 1`` while hashing chunk ``k`` (the hash runs on this
+    thread, the receive in gloo's), so verifying the pulled copy (:meth:`SlotFile.verify` with the returned
+    ``checksums``) costs no second pass over it. None on CLOSE.
+
+    The checksums cover the bytes as they lie in the slot once received, which are the bytes a restore loads
+    (nothing else writes a slot being received)."""
     if meta is None:
         meta = torch.zeros(META_LEN, dtype=torch.int64)
         dist.recv(meta, src=src, group=group, tag=TAG_META)
@@ -135,12 +162,35 @@ def recv_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, 
     idx = store.slot_for_write(role) if index is None else index
     slot = store.ensure(role, idx, header_cap=hcap, payload_cap=pcap, extras_cap=ecap)
     slot.invalidate()
+    hashers: dict[int, tuple[int, xxhash.xxh3_64]] = {}  # segment offset -> (length, running hash)
+    pending: tuple[dist.Work, torch.Tensor, xxhash.xxh3_64 | None] | None = None
     for i in range(nseg):
         off, n = int(meta[6 + 2 * i]), int(meta[7 + 2 * i])
+        h = None
+        if hash_while_receiving and off in (slot.payload_off, slot.extras_off):
+            h = xxhash.xxh3_64()
+            hashers[off] = (n, h)
         view = slot.segment(off, n)
         for s in range(0, n, chunk):
-            dist.recv(view[s:s + chunk], src=src, group=group, tag=TAG_DATA)
-    return idx, iteration
+            piece = view[s:s + chunk]
+            work = dist.irecv(piece, src=src, group=group, tag=TAG_DATA)
+            if pending is not None:
+                _land(pending)
+            pending = (work, piece, h)
+    if pending is not None:
+        _land(pending)
+    sums = None
+    if hash_while_receiving:
+        sums = SegmentChecksums({off: (n, h.intdigest()) for off, (n, h) in hashers.items()})
+    return Pulled(idx, iteration, sums)
+
+
+def _land(pending: tuple[dist.Work, torch.Tensor, xxhash.xxh3_64 | None]) -> None:
+    """Wait for a chunk (chunks of one source and tag land in the order they were posted) and hash it."""
+    work, piece, h = pending
+    work.wait()
+    if h is not None:
+        h.update(piece.numpy())
 
 
 class GlooRingTransport(NeighborTransport):

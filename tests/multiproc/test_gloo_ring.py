@@ -15,12 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from neighbor_ckpt.snapshot.engine import write_image
-from neighbor_ckpt.errors import SnapshotMismatchError
+from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
 from neighbor_ckpt.recovery.flow import read_tensors, run_recovery
 from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import build_topology
-from neighbor_ckpt.snapshot.transport import GlooRingTransport
+from neighbor_ckpt.snapshot.transport import GlooRingTransport, pull_image, send_image
 
 pytestmark = pytest.mark.multiproc
 
@@ -89,6 +89,44 @@ def _contract(rank: int, world: int, tmp: Path) -> None:
 
 def test_ring_transport_delivers_every_image_bit_exact_and_acknowledged(tmp_path: Path) -> None:
     _spawn(_contract, tmp_path, world=3)
+    assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]
+
+
+def _pull(rank: int, world: int, tmp: Path) -> None:
+    store = HostStore(tmp / f"store{rank}", job_id="j", rank=rank)
+    group = dist.new_group(backend="gloo")
+    if rank == 0:
+        _image(store, 4)
+        ref = next(store.committed(ROLE_OWN, verify=True))
+        slot = store.slot(ROLE_OWN, ref.index)
+        for _ in range(2):
+            send_image(slot, ref.header, 1, group, chunk=1000)  # many chunks: every one is hashed on arrival
+        return
+    got = pull_image(store, ROLE_REPLICA, 0, group, chunk=1000)
+    assert got is not None and got.iteration == 4 and got.checksums is not None
+    slot = store.slot(ROLE_REPLICA, got.index)
+    hdr = slot.read_header()
+    # what was hashed while receiving is what a second pass over the slot gives
+    assert (got.checksums.get(slot.payload_off, hdr.payload_nbytes),
+            got.checksums.get(slot.extras_off, hdr.extras_nbytes)) == slot.checksums(hdr.payload_nbytes,
+                                                                                     hdr.extras_nbytes)
+    slot.verify(hdr, got.checksums)
+    torch.manual_seed(0 * 100 + 4)
+    assert torch.equal(read_tensors(slot, hdr)["t0"], torch.randn(1000))
+    # a byte that arrived damaged (here: its checksum) is caught without a second pass
+    again = pull_image(store, ROLE_REPLICA, 0, group, chunk=1000)
+    assert again is not None and again.checksums is not None
+    slot = store.slot(ROLE_REPLICA, again.index)
+    hdr = slot.read_header()
+    n, digest = again.checksums.by_offset[slot.payload_off]
+    bad = type(again.checksums)({**again.checksums.by_offset, slot.payload_off: (n, digest ^ 1)})
+    with pytest.raises(SnapshotCorruptError, match="payload checksum mismatch"):
+        slot.verify(hdr, bad)
+    slot.verify(hdr, None)  # the slot itself is intact
+
+
+def test_pulled_image_is_hashed_as_it_arrives_and_verifies_without_a_second_pass(tmp_path: Path) -> None:
+    _spawn(_pull, tmp_path, world=2)
     assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]
 
 
