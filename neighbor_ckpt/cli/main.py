@@ -9,7 +9,8 @@
   unpickles anything.
 * ``neighbor-ckpt demo [...]``: the 4-rank kill-and-recover demo (``scripts/demo``).
 * ``neighbor-ckpt bench [...]``: the micro-benchmark (``scripts/bench``); ``bench --compare [...]``: step time with
-  neighbor_ckpt vs torch DCP, mcore dist_checkpointing, Lightning and NVRx local checkpointing (BENCHMARKS.md).
+  neighbor_ckpt vs torch DCP, mcore dist_checkpointing, Lightning and NVRx local checkpointing (BENCHMARKS.md);
+  ``bench --nemo-step [...]``: a NeMo run's step time with and without neighbor_ckpt, and the machine's floor.
 * ``neighbor-ckpt campaign [--faults N --seed S]``: randomized faults against the tiny mcore GPT recipe on 4 CPU
   ranks; every case compared bit for bit with a failure-free run (README, "Fault campaign").
 """
@@ -164,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from neighbor_ckpt.cli.bench import compare
 
             return compare.main([a for a in rest if a != "--compare"])
+        if "--nemo-step" in rest:
+            from neighbor_ckpt.cli.bench import nemo_step
+
+            return nemo_step.main([a for a in rest if a != "--nemo-step"])
         from neighbor_ckpt.cli.bench import micro
 
         return micro.main(rest)

@@ -1,0 +1,287 @@
+"""Step overhead under NeMo: the median step time of a NeMo 2 ``llm.pretrain`` run with neighbor checkpointing every
+iteration, over the same run without it, and over the machine's floor.
+
+The job is the NeMo recipe (``recipes/nemo_pretrain.py``, ``configs/gpt_tiny_cpu.yaml``) resized to the tiny GPT of
+issue 16: 4 layers, hidden 256, sequence 128, micro-batch 4, gradient accumulation 2 (global batch 32 on 4 ranks),
+distributed optimizer, 4 CPU ranks under torchrun. Each *launch* runs one variant:
+
+``off``
+    ``neighbor_ckpt.enabled: false``: plain NeMo;
+``on``
+    the recipe as a user runs it: the ``NeighborCheckpoint`` callback, a snapshot after every optimizer step, the
+    ring to the next DP rank, the detector, the status line;
+``floor``
+    plain NeMo plus the data work no per-iteration neighbor checkpoint can avoid, and nothing else: after every
+    step a background thread copies this rank's unique bytes (12 bytes per local parameter / DP: the fp32 main
+    param shard and two Adam moments), hashes the copy with xxh3-64 and sends it to the next rank of the ring while
+    receiving the previous rank's (one gloo group of its own); the next step's end waits for it (later than the
+    neighbor engine's wait point, before the next gradient sync: the floor is the more lenient).
+
+The variants alternate launch by launch (``off on floor``, then rotated), ``--pairs`` rounds, so drift in the
+machine's load hits all of them; every launch runs ``--warmup`` untimed steps and ``--steps`` timed ones. A step's
+time is the interval between consecutive ends of ``on_train_batch_end`` (after NeighborCheckpoint's snapshot),
+taken on the slowest rank. The verdict: median over the rounds of ``median(on) / median(off)`` (target
+``<= 1.05``), beside ``median(floor) / median(off)``: when the floor alone is over the target on this machine
+(four ranks on two shared cores: every byte copied, hashed or sent in the background takes CPU from a training
+step), the row says how much of the floor's overhead ours is.
+
+Run ``python -m neighbor_ckpt.cli.bench.nemo_step [--pairs 2] [--json out.json]`` from a source checkout (the recipe
+is not part of the installed package); about 4 minutes per round on a 2-core machine, most of it NeMo's start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VARIANTS", "SHAPE", "TARGET", "step_times", "verdict", "main"]
+
+VARIANTS = ("off", "on", "floor")
+SHAPE = ("model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=4",
+         "model.seq_length=128", "trainer.micro_batch_size=4", "trainer.global_batch_size=32",
+         "parallelism.distributed_optimizer=true", "trainer.devices=4", "trainer.log_every_n_steps=10")
+"""Overrides of ``configs/gpt_tiny_cpu.yaml``: issue 16's tiny GPT (4 ranks: gradient accumulation 32 / (4 x 4) =
+2)."""
+TARGET = 1.05
+"""Median step time with neighbor checkpointing over without."""
+UNIQUE_BYTES_PER_PARAM = 12
+"""Distributed optimizer: fp32 main param + Adam's two moments, per parameter, sharded over DP."""
+
+
+# -- pure: from per-rank step stamps to step times and the verdict -----------------------------------------------
+
+def step_times(stamps: Sequence[Sequence[float]], warmup: int) -> list[float]:
+    """Per-rank lists of step-end times (the same steps on every rank) -> the timed steps' durations, each the
+    interval between consecutive step ends of the slowest rank; the first ``warmup`` steps are not timed."""
+    if not stamps or any(len(s) != len(stamps[0]) for s in stamps):
+        raise ValueError("every rank must report the same number of steps")
+    ends = [max(s[i] for s in stamps) for i in range(len(stamps[0]))]
+    return [b - a for a, b in zip(ends[max(0, warmup - 1):], ends[max(1, warmup):])]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    rounds: tuple[dict[str, float], ...]
+    """Per round, each variant's median step time (s)."""
+    on_ratio: float
+    """Median over rounds of on / off."""
+    floor_ratio: float | None
+    """Median over rounds of floor / off (None without the floor variant)."""
+    passed: bool
+
+    @property
+    def share_of_floor(self) -> float | None:
+        """Our overhead over the floor's (1.0: ours costs exactly the unavoidable data work)."""
+        if self.floor_ratio is None or self.floor_ratio <= 1.0:
+            return None
+        return (self.on_ratio - 1.0) / (self.floor_ratio - 1.0)
+
+    def lines(self) -> list[str]:
+        out = [f"round {i}: " + "  ".join(f"{v} {1e3 * t:.1f} ms" for v, t in r.items())
+               for i, r in enumerate(self.rounds)]
+        out.append(f"with neighbor_ckpt / without (median of rounds): {self.on_ratio:.3f}x  target <= {TARGET}: "
+                   f"{'PASS' if self.passed else 'MISS'}")
+        if self.floor_ratio is not None:
+            out.append(f"floor (copy + xxh3 + ring transfer of the same bytes) / without: {self.floor_ratio:.3f}x")
+            share = self.share_of_floor
+            if share is not None:
+                out.append(f"neighbor_ckpt's overhead = {share:.2f} x the floor's")
+        return out
+
+
+def verdict(rounds: Sequence[dict[str, Sequence[float]]]) -> Verdict:
+    """Pure: per round, each variant's step times -> medians and the ratios."""
+    meds = tuple({v: statistics.median(ts) for v, ts in r.items()} for r in rounds)
+    on = statistics.median(m["on"] / m["off"] for m in meds)
+    floor = statistics.median(m["floor"] / m["off"] for m in meds) if all("floor" in m for m in meds) else None
+    return Verdict(meds, on, floor, on <= TARGET)
+
+
+# -- the rank side: one launch of the recipe with a step clock (and the floor's work) ----------------------------
+
+def _recipe_module() -> Any:
+    import importlib.util
+
+    from neighbor_ckpt.cli.launch import RECIPE
+
+    spec = importlib.util.spec_from_file_location("nemo_pretrain_recipe", RECIPE)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+class _FloorWork:
+    """Per step on a background thread: copy the rank's unique bytes, xxh3 them, send to the next rank while
+    receiving the previous one's (a gloo group of its own)."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend="gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.stage = torch.empty_like(self.src).fill_(0)
+        self.recv = torch.empty_like(self.src).fill_(0)
+        self.jobs: queue.Queue[bool] = queue.Queue()
+        self.done = threading.Event()
+        self.done.set()
+        self.thread = threading.Thread(target=self._run, name="floor-work", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+        import xxhash
+
+        while self.jobs.get():
+            self.stage.copy_(self.src)
+            xxhash.xxh3_64_intdigest(self.stage.numpy())
+            ops = [dist.P2POp(dist.isend, self.stage, (self.rank + 1) % self.world, self.group),
+                   dist.P2POp(dist.irecv, self.recv, (self.rank - 1) % self.world, self.group)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            self.done.set()
+
+    def step(self) -> None:
+        self.done.wait()
+        self.done.clear()
+        self.jobs.put(True)
+
+    def close(self) -> None:
+        self.done.wait()
+        self.jobs.put(False)
+        self.thread.join()
+
+
+def _callbacks(variant: str, stamps: list[float]) -> list[Any]:
+    import lightning.pytorch as pl
+
+    class StepClock(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            stamps.append(time.time())
+
+    class Floor(pl.Callback):
+        work: _FloorWork | None = None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            from megatron.core import parallel_state
+
+            n = sum(p.numel() for p in pl_module.parameters())
+            dp = parallel_state.get_data_parallel_world_size()
+            self.work = _FloorWork(UNIQUE_BYTES_PER_PARAM * -(-n // dp))
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            self.work.step()  # type: ignore[union-attr]
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.work.close()  # type: ignore[union-attr]
+
+    # the floor's work is queued before the clock reads the step's end, as the neighbor snapshot is
+    return ([Floor()] if variant == "floor" else []) + [StepClock()]
+
+
+def _worker(args: argparse.Namespace) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(name)s %(levelname)s %(message)s")
+    from neighbor_ckpt.planning.jobspec import load_job
+
+    job = load_job(args.config)
+    from megatron_patches import enable_cpu
+
+    enable_cpu()
+    import fiddle as fdl
+    import torch
+
+    torch.manual_seed(job.trainer.seed)
+    fn = fdl.build(_recipe_module().build_recipe(job, args.run_dir, inject_faults=False))
+    stamps: list[float] = []
+    fn.keywords["trainer"].callbacks.extend(_callbacks(args.variant, stamps))
+    fn()
+    (args.run_dir / f"steps.rank{rank}.json").write_text(json.dumps(stamps))
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+
+def _launch(variant: str, run_dir: Path, args: argparse.Namespace) -> list[float]:
+    from neighbor_ckpt.cli.launch import plan_launch, torchrun_command, write_run_dir
+
+    overrides = [*SHAPE, f"trainer.max_steps={args.warmup + args.steps}",
+                 f"neighbor_ckpt.enabled={'true' if variant == 'on' else 'false'}", "launch.max_restarts=0"]
+    plan = plan_launch(args.config, overrides, run_dir=run_dir)
+    write_run_dir(plan)
+    cmd = torchrun_command(plan)
+    i = cmd.index(str(plan.recipe))
+    cmd[i:] = [str(Path(__file__).resolve()), "--worker", variant, "--config", str(run_dir / "config.yaml"),
+               "--run-dir", str(run_dir)]
+    with open(run_dir / "torchrun.log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise RuntimeError(f"the {variant} launch failed (exit {rc}): see {run_dir / 'torchrun.log'}")
+    stamps = [json.loads((run_dir / f"steps.rank{r}.json").read_text()) for r in range(plan.job.world_size)]
+    return step_times(stamps, args.warmup)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from neighbor_ckpt.cli.bench.machine import cpu_sample, foreign_load, wait_until_quiet
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=Path(__file__).resolve().parents[3] / "configs" / "gpt_tiny_cpu.yaml",
+                    help="the job file the shape overrides apply to")
+    ap.add_argument("--pairs", type=int, default=2, help="rounds of off / on / floor launches")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per launch")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps per launch")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    ap.add_argument("--work-dir", type=Path, default=Path("runs") / "bench-nemo-step")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="first wait up to S seconds until other processes use under 10%% of the CPUs")
+    ap.add_argument("--json", type=Path, default=None, help="write the step times and the verdict here")
+    ap.add_argument("--worker", choices=VARIANTS, default=None, dest="variant", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.variant is not None:
+        _worker(args)
+        return 0
+    variants = [v for v in args.variants.split(",") if v]
+    if "off" not in variants or "on" not in variants or not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants must name off and on (and may name floor), got {args.variants!r}")
+    if args.wait_quiet:
+        wait_until_quiet(args.wait_quiet, os.cpu_count() or 1)
+    rounds: list[dict[str, list[float]]] = []
+    a = cpu_sample()
+    for r in range(args.pairs):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        times: dict[str, list[float]] = {}
+        for v in order:
+            times[v] = _launch(v, args.work_dir / f"round{r}-{v}", args)
+            print(f"round {r} {v}: median step {1e3 * statistics.median(times[v]):.1f} ms "
+                  f"({len(times[v])} steps)", flush=True)
+        rounds.append({v: times[v] for v in variants})
+    load = foreign_load(a, cpu_sample(), os.cpu_count() or 1)
+    result = verdict(rounds)
+    for line in result.lines():
+        print(line)
+    print(f"other processes used {100 * load['other_cpu_frac']:.0f}% of the CPUs during the run")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"shape": SHAPE, "warmup": args.warmup, "steps": args.steps,
+                                         "rounds": rounds, "medians": result.rounds, "on_ratio": result.on_ratio,
+                                         "floor_ratio": result.floor_ratio, "share_of_floor": result.share_of_floor,
+                                         "target": TARGET, "passed": result.passed, "foreign_load": load},
+                                        indent=1))
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
