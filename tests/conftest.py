@@ -267,10 +267,13 @@ class Baselines:
         extra = _warm_env() if warm and os.environ.get(COLD_ENV) != "1" else {}
         return self._get(key, lambda tmp: run_torchrun(worker, tmp, nproc=nproc, timeout=timeout, **env, **extra))
 
-    def launch(self, config: str, *overrides: str, timeout: float = 480, **env: Any) -> RunResult:
+    def launch(self, config: str, *overrides: str, timeout: float = 480, warm: bool = False,
+               **env: Any) -> RunResult:
+        """``warm``: as for :meth:`__call__`."""
         key = ("launch", config, *overrides, *_env_key(env))
+        extra = _warm_env() if warm and os.environ.get(COLD_ENV) != "1" else {}
         return self._get(key, lambda tmp: run_launch(config, tmp, *overrides, timeout=timeout,
-                                                     **{"NEIGHBOR_CKPT_STORE_DIR": tmp / "store", **env}))
+                                                     **{"NEIGHBOR_CKPT_STORE_DIR": tmp / "store", **env, **extra}))
 
     def _get(self, key: tuple[str, ...], run: Any) -> RunResult:
         entry = _BASELINES.get(key)

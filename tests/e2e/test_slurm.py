@@ -71,7 +71,9 @@ def test_slurm_script_inprocess_hot_spare_replaces_a_killed_rank_bit_exactly(
     task loses its worker, the other tasks keep their processes, the spare becomes rank 1 and pulls its state."""
     pytest.importorskip("nemo.collections.llm")
     pytest.importorskip("nvidia_resiliency_ext.inprocess")
-    base = baseline.launch(CONFIG, STEPS)  # the same training as the restart-mode failure-free run
+    # the same training as the restart-mode failure-free run; its workers forked warm (the job's own start cold under
+    # srun, so warm and cold workers are compared bit for bit)
+    base = baseline.launch(CONFIG, STEPS, warm=True)
     res, job_id, script = sbatch_launch(slurm_cluster, tmp_path, STEPS, *INPROCESS, *FAULT,
                                         NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
     assert res.returncode == 0, f"Slurm job {job_id} failed (sbatch --wait exit {res.returncode}):\n{res.log[-8000:]}"
