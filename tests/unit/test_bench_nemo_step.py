@@ -32,3 +32,26 @@ def test_verdict_without_floor_names_no_floor():
     v = verdict([{"off": [1.0], "on": [1.2]}])
     assert v.floor_ratio is None and v.share_of_floor is None and not v.passed
     assert not any("floor" in line for line in v.lines())
+
+
+def test_blocks_rotate_the_variant_order_each_round_and_skip_each_blocks_first_step():
+    from neighbor_ckpt.cli.bench.nemo_step import block_variant
+
+    seq = [block_variant(s, warmup=2, block_steps=3, variants=("off", "on", "floor")) for s in range(2 + 2 * 9)]
+    assert seq[:2] == [(None, -1, False)] * 2
+    firsts = [seq[i][:2] for i in range(2, 20, 3)]
+    assert firsts == [("off", 0), ("on", 0), ("floor", 0), ("on", 1), ("floor", 1), ("off", 1)]
+    assert [seq[i][2] for i in range(2, 8)] == [False, True, True, False, True, True]
+
+
+def test_block_rounds_group_the_timed_steps_of_the_slowest_rank_by_round_and_variant():
+    from neighbor_ckpt.cli.bench.nemo_step import block_rounds
+
+    # warmup 1, blocks of 2 steps, variants off/on: steps 1-2 off (round 0), 3-4 on, 5-6 on (round 1), 7-8 off
+    ends = [0.0, 1.0, 2.0, 3.0, 4.5, 5.5, 7.0, 8.0, 9.0]
+    fast = [(s, t - 0.1) for s, t in enumerate(ends)]
+    slow = list(enumerate(ends))
+    rounds = block_rounds([fast, slow], warmup=1, block_steps=2, variants=("off", "on"))
+    assert rounds == [{"off": [1.0], "on": [1.5]}, {"on": [1.5], "off": [1.0]}]
+    # a round that lacks a variant (the run ended early) is dropped
+    assert block_rounds([slow[:7]], warmup=1, block_steps=2, variants=("off", "on")) == [{"off": [1.0], "on": [1.5]}]

@@ -17,16 +17,23 @@ distributed optimizer, 4 CPU ranks under torchrun. Each *launch* runs one varian
     receiving the previous rank's (one gloo group of its own); the next step's end waits for it (later than the
     neighbor engine's wait point, before the next gradient sync: the floor is the more lenient).
 
-The variants alternate launch by launch (``off on floor``, then rotated), ``--pairs`` rounds, so drift in the
-machine's load hits all of them; every launch runs ``--warmup`` untimed steps and ``--steps`` timed ones. A step's
-time is the interval between consecutive ends of ``on_train_batch_end`` (after NeighborCheckpoint's snapshot),
-taken on the slowest rank. The verdict: median over the rounds of ``median(on) / median(off)`` (target
+**Blocks in one launch** (``--mode blocks``, the default): one launch with the callback installed runs the variants
+in blocks of ``--block-steps`` consecutive steps, interleaved round by round (``off on floor``, then rotated), so
+drift in the machine's load hits all of them alike; in ``off`` and ``floor`` blocks ``snapshot()`` does nothing (the
+callback's other per-step calls, a few microseconds, stay: they count as ``off``). The first step of every block is
+not timed (the previous block's background work drains in it), nor are the first ``--warmup`` steps.
+**Separate launches** (``--mode launches``): each variant is a launch of its own (``off``: ``neighbor_ckpt.enabled:
+false``), alternating; on this 2-core machine two launches of the same variant differ by up to ~7% (a ``floor``
+launch ran faster than an ``off`` one), so blocks are what the verdict should be read from.
+
+A step's time is the interval between consecutive ends of ``on_train_batch_end`` (after NeighborCheckpoint's
+snapshot), taken on the slowest rank. The verdict: median over the rounds of ``median(on) / median(off)`` (target
 ``<= 1.05``), beside ``median(floor) / median(off)``: when the floor alone is over the target on this machine
 (four ranks on two shared cores: every byte copied, hashed or sent in the background takes CPU from a training
 step), the row says how much of the floor's overhead ours is.
 
 Run ``python -m neighbor_ckpt.cli.bench.nemo_step [--pairs 2] [--json out.json]`` from a source checkout (the recipe
-is not part of the installed package); about 4 minutes per round on a 2-core machine, most of it NeMo's start-up.
+is not part of the installed package); blocks: about 4 minutes on a 2-core machine (1.5 s steps).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VARIANTS", "SHAPE", "TARGET", "step_times", "verdict", "main"]
+__all__ = ["VARIANTS", "SHAPE", "TARGET", "step_times", "block_variant", "verdict", "main"]
 
 VARIANTS = ("off", "on", "floor")
 SHAPE = ("model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=4",
@@ -70,6 +77,16 @@ def step_times(stamps: Sequence[Sequence[float]], warmup: int) -> list[float]:
         raise ValueError("every rank must report the same number of steps")
     ends = [max(s[i] for s in stamps) for i in range(len(stamps[0]))]
     return [b - a for a, b in zip(ends[max(0, warmup - 1):], ends[max(1, warmup):])]
+
+
+def block_variant(step: int, *, warmup: int, block_steps: int, variants: Sequence[str]) -> tuple[str | None, int, bool]:
+    """Pure: (variant, round, timed) of 0-based ``step`` in blocks mode; variant None during the warm-up. Round ``r``
+    runs one block of each variant, in the order rotated by ``r``; a block's first step is not timed."""
+    if step < warmup:
+        return None, -1, False
+    block, pos = divmod(step - warmup, block_steps)
+    rnd, k = divmod(block, len(variants))
+    return variants[(k + rnd) % len(variants)], rnd, pos > 0
 
 
 @dataclass(frozen=True)
@@ -166,12 +183,22 @@ class _FloorWork:
         self.thread.join()
 
 
-def _callbacks(variant: str, stamps: list[float]) -> list[Any]:
+def _callbacks(variant_of: Any, stamps: list[tuple[int, float]]) -> list[Any]:
+    """``variant_of(step)``: the variant step ``step`` (0-based) runs. Returns the gate (first: it decides before
+    NeighborCheckpoint's hooks run), the floor's work and the step clock (last: after the snapshot)."""
     import lightning.pytorch as pl
 
-    class StepClock(pl.Callback):
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-            stamps.append(time.time())
+    from neighbor_ckpt import NeighborCheckpoint
+
+    class Gate(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            cb = next((c for c in trainer.callbacks if isinstance(c, NeighborCheckpoint)), None)
+            if cb is None or cb.checkpointer is None:
+                return
+            if variant_of(trainer.global_step) == "on":
+                cb.checkpointer.__dict__.pop("snapshot", None)  # the method again
+            else:
+                cb.checkpointer.snapshot = lambda *a, **k: None
 
     class Floor(pl.Callback):
         work: _FloorWork | None = None
@@ -184,13 +211,17 @@ def _callbacks(variant: str, stamps: list[float]) -> list[Any]:
             self.work = _FloorWork(UNIQUE_BYTES_PER_PARAM * -(-n // dp))
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-            self.work.step()  # type: ignore[union-attr]
+            if variant_of(trainer.global_step - 1) == "floor":
+                self.work.step()  # type: ignore[union-attr]
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.work.close()  # type: ignore[union-attr]
 
-    # the floor's work is queued before the clock reads the step's end, as the neighbor snapshot is
-    return ([Floor()] if variant == "floor" else []) + [StepClock()]
+    class StepClock(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            stamps.append((trainer.global_step - 1, time.time()))
+
+    return [Gate(), Floor(), StepClock()]
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -207,31 +238,62 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.manual_seed(job.trainer.seed)
     fn = fdl.build(_recipe_module().build_recipe(job, args.run_dir, inject_faults=False))
-    stamps: list[float] = []
-    fn.keywords["trainer"].callbacks.extend(_callbacks(args.variant, stamps))
+    stamps: list[tuple[int, float]] = []
+    if args.variant == "blocks":
+        variants = args.variants.split(",")
+
+        def variant_of(step: int) -> str | None:
+            return block_variant(step, warmup=args.warmup, block_steps=args.block_steps, variants=variants)[0]
+    else:
+        def variant_of(step: int) -> str | None:
+            return args.variant
+    cbs = fn.keywords["trainer"].callbacks
+    gate, floor, clock = _callbacks(variant_of, stamps)
+    cbs.insert(0, gate)
+    cbs.extend([floor, clock])
     fn()
     (args.run_dir / f"steps.rank{rank}.json").write_text(json.dumps(stamps))
 
 
 # -- the driver ------------------------------------------------------------------------------------------------
 
-def _launch(variant: str, run_dir: Path, args: argparse.Namespace) -> list[float]:
+def _launch(variant: str, run_dir: Path, args: argparse.Namespace, steps: int) -> list[list[tuple[int, float]]]:
+    """One torchrun launch of the recipe (``variant``: one of :data:`VARIANTS`, or ``blocks``); per rank, the
+    (step, end time) stamps."""
     from neighbor_ckpt.cli.launch import plan_launch, torchrun_command, write_run_dir
 
-    overrides = [*SHAPE, f"trainer.max_steps={args.warmup + args.steps}",
-                 f"neighbor_ckpt.enabled={'true' if variant == 'on' else 'false'}", "launch.max_restarts=0"]
+    overrides = [*SHAPE, f"trainer.max_steps={steps}",
+                 f"neighbor_ckpt.enabled={'false' if variant in ('off', 'floor') else 'true'}", "launch.max_restarts=0"]
     plan = plan_launch(args.config, overrides, run_dir=run_dir)
     write_run_dir(plan)
     cmd = torchrun_command(plan)
     i = cmd.index(str(plan.recipe))
     cmd[i:] = [str(Path(__file__).resolve()), "--worker", variant, "--config", str(run_dir / "config.yaml"),
-               "--run-dir", str(run_dir)]
+               "--run-dir", str(run_dir), "--warmup", str(args.warmup), "--block-steps", str(args.block_steps),
+               "--variants", args.variants]
     with open(run_dir / "torchrun.log", "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
         raise RuntimeError(f"the {variant} launch failed (exit {rc}): see {run_dir / 'torchrun.log'}")
-    stamps = [json.loads((run_dir / f"steps.rank{r}.json").read_text()) for r in range(plan.job.world_size)]
-    return step_times(stamps, args.warmup)
+    return [[(int(s), float(t)) for s, t in json.loads((run_dir / f"steps.rank{r}.json").read_text())]
+            for r in range(plan.job.world_size)]
+
+
+def block_rounds(stamps: Sequence[Sequence[tuple[int, float]]], *, warmup: int, block_steps: int,
+                 variants: Sequence[str]) -> list[dict[str, list[float]]]:
+    """Pure: blocks mode's per-rank (step, end time) stamps -> per round, each variant's timed step durations
+    (slowest rank's step ends; rounds missing a variant are dropped)."""
+    ends: dict[int, float] = {}
+    for rank in stamps:
+        for step, t in rank:
+            ends[step] = max(ends.get(step, t), t)
+    rounds: dict[int, dict[str, list[float]]] = {}
+    for step in sorted(ends):
+        variant, rnd, timed = block_variant(step, warmup=warmup, block_steps=block_steps, variants=variants)
+        if variant is None or not timed or step - 1 not in ends:
+            continue
+        rounds.setdefault(rnd, {}).setdefault(variant, []).append(ends[step] - ends[step - 1])
+    return [r for _, r in sorted(rounds.items()) if set(r) == set(variants)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -240,15 +302,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=Path(__file__).resolve().parents[3] / "configs" / "gpt_tiny_cpu.yaml",
                     help="the job file the shape overrides apply to")
-    ap.add_argument("--pairs", type=int, default=2, help="rounds of off / on / floor launches")
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per launch")
-    ap.add_argument("--warmup", type=int, default=8, help="untimed steps per launch")
+    ap.add_argument("--mode", choices=("blocks", "launches"), default="blocks",
+                    help="blocks: the variants interleaved in one launch (default); launches: one launch each")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds (one block, or one launch, of every variant each)")
+    ap.add_argument("--block-steps", type=int, default=6, help="blocks mode: steps per block (the first untimed)")
+    ap.add_argument("--steps", type=int, default=40, help="launches mode: timed steps per launch")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps at the start of a launch")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--work-dir", type=Path, default=Path("runs") / "bench-nemo-step")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="first wait up to S seconds until other processes use under 10%% of the CPUs")
     ap.add_argument("--json", type=Path, default=None, help="write the step times and the verdict here")
-    ap.add_argument("--worker", choices=VARIANTS, default=None, dest="variant", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=(*VARIANTS, "blocks"), default=None, dest="variant", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.variant is not None:
@@ -257,25 +322,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if "off" not in variants or "on" not in variants or not set(variants) <= set(VARIANTS):
         ap.error(f"--variants must name off and on (and may name floor), got {args.variants!r}")
+    if args.block_steps < 2:
+        ap.error("--block-steps must be at least 2 (a block's first step is not timed)")
     if args.wait_quiet:
         wait_until_quiet(args.wait_quiet, os.cpu_count() or 1)
-    rounds: list[dict[str, list[float]]] = []
     a = cpu_sample()
-    for r in range(args.pairs):
-        order = variants[r % len(variants):] + variants[:r % len(variants)]
-        times: dict[str, list[float]] = {}
-        for v in order:
-            times[v] = _launch(v, args.work_dir / f"round{r}-{v}", args)
-            print(f"round {r} {v}: median step {1e3 * statistics.median(times[v]):.1f} ms "
-                  f"({len(times[v])} steps)", flush=True)
-        rounds.append({v: times[v] for v in variants})
+    if args.mode == "blocks":
+        steps = args.warmup + args.rounds * len(variants) * args.block_steps
+        stamps = _launch("blocks", args.work_dir / "blocks", args, steps)
+        rounds = block_rounds(stamps, warmup=args.warmup, block_steps=args.block_steps, variants=variants)
+    else:
+        rounds = []
+        for r in range(args.rounds):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            times: dict[str, list[float]] = {}
+            for v in order:
+                st = _launch(v, args.work_dir / f"round{r}-{v}", args, args.warmup + args.steps)
+                times[v] = step_times([[t for _, t in rank] for rank in st], args.warmup)
+                print(f"round {r} {v}: median step {1e3 * statistics.median(times[v]):.1f} ms "
+                      f"({len(times[v])} steps)", flush=True)
+            rounds.append({v: times[v] for v in variants})
     load = foreign_load(a, cpu_sample(), os.cpu_count() or 1)
     result = verdict(rounds)
     for line in result.lines():
         print(line)
     print(f"other processes used {100 * load['other_cpu_frac']:.0f}% of the CPUs during the run")
     if args.json is not None:
-        args.json.write_text(json.dumps({"shape": SHAPE, "warmup": args.warmup, "steps": args.steps,
+        args.json.write_text(json.dumps({"mode": args.mode, "shape": SHAPE, "warmup": args.warmup,
+                                         "block_steps": args.block_steps, "steps": args.steps,
                                          "rounds": rounds, "medians": result.rounds, "on_ratio": result.on_ratio,
                                          "floor_ratio": result.floor_ratio, "share_of_floor": result.share_of_floor,
                                          "target": TARGET, "passed": result.passed, "foreign_load": load},
