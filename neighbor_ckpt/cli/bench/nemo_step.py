@@ -32,7 +32,7 @@ snapshot), taken on the slowest rank. The verdict: median over the rounds of ``m
 (four ranks on two shared cores: every byte copied, hashed or sent in the background takes CPU from a training
 step), the row says how much of the floor's overhead ours is.
 
-Run ``python -m neighbor_ckpt.cli.bench.nemo_step [--pairs 2] [--json out.json]`` from a source checkout (the recipe
+Run ``python -m neighbor_ckpt.cli.bench.nemo_step [--mode launches] [--json out.json]`` from a source checkout (the recipe
 is not part of the installed package); with the defaults (8 rounds of 8-step blocks, 200 steps of ~1.5 s) about 6
 minutes on a 2-core machine.
 """
