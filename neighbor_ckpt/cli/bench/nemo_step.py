@@ -32,8 +32,8 @@ snapshot), taken on the slowest rank. The verdict: median over the rounds of ``m
 (four ranks on two shared cores: every byte copied, hashed or sent in the background takes CPU from a training
 step), the row says how much of the floor's overhead ours is.
 
-Run ``python -m neighbor_ckpt.cli.bench.nemo_step [--mode launches] [--json out.json]`` from a source checkout (the recipe
-is not part of the installed package); with the defaults (8 rounds of 8-step blocks, 200 steps of ~1.5 s) about 6
+Run ``python -m neighbor_ckpt.cli.bench.nemo_step [--mode launches] [--json out.json]`` from a source checkout (the
+recipe is not part of the installed package); with the defaults (8 rounds of 8-step blocks, 200 steps of ~1.5 s) about 6
 minutes on a 2-core machine.
 """
 
@@ -65,6 +65,8 @@ SHAPE = ("model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=1
 2)."""
 TARGET = 1.05
 """Median step time with neighbor checkpointing over without."""
+REPO = Path(__file__).resolve().parents[3]
+"""The source checkout (configs/, recipes/)."""
 UNIQUE_BYTES_PER_PARAM = 12
 """Distributed optimizer: fp32 main param + Adam's two moments, per parameter, sharded over DP."""
 
@@ -301,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from neighbor_ckpt.cli.bench.machine import cpu_sample, foreign_load, wait_until_quiet
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=Path(__file__).resolve().parents[3] / "configs" / "gpt_tiny_cpu.yaml",
+    ap.add_argument("--config", type=Path, default=REPO / "configs" / "gpt_tiny_cpu.yaml",
                     help="the job file the shape overrides apply to")
     ap.add_argument("--mode", choices=("blocks", "launches"), default="blocks",
                     help="blocks: the variants interleaved in one launch (default); launches: one launch each")
