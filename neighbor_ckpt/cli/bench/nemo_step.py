@@ -250,10 +250,12 @@ def _worker(args: argparse.Namespace) -> None:
     else:
         def variant_of(step: int) -> str | None:
             return args.variant
+    runs = set(variants) if args.variant == "blocks" else {args.variant}
     cbs = fn.keywords["trainer"].callbacks
     gate, floor, clock = _callbacks(variant_of, stamps)
     cbs.insert(0, gate)
-    cbs.extend([floor, clock])
+    # the floor's thread, buffers and gloo group exist only where a floor step runs: an off launch is plain NeMo
+    cbs.extend([floor, clock] if "floor" in runs else [clock])
     fn()
     (args.run_dir / f"steps.rank{rank}.json").write_text(json.dumps(stamps))
 
