@@ -149,8 +149,9 @@ class NeighborCheckpointer:
         self._recovered = False
         self.job_identity = resolve_job_id(self.config)
         """The job id and where it came from (a torchrun launch without a run id gets one of its own)."""
-        self.detector = self._make_detector()
-        """Heartbeat failure detection (None when off or the rendezvous store is not reachable by address)."""
+        self.detector = self._agree_on_detector(self._make_detector())
+        """Heartbeat failure detection (None when off, or when the rendezvous store is not reachable by address
+        from some rank: it runs on every rank or on none)."""
         self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
                                                     policy=self.config.ring.policy,
                                                     model_parallel_coord=model_parallel_coord)
@@ -206,6 +207,28 @@ class NeighborCheckpointer:
             self.detector.start()
         logger.info("rank %d: neighbor_ckpt store %s, DP ring %s (successor %d)", self.topology.rank,
                     self.store.dir, list(self.topology.ring), self.topology.successor)
+
+    def _detector_wanted(self) -> bool:
+        """Whether the configuration runs the failure detector: the same answer on every rank (the configuration and
+        the world size), unlike whether this rank could connect to the rendezvous store."""
+        return self.config.detector.enabled and dist.get_world_size() >= 2 and not self.config.inprocess.enabled
+
+    def _agree_on_detector(self, mine: FailureDetector | None) -> FailureDetector | None:
+        """Collective where a detector is wanted: keep it only if every rank has one. A rank without one (its
+        store connection failed) would never beat, and the others' detectors would take it for a failed rank and
+        stop the job; ``close()``'s barrier needs the same answer on every rank too."""
+        if not self._detector_wanted():
+            return mine
+        have = torch.tensor([0 if mine is None else 1], dtype=torch.int64)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self.group)
+        if int(have.item()) == 1:
+            return mine
+        if mine is not None:
+            mine.stop(done=False)
+            logger.warning("rank %d: neighbor_ckpt: failure detector off on every rank: another rank could not reach "
+                           "the rendezvous store (its log says why); hangs are noticed only when collectives time "
+                           "out", dist.get_rank())
+        return None
 
     def _make_detector(self) -> FailureDetector | None:
         cfg = self.config.detector
