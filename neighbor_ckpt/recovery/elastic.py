@@ -392,6 +392,13 @@ def _pack(pieces: list[Piece], opened: _Open, extras_owner: int | None) -> tuple
     return head, blob
 
 
+def _refusal(reason: str) -> tuple[dict[str, Any], np.ndarray]:
+    """The message a process sends in place of its data when it could not pack it (:func:`_decode_message` raises
+    it on the receiver)."""
+    blob = np.zeros(0, dtype=np.uint8)
+    return {"refused": reason, "pieces_nbytes": 0, "xxh3": xxhash.xxh3_64_intdigest(blob)}, blob
+
+
 def _encode_message(head: dict[str, Any], blob: np.ndarray) -> torch.Tensor:
     raw = json.dumps(head, separators=(",", ":")).encode()
     pad = (-len(raw)) % 8
@@ -410,6 +417,9 @@ def _decode_message(buf: torch.Tensor, src: int, rank: int) -> tuple[dict[str, A
     blob = arr[8 + n + ((-n) % 8):]
     if xxhash.xxh3_64_intdigest(blob) != head["xxh3"]:
         raise SnapshotCorruptError(f"rank {rank}: the reshard data received from rank {src} fails its checksum")
+    if head.get("refused"):
+        raise SnapshotCorruptError(f"rank {rank}: rank {src} could not send its part of the reshard: "
+                                   f"{head['refused']}")
     return head, blob
 
 
@@ -504,7 +514,7 @@ def run_reshard(*, root: Path, job_id: str, generation: int, rank: int, new_layo
         t1 = time.perf_counter()
         try:
             restored: Restored | None = _move(plan, opened, rank=rank, new_layout=new_layout, group=group)
-        except SnapshotCorruptError as e:  # raised after the exchange: every peer got past it too
+        except (SnapshotCorruptError, SnapshotMismatchError) as e:  # raised after the exchange: every peer got past it
             restored, problem = None, str(e)
             logger.error("rank %d: %s", rank, problem)
         rep.phases["transfer"] = time.perf_counter() - t1
@@ -532,13 +542,23 @@ def _move(plan: ReshardPlan, opened: _Open, *, rank: int, new_layout: RankLayout
     outgoing = plan.outgoing(rank)
     extras_dsts = {dst for dst, owner in plan.extras_owner if plan.holder_of(owner) == rank}
     messages: dict[int, tuple[dict[str, Any], np.ndarray]] = {}
-    for dst in sorted(set(outgoing) | extras_dsts):
-        messages[dst] = _pack(outgoing.get(dst, []), opened,
-                              plan.extras_from(dst) if dst in extras_dsts else None)
+    dsts = sorted(set(outgoing) | extras_dsts)
+    refused: SnapshotCorruptError | SnapshotMismatchError | None = None
+    try:
+        for dst in dsts:
+            messages[dst] = _pack(outgoing.get(dst, []), opened,
+                                  plan.extras_from(dst) if dst in extras_dsts else None)
+    except (SnapshotCorruptError, SnapshotMismatchError) as e:
+        # The peers are about to wait for these messages: each gets a refusal instead, so every rank leaves the
+        # exchange and the failure is reported collectively (run_reshard's problem gather), none hangs.
+        refused = e
+        messages = {dst: _refusal(f"rank {rank}: {e}") for dst in dsts}
     incoming = plan.incoming(rank)
     eo = plan.extras_from(rank)
     senders = sorted((set(incoming) | {plan.holder_of(eo)}) - {rank})
     received = _exchange_messages({d: _encode_message(*m) for d, m in messages.items() if d != rank}, senders, group)
+    if refused is not None:
+        raise refused
     parts = {s: _decode_message(buf, s, rank) for s, buf in received.items()}
     if rank in messages:
         parts[rank] = messages[rank]
