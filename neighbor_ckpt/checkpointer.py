@@ -60,11 +60,12 @@ from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_
 from neighbor_ckpt.runtime import failpoints, reaper
 from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
 from neighbor_ckpt.runtime.launch_identity import report_leftovers, resolve_job_id
+from neighbor_ckpt.runtime.launch_store import SlotLayouts
 from neighbor_ckpt.runtime.preflight import check_host_memory
 from neighbor_ckpt.snapshot.engine import SnapshotEngine
 from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
-from neighbor_ckpt.snapshot.store import HostStore, store_bytes_per_rank
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
 from neighbor_ckpt.snapshot.transport import GlooRingTransport, TrafficGate
 from neighbor_ckpt.validation import validate
@@ -168,6 +169,10 @@ class NeighborCheckpointer:
         reaper.record(self.store.dir)
         if self.job_identity.source == "launch":  # an earlier launch's store under this root is never loaded: say so
             report_leftovers(self.store.user_dir, self.store.job_id, self.topology.rank)
+        self.slot_layouts = SlotLayouts(job_id=self.job_identity.job_id, generation=self.generations.generation)
+        """Own-slot capacities of every rank, in the launch's store (what a replaced rank prepares its slot from)."""
+        self._published_layout: tuple[int, int, int] | None = None
+        self._prepare_receive_slot()
         self.datacheck = DataCheck(self.config.data_check if self.config.enabled else "off",
                                    store_dir=self.store.dir, rank=self.topology.rank)
         """The data-position check (``data_check``): input fingerprints, compared after a recovery."""
@@ -207,6 +212,19 @@ class NeighborCheckpointer:
             self.detector.start()
         logger.info("rank %d: neighbor_ckpt store %s, DP ring %s (successor %d)", self.topology.rank,
                     self.store.dir, list(self.topology.ring), self.topology.successor)
+
+    def _prepare_receive_slot(self) -> None:
+        """A rank whose store holds no own slot (a replaced node, an activated hot spare) will pull its state into
+        a new one: start making it now, in the background, with the capacities this rank published before its
+        failure (:mod:`neighbor_ckpt.runtime.launch_store`), so its memory is there when the pull starts."""
+        if not self.config.enabled or self.store.has_files(ROLE_OWN):
+            return
+        caps = self.slot_layouts.lookup(self.topology.rank)
+        if caps is None:
+            return  # a first launch: nothing published yet
+        if self.store.prefault(ROLE_OWN, header_cap=caps[0], payload_cap=caps[1], extras_cap=caps[2]):
+            logger.info("rank %d: neighbor_ckpt: empty host store; preparing its %.1f MiB own slot in the background "
+                        "for the recovery's pull", self.topology.rank, caps[1] / 2**20)
 
     def _detector_wanted(self) -> bool:
         """Whether the configuration runs the failure detector: the same answer on every rank (the configuration and
@@ -316,6 +334,10 @@ class NeighborCheckpointer:
         with self.reporter.progress() as progress:
             result = self.recoverer.recover(layout=self.layout(), load=self._load, on_phase=progress.phase,
                                             reshard=reshard)
+        prepared = self.store.prepared
+        if prepared is not None and prepared.used:
+            result.report.notes.append(f"pulled into a slot prepared in advance ({prepared.seconds:.3f} s in the "
+                                       "background, from the layout in the launch's store)")
         self.last_report = result.report
         self._recovered = True
         if result.report.resharded:
@@ -468,6 +490,10 @@ class NeighborCheckpointer:
             self._start()
             self._first_snapshot = iteration
         assert self.engine is not None  # noqa: S101
+        caps = self.engine.own_capacities
+        if caps is not None and caps != self._published_layout:  # once per layout (the first snapshot sizes it)
+            self._published_layout = caps
+            self.slot_layouts.publish(self.topology.rank, caps)
         if self.reporter.status_due(iteration):
             self.reporter.emit_status(iteration, self.stats())
         extras: dict[str, Any] = {"adapter": self.adapter.capture_extras(), "user": user_state}

@@ -54,6 +54,7 @@ import uuid
 from datetime import timedelta
 
 from neighbor_ckpt.runtime.launch_identity import establish_launch_id
+from neighbor_ckpt.runtime.launch_store import AGENT_STORE_ENV
 
 __all__ = ["prepare_torchrun_restart"]
 
@@ -104,6 +105,7 @@ def prepare_torchrun_restart(timeout: float = 900.0) -> bool:
     rank = int(os.environ["RANK"])
     addr = os.environ["MASTER_ADDR"]
     agent_port = int(os.environ["MASTER_PORT"])
+    os.environ[AGENT_STORE_ENV] = f"{addr}:{agent_port}"  # the store that outlives this incarnation (launch_store)
     t0 = time.monotonic()
     agent_store = dist.TCPStore(addr, agent_port, is_master=False, timeout=timedelta(seconds=timeout))
 

@@ -272,6 +272,13 @@ class SnapshotEngine:
         """The device of the CUDA sources (this worker thread's current device would be cuda:0)."""
         return next(s.device for s in self.sources if s.is_cuda)
 
+    @property
+    def own_capacities(self) -> tuple[int, int, int] | None:
+        """(header, payload, extras) capacities of this rank's own slots; None until the first snapshot has sized
+        the extras region."""
+        ecap = self.extras_capacity
+        return None if ecap is None else (self._header_cap, self.plan.unique_bytes, ecap)
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()

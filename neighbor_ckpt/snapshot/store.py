@@ -27,6 +27,7 @@ import mmap
 import os
 import shutil
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "MIN_EXTRAS_BYTES", "HEADER_ALLOWANCE_BYTES",
            "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir", "generation_dir", "store_generations", "remove_generations",
-           "pick_slot_for_write", "encode_meta", "SegmentChecksums"]
+           "pick_slot_for_write", "encode_meta", "SegmentChecksums", "PreparedSlot"]
 
 MAGIC = b"NCKPTSLT"
 MARKER_MAGIC = b"NCKPTCMT"
@@ -249,6 +250,13 @@ class SlotFile:
         self.unpin()
         self.payload = torch.empty(0, dtype=torch.uint8)
         self._buf.release()
+
+    def fault_in(self) -> None:
+        """Write every page of the mapping once (each page's first byte, rewritten with its own value), so that the
+        kernel allocates and zeroes it now: ``posix_fallocate`` on tmpfs reserves the pages but zeroes each on its
+        first touch, about as slow as the copy that follows (BENCHMARKS section 6). Content is unchanged."""
+        pages = torch.frombuffer(self._buf, dtype=torch.uint8)[::PAGE]  # torch: the GIL is free while pages fault
+        pages.copy_(pages.clone())
 
     # -- page-locking for CUDA -------------------------------------------------------------------------
 
@@ -567,6 +575,10 @@ class HostStore:
         for d in dirs:
             os.chmod(d, 0o700)
         self._slots: dict[tuple[str, int], SlotFile] = {}
+        self._prefault: PreparedSlot | None = None
+        self._prefault_lock = threading.Lock()
+        self.prepared: PreparedSlot | None = None
+        """The slot :meth:`prefault` prepared, once taken in (its time, and whether a write used it)."""
 
     # -- files ---------------------------------------------------------------------------------------
 
@@ -574,8 +586,14 @@ class HostStore:
         return self.dir / f"{role}.{index}.slot"
 
     def slot(self, role: str, index: int) -> SlotFile | None:
-        """The mapped slot file, or None if absent / unreadable (unreadable files are reported)."""
+        """The mapped slot file, or None if absent / unreadable (unreadable files are reported). A slot still being
+        prepared by :meth:`prefault` is absent (it holds nothing yet); :meth:`ensure` waits for it."""
         key = (role, index)
+        pf = self._prefault
+        if pf is not None and pf.key == key:
+            if pf.thread.is_alive():
+                return None
+            self.wait_prepared()
         if key in self._slots:
             return self._slots[key]
         p = self.path(role, index)
@@ -590,9 +608,15 @@ class HostStore:
         return s
 
     def ensure(self, role: str, index: int, *, header_cap: int, payload_cap: int, extras_cap: int) -> SlotFile:
-        """The slot file with at least these capacities, (re)created if needed."""
+        """The slot file with at least these capacities, (re)created if needed (a slot :meth:`prefault` is preparing
+        is waited for, and used when its capacities are these)."""
+        pf = self._prefault
+        if pf is not None and pf.key == (role, index):
+            self.wait_prepared()
         s = self.slot(role, index)
         if s is not None and s.capacities == (header_cap, payload_cap, extras_cap):
+            if self.prepared is not None and s is self.prepared.slot:
+                self.prepared.used = True
             return s
         if s is not None:
             s.close()
@@ -602,6 +626,47 @@ class HostStore:
                             extras_cap=extras_cap)
         self._slots[(role, index)] = s
         return s
+
+    def prefault(self, role: str, *, header_cap: int, payload_cap: int, extras_cap: int) -> bool:
+        """Prepare the slot the first write of ``role`` lands in, in a background thread: create it with these
+        capacities and fault in every page (:meth:`SlotFile.fault_in`), so that the bytes a restore pulls into it
+        land in memory that is already there, as they do in a raw transfer into a pre-allocated buffer. For a rank
+        whose store is empty (a replaced node or a hot spare), started while the rest of the job still gets ready;
+        the pull of :func:`~neighbor_ckpt.snapshot.transport.pull_image` then waits for it in :meth:`ensure`.
+
+        Only when ``role`` has no slot file yet and nothing else is being prepared; returns whether it started.
+        Best effort: a failure (e.g. ``/dev/shm`` full) is logged and the slot is made when it is needed, where
+        the same failure is a :class:`HostMemoryError`."""
+        if self._prefault is not None or self.has_files(role):
+            return False
+        caps = (header_cap, payload_cap, extras_cap)
+        pf = PreparedSlot((role, 0), caps, self.path(role, 0))
+        pf.thread = threading.Thread(target=pf.run, name=f"neighbor-ckpt-prefault-{role}", daemon=True)
+        self._prefault = pf
+        pf.thread.start()
+        return True
+
+    def has_files(self, role: str) -> bool:
+        """Whether any slot file of ``role`` exists (committed or not)."""
+        return any(self.path(role, i).exists() for i in range(self.versions))
+
+    def wait_prepared(self) -> PreparedSlot | None:
+        """Wait for the slot :meth:`prefault` prepares and take it into this store (once, whichever thread asks);
+        returns :attr:`prepared` (None: nothing was prepared)."""
+        with self._prefault_lock:
+            pf = self._prefault
+            if pf is None:
+                return self.prepared
+            pf.thread.join()
+            self._prefault = None
+            self.prepared = pf
+            if pf.slot is not None:
+                self._slots[pf.key] = pf.slot
+                logger.debug("rank %d: %s slot %d prepared in advance in %.3f s", self.rank, *pf.key, pf.seconds)
+            else:
+                logger.warning("rank %d: preparing the %s slot in advance failed (%s); it is made when needed",
+                               self.rank, pf.key[0], pf.error)
+            return pf
 
     def preflight(self, nbytes: int) -> None:
         """Raise :class:`HostMemoryError` if ``nbytes`` more do not fit in the store's filesystem."""
@@ -695,6 +760,7 @@ class HostStore:
                 s.invalidate()
 
     def close(self) -> None:
+        self.wait_prepared()
         for s in self._slots.values():
             s.close()
         self._slots.clear()
@@ -712,6 +778,34 @@ class HostStore:
     def host_bytes(self) -> int:
         """Bytes of all slot files of this rank."""
         return sum(p.stat().st_size for p in self.dir.glob("*.slot"))
+
+
+@dataclass(eq=False)
+class PreparedSlot:
+    """A slot :meth:`HostStore.prefault` prepares in its thread (the results are read after the join)."""
+
+    key: tuple[str, int]
+    capacities: tuple[int, int, int]
+    path: Path
+    thread: threading.Thread = field(init=False)
+    slot: SlotFile | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    """How long creating and faulting in took (in the background)."""
+    used: bool = False
+    """A write (a pull, the engine's first snapshot) landed in this slot."""
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        h, p, e = self.capacities
+        try:
+            slot = SlotFile.create(self.path, header_cap=h, payload_cap=p, extras_cap=e)
+            slot.fault_in()
+            self.slot = slot
+        except Exception as exc:  # noqa: BLE001 - best effort: reported by wait_prepared, made again when needed
+            self.error = exc
+            self.path.unlink(missing_ok=True)
+        self.seconds = time.perf_counter() - t0
 
 
 def pick_slot_for_write(iterations: Sequence[int | None], *, role: str = "", keep: set[int] | None = None) -> int:

@@ -43,6 +43,8 @@ def test_distributed_optimizer_kill_inside_optimizer_step_with_replaced_store_is
     rep = res.report(1, 1)
     assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 4, "replica"), rep
     assert rep["pulled_bytes"] > 0 and rep["lazy_bytes"] == 0, "weights must be regenerated, never backed up"
+    assert any("prepared in advance" in n for n in rep["notes"]), \
+        f"the replaced rank prepares its receive slot from the layout in the torchrun agent's store: {rep}"
     kept = res.report(0, 1)
     assert kept["source"] == "own" and kept["pulled_bytes"] == 0
 

@@ -16,8 +16,9 @@ def _restore_result(lost: list[float], raw: list[float], local: list[float], cop
         "victim": 0, "source_rank": 1, "unique_bytes": 256 * MiB, "image_bytes": 256 * MiB + 8192,
         "pulled_bytes": 256 * MiB + 8192, "phase_names": list(RESTORE_PHASES),
         "lost": {"restore": lost, "raw": raw, "phases": [dict(ph, transfer=t) for t in lost],
+                 "unprepared": [t + 0.5 for t in lost], "unprepared_phases": [dict(ph, transfer=t + 0.5) for t in lost],
                  "slowest_rank_restore": lost, "raw_gloo": [0.5 * t for t in raw],
-                 "slowest_inventory": [0.2] * len(lost), "fresh_file_touch": 0.1},
+                 "slowest_inventory": [0.2] * len(lost), "prepare_seconds": 0.25},
         "local": {"restore": local, "copy": copy, "phases": [dict(ph, verify=0.03)] * len(local)},
     }}
 
@@ -29,8 +30,8 @@ def _median(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_restore_rows_ratio_is_restore_time_over_raw_time() -> None:
     rows, notes = restore_rows(_restore_result([1.2, 1.3, 1.4], [1.0, 1.0, 1.0], [0.2, 0.3], [0.1, 0.1]), 4, 16.0)
-    lost, local = rows
-    assert lost.section == local.section == "restore"
+    lost, unprepared, local = rows
+    assert lost.section == unprepared.section == local.section == "restore"
     assert lost.unit == local.unit == "s"
     assert lost.value == pytest.approx(1.3) and lost.baseline == pytest.approx(1.0)
     assert lost.ratio == pytest.approx(1.3)
@@ -41,8 +42,11 @@ def test_restore_rows_ratio_is_restore_time_over_raw_time() -> None:
     assert lost.detail["phases"]["transfer"] == pytest.approx(1.3)
     assert lost.detail["gbps"] == pytest.approx((256 * MiB + 8192) / 1.3 / 1e9)
     assert lost.detail["raw_gloo_seconds"] == pytest.approx(0.5)
-    assert lost.detail["ratio_less_fresh_touch"] == pytest.approx(1.2)
-    assert len(notes) == 2 and "W=4" in notes[0] and "transfer 1.300" in notes[0]
+    assert lost.detail["prepare_seconds"] == pytest.approx(0.25)
+    assert "receive slot prepared" in lost.metric and "made by the pull" in unprepared.metric
+    assert unprepared.ratio == pytest.approx(1.8) and unprepared.status == "INFO"  # the target is the prepared row's
+    assert unprepared.detail["phases"]["transfer"] == pytest.approx(1.8)
+    assert len(notes) == 2 and "W=4" in notes[0] and "transfer 1.300" in notes[0] and "(0.250s" in notes[0]
 
 
 def test_restore_rows_miss_above_target() -> None:

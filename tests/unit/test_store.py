@@ -8,6 +8,7 @@ import random
 import shutil
 import stat
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -835,6 +836,69 @@ def test_slot_memory_is_reserved_at_creation_and_a_full_filesystem_is_a_host_mem
     with pytest.raises(HostMemoryError, match="cannot reserve .* enlarge /dev/shm"):
         store.ensure(ROLE_OWN, 1, header_cap=4096, payload_cap=1 << 20, extras_cap=65536)
     assert not list(store.dir.glob("*.tmp")) and not (store.dir / "own.1.slot").exists()
+
+
+# -- a slot prepared in advance (a replaced rank's receive slot) ----------------------------------------------------
+
+CAPS = {"header_cap": 4096, "payload_cap": 1 << 20, "extras_cap": 65536}
+
+
+def _prepared(store) -> SlotFile:
+    """Wait until the slot the store prepares is there (it is absent while being made) and return it."""
+    for _ in range(2000):
+        slot = store.slot(ROLE_OWN, 0)
+        if slot is not None:
+            return slot
+        time.sleep(0.005)
+    raise AssertionError("the prepared slot never appeared")
+
+
+def test_a_prepared_slot_is_the_one_the_first_write_of_its_role_lands_in(store):
+    assert store.prefault(ROLE_OWN, **CAPS)
+    assert not store.prefault(ROLE_OWN, **CAPS), "one at a time"
+    assert list(store.committed(ROLE_OWN, verify=True)) == []  # made or being made: it holds nothing
+    slot = _prepared(store)
+    inode = os.stat(slot.path).st_ino
+    assert store.ensure(ROLE_OWN, 0, **CAPS) is slot and os.stat(slot.path).st_ino == inode, "not made again"
+    assert store.prepared is not None and store.prepared.used and store.prepared.error is None
+    assert os.stat(slot.path).st_blocks * 512 >= slot.size  # its memory is there
+    raw = slot.path.read_bytes()  # every page was written once, and nothing changed: preamble intact, rest zero
+    assert SlotFile.open(slot.path).capacities == tuple(CAPS.values())
+    assert not any(raw[PREAMBLE_BYTES:])
+    assert store.slot_for_write(ROLE_OWN) == 0
+
+
+def test_ensure_waits_for_the_slot_being_prepared(store):
+    assert store.prefault(ROLE_OWN, **CAPS)
+    slot = store.ensure(ROLE_OWN, 0, **CAPS)  # right away: joins the preparing thread
+    assert store.prepared is not None and store.prepared.slot is slot and store.prepared.used
+
+
+def test_a_slot_is_prepared_only_for_a_role_without_files(store):
+    store.ensure(ROLE_OWN, 1, **CAPS)
+    assert not store.prefault(ROLE_OWN, **CAPS)
+    assert store.prefault(ROLE_REPLICA, **CAPS)
+
+
+def test_a_prepared_slot_of_other_capacities_is_replaced_by_the_one_the_write_needs(store):
+    assert store.prefault(ROLE_OWN, **CAPS)
+    slot = store.ensure(ROLE_OWN, 0, **dict(CAPS, payload_cap=4096))
+    assert slot.capacities == (4096, 4096, 65536)
+    assert store.path(ROLE_OWN, 0).stat().st_size == slot_file_size(4096, 4096, 65536)
+    assert store.prepared is not None and not store.prepared.used
+
+
+def test_a_failed_preparation_is_logged_and_the_slot_is_made_when_needed(store, monkeypatch, caplog):
+    def full(fd, offset, length):
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert store.prefault(ROLE_OWN, **CAPS)
+    store.close()  # waits for it
+    monkeypatch.undo()
+    assert "preparing the own slot in advance failed" in caplog.text and "cannot reserve" in caplog.text
+    assert not list(store.dir.glob("*.tmp")) and not store.path(ROLE_OWN, 0).exists()
+    assert store.ensure(ROLE_OWN, 0, **CAPS).capacities == tuple(CAPS.values())
 
 
 # -- small tensors staged on the training thread; the hot path -----------------------------------------------------

