@@ -139,6 +139,8 @@ def check_inprocess(base: RunResult, res: RunResult, *, kind: str) -> dict[str, 
         assert [a["iteration"] for a in by_proc[1]] == [0]
         rep = res.report(1, 1)
         assert rep["outcome"] == "restored" and rep["iteration"] == 4 and rep["source"] == "replica", rep
+        assert any("prepared in advance" in n for n in rep["notes"]), \
+            f"the spare prepares rank 1's receive slot from the layout rank 1 published: {rep}"
     else:
         # an exception: every process stays, rank 1 included; the spare stays idle
         assert ACTIVE not in by_proc
