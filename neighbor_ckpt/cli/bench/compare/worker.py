@@ -39,7 +39,9 @@ def train_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
         enable_cpu()
     from megatron.core import parallel_state
 
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{cfg['init_file']}",
+    # env://: rank 0 hosts the job's TCPStore at MASTER_PORT, as under torchrun, so neighbor_ckpt's failure detector
+    # (a heartbeat thread, part of what a user's step pays) and its launch store are there as in production.
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://",
                             rank=rank, world_size=world, timeout=timedelta(seconds=cfg["pg_timeout_s"]))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     root = Path(cfg["root"])
