@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from neighbor_ckpt.errors import ConfigError, SnapshotCorruptError, SnapshotMismatchError
-from neighbor_ckpt.snapshot.store import SlotFile
+from neighbor_ckpt.snapshot.slot import SlotFile
 
 __all__ = ["main", "inspect_store"]
 

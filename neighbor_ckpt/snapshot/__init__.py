@@ -2,7 +2,8 @@
 
 ``razor`` (tensor metadata + topology -> a frozen :class:`ShardPlan`: what is unique, what is regenerable, what is
 backed up lazily), ``topology`` (ranks, DP groups, the ring), ``codec`` and ``rng`` (the small per-rank state as
-bytes, never pickle), ``store`` (shared-memory slots: header, checksum, commit marker, the store's footprint),
+bytes, never pickle), ``slot`` (one shared-memory slot file: header, checksum, commit marker), ``store`` (a rank's
+slots, their directories, the store's footprint, the slot a replaced rank prepares before its recovery),
 ``engine`` (the background copy into a slot and the wait point), ``transport`` (the neighbor-ring interface and its
 gloo implementation), ``damage`` (deliberate slot damage for campaigns and tests).
 

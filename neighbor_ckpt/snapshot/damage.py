@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
-from neighbor_ckpt.snapshot.store import PREAMBLE_BYTES, SlotFile
+from neighbor_ckpt.snapshot.slot import PREAMBLE_BYTES, SlotFile
 
 logger = logging.getLogger(__name__)
 
