@@ -13,6 +13,7 @@ __all__ = [
     "SnapshotCorruptError",
     "SnapshotMismatchError",
     "HostMemoryError",
+    "StoreDirError",
     "TransportError",
     "NoRecoverableStateError",
     "TopologyError",
@@ -49,6 +50,11 @@ class SnapshotMismatchError(SnapshotError):
 
 class HostMemoryError(NeighborCkptError):
     """The host store does not fit in the shared-memory filesystem or the node's memory."""
+
+
+class StoreDirError(NeighborCkptError, PermissionError):
+    """The host store's directory is not safe to use: a link, or a directory another user created or can replace.
+    The message names the directory, its owner, and the setting that picks another one."""
 
 
 class TransportError(NeighborCkptError):

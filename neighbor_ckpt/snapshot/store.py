@@ -27,6 +27,7 @@ from neighbor_ckpt.snapshot.slot import (FORMAT_VERSION, HEADER_ALLOWANCE_BYTES,
                                          MARKER_MAGIC, MIN_EXTRAS_BYTES, PAGE, PREAMBLE, PREAMBLE_BYTES,
                                          SegmentChecksums, SlotFile, SlotHeader, checksum, extras_capacity,
                                          slot_file_size)
+from neighbor_ckpt.snapshot.userdir import private_user_dir
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +146,9 @@ class HostStore:
         self.gen_dir = generation_dir(self.root, job_id, generation)
         """This generation's directory (the job directory for generation 0)."""
         self.dir = rank_dir(self.root, job_id, rank, generation)
-        self.root.mkdir(parents=True, exist_ok=True)
-        dirs = list(dict.fromkeys((self.user_dir, self.job_dir, self.gen_dir, self.dir)))
+        private_user_dir(self.root, self.user_dir.name)  # no link, this user's, 0700 (snapshot/userdir.py)
+        # Below the private user directory nobody else can add a link or a directory.
+        dirs = list(dict.fromkeys((self.job_dir, self.gen_dir, self.dir)))
         for d in dirs:
             d.mkdir(mode=0o700, exist_ok=True)
         for d in dirs:
