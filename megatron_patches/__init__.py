@@ -3,7 +3,8 @@
 * :mod:`megatron_patches._versions` — the megatron-core / NeMo releases these patches were written against
   (:data:`SUPPORTED`) and :func:`check_versions`, which refuses anything else with a message saying what to pin;
 * :mod:`megatron_patches.cpu` — :func:`enable_cpu`: run unmodified megatron-core training code on CPU-only
-  torch with gloo, for smoke runs and tests only (refuses on machines with CUDA);
+  torch with gloo, for smoke runs and tests only (refuses on machines with CUDA); :mod:`megatron_patches.moe` — its
+  mixture-of-experts entries; :mod:`megatron_patches.device_mode` — the CUDA-to-CPU torch-function mode both use;
 * :mod:`megatron_patches.step_tags` — optimizer step-phase tags; :mod:`megatron_patches.traffic` — the
   "training traffic in flight" signal from mcore DDP collectives; :mod:`megatron_patches.hooks` — both at once;
 * :mod:`megatron_patches.groups` — the DP group and (TP, PP) coordinate mcore created;

@@ -103,6 +103,7 @@ from neighbor_ckpt.errors import UnsupportedPlatformError
 
 from . import moe as _moe
 from ._versions import check_versions
+from .device_mode import CPU, CudaToCpuMode
 
 __all__ = [
     "CpuPatch",
@@ -114,66 +115,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# 1. The device mode
-# --------------------------------------------------------------------------------------------------------------
-
-_CPU = torch.device("cpu")
-
-
-def _is_cuda_device(d: Any) -> bool:
-    if isinstance(d, bool):
-        return False
-    if isinstance(d, int):
-        return True  # torch reads a bare int as a CUDA ordinal
-    if isinstance(d, torch.device):
-        return d.type == "cuda"
-    if isinstance(d, str):
-        return d == "cuda" or d.startswith("cuda:")
-    return False
-
-
-def _cpu_if_cuda(d: Any) -> Any:
-    return _CPU if _is_cuda_device(d) else d
-
-
-def _cuda_type_name(t: torch.Tensor) -> str:
-    name = torch.Tensor.type(t)  # called inside the mode's handler: the mode is off here
-    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-
-
-class CudaToCpuMode(TorchFunctionMode):
-    """Torch-function mode that sends every CUDA placement to the CPU (see the module docstring, item 1)."""
-
-    _IDENTITY = frozenset({torch.Tensor.cuda, torch.Tensor.pin_memory})
-    _NOOP = frozenset({torch.Tensor.record_stream})
-    # Functions whose device may be passed positionally, and at which index.
-    _POSITIONAL_DEVICE = {torch.Tensor.to: 1, torch._C._nn._parse_to: 0}  # _parse_to: Module.to
-
-    def __torch_function__(self, func: Callable[..., Any], types: Iterable[type], args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = dict(kwargs) if kwargs else {}
-        if func in self._IDENTITY:
-            return args[0]
-        if func in self._NOOP:
-            return None
-        if func is torch.Tensor.type:
-            if len(args) == 1 and "dtype" not in kwargs:
-                return _cuda_type_name(args[0])
-            target = args[1] if len(args) > 1 else kwargs.get("dtype")
-            if isinstance(target, str) and target.startswith("torch.cuda."):
-                args = (args[0], target.replace("torch.cuda.", "torch.", 1), *args[2:])
-                kwargs.pop("dtype", None)
-        idx = self._POSITIONAL_DEVICE.get(func)
-        if idx is not None and len(args) > idx and _is_cuda_device(args[idx]):
-            args = (*args[:idx], _CPU, *args[idx + 1:])
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        return func(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -221,7 +162,7 @@ class _Event:
 class _Stream:
     """Stand-in for ``torch.cuda.Stream``: one implicit CPU "stream"; waits and syncs are no-ops."""
 
-    device = _CPU
+    device = CPU
     cuda_stream = 0
     stream_id = 0
     device_index = 0

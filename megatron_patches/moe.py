@@ -24,7 +24,7 @@ with its own table after :func:`~megatron_patches._versions.check_versions` has 
    ``input.new_empty(..., device=torch.cuda.current_device())``), ``_ReduceScatterToSequenceParallelRegion.backward``
    calls ``_gather_along_first_dim`` (``torch.empty(..., device=torch.cuda.current_device())``). The autograd
    engine runs backward functions with an empty torch-function mode stack, so the thread's
-   :class:`~megatron_patches.cpu.CudaToCpuMode` never sees those calls. The replacement runs each custom function's
+   :class:`~megatron_patches.device_mode.CudaToCpuMode` never sees those calls. The replacement runs each custom function's
    backward (``BackwardCFunction.apply``, the method the engine looks up by name) under a ``CudaToCpuMode`` of its
    own: the backward pass then places tensors as the forward pass does. Dense models never met this because no
    custom backward of theirs allocates on a device.
@@ -59,6 +59,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from megatron_patches.device_mode import CudaToCpuMode
+
 __all__ = ["MoePatch", "PATCHES"]
 
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
@@ -92,8 +94,6 @@ def _dtoh_numpy() -> Callable[..., Any]:
 
 def _backward_in_device_mode() -> Callable[..., Any]:
     from torch.autograd.function import BackwardCFunction
-
-    from megatron_patches.cpu import CudaToCpuMode
 
     original = BackwardCFunction.__dict__["apply"]
 
