@@ -35,7 +35,7 @@ before the step trains, and leaves a marker (:data:`STOPPED_FILE`) so the launch
 launch stop at once with the same message instead of walking back through older versions; ``warn``: logged, training
 goes on; ``off``: nothing is computed or written.
 
-May import: :mod:`neighbor_ckpt.errors` (layer rule of :mod:`neighbor_ckpt.recovery`).
+May import: :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.runtime` (layer rule of :mod:`neighbor_ckpt.recovery`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import torch
 import xxhash
 
 from neighbor_ckpt.errors import DataPositionError
+from neighbor_ckpt.runtime.atomic_json import write_atomic_json
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +341,7 @@ class DataCheck:
             logger.warning("neighbor_ckpt data check (data_check: warn, training goes on): %s", msg)
             return
         try:
-            _write_json(self.stopped_path, {"attempt": self.attempt, "step": exp.step, "message": msg})
+            write_atomic_json(self.stopped_path, {"attempt": self.attempt, "step": exp.step, "message": msg})
         except OSError as e:
             logger.debug("rank %d: could not write %s: %s", self.rank, self.stopped_path, e)
         raise DataPositionError(msg, step=exp.step, rank=self.rank, expected=exp.fp, actual=fp)
@@ -373,16 +374,6 @@ def parse_input(value: Any) -> tuple[int, int] | None:
         return int(value["step"]), int(str(value["fp"]), 16)
     except (TypeError, KeyError, ValueError):
         return None
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, json.dumps(data).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 class ObservedIterator:

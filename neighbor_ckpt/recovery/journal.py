@@ -22,6 +22,8 @@ import math
 import os
 from pathlib import Path
 
+from neighbor_ckpt.runtime.atomic_json import write_atomic_json
+
 __all__ = ["RESTORE_JOURNAL", "EVENTS_FILE", "RestoreJournal", "record_failure_event", "take_failure_event",
            "read_failure_input"]
 
@@ -32,17 +34,6 @@ RESTORE_JOURNAL = "restoring.json"
 
 EVENTS_FILE = "events.json"
 """Per-rank file in the rank's store directory (mode 0600, JSON) where a survivor records the failure."""
-
-
-def _write_atomic(path: Path, data: dict[str, object]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a leftover temporary file
-        os.write(fd, json.dumps(data).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 class RestoreJournal:
@@ -78,7 +69,7 @@ class RestoreJournal:
 
     def begin(self, iteration: int, *, attempt: int) -> None:
         """Written before the restored state of ``iteration`` is loaded (a load that kills the process counts)."""
-        _write_atomic(self.path, {"iteration": iteration, "attempt": attempt})
+        write_atomic_json(self.path, {"iteration": iteration, "attempt": attempt})
         self._open = True
 
     def clear(self) -> None:
@@ -104,7 +95,7 @@ def record_failure_event(path: Path, *, rank: int, attempt: int | str, reason: s
     if inflight_input is not None:
         data["input"] = inflight_input
     try:
-        _write_atomic(path, data)
+        write_atomic_json(path, data)
     except OSError as e:
         logger.warning("rank %d: could not record the failure time in %s: %s", rank, path, e)
 

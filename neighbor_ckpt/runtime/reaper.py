@@ -21,6 +21,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from neighbor_ckpt.runtime.atomic_json import write_atomic_json
 from neighbor_ckpt.runtime.procs import boot_id, group_members, process_start
 
 __all__ = ["PROCESS_FILE", "this_process", "reap_previous", "record"]
@@ -77,11 +78,4 @@ def reap_previous(rank_dir: Path, *, rank: int) -> int:
 
 def record(rank_dir: Path) -> None:
     """Record this process in ``rank_dir`` (0600, replaced atomically)."""
-    path = Path(rank_dir) / PROCESS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, json.dumps(this_process()).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic_json(Path(rank_dir) / PROCESS_FILE, this_process())
