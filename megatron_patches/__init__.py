@@ -18,7 +18,8 @@
 * :mod:`megatron_patches.fused_adam` — apex FusedAdam's semantics for mcore's Adam on a GPU image without
   Transformer Engine or apex (the GPU benchmark).
 
-``import megatron_patches`` imports neither megatron nor NeMo.
+``import megatron_patches`` imports neither megatron nor NeMo. Of ours it may import only :mod:`neighbor_ckpt.errors`
+(the rule: :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ with its own table after :func:`~megatron_patches._versions.check_versions` has 
    ``input.new_empty(..., device=torch.cuda.current_device())``), ``_ReduceScatterToSequenceParallelRegion.backward``
    calls ``_gather_along_first_dim`` (``torch.empty(..., device=torch.cuda.current_device())``). The autograd
    engine runs backward functions with an empty torch-function mode stack, so the thread's
-   :class:`~megatron_patches.device_mode.CudaToCpuMode` never sees those calls. The replacement runs each custom function's
-   backward (``BackwardCFunction.apply``, the method the engine looks up by name) under a ``CudaToCpuMode`` of its
-   own: the backward pass then places tensors as the forward pass does. Dense models never met this because no
+   :class:`~megatron_patches.device_mode.CudaToCpuMode` never sees those calls. The replacement runs each custom
+   function's backward (``BackwardCFunction.apply``, the method the engine looks up by name) under a
+   ``CudaToCpuMode`` of its own: the backward pass then places tensors as the forward pass does. Dense models never met this because no
    custom backward of theirs allocates on a device.
 4. ``router.Router.reset_parameters`` (every loss NaN, and losses that differ from run to run, with the allgather
    dispatcher and the sigmoid router as with any other). ``Router.__init__`` creates the router's bias (whenever

@@ -3,8 +3,10 @@
 An adapter exposes a rank's big tensors with their :class:`~neighbor_ckpt.snapshot.razor.StateKind` and loads a
 restored set back. The core never imports a framework; adapters for mcore live next to this one.
 
-May import: :mod:`neighbor_ckpt.snapshot` (the razor's vocabulary), :mod:`neighbor_ckpt.errors`; megatron-core only
-inside ``megatron.py``, lazily.
+May import (the rule: :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``):
+:mod:`neighbor_ckpt.snapshot` (the razor's vocabulary), :mod:`megatron_patches` (mcore's optimizer state and RNG
+tracker), :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.validation`, :mod:`neighbor_ckpt.config`; megatron-core
+only inside ``megatron.py``, lazily.
 """
 
 from neighbor_ckpt.adapters.base import StateAdapter, classify_buffers, declare_buffers

@@ -50,7 +50,9 @@ attempt_info` gives the checkpointer an :class:`~neighbor_ckpt.recovery.attempt.
 in-process iteration, and the abort times and spare activation for the recovery timeline, whose ``mode`` is then
 ``"in-process"``).
 
-May import: the checkpointer and everything below it, :mod:`megatron_patches`; never :mod:`neighbor_ckpt.cli`.
+May import: the checkpointer and everything below it, :mod:`megatron_patches`; never the framework glue
+(:mod:`neighbor_ckpt.glue`, ``lightning``, ``bridge``) nor :mod:`neighbor_ckpt.cli` (the rule:
+:data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``).
 """
 
 from neighbor_ckpt.inprocess.wrapper import FALLBACK_EXIT_CODE, InprocessRecovery, InprocessTimers

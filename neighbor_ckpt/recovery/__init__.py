@@ -8,6 +8,7 @@ start, the startup window, refusing) and issues the recovery collectives in the 
 the failure path of a surviving rank (the failure event and the lazy backup of its DP group's redundant state);
 ``attempt`` names the attempt a record belongs to (the launcher's restart count and the in-process restart).
 
-May import: :mod:`neighbor_ckpt.snapshot`, :mod:`neighbor_ckpt.runtime`, :mod:`neighbor_ckpt.errors`,
-:mod:`neighbor_ckpt.config`.
+May import (the rule: :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``):
+:mod:`neighbor_ckpt.snapshot`, :mod:`neighbor_ckpt.runtime`, :mod:`neighbor_ckpt.errors`,
+:mod:`neighbor_ckpt.validation`, :mod:`neighbor_ckpt.config`.
 """

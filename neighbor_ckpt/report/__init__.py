@@ -3,7 +3,8 @@
 ``status`` (status line, metrics, progress per recovery phase), ``timeline`` (per-rank events of a failure and a
 recovery, gathered into one timeline JSON and PNG).
 
-May import: :mod:`neighbor_ckpt.recovery` (the attempt), :mod:`neighbor_ckpt.snapshot` (slot commit times),
+May import (the rule: :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``):
+:mod:`neighbor_ckpt.recovery` (the attempt), :mod:`neighbor_ckpt.snapshot` (slot commit times),
 :mod:`neighbor_ckpt.runtime` (process facts),
-:mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.errors`.
+:mod:`neighbor_ckpt.validation`, :mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.errors`.
 """

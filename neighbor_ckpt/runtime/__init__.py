@@ -9,5 +9,5 @@ a worker's restarts, and the own-slot capacities a replaced rank prepares its re
 for the next process, replaced atomically).
 
 The lowest layer beside :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.validation` and :mod:`neighbor_ckpt.config`:
-it may import only those.
+it may import only those (the rule: :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``).
 """

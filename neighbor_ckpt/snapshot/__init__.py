@@ -7,7 +7,8 @@ slots, their directories, the store's footprint, the slot a replaced rank prepar
 ``engine`` (the background copy into a slot and the wait point), ``transport`` (the neighbor-ring interface and its
 gloo implementation), ``damage`` (deliberate slot damage for campaigns and tests).
 
-May import: :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.config`, :mod:`neighbor_ckpt.runtime` (failpoints,
-process facts).
+May import (the rule: :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``):
+:mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.validation`, :mod:`neighbor_ckpt.config`,
+:mod:`neighbor_ckpt.runtime` (failpoints, process facts).
 Nothing here knows about recovery, Lightning, NeMo or megatron-core.
 """
