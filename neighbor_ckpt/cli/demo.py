@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 from neighbor_ckpt.cli import launch
+from neighbor_ckpt.recipes import CONFIGS_DIR
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt_tiny_cpu.yaml"
+CONFIG = CONFIGS_DIR / "gpt_tiny_cpu.yaml"
 
 
 def _run(plan: launch.LaunchPlan, what: str) -> None:

@@ -10,11 +10,14 @@ cluster, so a spare that replaces a lost rank starts with an empty store and pul
 successor. When in-process recovery gives up, every rank exits and ``ft_launcher`` restarts the job
 (``launch.max_restarts``): the restart path.
 
-The job file is validated (with the overrides applied) before anything starts; the resolved file is written to
-the run directory ``<launch.log_dir>/<name>-<timestamp>/config.yaml`` and the recipe reads only that, so a
-restarted worker group sees exactly what the first one saw. The torchrun rendezvous id is unique per launch
-and stable across its restarts: it is the neighbor-checkpoint job id (unless the file sets
-``neighbor_ckpt.job_id``), so a new launch never restores snapshots left by an old one.
+The job file is a path, or the name of one shipped with the package (``gpt_tiny_cpu``; ``configs/gpt_tiny_cpu.yaml``
+also outside a checkout: :func:`resolve_config`); the recipe is the one inside this installed package
+(``neighbor_ckpt/recipes/nemo_pretrain.py``). The job file is validated (with the overrides applied) before
+anything starts; the resolved file is written to the run directory
+``<launch.log_dir>/<name>-<timestamp>/config.yaml`` and the recipe reads only that, so a restarted worker group sees
+exactly what the first one saw. The torchrun rendezvous id is unique per launch and stable across its restarts: it is
+the neighbor-checkpoint job id (unless the file sets ``neighbor_ckpt.job_id``), so a new launch never restores
+snapshots left by an old one.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ from typing import Any, Mapping, Sequence
 
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
+from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
            "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "NVRX_LAUNCHER",
-           "WORKER_PREFIX_ENV", "worker_program"]
+           "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "nemo_pretrain.py"
+RECIPE = RECIPES_DIR / "nemo_pretrain.py"
+"""The recipe ``launch`` runs: the one inside this installed package (``neighbor_ckpt/recipes``)."""
 RDZV_LAST_CALL_S = 300
 """In-process launch: how long the agents' rendezvous waits for the last agents once the minimum has joined."""
 NVRX_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
@@ -104,22 +109,35 @@ class LaunchPlan:
         return self.job.world_size + self.spares
 
 
+def resolve_config(config: str | Path) -> Path:
+    """The job file ``config`` names: the path when it exists, else a shipped job file named by its bare name
+    (``gpt_tiny_cpu``, ``gpt_tiny_cpu.yaml``) or by its path in a checkout (``configs/gpt_tiny_cpu.yaml``), see
+    :func:`neighbor_ckpt.recipes.find_config`.
+
+    Raises:
+        ConfigError: neither exists (the message lists the shipped job files)."""
+    path = find_config(config)
+    if not path.exists():
+        raise ConfigError(f"{config}: no such config file (shipped job files, usable by name: "
+                          f"{', '.join(shipped_configs())})")
+    return path
+
+
 def plan_launch(config: str | Path, overrides: Sequence[str] = (), *, run_dir: Path | None = None,
                 record: bool = False) -> LaunchPlan:
-    """Validate ``config`` + ``overrides`` and decide the run directory and ids (no side effects)."""
-    job = load_job(config, overrides)
+    """Validate ``config`` (a path, or a shipped job file's name: :func:`resolve_config`) + ``overrides`` and decide
+    the run directory and ids (no side effects)."""
+    job = load_job(resolve_config(config), overrides)
     if job.neighbor_ckpt.inprocess.enabled and not job.neighbor_ckpt.enabled:
         raise ConfigError("config.neighbor_ckpt.inprocess.enabled: in-process recovery restores from the neighbor "
                           "snapshots, but neighbor_ckpt.enabled is false; enable both, or neither")
-    if not RECIPE.is_file():
-        raise ConfigError(f"the recipe {RECIPE} is missing: `neighbor-ckpt launch` runs from a source checkout "
-                          "of neighbor_ckpt (recipes/ is not part of the installed package)")
+    recipe = recipe_path(RECIPE.name)  # raises when the installation lacks it
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_id = job.neighbor_ckpt.job_id or f"{job.name}-{stamp}-{secrets.token_hex(2)}"  # unique per launch
     if job.neighbor_ckpt.job_id is None:
         job = dataclasses.replace(job, neighbor_ckpt=dataclasses.replace(job.neighbor_ckpt, job_id=run_id))
     rd = run_dir or Path(job.launch.log_dir) / f"{job.name}-{stamp}"
-    return LaunchPlan(job=job, run_dir=Path(rd), run_id=run_id, recipe=RECIPE, record=record)
+    return LaunchPlan(job=job, run_dir=Path(rd), run_id=run_id, recipe=recipe, record=record)
 
 
 def _free_port() -> int:

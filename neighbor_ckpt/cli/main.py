@@ -1,18 +1,18 @@
 """The ``neighbor-ckpt`` command.
 
-* ``neighbor-ckpt launch CONFIG [key.path=value ...]`` validates a job file (``configs/``) and runs its recipe under
-  torchrun with restarts on this node; ``--slurm FILE`` writes a multi-node Slurm batch script instead.
+* ``neighbor-ckpt launch CONFIG [key.path=value ...]`` validates a job file and runs its recipe under torchrun with
+  restarts on this node; ``--slurm FILE`` writes a multi-node Slurm batch script instead. CONFIG is a path or the
+  name of a job file shipped with the package (``gpt_tiny_cpu``; ``configs/`` in a checkout); the recipe is the
+  installed package's (``neighbor_ckpt/recipes``).
 * ``neighbor-ckpt plan CONFIG [key.path=value ...]`` prints, per rank class, the bytes snapshotted per iteration,
   the host memory needed, the predicted copy and network time, and whether the snapshot hides in an iteration.
 * ``neighbor-ckpt inspect STORE_DIR`` lists every slot file under a host store: role, owner, iteration,
   sizes, job, and whether header, commit marker and checksums validate. It reads headers as JSON and never
   unpickles anything.
 * ``neighbor-ckpt demo [...]``: the 4-rank kill-and-recover demo (``scripts/demo``).
-* ``neighbor-ckpt bench [...]``: the micro-benchmark (``scripts/bench``); ``bench --compare [...]``: step time with
-  neighbor_ckpt vs torch DCP, mcore dist_checkpointing, Lightning and NVRx local checkpointing (BENCHMARKS.md);
-  ``bench --nemo-step [...]``: a NeMo run's step time with and without neighbor_ckpt, and the machine's floor.
-* ``neighbor-ckpt campaign [--faults N --seed S]``: randomized faults against the tiny mcore GPT recipe on 4 CPU
-  ranks; every case compared bit for bit with a failure-free run (README, "Fault campaign").
+
+The benchmarks and the fault campaign are not part of the package: they live in the checkout's ``tools/``
+(``python -m tools.bench``, ``python -m tools.campaign``; ``scripts/bench``, ``scripts/campaign``).
 """
 
 from __future__ import annotations
@@ -102,16 +102,16 @@ def _launch(args: argparse.Namespace) -> int:
             return 0
         print(" ".join(launch.torchrun_command(plan)))
         return 0
-    print(f"neighbor-ckpt: {launch.describe(plan)}; run directory {plan.run_dir}", flush=True)
+    print(f"neighbor-ckpt: {launch.describe(plan)}; recipe {plan.recipe}; run directory {plan.run_dir}", flush=True)
     return launch.run_local(plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from neighbor_ckpt.cli.launch import resolve_config
     from neighbor_ckpt.planning.jobspec import load_job
-
     from neighbor_ckpt.planning.mttr import assumptions_for, estimate_both, format_mttr
 
-    job = load_job(args.config, args.overrides)
+    job = load_job(resolve_config(args.config), args.overrides)
     plan = job.plan()
     assumptions = assumptions_for(plan.hardware.name)
     mttr = estimate_both(plan, assumptions)
@@ -132,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="neighbor-ckpt", description="Per-iteration neighbor checkpointing tools.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("launch", help="validate a job file and run its recipe under torchrun (or write a Slurm script)")
-    p.add_argument("config", type=Path, help="job file, e.g. configs/gpt_tiny_cpu.yaml")
+    p.add_argument("config", type=Path,
+                   help="job file, e.g. configs/gpt_tiny_cpu.yaml, or a shipped one by name, e.g. gpt_tiny_cpu")
     p.add_argument("overrides", nargs="*", help="key.path=value, e.g. trainer.max_steps=20")
     p.add_argument("--run-dir", type=Path, default=None, help="default: <launch.log_dir>/<name>-<timestamp>")
     p.add_argument("--slurm", type=Path, default=None, metavar="FILE", help="write a Slurm batch script, do not run")
@@ -140,38 +141,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="print the torchrun command (in process: the store host and agent commands), do not run")
     p.add_argument("--record", action="store_true", help="record per-step losses and final fingerprints")
     p = sub.add_parser("plan", help="bytes, host memory and time per iteration of a job file, per rank class")
-    p.add_argument("config", type=Path)
+    p.add_argument("config", type=Path, help="job file, or a shipped one by name (as for launch)")
     p.add_argument("overrides", nargs="*", help="key.path=value")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("inspect", help="list the versions held by a host store and check them")
     p.add_argument("store_dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("demo", help="4 CPU ranks, a real kill and a bit-exact recovery", add_help=False)
-    sub.add_parser("bench", help="micro-benchmark; --compare: side by side with DCP, mcore, Lightning, NVRx",
-                   add_help=False)
-    sub.add_parser("campaign", help="randomized faults (kill, hang, replaced store, damaged snapshot) and a table",
-                   add_help=False)
     args, rest = ap.parse_known_args(argv)
-    if args.cmd == "campaign":
-        from neighbor_ckpt.cli import campaign
-
-        return campaign.main(rest)
     if args.cmd == "demo":
         from neighbor_ckpt.cli import demo
 
         return demo.main(rest)
-    if args.cmd == "bench":
-        if "--compare" in rest:
-            from neighbor_ckpt.cli.bench import compare
-
-            return compare.main([a for a in rest if a != "--compare"])
-        if "--nemo-step" in rest:
-            from neighbor_ckpt.cli.bench import nemo_step
-
-            return nemo_step.main([a for a in rest if a != "--nemo-step"])
-        from neighbor_ckpt.cli.bench import micro
-
-        return micro.main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -1,6 +1,6 @@
-"""The fault campaign's CI subset, through ``neighbor-ckpt campaign`` itself (each case a real torchrun job of the mcore
-recipe on 4 gloo ranks laid out as 2 nodes, real SIGKILL / SIGSTOP, real restarts, compared with the failure-free run
-of its configuration): one case of every fault kind is drawn from a fixed seed, and CI runs the cases of the kinds no
+"""The fault campaign's CI subset, through the campaign tool itself (``tools/campaign.py``; each case a real torchrun
+job of the mcore recipe on 4 gloo ranks laid out as 2 nodes, real SIGKILL / SIGSTOP, real restarts, compared with the
+failure-free run of its configuration): one case of every fault kind is drawn from a fixed seed, and CI runs the cases of the kinds no
 other end-to-end test covers (``--only``), plus the startup-window case. The kinds left to their own tests:
 ``kill-forward`` and ``kill-backward`` (test_plain_loop_recovery.py's kills in the forward and the backward pass,
 test_recipes.py's Llama killed in its backward pass; the startup-window case below is the early-step kill that once
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from neighbor_ckpt.cli import campaign
+from tools import campaign
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core")

@@ -1,4 +1,4 @@
-"""`neighbor_ckpt.cli.bench.compare`: the arithmetic and the tables, without launching ranks."""
+"""`tools.bench.compare`: the arithmetic and the tables, without launching ranks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from neighbor_ckpt.cli.bench import compare
-from neighbor_ckpt.cli.bench.compare import gpt, stats, systems, tables
-from neighbor_ckpt.cli.bench.compare.runner import Runner
-from neighbor_ckpt.cli.bench.compare.projection import projection
+from tools.bench import compare
+from tools.bench.compare import gpt, stats, systems, tables
+from tools.bench.compare.runner import Runner
+from tools.bench.compare.projection import projection
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -219,6 +219,6 @@ def test_help_parses_without_launching_anything(capsys: pytest.CaptureFixture[st
 
 
 def test_no_bench_module_is_over_800_lines() -> None:
-    bench = REPO / "neighbor_ckpt" / "cli" / "bench"
+    bench = REPO / "tools" / "bench"
     sizes = {str(p.relative_to(bench)): len(p.read_text().splitlines()) for p in bench.rglob("*.py")}
     assert max(sizes.values()) < 800, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from neighbor_ckpt.cli.bench.micro.hotpath import STATES, hotpath_rows
+from tools.bench.micro.hotpath import STATES, hotpath_rows
 
 
 def test_hotpath_times_both_states_as_informational_rows_and_removes_its_stores(tmp_path):

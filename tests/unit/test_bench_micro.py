@@ -1,4 +1,4 @@
-"""Pure parts of the micro-benchmark (neighbor_ckpt.cli.bench.micro): rows, ratios, cells. No timing is asserted."""
+"""Pure parts of the micro-benchmark (tools.bench.micro): rows, ratios, cells. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from neighbor_ckpt.cli.bench import micro
-from neighbor_ckpt.cli.bench.micro import MiB, RESTORE_PHASES, Row, phase_summary, restore_rows, row_cells
+from tools.bench import micro
+from tools.bench.micro import MiB, RESTORE_PHASES, Row, phase_summary, restore_rows, row_cells
 
 
 def _restore_result(lost: list[float], raw: list[float], local: list[float], copy: list[float]) -> dict:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from neighbor_ckpt.cli.bench.nemo_step import TARGET, step_times, verdict
+from tools.bench.nemo_step import TARGET, step_times, verdict
 
 
 def test_step_times_take_the_slowest_rank_and_skip_warmup():
@@ -35,7 +35,7 @@ def test_verdict_without_floor_names_no_floor():
 
 
 def test_blocks_rotate_the_variant_order_each_round_and_skip_each_blocks_first_step():
-    from neighbor_ckpt.cli.bench.nemo_step import block_variant
+    from tools.bench.nemo_step import block_variant
 
     seq = [block_variant(s, warmup=2, block_steps=3, variants=("off", "on", "floor")) for s in range(2 + 2 * 9)]
     assert seq[:2] == [(None, -1, False)] * 2
@@ -45,7 +45,7 @@ def test_blocks_rotate_the_variant_order_each_round_and_skip_each_blocks_first_s
 
 
 def test_block_rounds_group_the_timed_steps_of_the_slowest_rank_by_round_and_variant():
-    from neighbor_ckpt.cli.bench.nemo_step import block_rounds
+    from tools.bench.nemo_step import block_rounds
 
     # warmup 1, blocks of 2 steps, variants off/on: steps 1-2 off (round 0), 3-4 on, 5-6 on (round 1), 7-8 off
     ends = [0.0, 1.0, 2.0, 3.0, 4.5, 5.5, 7.0, 8.0, 9.0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from neighbor_ckpt.cli.bench import plots
+from tools.bench import plots
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 

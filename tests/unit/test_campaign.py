@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from neighbor_ckpt.cli.campaign import (KINDS, RECIPE, SPARES, WORLD, Case, Outcome, compare, dp_ring, draw_cases,
+from tools.campaign import (KINDS, RECIPE, SPARES, WORLD, Case, Outcome, compare, dp_ring, draw_cases,
                                          inprocess_job, load_outcomes, resume_point, summarize, write_config)
 from neighbor_ckpt.snapshot.topology import build_topology
 
@@ -216,7 +216,7 @@ def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``--only 2,4`` runs cases 2 and 4 exactly as drawn among all ``--faults`` (same rank, step, damage), needs only
     their failure-free configurations, and a resume keeps to that selection."""
-    import neighbor_ckpt.cli.campaign as campaign
+    import tools.campaign as campaign
 
     ran: list[Case] = []
     bases: list[list[str]] = []
