@@ -31,7 +31,8 @@ hot spare takes a lost rank's place. Launch ``active + spares`` processes, one `
 ``--inprocess-store HOST:PORT`` or ``NEIGHBOR_CKPT_INPROCESS_STORE``; ``--kill`` then injects its fault in the first
 in-process attempt only.
 
-:func:`build_gpt` is the model, DDP, optimizer and scheduler of this recipe (the test workers build theirs with it).
+:func:`build_gpt` is the model, DDP, optimizer and scheduler of this recipe (the test workers and the benchmark
+comparison, ``tools/bench/compare``, build theirs with it).
 """
 
 from __future__ import annotations
@@ -101,13 +102,22 @@ class GPT:
 
 def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool = False, steps: int,
               micro_batch_size: int = 2, micro_batches: int = 2, global_batch: int | None = None,
-              dropout: float = 0.1) -> GPT:
+              dropout: float = 0.1, hidden: int = HIDDEN, layers: int = LAYERS, heads: int = HEADS, seq: int = SEQ,
+              vocab: int = VOCAB, bf16: bool = False, cpu_init: bool = True, init_parallel: bool = True) -> GPT:
     """The recipe's tiny GPT on the initialized process group: megatron-core parallel state, seeds, ``GPTModel`` in
     mcore ``DistributedDataParallel``, ``get_megatron_optimizer`` and the ``OptimizerParamScheduler``.
 
     ``global_batch`` (samples per step) fixes the global batch whatever the data-parallel size: each rank trains
     ``global_batch / (micro_batch_size x DP)`` micro-batches (megatron-core's num-microbatches rule; what keeps an
-    elastic shrink on the same trajectory). None: ``micro_batches`` per rank, the global batch follows DP."""
+    elastic shrink on the same trajectory). None: ``micro_batches`` per rank, the global batch follows DP.
+
+    What the recipe's own loop leaves at their defaults, for the benchmarks that train this model (``tools/bench``):
+    the shape (``hidden``, ``layers``, ``heads``, ``seq``, ``vocab``; the loop's batches use the module's ``SEQ`` and
+    ``VOCAB``); ``bf16``: Megatron-LM's ``--bf16`` (bf16 params and activations, fp32 main params and Adam moments in
+    the distributed optimizer, gradients reduced in fp32, the model wrapped in mcore's ``Float16Module`` as
+    Megatron-LM's ``get_model`` does); ``cpu_init``: False initializes the weights on the GPU (Megatron-LM's
+    default; the initial values then differ from a CPU init); ``init_parallel``: False when the caller has initialized megatron-core's
+    parallel state already (with these ``tp`` and ``pp``), e.g. to build a second model in the same process."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -116,25 +126,34 @@ def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if init_parallel:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
+    dtype = torch.bfloat16 if bf16 else torch.float32
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=dropout,
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, attention_dropout=dropout,
         hidden_dropout=dropout,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
+        use_cpu_initialization=cpu_init, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        **({"bf16": True, "params_dtype": dtype} if bf16 else {}))
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+                     max_sequence_length=seq, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage()).cuda()
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)  # casts the LayerNorms the local spec builds in fp32, fp32 outputs
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, bucket_size=4096,
                                                overlap_grad_reduce=overlap,
-                                               overlap_param_gather=overlap and dist_opt)
+                                               overlap_param_gather=overlap and dist_opt,
+                                               **({"grad_reduce_in_fp32": True} if bf16 else {}))
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01,
-                                                       clip_grad=1.0, use_distributed_optimizer=dist_opt),
+                                                       clip_grad=1.0, use_distributed_optimizer=dist_opt,
+                                                       **({"bf16": True, "params_dtype": dtype} if bf16 else {})),
                                        [ddp_model])
     config.no_sync_func = ddp_model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -153,7 +172,8 @@ def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool 
                                         wd_incr_style="constant")
     return GPT(config=config, model=ddp_model, optimizer=optimizer, scheduler=scheduler, dp_rank=dp_rank,
                dp_size=dp_size, global_batch=global_batch, mbs=mbs, n_mb=n_mb,
-               dp_group=parallel_state.get_data_parallel_group())
+               dp_group=parallel_state.get_data_parallel_group(), hidden=hidden, layers=layers, heads=heads,
+               seq=seq, vocab=vocab)
 
 
 SAMPLE_SEED = 1_000_003

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 from pathlib import Path
 
@@ -173,33 +172,17 @@ def test_a_variant_that_fails_setup_is_dropped_from_every_per_variant_table() ->
     assert not runner.cuda and not variants["base"].cuda
 
 
-def _recipe_literals() -> tuple[tuple[int, ...], dict[str, dict[str, object]]]:
-    """The recipe's shape tuple and, per megatron-core constructor it calls, its keyword arguments given as literals."""
-    tree = ast.parse((REPO / "recipes" / "mcore_gpt_plain_loop.py").read_text())
-    shape: tuple[int, ...] = ()
-    calls: dict[str, dict[str, object]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and \
-                [getattr(t, "id", None) for t in node.targets[0].elts] == ["SEQ", "VOCAB", "HIDDEN", "HEADS", "LAYERS"]:
-            shape = ast.literal_eval(node.value)
-        if isinstance(node, ast.FunctionDef) and node.name == "build_gpt":
-            defaults = dict(zip([a.arg for a in node.args.kwonlyargs], node.args.kw_defaults))
-            calls["build_gpt"] = {k: v.value for k, v in defaults.items() if isinstance(v, ast.Constant)}
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            calls.setdefault(node.func.id, {}).update(
-                {k.arg: k.value.value for k in node.keywords if k.arg and isinstance(k.value, ast.Constant)})
-    return shape, calls
-
-
 def test_the_bench_gpt_is_the_recipes_gpt() -> None:
-    """gpt.py keeps a copy of the recipe's model lines (the recipe has no builder to import): this keeps it honest."""
-    shape, calls = _recipe_literals()
-    assert shape == (gpt.SEQ, gpt.VOCAB, gpt.HIDDEN, gpt.HEADS, gpt.LAYERS)
-    assert calls["TransformerConfig"] == gpt.RECIPE_TRANSFORMER
-    assert calls["build_gpt"]["dropout"] == gpt.RECIPE_DROPOUT
-    assert calls["DistributedDataParallelConfig"] == gpt.RECIPE_DDP
-    assert calls["OptimizerConfig"] == gpt.RECIPE_OPTIMIZER
-    assert calls["OptimizerParamScheduler"] == gpt.RECIPE_SCHEDULER
+    """The comparison trains the recipe's model, built by the recipe's own builder (no copy to keep in sync), and its
+    CPU defaults are the recipe's shape and batch."""
+    import inspect
+
+    from neighbor_ckpt.recipes import mcore_gpt_plain_loop as recipe
+
+    assert gpt.build_gpt is recipe.build_gpt
+    assert "build_gpt(" in inspect.getsource(gpt.Trainer.__init__)
+    defaults = {k: p.default for k, p in inspect.signature(recipe.build_gpt).parameters.items()}
+    assert gpt.CPU_SHAPE == {k: defaults[k] for k in gpt.SHAPE_KEYS}
 
 
 def test_every_variant_is_one_registered_system_module() -> None:
