@@ -151,3 +151,43 @@ def test_worker_prefix_runs_every_worker_under_the_command_and_a_bad_one_is_a_co
     assert program == ["numactl", "-N", "0", "nsys profile", sys.executable, "-u", "train.py"]
     with pytest.raises(ConfigError, match=f"{WORKER_PREFIX_ENV}=.*is not a command line"):
         worker_program(["train.py"], env={WORKER_PREFIX_ENV: "numactl 'unbalanced"})
+
+
+# --- job files shipped with the package (issue 27): by bare name or checkout path from anywhere --------------------
+
+
+def test_a_shipped_job_file_is_found_by_its_bare_name_or_checkout_path_from_any_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from neighbor_ckpt.cli import launch
+    from neighbor_ckpt.recipes import CONFIGS_DIR, RECIPES_DIR
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    shipped = CONFIGS_DIR / "gpt_tiny_cpu.yaml"
+    for name in ("gpt_tiny_cpu", "gpt_tiny_cpu.yaml", "configs/gpt_tiny_cpu.yaml"):
+        assert launch.resolve_config(name) == shipped
+        plan = launch.plan_launch(name, ["trainer.max_steps=3"], run_dir=tmp_path / "run")
+        assert plan.job.name == "gpt_tiny_cpu" and plan.job.trainer.max_steps == 3
+        assert plan.recipe == RECIPES_DIR / "nemo_pretrain.py" and plan.recipe.is_file()
+    assert main(["plan", "llama3_8b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 16
+    own = tmp_path / "gpt_tiny_cpu.yaml"  # a file of the name where the user is: that one, not the shipped one
+    own.write_text(shipped.read_text().replace("name: gpt_tiny_cpu", "name: mine"))
+    assert launch.plan_launch("gpt_tiny_cpu.yaml", run_dir=tmp_path / "run").job.name == "mine"
+
+
+def test_a_missing_job_file_elsewhere_is_an_error_naming_the_shipped_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from neighbor_ckpt.cli import launch
+    from neighbor_ckpt.errors import ConfigError
+
+    for missing in (tmp_path / "gpt_tiny_cpu.yaml", Path("elsewhere/gpt_tiny_cpu.yaml"), Path("no_such_job")):
+        with pytest.raises(ConfigError, match="no such config file .*gpt_tiny_cpu, llama3_70b"):
+            launch.plan_launch(missing, run_dir=tmp_path / "run")
+    assert main(["launch", str(tmp_path / "x.yaml"), "--dry-run"]) == 2
+    assert "no such config file" in capsys.readouterr().err
+
+
+def test_the_installed_command_has_no_benchmark_or_campaign() -> None:
+    for tool in ("bench", "campaign"):
+        with pytest.raises(SystemExit):
+            main([tool])
