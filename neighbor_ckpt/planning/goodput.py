@@ -175,11 +175,7 @@ def min_goodput_loss(*, overhead_s: float, mttr_s: float, node_mtbf_s: float, no
 def p_cluster_failure(*, gpus: int, hours: float, gpu_mtbf_hours: float) -> float:
     """Probability that at least one of ``gpus`` GPUs (exponential lifetimes) fails within ``hours``:
     ``1 - exp(-gpus * hours / gpu_mtbf_hours)`` (FFTrainer Table 2)."""
-    p = Problems()
-    p.integer("gpus", gpus)
-    _check_lifetimes(p, hours, gpu_mtbf_hours)
-    p.raise_if_any()
-    return -math.expm1(-gpus * hours / gpu_mtbf_hours)
+    return _p_any_gpu_fails("gpus", gpus, hours, gpu_mtbf_hours)
 
 
 def _check_lifetimes(p: Problems, hours: float, gpu_mtbf_hours: float) -> None:
@@ -190,11 +186,16 @@ def _check_lifetimes(p: Problems, hours: float, gpu_mtbf_hours: float) -> None:
 def node_failure_probability(*, hours: float, gpu_mtbf_hours: float, gpus_per_node: int = 8) -> float:
     """Probability that a node with ``gpus_per_node`` GPUs loses one within ``hours``:
     ``1 - exp(-g * hours / gpu_mtbf_hours)`` (FFTrainer §6.2, the ``p`` of eq. 4)."""
+    return _p_any_gpu_fails("gpus_per_node", gpus_per_node, hours, gpu_mtbf_hours)
+
+
+def _p_any_gpu_fails(name: str, gpus: int, hours: float, gpu_mtbf_hours: float) -> float:
+    """``1 - exp(-gpus * hours / gpu_mtbf_hours)``, its inputs checked (``name``: what the caller calls ``gpus``)."""
     p = Problems()
-    p.integer("gpus_per_node", gpus_per_node)
+    p.integer(name, gpus)
     _check_lifetimes(p, hours, gpu_mtbf_hours)
     p.raise_if_any()
-    return -math.expm1(-gpus_per_node * hours / gpu_mtbf_hours)
+    return -math.expm1(-gpus * hours / gpu_mtbf_hours)
 
 
 def _log_binomial_pmf(n: int, k: int, p: float) -> float:
