@@ -13,8 +13,9 @@ from typing import Any
 
 from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.errors import NeighborCkptError
+from neighbor_ckpt.glue import iteration_from_name
 
-__all__ = ["is_megatron_strategy", "MegatronSetup", "megatron_setup"]
+__all__ = ["is_megatron_strategy", "MegatronSetup", "megatron_setup", "nemo_checkpoint_step"]
 
 
 def is_megatron_strategy(strategy: Any) -> bool:
@@ -45,3 +46,15 @@ def megatron_setup(trainer: Any) -> MegatronSetup:
     adapter = MegatronOptimizerAdapter(list(trainer.strategy.model), optimizers[0])
     groups = mcore_groups()
     return MegatronSetup(adapter, groups.dp_group, groups.coord, adapter.optimizer)
+
+
+def nemo_checkpoint_step(trainer: Any, path: Any) -> int:
+    """The iteration of the NeMo checkpoint ``path`` (NeMo's insurance): ``step=N`` in its name, else its
+    ``consumed_samples=`` in whole global batches."""
+    def steps_for_consumed(consumed: int) -> int | None:
+        from megatron_patches.nemo_data import steps_for_consumed_samples
+
+        return steps_for_consumed_samples(trainer, consumed)
+
+    return iteration_from_name(path, framework="NeMo", steps_for_consumed=steps_for_consumed,
+                               hint="Keep {step} or {consumed_samples} in ModelCheckpoint's filename")

@@ -26,6 +26,12 @@ first gradient collective and the step tags wrap the mcore optimizer's ``step`` 
 ``on_before_backward``); the data position is the Megatron sampler's consumed samples. After an in-memory
 restore, a pending disk resume of an older checkpoint (``fit(ckpt_path=...)``, NeMo's ``AutoResume``) is skipped.
 
+The policy (what to load, which wins, the data position, when to snapshot and to write insurance) is
+:class:`neighbor_ckpt.glue.Session`'s, shared with the other frameworks' callbacks; this module is Lightning's
+plumbing around it (hooks, trainer attributes). The callback's own state (the training state of the last
+snapshot, carried in every Lightning checkpoint: our insurance, ``ModelCheckpoint``'s) goes through Lightning's
+``state_dict`` / ``load_state_dict``.
+
 What it reports (global rank 0, ``neighbor_ckpt.report.status``): a status line every ``trainer.log_every_n_steps``
 steps (``report.status_every_n_steps`` overrides; 0 = never); the same figures as metrics to every trainer
 logger (``neighbor_ckpt/snapshot_ms``, ``wait_ms``, ``unique_bytes``, ``replica_lag``, ``stream_gbps``); after a
@@ -37,7 +43,6 @@ or ``<trainer.log_dir or default_root_dir>/neighbor_ckpt_reports/`` (:attr:`Neig
 from __future__ import annotations
 
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -46,43 +51,31 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from neighbor_ckpt.adapters import StateAdapter, TorchOptimizerAdapter, ZeroOptimizerAdapter, pin_bucket_layout
+from neighbor_ckpt.adapters import pin_bucket_layout
 from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.runtime.detector import PAUSED
-from neighbor_ckpt.errors import ConfigError, NeighborCkptError
-from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
+from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.glue import InsuranceFiles, Session
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
-from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup
-from neighbor_ckpt.lightning._resume import (disk_checkpoint_consumed_samples, disk_checkpoint_step,
-                                              skip_pending_disk_restore)
+from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup, nemo_checkpoint_step
+from neighbor_ckpt.lightning._resume import skip_pending_disk_restore
+from neighbor_ckpt.lightning._state import adapter_for, apply_training_state, load_insurance_checkpoint, training_state
 from neighbor_ckpt.report.status import resolve_status_interval
-from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
 from neighbor_ckpt.report.timeline import RecoveryTimeline
+from neighbor_ckpt.runtime.detector import PAUSED
+from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
+from neighbor_ckpt.snapshot.rng import restore_rng
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NeighborCheckpoint"]
-
-_INSURANCE_RE = re.compile(r"neighbor-insurance-step(\d+)\.ckpt$")
 
 
 def default_report_dir(log_dir: str | Path) -> Path:
     """``<log_dir>/neighbor_ckpt_reports`` (not ``neighbor_ckpt``: a run started without a logger from a checkout of
     this repository has the package's source directory there)."""
     return Path(log_dir) / "neighbor_ckpt_reports"
-
-
-def _mark_batch_completed(fit_loop_state: dict[str, Any]) -> dict[str, Any]:
-    """The snapshot is taken in ``on_train_batch_end``, before Lightning counts the batch as completed.
-    Record it as completed so a restore resumes with the next batch."""
-    bp = fit_loop_state.get("epoch_loop.batch_progress")
-    if isinstance(bp, dict):
-        for scope in ("total", "current"):
-            if isinstance(bp.get(scope), dict):
-                bp[scope]["completed"] = bp[scope]["processed"]
-    return fit_loop_state
 
 
 class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
@@ -101,14 +94,10 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             raise ConfigError(f"NeighborCheckpoint expects a NeighborCkptConfig, got {type(config).__name__}; "
                               "build one with NeighborCkptConfig.from_yaml(...) or NeighborCkptConfig(...)")
         self.config = config or NeighborCkptConfig()
-        self.checkpointer: NeighborCheckpointer | None = None
-        self.last_recovery: RecoveryResult | None = None
+        self.session = Session(self.config, name="NeighborCheckpoint", framework="Lightning")
+        """Insurance, resume and data-position policy (:mod:`neighbor_ckpt.glue`); owns the checkpointer."""
         self._pending_rng: dict[str, Any] | None = None
         self._skip_batches = 0
-        self._last_step = -1
-        self._last_state: dict[str, Any] | None = None
-        self._insurance_state: dict[str, Any] | None = None
-        self._trainer: Any = None
         self._megatron = False
         self._hooks: Any = None
         self._group_ready: float | None = None
@@ -119,24 +108,27 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             # Must happen before the strategy creates its process group (the trainer has not connected yet).
             prepare_torchrun_restart()
 
-    # -- set-up and recovery ----------------------------------------------------------------------------
+    @property
+    def checkpointer(self) -> NeighborCheckpointer | None:
+        """The plain-loop checkpointer under this callback (None before ``on_fit_start`` and when disabled)."""
+        return self.session.checkpointer
 
-    def _adapter(self, trainer: Any, pl_module: Any) -> StateAdapter:
-        if len(trainer.optimizers) != 1:
-            raise NeighborCkptError(f"NeighborCheckpoint supports exactly one optimizer, the module configured "
-                                    f"{len(trainer.optimizers)}")
-        opt = trainer.optimizers[0]
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    @checkpointer.setter
+    def checkpointer(self, value: NeighborCheckpointer | None) -> None:
+        self.session.checkpointer = value
 
-        if isinstance(opt, ZeroRedundancyOptimizer):
-            return ZeroOptimizerAdapter(pl_module, opt)
-        return TorchOptimizerAdapter(pl_module, opt)
+    @property
+    def last_recovery(self) -> RecoveryResult | None:
+        """What the recovery of this run did (None before ``on_fit_start`` and when disabled)."""
+        return self.session.last_recovery
 
     @property
     def last_timeline(self) -> RecoveryTimeline | None:
         """MTTR breakdown of the recovery of this run (global rank 0, from the end of the first resumed step;
         ``.phases``, ``.path_png``, ``.path_json``). None on other ranks, and when nothing was recovered."""
         return self.checkpointer.last_timeline if self.checkpointer is not None else None
+
+    # -- set-up and recovery ----------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -152,48 +144,44 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             logger.warning("NeighborCheckpoint: torch.distributed is not initialized (single-process run); disabled")
             self.config.enabled = False
             return
-        self._trainer = trainer
-        insurance = self._load_insurance if self._insurance_dir(trainer) is not None else None
+        files = InsuranceFiles.from_config(self.config.insurance, trainer.default_root_dir)
         self._megatron = is_megatron_strategy(trainer.strategy)
         if self._megatron:
             from megatron_patches import install_hooks
 
-            if insurance is not None:
+            if files is not None:
                 raise ConfigError("neighbor_ckpt.insurance under NeMo's MegatronStrategy: use NeMo's ModelCheckpoint "
                                   "(distributed checkpoint) as the insurance checkpoint and leave "
                                   "neighbor_ckpt.insurance.every_n_steps at 0")
             mc = megatron_setup(trainer)
-            self.checkpointer = NeighborCheckpointer(self.config, adapter=mc.adapter, dp_group=mc.dp_group,
-                                                     model_parallel_coord=mc.coord, capture_rng_state=False,
-                                                     insurance=self._nemo_disk_resume, **self._attempt_kw())
+            # Insurance under NeMo: the distributed checkpoint AutoResume points the trainer at (trainer.ckpt_path),
+            # which Lightning loads right after on_fit_start.
+            insurance = self.session.framework_insurance(lambda: trainer.ckpt_path,
+                                                         lambda path: nemo_checkpoint_step(trainer, path),
+                                                         announce="NeMo loads its distributed checkpoint")
+            ckpt = self.session.start(adapter=mc.adapter, dp_group=mc.dp_group, model_parallel_coord=mc.coord,
+                                      insurance=insurance, attempt=self.attempt)
             # NeMo runs backward inside training_step (no on_before_backward): the wait point and the step tags
             # come from mcore's gradient collectives and the mcore optimizer's step.
-            self._hooks = install_hooks(self.checkpointer, mc.optimizer)
+            self._hooks = install_hooks(ckpt, mc.optimizer)
         else:
             # Same DDP bucket layout in every run, so the first step after a restart reduces like the original.
             pin_bucket_layout(trainer.strategy.model)
-            self.checkpointer = NeighborCheckpointer(self.config, adapter=self._adapter(trainer, pl_module),
-                                                     insurance=insurance, capture_rng_state=False,
-                                                     **self._attempt_kw())
+            self.session.start(adapter=adapter_for(trainer, pl_module), attempt=self.attempt,
+                               insurance=self.session.own_insurance(
+                                   files, lambda path: load_insurance_checkpoint(trainer, self, path)))
         self._attach_reporting(trainer)
-        result = self.checkpointer.recover()
-        self.last_recovery = result
-        if result.restored and self._megatron and result.report.outcome == "insurance":
-            pass  # NeMo's own resume loads everything (weights, optimizer, loops, data position) right after this hook
-        elif result.restored:
-            state = result.user_state if result.report.outcome == "restored" else self._insurance_state
-            if state is None:
-                raise NeighborCkptError("restored version carries no Lightning training state")
-            self._apply(trainer, state)
-            self._last_step = trainer.global_step
-            if result.report.outcome == "restored":
+        resume = self.session.recover()
+        # resume.framework_loads: NeMo's own resume loads everything (weights, optimizer, loops, data position) right
+        # after this hook.
+        if resume.state is not None:
+            self._pending_rng, self._skip_batches = apply_training_state(trainer, resume.state)
+            self.session.resumed_at(trainer.global_step)
+            if resume.in_memory:
                 skip_pending_disk_restore(trainer, trainer.global_step)
             if trainer.is_global_zero:
                 logger.warning("NeighborCheckpoint: resumed at global step %d (%s)", trainer.global_step,
-                               result.report.summary())
-
-    def _attempt_kw(self) -> dict[str, Any]:
-        return {} if self.attempt is None else {"attempt": self.attempt}
+                               resume.result.report.summary())
 
     def _attach_reporting(self, trainer: Any) -> None:
         """The trainer's log interval, loggers and log directory for the checkpointer's reporter (all ranks:
@@ -216,71 +204,6 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             logger.debug("NeighborCheckpoint: trainer.log_dir unavailable (%s)", e)
             log_dir = None
         return str(log_dir or trainer.default_root_dir)
-
-    def _apply(self, trainer: Any, state: dict[str, Any]) -> None:
-        trainer.fit_loop.load_state_dict(state["fit_loop"])
-        configs = trainer.lr_scheduler_configs
-        if len(configs) != len(state["schedulers"]):
-            raise NeighborCkptError(f"the snapshot has {len(state['schedulers'])} LR schedulers, the module "
-                                    f"configured {len(configs)}")
-        for cfg, sd in zip(configs, state["schedulers"]):
-            cfg.scheduler.load_state_dict(sd)
-        self._pending_rng = state["rng"]
-        if state.get("consumed_samples") is not None:
-            # NeMo's Megatron sampler resumes from a consumed-samples counter (set before the dataloader is built).
-            from megatron_patches.nemo_data import resume_consumed_samples
-
-            if not resume_consumed_samples(trainer, int(state["consumed_samples"])):
-                raise NeighborCkptError("the snapshot carries a Megatron data position but this job has no "
-                                        "MegatronDataSampler")
-        else:
-            self._skip_batches = int(state["batches_in_epoch"])
-
-    def _insurance_dir(self, trainer: Any) -> Path | None:
-        if self.config.insurance.every_n_steps <= 0 and self.config.insurance.dirpath is None:
-            return None
-        if self.config.insurance.dirpath is not None:
-            return Path(self.config.insurance.dirpath)
-        return Path(trainer.default_root_dir) / "neighbor_ckpt_insurance"
-
-    def _insurance_files(self, trainer: Any) -> list[tuple[int, Path]]:
-        d = self._insurance_dir(trainer)
-        if d is None or not d.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _INSURANCE_RE.search(p.name))]
-        return sorted(found)
-
-    def _nemo_disk_resume(self) -> int | None:
-        """Insurance under NeMo: the distributed checkpoint ``AutoResume`` points the trainer at (``trainer.ckpt_path``),
-        which Lightning loads right after ``on_fit_start``. Nothing is loaded here; returns its step (None: none)."""
-        path = self._trainer.ckpt_path if self._trainer is not None else None
-        if not path:
-            return None
-        step = disk_checkpoint_step(path)
-        consumed = disk_checkpoint_consumed_samples(path)
-        if step is None and consumed is not None:
-            from megatron_patches.nemo_data import steps_for_consumed_samples
-
-            step = steps_for_consumed_samples(self._trainer, consumed)
-        if step is None:
-            raise NeighborCkptError(f"NeMo resumes from {path}, whose name carries neither step=N nor a whole number "
-                                    f"of global batches in consumed_samples=: cannot tell which iteration it "
-                                    f"restores. Keep {{step}} or {{consumed_samples}} in ModelCheckpoint's filename")
-        logger.warning("NeighborCheckpoint: NeMo loads its distributed checkpoint %s (step %d) next", path, step)
-        return step
-
-    def _load_insurance(self) -> int | None:
-        trainer = self._trainer
-        files = self._insurance_files(trainer)
-        if not files:
-            return None
-        step, path = files[-1]
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)  # Lightning's own checkpoint format
-        trainer.lightning_module.load_state_dict(ckpt["state_dict"])
-        trainer.optimizers[0].load_state_dict(ckpt["optimizer_states"][0])
-        self._insurance_state = ckpt["callbacks"][self.state_key]["training_state"]
-        logger.warning("NeighborCheckpoint: loaded insurance checkpoint %s (global step %d)", path, step)
-        return step
 
     # -- per step ----------------------------------------------------------------------------------------
 
@@ -333,44 +256,29 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         if self.checkpointer is not None:
             self.checkpointer.phase = Phase.OPTIMIZER
 
-    def _training_state(self, trainer: Any) -> dict[str, Any]:
-        state = {
-            "fit_loop": _mark_batch_completed(trainer.fit_loop.state_dict()),
-            "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
-            "rng": capture_rng(),
-            "batches_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
-        }
-        if self._megatron:
-            from megatron_patches.nemo_data import consumed_samples
-
-            state["consumed_samples"] = consumed_samples(trainer)
-        return state
-
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        ckpt = self.checkpointer
-        if ckpt is None or trainer.global_step == self._last_step:
-            return  # no optimizer step in this batch (gradient accumulation)
-        self._last_step = trainer.global_step
-        ckpt.phase = Phase.STEPPED
-        self._last_state = self._training_state(trainer)
-        ckpt.snapshot(trainer.global_step, user_state=self._last_state)
-        n = self.config.insurance.every_n_steps
-        if n > 0 and trainer.global_step % n == 0:
-            self._save_insurance(trainer)
+        step = trainer.global_step
+        if self.session.step_completed(step, lambda: training_state(trainer, megatron=self._megatron)) and self.session.insurance_due(step):
+            self._save_insurance(trainer, step)
 
-    def _save_insurance(self, trainer: Any) -> None:
-        d = self._insurance_dir(trainer)
-        assert d is not None  # noqa: S101
-        trainer.save_checkpoint(d / f"neighbor-insurance-step{trainer.global_step}.ckpt")
+    def _save_insurance(self, trainer: Any, step: int) -> None:
+        files = self.session.insurance
+        assert files is not None  # noqa: S101
+        trainer.save_checkpoint(files.path(step))
         if trainer.is_global_zero:
-            for _, old in self._insurance_files(trainer)[:-2]:
-                old.unlink(missing_ok=True)
+            files.prune()
 
     @override
     def state_dict(self) -> dict[str, Any]:
         # Carried inside Lightning checkpoints (the insurance): the exact training state of that step.
-        return {"training_state": self._last_state}
+        return self.session.checkpoint_state()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning calls this when it restores callbacks from a checkpoint (fit(ckpt_path=...)); so does the
+        # insurance fallback (_load_insurance). Kept, not applied: a recovery decides what is applied.
+        self.session.load_checkpoint_state(state_dict)
 
     # -- failure and teardown ----------------------------------------------------------------------------
 
@@ -398,3 +306,4 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
+

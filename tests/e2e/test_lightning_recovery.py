@@ -84,6 +84,20 @@ def test_killed_rank_and_successor_losing_stores_fall_back_to_insurance(baseline
     assert res.report(2, 1)["outcome"] == "insurance"
 
 
+def test_an_insurance_checkpoint_in_the_first_releases_format_still_resumes(baseline: Baselines,
+                                                                          tmp_path: Path) -> None:
+    """The insurance fallback above, with every insurance checkpoint rewritten before the restart as release 0.1
+    wrote it (``callbacks["NeighborCheckpoint"] == {"training_state": {...}}``, read back by hand then; now through
+    Lightning's ``load_state_dict``): the same bit-exact resume."""
+    res = run_torchrun("train_lightning.py", tmp_path, max_restarts=1, WIPE_RANKS="2,3", INSURANCE_EVERY=3,
+                       INSURANCE_AS="release-0.1", **KILL)
+    _restarted(res)
+    assert "rewrote neighbor-insurance-step6.ckpt in release 0.1's format" in res.log
+    assert "loaded insurance checkpoint" in res.log and "(global step 6)" in res.log
+    assert_same_training(baseline("train_lightning.py"), res)
+    assert res.report(2, 1)["outcome"] == "insurance"
+
+
 def test_without_insurance_losing_both_copies_is_a_typed_error(tmp_path: Path) -> None:
     res = run_torchrun("train_lightning.py", tmp_path, max_restarts=1, WIPE_RANKS="2,3", **KILL)
     assert res.returncode != 0

@@ -1,7 +1,8 @@
 """Lightning DDP worker: tiny model with dropout + StepLR, map-style data, NeighborCheckpoint, optional SIGKILL.
 
 Run under torchrun. Environment: OUT_DIR, TEST_STORE_BASE, STEPS, PL_PACKAGE (lightning|pytorch_lightning),
-KILL_*, WIPE_RANKS, INSURANCE_EVERY, OPTIM (adam|zero), DISK_EVERY (a Lightning ModelCheckpoint every N steps,
+KILL_*, WIPE_RANKS, INSURANCE_EVERY, INSURANCE_AS (``release-0.1``: on a restart, rank 0 first rewrites every
+insurance checkpoint in the format the first release wrote, see :func:`as_release_0_1`), OPTIM (adam|zero), DISK_EVERY (a Lightning ModelCheckpoint every N steps,
 and a restarted attempt calls ``fit(ckpt_path="last")``, as a user resuming from disk would), ACCELERATOR and
 DEVICES (the Trainer's, default cpu and 4: ``--nproc-per-node`` must match DEVICES).
 """
@@ -59,6 +60,24 @@ class Module(pl.LightningModule):
         return torch.utils.data.DataLoader(make_dataset(), batch_size=8, shuffle=True)
 
 
+def as_release_0_1(path: Path) -> None:
+    """Rewrite a Lightning insurance checkpoint the way neighbor_ckpt 0.1 wrote it (captured from that release's
+    ``trainer.save_checkpoint``): Lightning's keys, and under ``callbacks["NeighborCheckpoint"]`` only
+    ``{"training_state": {"fit_loop", "schedulers", "rng", "batches_in_epoch"}}`` (the fit loop's state dict with the
+    current batch counted as completed, the LR schedulers' state dicts, capture_rng(), batches of the epoch done)."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ts = ckpt["callbacks"]["NeighborCheckpoint"]["training_state"]
+    old = {k: ckpt[k] for k in ("epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops",
+                                "optimizer_states", "lr_schedulers")}
+    old["callbacks"] = {"NeighborCheckpoint": {"training_state": {
+        "fit_loop": ts["fit_loop"], "schedulers": ts["schedulers"], "rng": ts["rng"],
+        "batches_in_epoch": int(ts["batches_in_epoch"])}}}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(old, tmp)
+    os.replace(tmp, path)
+    print(f"[test] rewrote {path.name} in release 0.1's format", flush=True)
+
+
 class KillAfterStep(pl.Callback):
     """Placed before NeighborCheckpoint: kills after the optimizer step, before that step's snapshot."""
 
@@ -73,6 +92,10 @@ def main() -> None:
         flip_byte_in_newest_own_slot(RANK)
     torch.manual_seed(100 + RANK)
     every = int(os.environ.get("INSURANCE_EVERY", "0"))
+    if every and attempt() > 0 and RANK == 0 and os.environ.get("INSURANCE_AS") == "release-0.1":
+        # Before any collective: the other ranks load the insurance only inside the recovery's collectives.
+        for path in sorted((OUT / "insurance").glob("neighbor-insurance-step*.ckpt")):
+            as_release_0_1(path)
     cfg = NeighborCkptConfig.from_dict({
         "job_id": os.environ.get("JOB_ID", "lightning"),
         "store": {"cleanup_on_success": False},

@@ -1,0 +1,24 @@
+"""Framework glue that is not tied to one framework: the insurance, resume and data-position policy that a training
+framework's callback follows (the Lightning / NeMo 2 callback in :mod:`neighbor_ckpt.lightning`, the Megatron-Bridge
+callback beside it).
+
+* :class:`~neighbor_ckpt.glue.session.Session`: builds the checkpointer, runs the recovery and says what the
+  framework does next (:class:`~neighbor_ckpt.glue.session.Resume`: the training state to apply, the data position,
+  whether the framework's own checkpoint is the insurance and loads itself); snapshots once per optimizer step;
+  carries the callback's state inside the framework's checkpoints.
+* :mod:`~neighbor_ckpt.glue.insurance`: our own insurance checkpoints (names, when one is due, which are kept), which
+  iteration a framework checkpoint holds, and which wins when an in-memory version and a framework checkpoint are
+  both there (the newer iteration, announced).
+
+The framework callback keeps only its plumbing: its hooks, reading and writing the framework's objects.
+
+May import: :mod:`neighbor_ckpt.checkpointer` and everything below it. Never :mod:`neighbor_ckpt.lightning`,
+``bridge``, ``inprocess`` or ``cli``, nor a training framework (Lightning, NeMo, Megatron-Bridge, megatron-core).
+"""
+
+from neighbor_ckpt.glue.insurance import (InsuranceFiles, checkpoint_consumed_samples, checkpoint_step,
+                                          disk_checkpoint_wins, iteration_from_name)
+from neighbor_ckpt.glue.session import DataPosition, Resume, Session, decide_resume
+
+__all__ = ["Session", "Resume", "DataPosition", "decide_resume", "InsuranceFiles", "checkpoint_step", "checkpoint_consumed_samples",
+           "iteration_from_name", "disk_checkpoint_wins"]
