@@ -1,8 +1,8 @@
 """The may-import rules of :mod:`neighbor_ckpt.layers`, checked on every module of the checkout.
 
 Every ``.py`` file of ``neighbor_ckpt``, ``megatron_patches`` and ``tools`` is parsed with :mod:`ast`; every import
-in it (module top, inside functions and classes, under ``TYPE_CHECKING`` or ``try``, relative ones) is resolved to
-the module it names and that module's unit. A failure names the file, the line and the import.
+in it (module top, inside functions and classes, under ``TYPE_CHECKING`` or ``try``, relative ones,
+``importlib.import_module`` of a literal name) is resolved to the module it names and that module's unit. A failure names the file, the line and the import.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _is_module(root: Path, dotted: str) -> bool:
 def imported_modules(tree: ast.AST, module: str, is_package: bool, root: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import anywhere in ``tree``. ``from X import name`` names ``X.name``
     when that is a module of the checkout (``from neighbor_ckpt import lightning``, ``from . import moe``), else
-    ``X``."""
+    ``X``. ``importlib.import_module`` with a literal name counts; a name computed at run time cannot be seen."""
     package = module.split(".") if is_package else module.split(".")[:-1]
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -72,7 +72,21 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool, root: Path) -
             for a in node.names:
                 sub = f"{base}.{a.name}"
                 found.append((node.lineno, sub if a.name != "*" and _is_module(root, sub) else base))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and _dotted(node.func) in _IMPORT_CALLS):
+            found.append((node.lineno, node.args[0].value))  # importlib.import_module("a.b") with a literal name
     return found
+
+
+_IMPORT_CALLS = {"importlib.import_module", "import_module", "__import__"}
+
+
+def _dotted(func: ast.expr) -> str:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return f"{func.value.id}.{func.attr}"
+    return ""
 
 
 def _ours(root: Path) -> set[str]:
@@ -228,6 +242,8 @@ def test_a_clean_tree_passes(tmp_path):
     ("neighbor_ckpt/snapshot/engine.py", "from neighbor_ckpt import NeighborCheckpointer\n", 1, "neighbor_ckpt "),
     ("neighbor_ckpt/recovery/x.py", "try:\n    import tools.bench\nexcept ImportError:\n    pass\n", 2,
      "tools.bench"),  # the library importing what lies outside it
+    ("neighbor_ckpt/snapshot/engine.py", "import importlib\n\ndef f():\n"
+     "    return importlib.import_module('neighbor_ckpt.cli.main')\n", 4, "neighbor_ckpt.cli.main"),
     ("neighbor_ckpt/errors.py", "class X(Exception):\n    def f(self):\n        from . import snapshot\n", 3,
      "neighbor_ckpt.snapshot"),  # `from . import` in a top-level module
 ])
