@@ -8,8 +8,9 @@ public entry points), or a top-level package of the checkout (``megatron_patches
 :data:`LAYERS` is ordered bottom up and an entry names only units listed before it, so the table itself cannot hold a
 cycle. ``tests/unit/test_layers.py`` parses every module of ``neighbor_ckpt``, ``megatron_patches`` and ``tools``
 with :mod:`ast` (imports at any level: module top, inside functions, under ``TYPE_CHECKING``, relative ones,
-``importlib.import_module`` of a literal name) and fails naming the file, the line and the import that breaks a rule; it also fails on a unit missing from the table
-(a new subpackage or top-level package: add it here, at the layer it belongs to, with what it may import).
+``importlib.import_module`` of a literal name) and fails naming the file, the line and the import that breaks a
+rule; it also fails on a unit missing from the table (a new subpackage or top-level package: add it here, at the
+layer it belongs to, with what it may import).
 
 Only imports of our own code are governed here. What a unit may import from third parties (no framework below the
 glue, megatron-core only lazily in ``adapters/megatron.py``, ...) is said in its package docstring.
