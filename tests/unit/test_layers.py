@@ -2,7 +2,8 @@
 
 Every ``.py`` file of ``neighbor_ckpt``, ``megatron_patches`` and ``tools`` is parsed with :mod:`ast`; every import
 in it (module top, inside functions and classes, under ``TYPE_CHECKING`` or ``try``, relative ones,
-``importlib.import_module`` of a literal name) is resolved to the module it names and that module's unit. A failure names the file, the line and the import.
+``importlib.import_module`` of a literal name) is resolved to the module it names and that module's unit. A
+failure names the file, the line and the import.
 """
 
 from __future__ import annotations
