@@ -67,12 +67,12 @@ from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
 from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
-from neighbor_ckpt.snapshot.transport import GlooRingTransport, TrafficGate
+from neighbor_ckpt.snapshot.transport import NeighborTransport, TrafficGate, make_transport
 from neighbor_ckpt.validation import validate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader"]
+__all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader", "check_setup"]
 
 
 class Phase(str, enum.Enum):
@@ -84,6 +84,31 @@ class Phase(str, enum.Enum):
     """Inside an optimizer step: weights are torn, no backup may be taken from them."""
     STEPPED = "stepped"
     """The optimizer step finished but its snapshot has not been taken yet: weights belong to last + 1."""
+
+
+def check_setup(config: NeighborCkptConfig | None, adapter: StateAdapter, *,
+                attempt: AttemptInfo | None = None) -> NeighborCkptConfig:
+    """Pure: what :class:`NeighborCheckpointer` checks before any collective, with no process group needed. Returns
+    the configuration (the defaults when None), validated again (attributes may have been set after construction).
+
+    Raises:
+        ConfigError: ``config`` is not a :class:`NeighborCkptConfig` or is invalid; ``elastic`` is on with an adapter
+            whose optimizer state cannot be re-partitioned for another data-parallel size.
+    """
+    if config is not None and not isinstance(config, NeighborCkptConfig):
+        raise ConfigError(f"NeighborCheckpointer expects a NeighborCkptConfig, got {type(config).__name__}; "
+                          "build one with NeighborCkptConfig(...), .from_dict(...) or .from_yaml(...)")
+    config = config or NeighborCkptConfig()
+    validate(config, "neighbor_ckpt", types=True)
+    if config.elastic.enabled and (not adapter.distributed_optimizer or adapter.dp_shards() is None):
+        raise ConfigError(
+            f"neighbor_ckpt.elastic.enabled: {type(adapter).__name__} keeps optimizer state that cannot be "
+            "re-partitioned for another data-parallel size. Elastic resharding needs megatron-core's distributed "
+            "optimizer (use_distributed_optimizer=True, MegatronOptimizerAdapter); turn elastic off otherwise")
+    if attempt is None and config.inprocess.enabled:
+        logger.warning("neighbor_ckpt: inprocess.enabled but no attempt= given: pass InprocessRecovery."
+                       "attempt_info(), or in-process attempts share one attempt number (failure events, timeline)")
+    return config
 
 
 class NeighborCheckpointer:
@@ -107,8 +132,10 @@ class NeighborCheckpointer:
     Collectives on the snapshot group (:attr:`group`, gloo), one place per phase, in this order on every rank
     (gloo hangs when ranks disagree, so each "whether" below depends only on gathered data or the configuration):
 
-    1. construction: the group itself (``new_group``), then the topology all-gather (:func:`discover_topology`),
-       then the store generation all-gather (:class:`~neighbor_ckpt.recovery.elastic.Generations`);
+    1. construction (:meth:`_setup_collectives`, after the pure checks of :func:`check_setup`): the group itself
+       (``new_group``), then the failure detector agreement (one all-reduce, where the configuration wants a
+       detector: :meth:`_agree_on_detector`), then the topology all-gather (:func:`discover_topology`), then the
+       store generation all-gather (:class:`~neighbor_ckpt.recovery.elastic.Generations`);
     2. :meth:`recover`: the :class:`~neighbor_ckpt.recovery.recoverer.Recoverer`'s (journal verdict, inventory
        exchange, per round: transfers + restore verdict; or the elastic reshard's), then the timeline gather
        (:meth:`_gather_recovery_events`);
@@ -124,42 +151,23 @@ class NeighborCheckpointer:
                  dp_group: dist.ProcessGroup | None = None, model_parallel_coord: tuple[int, ...] = (),
                  insurance: InsuranceLoader | None = None, capture_rng_state: bool = True,
                  handle_sigterm: bool = True, attempt: AttemptInfo | None = None) -> None:
-        if config is not None and not isinstance(config, NeighborCkptConfig):
-            raise ConfigError(f"NeighborCheckpointer expects a NeighborCkptConfig, got {type(config).__name__}; "
-                              "build one with NeighborCkptConfig(...), .from_dict(...) or .from_yaml(...)")
-        self.config = config or NeighborCkptConfig()
-        validate(self.config, "neighbor_ckpt", types=True)  # again: attributes may have been set after construction
-        if self.config.elastic.enabled and (not adapter.distributed_optimizer or adapter.dp_shards() is None):
-            raise ConfigError(
-                f"neighbor_ckpt.elastic.enabled: {type(adapter).__name__} keeps optimizer state that cannot be "
-                "re-partitioned for another data-parallel size. Elastic resharding needs megatron-core's distributed "
-                "optimizer (use_distributed_optimizer=True, MegatronOptimizerAdapter); turn elastic off otherwise")
+        # Construction in three steps: the policy checks (pure, check_setup), the collectives every rank runs in the
+        # same order (_setup_collectives), then the wiring of plain objects from their results (the rest of __init__).
+        self.config = check_setup(config, adapter, attempt=attempt)
         self.attempt = attempt if attempt is not None else AttemptInfo.from_env()
-        if attempt is None and self.config.inprocess.enabled:
-            logger.warning("neighbor_ckpt: inprocess.enabled but no attempt= given: pass InprocessRecovery."
-                           "attempt_info(), or in-process attempts share one attempt number (failure events, timeline)")
         if not dist.is_available() or not dist.is_initialized():
             raise TopologyError("NeighborCheckpointer needs torch.distributed to be initialized first")
         group_ready = time.time()  # the default process group exists: a marker of the recovery timeline
         self.adapter = adapter
         self.dp_group = dp_group
         self.capture_rng_state = capture_rng_state
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.transport.timeout_s))
         self._tag: tuple[int, int | None, str] = (0, None, "startup")
         self._weights_seq = 0
         self._recovered = False
         self.job_identity = resolve_job_id(self.config)
         """The job id and where it came from (a torchrun launch without a run id gets one of its own)."""
-        self.detector = self._agree_on_detector(self._make_detector())
-        """Heartbeat failure detection (None when off, or when the rendezvous store is not reachable by address
-        from some rank: it runs on every rank or on none)."""
-        self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
-                                                    policy=self.config.ring.policy,
-                                                    model_parallel_coord=model_parallel_coord)
-        self.generations = Generations(root=self.config.resolved_store_dir(), job_id=self.job_identity.job_id,
-                                       topology=self.topology, group=self.group, elastic=self.config.elastic.enabled)
-        """The store generation this layout uses, and whether :meth:`recover` reshards into it from the previous one
-        (the newest snapshots have another world or data-parallel size and ``elastic`` is on)."""
+        self._setup_collectives(dp_group=dp_group, model_parallel_coord=model_parallel_coord)
+        # -- the wiring: plain objects built from the collectives' results --
         self.store = HostStore(self.config.resolved_store_dir(), job_id=self.job_identity.job_id,
                                rank=self.topology.rank, versions=self.config.store.versions,
                                use_checksum=self.config.store.checksum != "none",
@@ -176,18 +184,21 @@ class NeighborCheckpointer:
         self.datacheck = DataCheck(self.config.data_check if self.config.enabled else "off",
                                    store_dir=self.store.dir, rank=self.topology.rank)
         """The data-position check (``data_check``): input fingerprints, compared after a recovery."""
-        self.recoverer = Recoverer(store=self.store, topology=self.topology, group=self.group,
-                                   chunk_bytes=int(self.config.transport.chunk_mb * 2**20), insurance=insurance,
-                                   attempt=self.attempt.ordinal)
+        self.gate = TrafficGate()
+        self.link: NeighborTransport = make_transport(self.config.transport, topology=self.topology,
+                                                      store=self.store, group=self.group, gate=self.gate)
+        """The transport (``transport.kind``) every snapshot byte between ranks goes through: a recovery's transfers,
+        then the streaming (:attr:`transport` once started)."""
+        self.recoverer = Recoverer(store=self.store, topology=self.topology, transport=self.link,
+                                   insurance=insurance, attempt=self.attempt.ordinal)
         """Decides and runs every recovery outcome; owns the restore journal."""
         self.failure = FailureBackup(store=self.store, topology=self.topology, attempt=self.attempt.record,
                                      enabled=self.config.lazy_backup.enabled, weights=self._weights_tag,
                                      inflight_input=self.datacheck.failure_extras)
         """The failure path: the failure event and the lazy backup, once each."""
-        self.gate = TrafficGate()
         self.plan: ShardPlan | None = None
         self.engine: SnapshotEngine | None = None
-        self.transport: GlooRingTransport | None = None
+        self.transport: NeighborTransport | None = None
         self._phase = Phase.IDLE
         self.last_iteration: int | None = None
         self._restored_input: Any = None  # the restored snapshot's input fingerprint (the data check's)
@@ -212,6 +223,28 @@ class NeighborCheckpointer:
             self.detector.start()
         logger.info("rank %d: neighbor_ckpt store %s, DP ring %s (successor %d)", self.topology.rank,
                     self.store.dir, list(self.topology.ring), self.topology.successor)
+
+    def _setup_collectives(self, *, dp_group: dist.ProcessGroup | None, model_parallel_coord: tuple[int, ...]) -> None:
+        """Construction's collectives, in the class docstring's order (phase 1), the same on every rank:
+
+        1. the snapshot group itself (``new_group``, on the default group): :attr:`group`;
+        2. where the configuration wants a failure detector, whether every rank has one (one all-reduce,
+           :meth:`_agree_on_detector`): :attr:`detector`. Each rank's detector publishes its heartbeat before the next
+           step's collective, so every heartbeat key exists once it returns;
+        3. the topology all-gather (:func:`discover_topology`): :attr:`topology`;
+        4. the store generation all-gather (:class:`~neighbor_ckpt.recovery.elastic.Generations`): :attr:`generations`.
+        """
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.transport.timeout_s))
+        self.detector = self._agree_on_detector(self._make_detector())
+        """Heartbeat failure detection (None when off, or when the rendezvous store is not reachable by address
+        from some rank: it runs on every rank or on none)."""
+        self.topology: Topology = discover_topology(world_group=self.group, dp_group=dp_group,
+                                                    policy=self.config.ring.policy,
+                                                    model_parallel_coord=model_parallel_coord)
+        self.generations = Generations(root=self.config.resolved_store_dir(), job_id=self.job_identity.job_id,
+                                       topology=self.topology, group=self.group, elastic=self.config.elastic.enabled)
+        """The store generation this layout uses, and whether :meth:`recover` reshards into it from the previous one
+        (the newest snapshots have another world or data-parallel size and ``elastic`` is on)."""
 
     def _prepare_receive_slot(self) -> None:
         """A rank whose store holds no own slot (a replaced node, an activated hot spare) will pull its state into
@@ -394,10 +427,7 @@ class NeighborCheckpointer:
         live = {m.name: t for m, t in tensors}
         self._preflight_host_memory()
         if self.config.transport.enabled and self.topology.dp_size > 1:
-            self.transport = GlooRingTransport(self.topology, self.store, self.group,
-                                               chunk_bytes=int(self.config.transport.chunk_mb * 2**20),
-                                               gate=self.gate,
-                                               rate_limit_bps=self.config.transport.rate_limit_mb_per_s * 1e6)
+            self.transport = self.link
             self.transport.start()
         unique = {p.meta.name for p in self.plan.unique}
         meta = {"world_size": self.topology.world_size, "dp_ranks": list(self.topology.dp_ranks),

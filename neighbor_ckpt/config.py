@@ -47,6 +47,7 @@ __all__ = [
     "JOB_ID_ENV",
     "LAUNCH_ID_ENV",
     "UNUSABLE_RUN_IDS",
+    "TRANSPORT_KINDS",
 ]
 
 STORE_DIR_ENV = "NEIGHBOR_CKPT_STORE_DIR"
@@ -54,6 +55,11 @@ JOB_ID_ENV = "NEIGHBOR_CKPT_JOB_ID"
 LAUNCH_ID_ENV = "NEIGHBOR_CKPT_LAUNCH_ID"
 """Set by :mod:`neighbor_ckpt.runtime.launch_identity` in every worker of a torchrun launch without a run id: the
 job id made once for that launch (shared by its restarts through the agent's store)."""
+
+TRANSPORT_KINDS = ("gloo",)
+"""The transports ``neighbor_ckpt.transport.kind`` accepts: the kinds registered in
+:mod:`neighbor_ckpt.snapshot.transport` (named here so that validating a config imports no layer above it; a test
+keeps the two the same)."""
 
 UNUSABLE_RUN_IDS = frozenset({"", "none"})
 """Values of TORCHELASTIC_RUN_ID that name no launch: plain ``torchrun`` (no ``--rdzv-id``, no ``--standalone``)
@@ -108,7 +114,13 @@ class RingConfig:
 @checked("neighbor_ckpt.transport")
 @dataclass(kw_only=True, slots=True)
 class TransportConfig:
-    """Streaming of each committed snapshot to the ring successor (background thread, own gloo group)."""
+    """How snapshot bytes move between ranks: streaming of each committed snapshot to the ring successor
+    (background thread), and the transfers of a recovery and of an elastic reshard
+    (:mod:`neighbor_ckpt.snapshot.transport`)."""
+
+    kind: str = "gloo"
+    """The transport (one of :data:`TRANSPORT_KINDS`). ``gloo``: point-to-point over the snapshot gloo group, on
+    the host, a tag pair per purpose."""
 
     enabled: bool = True
     """Stream snapshots to the successor. Off: only the local slot exists (a lost node falls back to
@@ -132,6 +144,7 @@ class TransportConfig:
         "rate_limit_mbps": "rate_limit_mb_per_s (same value: it always was megabytes, not megabits, per second)"}
 
     def _check(self, p: Problems) -> None:
+        p.one_of("kind", self.kind, TRANSPORT_KINDS)
         p.above("chunk_mb", self.chunk_mb)
         p.above("timeout_s", self.timeout_s)
         p.at_least("rate_limit_mb_per_s", self.rate_limit_mb_per_s, 0, " (0 = unlimited)")

@@ -7,17 +7,17 @@ is on. Every rank's number may have changed (in-process shrink renumbers the sur
 nodes assigns ranks anew), so snapshots are found by *scanning* every rank directory of the previous generation on
 this node, not by this rank's number, and this layout's snapshots go to a new generation (``g<k>``) of the store.
 
-:func:`run_reshard`, collective over the snapshot group, in this order on every rank:
+:func:`run_reshard`, collective over the snapshot group (the transport's), in this order on every rank:
 
 1. exchange: one all-gather (:func:`all_gather_bytes`) of what each process holds (every committed own or replica
    slot of the previous generation on its node: old owner, iteration, the old rank's layout) and this rank's new
    layout (its unique tensors with their shard spans);
-2. per round (at most ``versions`` x 2 + 2): the choice (:func:`~neighbor_ckpt.recovery.reshard.choose_version`,
-   pure), the holders verify the checksums of the copies they serve, one all-gather of the failed copies; none
+2. per round (at most :func:`~neighbor_ckpt.recovery.flow.max_rounds` with two copies per version): the choice
+   (:func:`~neighbor_ckpt.recovery.reshard.choose_version`, pure), the holders verify the checksums of the copies they serve, one all-gather of the failed copies; none
    failed ends the rounds, else they are excluded and the next round chooses again;
-3. the moves (:func:`~neighbor_ckpt.recovery.reshard.plan_reshard`, pure): point-to-point between the pairs the plan
-   names, in two phases (sizes, then data), every receive posted before any wait; each message carries the xxh3 of
-   its bytes, checked on arrival;
+3. the moves (:func:`~neighbor_ckpt.recovery.reshard.plan_reshard`, pure): one message per pair the plan names,
+   through the transport's exchange (:meth:`~neighbor_ckpt.snapshot.transport.NeighborTransport.exchange`); each
+   message carries the xxh3 of its bytes, checked on arrival;
 4. the move verdict: one all-gather of each rank's problem, if any (a message that failed its checksum): one failure
    anywhere and every rank reports the fallback (the restore flow's insurance outcome), so no rank loads a resharded
    state while another cannot.
@@ -44,7 +44,7 @@ import torch.distributed as dist
 import xxhash
 
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
-from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
+from neighbor_ckpt.recovery.flow import COPIES_PER_VERSION_RESHARD, RecoveryReport, Restored, max_rounds, no_progress
 from neighbor_ckpt.recovery.reshard import (Copy, Piece, RankLayout, ReshardPlan, ShardSpan, TensorEntry,
                                             VersionChoice, choose_version, plan_reshard)
 from neighbor_ckpt.snapshot import codec
@@ -52,6 +52,7 @@ from neighbor_ckpt.snapshot.razor import StateKind, plan_shards
 from neighbor_ckpt.snapshot.store import (ROLE_OWN, ROLE_REPLICA, SlotFile, SlotHeader, generation_dir,
                                           remove_generations, store_generations)
 from neighbor_ckpt.snapshot.topology import Topology
+from neighbor_ckpt.snapshot.transport import NeighborTransport
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,6 @@ __all__ = ["GenerationInfo", "LocalGeneration", "local_generation", "decide_gene
 
 ELASTIC_META_KEYS = ("world_size", "dp_ranks", "coord", "model", "shards", "tensors")
 """What a slot header's ``meta`` must hold for its snapshot to be resharded (the checkpointer writes them all)."""
-
-TAG_SIZES = 7201
-TAG_DATA = 7202
 
 
 # -- generations ------------------------------------------------------------------------------------------------
@@ -423,37 +421,16 @@ def _decode_message(buf: torch.Tensor, src: int, rank: int) -> tuple[dict[str, A
     return head, blob
 
 
-def _exchange_messages(out: dict[int, torch.Tensor], expect_from: list[int], group: dist.ProcessGroup
-                       ) -> dict[int, torch.Tensor]:
-    """Point-to-point: send ``out[dst]`` to every ``dst``, receive one message from every ``expect_from`` rank. Two
-    phases (sizes, then data), each with every receive and send posted before any wait: no order can deadlock."""
-    sizes_in = {s: torch.zeros(1, dtype=torch.int64) for s in expect_from}
-    works = [dist.irecv(t, src=s, group=group, tag=TAG_SIZES) for s, t in sizes_in.items()]
-    sizes_out = {d: torch.tensor([m.numel()], dtype=torch.int64) for d, m in out.items()}
-    works += [dist.isend(t, dst=d, group=group, tag=TAG_SIZES) for d, t in sizes_out.items()]
-    for w in works:
-        w.wait()
-    data_in = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes_in.items()}
-    works = [dist.irecv(t, src=s, group=group, tag=TAG_DATA) for s, t in data_in.items()]
-    works += [dist.isend(m, dst=d, group=group, tag=TAG_DATA) for d, m in out.items()]
-    for w in works:
-        w.wait()
-    return data_in
-
-
-def _max_rounds(versions: int) -> int:
-    """Every round but the last excludes at least one copy; each old rank has at most own + replica per version."""
-    return 2 * versions + 2
-
-
 def run_reshard(*, root: Path, job_id: str, generation: int, rank: int, new_layout: RankLayout,
-                group: dist.ProcessGroup, versions: int, verify: bool,
+                transport: NeighborTransport, versions: int, verify: bool,
                 failed_iterations: frozenset[int] = frozenset(),
-                on_phase: Callable[[str], None] = lambda phase: None) -> tuple[RecoveryReport, Restored | None]:
-    """Collective over ``group`` (every rank): reshard the snapshots of store ``generation`` into ``new_layout`` (see
-    the module docstring for the order of the collectives). Returns the report and, when every old rank's state was
-    found and moved, this rank's :class:`~neighbor_ckpt.recovery.flow.Restored` (tensors by name, the extras of its
-    extras owner with the scalars of its params merged in)."""
+                on_phase: Callable[[str], None] = no_progress) -> tuple[RecoveryReport, Restored | None]:
+    """Collective over ``transport.group`` (every rank): reshard the snapshots of store ``generation`` into
+    ``new_layout`` (see the module docstring for the order of the collectives; the shards move through
+    ``transport``). Returns the report and, when every old rank's state was found and moved, this rank's
+    :class:`~neighbor_ckpt.recovery.flow.Restored` (tensors by name, the extras of its extras owner with the scalars
+    of its params merged in)."""
+    group = transport.group
     rep = RecoveryReport()
     on_phase("inventory")
     t0 = time.perf_counter()
@@ -487,7 +464,7 @@ def run_reshard(*, root: Path, job_id: str, generation: int, rank: int, new_layo
 
     exclude: set[tuple[int, int, int, str]] = set()
     verify_s = 0.0
-    for _ in range(_max_rounds(versions)):
+    for _ in range(max_rounds(versions, copies_per_version=COPIES_PER_VERSION_RESHARD)):
         choice = choose_version(copies, old_world=old_world, exclude=exclude, failed_iterations=failed_iterations)
         if choice.iteration is None:
             rep.outcome, rep.reason = "insurance", choice.reason
@@ -513,7 +490,7 @@ def run_reshard(*, root: Path, job_id: str, generation: int, rank: int, new_layo
         on_phase("transfer")
         t1 = time.perf_counter()
         try:
-            restored: Restored | None = _move(plan, opened, rank=rank, new_layout=new_layout, group=group)
+            restored: Restored | None = _move(plan, opened, rank=rank, new_layout=new_layout, transport=transport)
         except (SnapshotCorruptError, SnapshotMismatchError) as e:  # raised after the exchange: every peer got past it
             restored, problem = None, str(e)
             logger.error("rank %d: %s", rank, problem)
@@ -537,8 +514,9 @@ def run_reshard(*, root: Path, job_id: str, generation: int, rank: int, new_layo
 
 
 def _move(plan: ReshardPlan, opened: _Open, *, rank: int, new_layout: RankLayout,
-          group: dist.ProcessGroup) -> Restored:
-    """Execute ``plan`` for this rank: pack what others need, exchange, assemble this rank's tensors."""
+          transport: NeighborTransport) -> Restored:
+    """Execute ``plan`` for this rank: pack what others need, exchange them through ``transport`` (one message per
+    peer, sent and received in one round: no order of peers can deadlock), assemble this rank's tensors."""
     outgoing = plan.outgoing(rank)
     extras_dsts = {dst for dst, owner in plan.extras_owner if plan.holder_of(owner) == rank}
     messages: dict[int, tuple[dict[str, Any], np.ndarray]] = {}
@@ -556,7 +534,7 @@ def _move(plan: ReshardPlan, opened: _Open, *, rank: int, new_layout: RankLayout
     incoming = plan.incoming(rank)
     eo = plan.extras_from(rank)
     senders = sorted((set(incoming) | {plan.holder_of(eo)}) - {rank})
-    received = _exchange_messages({d: _encode_message(*m) for d, m in messages.items() if d != rank}, senders, group)
+    received = transport.exchange({d: _encode_message(*m) for d, m in messages.items() if d != rank}, senders)
     if refused is not None:
         raise refused
     parts = {s: _decode_message(buf, s, rank) for s, buf in received.items()}

@@ -5,8 +5,8 @@
    every role here would make every rank hash 4x its state before the exchange, and the slowest would hold up all;
 2. exchange: one all-gather of every rank's versions;
 3. reconcile (pure, identical everywhere): target iteration and the source of every rank's state;
-4. transfer: a rank without its own copy receives the replica from its successor; DP groups with lazy
-   state receive the holder's lazy backup;
+4. transfer, through the transport (:class:`~neighbor_ckpt.snapshot.transport.NeighborTransport`): a rank without
+   its own copy receives the replica from its successor; DP groups with lazy state receive the holder's lazy backup;
 5. verify: the chosen copies (local or received) are checksummed (a received copy was hashed chunk by chunk as it
    arrived, overlapped with the transfer: no second pass); any failure is excluded and we reconcile again;
 6. load: tensors are handed out as views of host memory (the adapter copies them in).
@@ -32,17 +32,31 @@ from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVer
 from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, \
     SlotHeader
 from neighbor_ckpt.snapshot.topology import Topology
-from neighbor_ckpt.snapshot.transport import pull_image, send_image
+from neighbor_ckpt.snapshot.transport import NeighborTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RecoveryReport", "Restored", "Transfer", "run_recovery", "read_tensors", "all_gather_int64"]
+__all__ = ["RecoveryReport", "Restored", "Transfer", "run_recovery", "read_tensors", "all_gather_int64", "max_rounds",
+           "no_progress", "COPIES_PER_VERSION_RESTORE", "COPIES_PER_VERSION_RESHARD"]
 
-def _max_rounds(versions: int) -> int:
-    """Reconciliation rounds before giving up on in-memory state. Every round but the last excludes at least one
-    copy on every rank whose chosen copy failed, and a rank walks through at most own + replica for each of
-    ``versions`` iterations (plus a lazy backup each): beyond that no copy is left to try."""
-    return 4 * versions + 2
+COPIES_PER_VERSION_RESTORE = 4
+"""Copies the restore flow may exclude per kept iteration, seen from one rank: its own slot, its replica on the
+successor, and for its DP group's redundant state a lazy backup of its own and the holder's."""
+COPIES_PER_VERSION_RESHARD = 2
+"""Copies an elastic reshard may exclude per kept iteration of one old rank: its own slot and its replica (a reshard
+moves unique state only)."""
+
+
+def max_rounds(versions: int, *, copies_per_version: int) -> int:
+    """Rounds of choose -> transfer -> verify before giving up on in-memory state (the restore flow and the elastic
+    reshard both loop so).
+
+    Every round but the last excludes at least one copy that failed verification, and a choice walks through at most
+    ``copies_per_version`` copies for each of the ``versions`` kept iterations: beyond that no copy is left to try.
+    Two more rounds: the one that finds nothing failed, and one to spare. The callers differ in what a version has:
+    :data:`COPIES_PER_VERSION_RESTORE` (own, replica, two lazy backups) gives the restore flow ``4 * versions + 2``,
+    :data:`COPIES_PER_VERSION_RESHARD` (own, replica) the reshard ``2 * versions + 2``."""
+    return copies_per_version * versions + 2
 
 
 @dataclass
@@ -198,30 +212,43 @@ def _check(slot: SlotFile | None, store: HostStore, *, iteration: int, layout: s
     return hdr
 
 
-def _no_progress(phase: str) -> None:
-    pass
+def no_progress(phase: str) -> None:
+    """The default ``on_phase`` of a recovery: no progress display."""
 
 
-def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGroup, layout: str,
-                 chunk_bytes: int, on_phase: Callable[[str], None] = _no_progress,
-                 failed_iterations: frozenset[int] = frozenset()) -> tuple[RecoveryReport, Restored | None]:
-    """Collective over ``group`` (all ranks). Returns the report and, if restorable, the validated version.
-    ``on_phase`` is told the name of each phase as it starts (progress display); ``failed_iterations`` (the same
-    on every rank) are never chosen.
+def run_recovery(*, store: HostStore, topology: Topology, transport: NeighborTransport | None = None, layout: str,
+                 on_phase: Callable[[str], None] = no_progress, failed_iterations: frozenset[int] = frozenset(),
+                 group: dist.ProcessGroup | None = None, chunk_bytes: int | None = None
+                 ) -> tuple[RecoveryReport, Restored | None]:
+    """Collective over ``transport.group`` (all ranks). Returns the report and, if restorable, the validated
+    version. ``on_phase`` is told the name of each phase as it starts (progress display); ``failed_iterations`` (the
+    same on every rank) are never chosen.
 
-    Collectives on ``group``, in this order on every rank (every branch between them depends only on gathered,
+    The slot images move through ``transport`` (:meth:`~neighbor_ckpt.snapshot.transport.NeighborTransport.send_image`
+    / :meth:`~neighbor_ckpt.snapshot.transport.NeighborTransport.pull_image`); the small all-gathers run on its
+    group. ``group`` and ``chunk_bytes`` instead of a transport: the ``gloo`` transport over that group (for callers
+    that hold a bare group, e.g. benchmarks).
+
+    Collectives on the group, in this order on every rank (every branch between them depends only on gathered,
     hence identical, data, so no rank can skip one another issues):
 
     1. exchange: one all-gather of every rank's inventory row; nothing more if no rank holds a snapshot or the
        table has no restorable iteration;
-    2. per reconciliation round (at most :func:`_max_rounds`):
+    2. per reconciliation round (at most :func:`max_rounds` with :data:`COPIES_PER_VERSION_RESTORE`):
 
-       a. transfer: point-to-point sends and receives of slot images between the pairs the decision names
-          (:func:`_transfer`);
+       a. transfer: point-to-point sends and receives of slot images between the pairs the decision names, through
+          the transport (:func:`_transfer`);
        b. restore verdict: one all-gather of ``[own copy failed, lazy copy failed, lazy writer]`` per rank; no
           failure anywhere ends the flow (restored), else the failed copies are excluded and the next round
           reconciles again.
     """
+    if transport is None:
+        if group is None or chunk_bytes is None:
+            raise TypeError("run_recovery needs a transport (or a group and chunk_bytes)")
+        from neighbor_ckpt.snapshot.gloo_transport import GlooTransport
+
+        transport = GlooTransport(topology, store, group, chunk_bytes=chunk_bytes)
+    group = transport.group
     rep = RecoveryReport(data_parallel_before=topology.dp_size, data_parallel_after=topology.dp_size)
     on_phase("inventory")
     t0 = time.perf_counter()
@@ -246,7 +273,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
 
     exclude: frozenset[tuple[int, int, str]] = frozenset()
     transfer_s = verify_s = 0.0
-    rounds = _max_rounds(store.versions)
+    rounds = max_rounds(store.versions, copies_per_version=COPIES_PER_VERSION_RESTORE)
     notes: list[str] = []  # every round's, so the report says why an earlier choice was dropped
     for _ in range(rounds):
         decision = reconcile(table, exclude, failed_iterations)
@@ -258,7 +285,7 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
         assert it is not None  # noqa: S101
         on_phase("transfer")
         t1 = time.perf_counter()
-        moved = _transfer(store, topology, group, table, decision, where, chunk_bytes, exclude, rejected)
+        moved = _transfer(store, topology, transport, table, decision, where, exclude, rejected)
         errors = list(moved.notes)
         lazy_owner = moved.lazy_owner
         transfer_s += time.perf_counter() - t1
@@ -317,8 +344,8 @@ def run_recovery(*, store: HostStore, topology: Topology, group: dist.ProcessGro
     return rep, None
 
 
-def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, table: list[RankVersions],
-              decision: RecoveryDecision, where: dict[tuple[str, int], int], chunk: int,
+def _transfer(store: HostStore, topology: Topology, transport: NeighborTransport, table: list[RankVersions],
+              decision: RecoveryDecision, where: dict[tuple[str, int], int],
               exclude: frozenset[tuple[int, int, str]], rejected: dict[int, str]
               ) -> Transfer:
     """Move replicas to owners that lost theirs and lazy backups to DP members without one of their own.
@@ -372,7 +399,7 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
     def _send_all() -> None:
         for slot, hdr, dst in sends:
             try:
-                send_image(slot, hdr, dst, group, chunk=chunk)
+                transport.send_image(slot, hdr, dst)
             except BaseException as e:  # noqa: BLE001
                 send_errors.append(e)
 
@@ -385,8 +412,8 @@ def _transfer(store: HostStore, topology: Topology, group: dist.ProcessGroup, ta
     for role, src in recvs:
         keep = {it} if role == ROLE_OWN else None
         idx = store.slot_for_write(role, keep=keep)
-        got = pull_image(store, role, src, group, chunk=chunk, index=idx)
-        assert got is not None and got.checksums is not None  # noqa: S101
+        got = transport.pull_image(role, src, index=idx)
+        assert got.checksums is not None  # noqa: S101
         received[role] = got.checksums
         s = store.slot(role, idx)
         try:

@@ -39,15 +39,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from neighbor_ckpt.errors import NoRecoverableStateError
 from neighbor_ckpt.recovery.elastic import run_reshard
-from neighbor_ckpt.recovery.flow import RecoveryReport, Restored, all_gather_int64, run_recovery
+from neighbor_ckpt.recovery.flow import RecoveryReport, Restored, all_gather_int64, no_progress, run_recovery
 from neighbor_ckpt.recovery.journal import RestoreJournal
 from neighbor_ckpt.recovery.reshard import RankLayout
 from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import Topology
+from neighbor_ckpt.snapshot.transport import NeighborTransport
 
 logger = logging.getLogger(__name__)
 
@@ -152,34 +152,31 @@ class RecoveryResult:
         return 0 if self.iteration is None else self.iteration + 1
 
 
-def _no_progress(phase: str) -> None:
-    pass
-
-
 class Recoverer:
     """Runs a recovery and owns its outcome: restore, insurance, fresh start, start over or refuse.
 
     Args:
         store: this rank's host store.
         topology: ranks, DP groups, the ring.
-        group: the snapshot group (gloo) every recovery collective runs on.
-        chunk_bytes: transfer chunk size.
+        transport: moves the slot images and the reshard's shards between ranks
+            (:class:`~neighbor_ckpt.snapshot.transport.NeighborTransport`); the recovery's small collectives run on its
+            group (the snapshot group).
         insurance: loads the last persistent checkpoint (None: not configured).
         attempt: the launcher's restart count (0: the job's first attempt).
     """
 
-    def __init__(self, *, store: HostStore, topology: Topology, group: dist.ProcessGroup, chunk_bytes: int,
+    def __init__(self, *, store: HostStore, topology: Topology, transport: NeighborTransport,
                  insurance: InsuranceLoader | None, attempt: int) -> None:
         self.store = store
         self.topology = topology
-        self.group = group
-        self.chunk_bytes = chunk_bytes
+        self.transport = transport
+        self.group = transport.group
         self.insurance = insurance
         self.attempt = attempt
         self.journal = RestoreJournal(store.dir, rank=topology.rank)
 
     def recover(self, *, layout: str, load: Callable[[Restored], None],
-                on_phase: Callable[[str], None] = _no_progress, reshard: Reshard | None = None) -> RecoveryResult:
+                on_phase: Callable[[str], None] = no_progress, reshard: Reshard | None = None) -> RecoveryResult:
         """Collective over the snapshot group: restore the newest version every rank can, or the fallback.
 
         ``load`` applies a validated in-memory version to the live training state (the adapter load, weight
@@ -191,9 +188,9 @@ class Recoverer:
 
         1. journal verdict: one all-gather of every rank's restore journal (:meth:`_failed_restores`);
         2. the restore flow (:func:`~neighbor_ckpt.recovery.flow.run_recovery`): the inventory exchange, then per
-           round the transfers (point-to-point) and the restore verdict; with ``reshard``, the elastic reshard
-           instead (:func:`~neighbor_ckpt.recovery.elastic.run_reshard`: the exchange, per round the verification
-           verdict, the point-to-point moves);
+           round the transfers (point-to-point, through the transport) and the restore verdict; with ``reshard``,
+           the elastic reshard instead (:func:`~neighbor_ckpt.recovery.elastic.run_reshard`: the exchange, per round
+           the verification verdict, the moves through the transport's exchange);
         3. nothing else: the insurance loader may use its own collectives (on the trainer's groups), the timeline
            gather is the checkpointer's, after this returns.
 
@@ -203,13 +200,13 @@ class Recoverer:
         t0 = time.perf_counter()
         failed = self._failed_restores()
         if reshard is None:
-            report, restored = run_recovery(store=self.store, topology=self.topology, group=self.group,
-                                            layout=layout, chunk_bytes=self.chunk_bytes, on_phase=on_phase,
-                                            failed_iterations=failed)
+            report, restored = run_recovery(store=self.store, topology=self.topology, transport=self.transport,
+                                            layout=layout, on_phase=on_phase, failed_iterations=failed)
         else:
             report, restored = run_reshard(root=self.store.root, job_id=self.store.job_id,
                                            generation=reshard.from_generation, rank=self.topology.rank,
-                                           new_layout=reshard.layout, group=self.group, versions=self.store.versions,
+                                           new_layout=reshard.layout, transport=self.transport,
+                                           versions=self.store.versions,
                                            verify=self.store.use_checksum, failed_iterations=failed,
                                            on_phase=on_phase)
         decision = decide_outcome(report, versions=self.store.versions,

@@ -1,43 +1,44 @@
-"""Streaming committed snapshots to the DP-ring successor.
+"""The transport seam: everything that moves snapshot bytes between ranks goes through one
+:class:`NeighborTransport`, chosen by ``neighbor_ckpt.transport.kind`` (:func:`make_transport`).
 
-:class:`NeighborTransport` is the small interface; :class:`GlooRingTransport` implements it over a
-dedicated gloo process group with one background receiver thread. Call order::
+What moves:
 
-    start()                  # all ranks; spawns the receiver thread
-    send(slot, header)       # engine worker thread, after each local commit; True when acknowledged
-    close()                  # all ranks; tells the successor to stop, joins the receiver
+* **streaming**: each committed snapshot to the DP-ring successor's replica slot (the engine's worker thread);
+* **recovery images**: a replica back to the owner that lost its slot, a lazy backup to the DP members without one
+  (:mod:`neighbor_ckpt.recovery.flow`), received with their checksums computed on arrival (:class:`Pulled`);
+* **the elastic exchange**: one message per pair of ranks a reshard plan names (:mod:`neighbor_ckpt.recovery.elastic`).
 
-A dead or silent neighbor never raises into training: :meth:`send` returns False, the replica is marked
-stale and streaming stops for the rest of the run (the next restart re-forms the ring).
+The process group is passed in; the recovery's small collectives (the inventory and verdict all-gathers) run on
+:attr:`NeighborTransport.group` beside the transport, which carries the point-to-point bytes.
+
+Kinds (:func:`transport_kinds`): ``gloo`` (:class:`~neighbor_ckpt.snapshot.gloo_transport.GlooTransport`: one gloo
+group, point-to-point, a tag pair per purpose). A new kind registers its factory with :func:`register_transport`,
+is added to :data:`neighbor_ckpt.config.TRANSPORT_KINDS` (the configuration names the kinds it accepts without
+importing this layer) and passes the contract test (``tests/multiproc/test_transport_contract.py``), which runs for
+every registered kind.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib
 import threading
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-import xxhash
 
-from neighbor_ckpt.runtime import failpoints
-from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, SlotHeader
+from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.snapshot.store import HostStore, SegmentChecksums, SlotFile, SlotHeader
 from neighbor_ckpt.snapshot.topology import Topology
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from neighbor_ckpt.config import TransportConfig
 
-__all__ = ["NeighborTransport", "GlooRingTransport", "TrafficGate", "send_image", "recv_image", "pull_image", "Pulled"]
-
-TAG_META = 7101
-TAG_DATA = 7102
-TAG_ACK = 7103
-META_LEN = 16
-MSG_IMAGE = 1
-MSG_CLOSE = 2
+__all__ = ["NeighborTransport", "GlooTransport", "GlooRingTransport", "TrafficGate", "Pulled", "make_transport",
+           "register_transport", "transport_kinds", "TransportFactory", "send_image", "recv_image", "pull_image",
+           "META_LEN"]
 
 
 class TrafficGate:
@@ -66,8 +67,62 @@ class TrafficGate:
         self._idle.wait(timeout)
 
 
+@dataclass(frozen=True)
+class Pulled:
+    """What :meth:`NeighborTransport.pull_image` received."""
+
+    index: int
+    """Slot of the role that now holds the image."""
+    iteration: int
+    """The iteration the sender announced (the header, read after the marker landed, is what counts)."""
+    checksums: SegmentChecksums | None
+    """xxh3-64 of the payload and extras segments, computed as their chunks arrived (None: not asked for)."""
+
+
 class NeighborTransport(ABC):
-    """Moves committed slot images to the ring successor (see module docstring for the call order)."""
+    """Moves snapshot bytes between the ranks of one job: streaming, recovery images, the elastic exchange.
+
+    Call order on every rank::
+
+        t = make_transport(config.transport, topology=..., store=..., group=...)  # at construction, every rank
+
+        # recovery, before streaming starts; the pairs come from a decision identical on every rank, so every send
+        # has its receive:
+        t.send_image(slot, header, dst)    # blocking; may run on a thread while this rank pulls
+        t.pull_image(role, src, index=i)   # -> Pulled: the image in slot i of role, hashed as it arrived
+        t.exchange({dst: msg}, [src, ...]) # -> {src: msg}; sends and receives of one round, in any peer order
+
+        # streaming, once training runs (a ring needs DP >= 2):
+        t.start()                          # every rank; begins receiving the predecessor's images
+        t.send(slot, header)               # the engine's worker thread, after each local commit; True: acknowledged
+        t.close()                          # every rank, at the end; stops the receiver (a no-op if never started)
+
+    The recovery methods and streaming are never in use at the same time (a recovery ends before :meth:`start`).
+    A dead or silent neighbor never raises into training from :meth:`send`: it returns False, :attr:`healthy`
+    turns False and streaming stops for the rest of the run (the next restart re-forms the ring). The recovery
+    methods raise: a recovery decides what a failed transfer costs (the receiver's verification excludes the copy).
+
+    Args:
+        topology: this rank's place (ring successor and predecessor, DP group).
+        store: this rank's host store (replicas and pulled images land in it).
+        group: the snapshot process group, passed in (a kind may build more groups of its own from it).
+    """
+
+    kind: str = ""
+    """The name :func:`make_transport` knows it by."""
+
+    def __init__(self, *, topology: Topology, store: HostStore, group: dist.ProcessGroup) -> None:
+        self.topology = topology
+        self.store = store
+        self.group = group
+        self.replica_iteration: int | None = None
+        """The newest iteration of the predecessor this rank received (None: none yet)."""
+        self.bytes_sent = 0
+        """Bytes streamed to the successor so far (acknowledged sends)."""
+        self.send_seconds = 0.0
+        """Seconds spent in acknowledged streaming sends."""
+
+    # -- streaming --------------------------------------------------------------------------------------
 
     @abstractmethod
     def start(self) -> None:
@@ -75,7 +130,7 @@ class NeighborTransport(ABC):
 
     @abstractmethod
     def send(self, slot: SlotFile, header: SlotHeader) -> bool:
-        """Send a committed image; True once the successor has committed its replica."""
+        """Send a committed image to the successor; True once the successor has committed its replica."""
 
     @abstractmethod
     def close(self) -> None:
@@ -86,201 +141,84 @@ class NeighborTransport(ABC):
     def healthy(self) -> bool:
         """False once the neighbor failed; replicas are stale from then on."""
 
+    # -- recovery ---------------------------------------------------------------------------------------
 
-def _meta(kind: int, header: SlotHeader | None, slot: SlotFile | None) -> torch.Tensor:
-    m = torch.zeros(META_LEN, dtype=torch.int64)
-    m[0] = kind
-    if header is not None and slot is not None:
-        m[1] = header.iteration
-        m[2], m[3], m[4] = slot.capacities
-        segs = slot.image_segments(header)
-        m[5] = len(segs)
-        for i, (o, n) in enumerate(segs):
-            m[6 + 2 * i], m[7 + 2 * i] = o, n
-    return m
+    @abstractmethod
+    def send_image(self, slot: SlotFile, header: SlotHeader, dst: int) -> None:
+        """Send a committed slot image to rank ``dst``, which receives it with :meth:`pull_image`. Blocking."""
 
+    @abstractmethod
+    def pull_image(self, role: str, src: int, *, index: int | None = None) -> Pulled:
+        """Receive the image rank ``src`` sends with :meth:`send_image` into slot ``index`` of ``role`` (None: the
+        slot to overwrite next). The slot is invalidated before the first byte lands, the commit marker lands last,
+        and the payload and extras are hashed as they arrive (:attr:`Pulled.checksums`: verifying the copy needs
+        no second pass)."""
 
-def send_image(slot: SlotFile, header: SlotHeader, dst: int, group: dist.ProcessGroup, *, chunk: int,
-               gate: TrafficGate | None = None, rate_bps: float = 0.0) -> None:
-    """Send a committed slot image to ``dst`` (global rank). Blocking."""
-    dist.send(_meta(MSG_IMAGE, header, slot), dst=dst, group=group, tag=TAG_META)
-    t0, sent = time.perf_counter(), 0
-    for off, n in slot.image_segments(header):
-        view = slot.segment(off, n)
-        for s in range(0, n, chunk):
-            if gate is not None:
-                gate.wait_idle(1.0)
-            part = view[s:s + chunk]
-            dist.send(part, dst=dst, group=group, tag=TAG_DATA)
-            if not sent:
-                failpoints.failpoint("snapshot.stream")
-            sent += part.numel()
-            if rate_bps > 0:
-                ahead = sent / rate_bps - (time.perf_counter() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
+    # -- the elastic exchange ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Send ``out[dst]`` (a 1-D uint8 tensor) to every ``dst`` and receive one message from every rank in
+        ``expect_from``; returns them by sender. Every rank a message names calls it in the same round; no order of
+        peers can deadlock. The bytes arrive as sent; checking them (a message's own checksum) is the caller's."""
 
 
-def recv_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, *, chunk: int,
-               meta: torch.Tensor | None = None, index: int | None = None) -> tuple[int, int] | None:
-    """Receive an image from ``src`` into a slot of ``role``; returns (slot index, iteration), or None on CLOSE.
+class TransportFactory(Protocol):
+    def __call__(self, config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
+                 gate: TrafficGate | None, on_replica: Callable[[int], None] | None) -> NeighborTransport: ...
 
-    The slot is invalidated before the first byte lands and the marker segment arrives last.
+
+_FACTORIES: dict[str, TransportFactory] = {}
+
+
+def register_transport(kind: str) -> Callable[[TransportFactory], TransportFactory]:
+    """Decorator: register the factory of transport ``kind`` (see the module docstring for what else a kind needs)."""
+
+    def wrap(factory: TransportFactory) -> TransportFactory:
+        _FACTORIES[kind] = factory
+        return factory
+
+    return wrap
+
+
+def transport_kinds() -> tuple[str, ...]:
+    """The registered kinds, sorted."""
+    _load_builtin()
+    return tuple(sorted(_FACTORIES))
+
+
+def make_transport(config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
+                   gate: TrafficGate | None = None, on_replica: Callable[[int], None] | None = None
+                   ) -> NeighborTransport:
+    """The transport of kind ``config.kind`` over ``group`` (collective when the kind builds groups of its own: call
+    it on every rank at the same point).
+
+    Raises:
+        ConfigError: the kind is not registered (the message names the known kinds).
     """
-    got = pull_image(store, role, src, group, chunk=chunk, meta=meta, index=index, hash_while_receiving=False)
-    return None if got is None else (got.index, got.iteration)
+    _load_builtin()
+    factory = _FACTORIES.get(config.kind)
+    if factory is None:
+        raise ConfigError(f"neighbor_ckpt.transport.kind: {config.kind!r} is not a known transport "
+                          f"(known kinds: {', '.join(map(repr, transport_kinds()))})")
+    return factory(config, topology=topology, store=store, group=group, gate=gate, on_replica=on_replica)
 
 
-@dataclass(frozen=True)
-class Pulled:
-    """What :func:`pull_image` received."""
+_BUILTIN = ("neighbor_ckpt.snapshot.gloo_transport",)
+"""Modules of the kinds shipped here; each registers itself when imported."""
 
-    index: int
-    """Slot of the role that now holds the image."""
-    iteration: int
-    """The iteration the sender announced (the header, read after the marker landed, is what counts)."""
-    checksums: SegmentChecksums | None
-    """xxh3-64 of the payload and extras segments, computed as their chunks arrived (None: not asked for)."""
+_REEXPORTED = {"GlooTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"}
+"""Names of the gloo kind that stay importable from this module (they lived here before the seam)."""
 
 
-def pull_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, *, chunk: int,
-               meta: torch.Tensor | None = None, index: int | None = None,
-               hash_while_receiving: bool = True) -> Pulled | None:
-    """:func:`recv_image` for a restore: receives chunk ``k + 1`` while hashing chunk ``k`` (the hash runs on this
-    thread, the receive in gloo's), so verifying the pulled copy (:meth:`SlotFile.verify` with the returned
-    ``checksums``) costs no second pass over it. None on CLOSE.
-
-    The checksums cover the bytes as they lie in the slot once received, which are the bytes a restore loads
-    (nothing else writes a slot being received)."""
-    if meta is None:
-        meta = torch.zeros(META_LEN, dtype=torch.int64)
-        dist.recv(meta, src=src, group=group, tag=TAG_META)
-    if int(meta[0]) == MSG_CLOSE:
-        return None
-    iteration = int(meta[1])
-    hcap, pcap, ecap, nseg = (int(x) for x in meta[2:6])
-    idx = store.slot_for_write(role) if index is None else index
-    slot = store.ensure(role, idx, header_cap=hcap, payload_cap=pcap, extras_cap=ecap)
-    slot.invalidate()
-    hashers: dict[int, tuple[int, xxhash.xxh3_64]] = {}  # segment offset -> (length, running hash)
-    pending: tuple[dist.Work, torch.Tensor, xxhash.xxh3_64 | None] | None = None
-    for i in range(nseg):
-        off, n = int(meta[6 + 2 * i]), int(meta[7 + 2 * i])
-        h = None
-        if hash_while_receiving and off in (slot.payload_off, slot.extras_off):
-            h = xxhash.xxh3_64()
-            hashers[off] = (n, h)
-        view = slot.segment(off, n)
-        for s in range(0, n, chunk):
-            piece = view[s:s + chunk]
-            work = dist.irecv(piece, src=src, group=group, tag=TAG_DATA)
-            if pending is not None:
-                _land(pending)
-            pending = (work, piece, h)
-    if pending is not None:
-        _land(pending)
-    sums = None
-    if hash_while_receiving:
-        sums = SegmentChecksums({off: (n, h.intdigest()) for off, (n, h) in hashers.items()})
-    return Pulled(idx, iteration, sums)
+def _load_builtin() -> None:
+    for name in _BUILTIN:
+        importlib.import_module(name)
 
 
-def _land(pending: tuple[dist.Work, torch.Tensor, xxhash.xxh3_64 | None]) -> None:
-    """Wait for a chunk (chunks of one source and tag land in the order they were posted) and hash it."""
-    work, piece, h = pending
-    work.wait()
-    if h is not None:
-        h.update(piece.numpy())
+def __getattr__(name: str) -> object:
+    if name in _REEXPORTED:  # imported on first use: the gloo module subclasses the interface above
+        from neighbor_ckpt.snapshot import gloo_transport
 
-
-class GlooRingTransport(NeighborTransport):
-    """Ring streaming over a dedicated gloo group.
-
-    Args:
-        topology: this rank's topology (successor / predecessor).
-        store: host store whose replica slots receive the predecessor's images.
-        group: a gloo group over all ranks, used only for snapshot traffic.
-        chunk_bytes: bytes per send.
-        gate: optional :class:`TrafficGate`.
-        rate_limit_bps: 0 for unlimited.
-        on_replica: called with (iteration) after each replica commit (metrics).
-    """
-
-    def __init__(self, topology: Topology, store: HostStore, group: dist.ProcessGroup, *, chunk_bytes: int,
-                 gate: TrafficGate | None = None, rate_limit_bps: float = 0.0,
-                 on_replica: Callable[[int], None] | None = None) -> None:
-        if topology.dp_size < 2:
-            raise ValueError("a ring transport needs a DP group of at least two ranks")
-        self.topology = topology
-        self.store = store
-        self.group = group
-        self.chunk = max(1, int(chunk_bytes))
-        self.gate = gate
-        self.rate = rate_limit_bps
-        self.on_replica = on_replica
-        self._healthy = True
-        self._thread: threading.Thread | None = None
-        self.replica_iteration: int | None = None
-        self.bytes_sent = 0
-        self.send_seconds = 0.0
-
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
-
-    def _mark_stale(self, what: str, err: BaseException) -> None:
-        if self._healthy:
-            logger.warning("rank %d: neighbor streaming stopped (%s: %s); replicas are stale until the next "
-                           "restart, training continues", self.topology.rank, what, err)
-        self._healthy = False
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._receive_loop, name="neighbor_ckpt-recv", daemon=True)
-        self._thread.start()
-
-    def _receive_loop(self) -> None:
-        pred = self.topology.predecessor
-        try:
-            while True:
-                got = recv_image(self.store, ROLE_REPLICA, pred, self.group, chunk=self.chunk)
-                if got is None:
-                    return
-                _, iteration = got
-                self.replica_iteration = iteration
-                dist.send(torch.tensor([iteration], dtype=torch.int64), dst=pred, group=self.group, tag=TAG_ACK)
-                if self.on_replica is not None:
-                    self.on_replica(iteration)
-        except Exception as e:  # noqa: BLE001 - a dead predecessor must not take training down
-            self._mark_stale(f"receiving from rank {pred}", e)
-
-    def send(self, slot: SlotFile, header: SlotHeader) -> bool:
-        if not self._healthy:
-            return False
-        succ = self.topology.successor
-        t0 = time.perf_counter()
-        try:
-            send_image(slot, header, succ, self.group, chunk=self.chunk, gate=self.gate, rate_bps=self.rate)
-            ack = torch.zeros(1, dtype=torch.int64)
-            dist.recv(ack, src=succ, group=self.group, tag=TAG_ACK)
-        except Exception as e:  # noqa: BLE001
-            self._mark_stale(f"sending to rank {succ}", e)
-            return False
-        self.send_seconds += time.perf_counter() - t0
-        self.bytes_sent += sum(n for _, n in slot.image_segments(header))
-        if int(ack[0]) != header.iteration:
-            self._mark_stale(f"rank {succ} acknowledged iteration {int(ack[0])} for {header.iteration}",
-                             RuntimeError("out-of-order acknowledgement"))
-            return False
-        return True
-
-    def close(self, timeout: float = 30.0) -> None:
-        if self._healthy:
-            try:
-                dist.send(_meta(MSG_CLOSE, None, None), dst=self.topology.successor, group=self.group, tag=TAG_META)
-            except Exception as e:  # noqa: BLE001
-                self._mark_stale("closing", e)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("rank %d: receiver thread did not stop within %.0fs (predecessor gone?)",
-                               self.topology.rank, timeout)
+        return getattr(gloo_transport, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,9 @@ from neighbor_ckpt.recovery.elastic import _move, _Open
 from neighbor_ckpt.recovery.reshard import Copy, choose_version, plan_reshard
 from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
+from neighbor_ckpt.snapshot.gloo_transport import GlooTransport
 from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore
+from neighbor_ckpt.snapshot.topology import build_topology
 from tests.multiproc.test_gloo_ring import _spawn
 from tests.unit.test_reshard import _layouts
 
@@ -44,7 +46,10 @@ def _unpackable_part(rank: int, world: int, tmp: Path) -> None:
     expected = (SnapshotMismatchError, "cannot be resharded") if rank == 1 else \
         (SnapshotCorruptError, "rank 1 could not send its part of the reshard: rank 1: per-parameter")
     with pytest.raises(expected[0], match=expected[1]):
-        _move(plan, opened, rank=rank, new_layout=layouts[rank], group=dist.group.WORLD)
+        _move(plan, opened, rank=rank, new_layout=layouts[rank],
+              transport=GlooTransport(build_topology(rank=rank, world_size=world, dp_ranks=range(world)),
+                                      HostStore(tmp / f"new{rank}", job_id="j", rank=rank), dist.group.WORLD,
+                                      chunk_bytes=1 << 20))
     dist.barrier()  # both ranks left the exchange
 
 

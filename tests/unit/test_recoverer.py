@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from neighbor_ckpt.config import TransportConfig
 from neighbor_ckpt.errors import NoRecoverableStateError
 from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
@@ -23,6 +24,7 @@ from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
 from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, HostStore
 from neighbor_ckpt.snapshot.topology import build_topology
+from neighbor_ckpt.snapshot.transport import make_transport
 
 
 def report(outcome: str, newest: int | None = None, iteration: int | None = None) -> RecoveryReport:
@@ -130,8 +132,8 @@ def group(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
 def one_rank(tmp_path: Path, group: dist.ProcessGroup, *, attempt: int, insurance=None) -> Recoverer:
     store = HostStore(tmp_path / "store", job_id="j", rank=0, versions=2)
     topo = build_topology(rank=0, world_size=1, dp_ranks=[0])
-    return Recoverer(store=store, topology=topo, group=group, chunk_bytes=1 << 16, insurance=insurance,
-                     attempt=attempt)
+    transport = make_transport(TransportConfig(chunk_mb=1 / 16), topology=topo, store=store, group=group)
+    return Recoverer(store=store, topology=topo, transport=transport, insurance=insurance, attempt=attempt)
 
 
 def snapshot(rec: Recoverer, iteration: int) -> torch.Tensor:

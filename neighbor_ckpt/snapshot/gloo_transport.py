@@ -1,0 +1,299 @@
+"""The ``gloo`` transport: every byte between ranks over one gloo process group, point-to-point.
+
+:class:`GlooTransport` implements :class:`~neighbor_ckpt.snapshot.transport.NeighborTransport` (the call order is in
+its docstring). Each purpose has its own pair of tags on the group, so a purpose never takes another's message:
+
+* streaming (``TAG_META`` / ``TAG_DATA`` / ``TAG_ACK``): one background receiver thread per rank takes the
+  predecessor's images into its replica slots and acknowledges each once its commit marker landed;
+* recovery images (``TAG_PULL_META`` / ``TAG_PULL_DATA``): :meth:`GlooTransport.send_image` /
+  :meth:`GlooTransport.pull_image`, the receiver hashing chunk ``k`` while chunk ``k + 1`` arrives;
+* the elastic exchange (``TAG_SIZES`` / ``TAG_MSG``): sizes first, then the messages, every receive and send posted
+  before any wait, so no order of peers can deadlock.
+
+An image on the wire: one int64 header message (``META_LEN`` numbers: kind, iteration, the slot's three capacities,
+the segment count and each segment's offset and length), then the segments in :meth:`SlotFile.image_segments` order
+(the commit marker's segment last), cut into ``chunk_bytes`` pieces. The receiver invalidates its slot before the first
+byte lands, so a torn transfer leaves no committed slot.
+
+:func:`send_image`, :func:`recv_image` and :func:`pull_image` are the same wire functions for callers holding a bare
+group (benchmarks, older tests); the library itself calls the transport's methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from neighbor_ckpt.errors import TopologyError, TransportError
+from neighbor_ckpt.runtime import failpoints
+from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.topology import Topology
+from neighbor_ckpt.snapshot.transport import NeighborTransport, Pulled, TrafficGate, register_transport
+
+if TYPE_CHECKING:
+    from neighbor_ckpt.config import TransportConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GlooTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"]
+
+TAG_META = 7101
+TAG_DATA = 7102
+TAG_ACK = 7103
+TAG_PULL_META = 7111
+TAG_PULL_DATA = 7112
+TAG_SIZES = 7201
+TAG_MSG = 7202
+META_LEN = 16
+MSG_IMAGE = 1
+MSG_CLOSE = 2
+
+
+def _meta(kind: int, header: SlotHeader | None, slot: SlotFile | None) -> torch.Tensor:
+    m = torch.zeros(META_LEN, dtype=torch.int64)
+    m[0] = kind
+    if header is not None and slot is not None:
+        m[1] = header.iteration
+        m[2], m[3], m[4] = slot.capacities
+        segs = slot.image_segments(header)
+        m[5] = len(segs)
+        for i, (o, n) in enumerate(segs):
+            m[6 + 2 * i], m[7 + 2 * i] = o, n
+    return m
+
+
+def send_image(slot: SlotFile, header: SlotHeader, dst: int, group: dist.ProcessGroup, *, chunk: int,
+               gate: TrafficGate | None = None, rate_bps: float = 0.0, tags: tuple[int, int] = (TAG_META, TAG_DATA)
+               ) -> None:
+    """Send a committed slot image to ``dst`` (global rank). Blocking. ``tags``: (header, data) tags."""
+    dist.send(_meta(MSG_IMAGE, header, slot), dst=dst, group=group, tag=tags[0])
+    t0, sent = time.perf_counter(), 0
+    for off, n in slot.image_segments(header):
+        view = slot.segment(off, n)
+        for s in range(0, n, chunk):
+            if gate is not None:
+                gate.wait_idle(1.0)
+            part = view[s:s + chunk]
+            dist.send(part, dst=dst, group=group, tag=tags[1])
+            if not sent:
+                failpoints.failpoint("snapshot.stream")
+            sent += part.numel()
+            if rate_bps > 0:
+                ahead = sent / rate_bps - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+
+def recv_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, *, chunk: int,
+               meta: torch.Tensor | None = None, index: int | None = None,
+               tags: tuple[int, int] = (TAG_META, TAG_DATA)) -> tuple[int, int] | None:
+    """Receive an image from ``src`` into a slot of ``role``; returns (slot index, iteration), or None on CLOSE.
+
+    The slot is invalidated before the first byte lands and the marker segment arrives last.
+    """
+    got = pull_image(store, role, src, group, chunk=chunk, meta=meta, index=index, hash_while_receiving=False,
+                     tags=tags)
+    return None if got is None else (got.index, got.iteration)
+
+
+def pull_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, *, chunk: int,
+               meta: torch.Tensor | None = None, index: int | None = None,
+               hash_while_receiving: bool = True, tags: tuple[int, int] = (TAG_META, TAG_DATA)) -> Pulled | None:
+    """:func:`recv_image` for a restore: receives chunk ``k + 1`` while hashing chunk ``k`` (the hash runs on this
+    thread, the receive in gloo's), so verifying the pulled copy (:meth:`SlotFile.verify` with the returned
+    ``checksums``) costs no second pass over it. None on CLOSE.
+
+    The checksums cover the bytes as they lie in the slot once received, which are the bytes a restore loads
+    (nothing else writes a slot being received)."""
+    if meta is None:
+        meta = torch.zeros(META_LEN, dtype=torch.int64)
+        dist.recv(meta, src=src, group=group, tag=tags[0])
+    if int(meta[0]) == MSG_CLOSE:
+        return None
+    iteration = int(meta[1])
+    hcap, pcap, ecap, nseg = (int(x) for x in meta[2:6])
+    idx = store.slot_for_write(role) if index is None else index
+    slot = store.ensure(role, idx, header_cap=hcap, payload_cap=pcap, extras_cap=ecap)
+    slot.invalidate()
+    hashers: dict[int, tuple[int, xxhash.xxh3_64]] = {}  # segment offset -> (length, running hash)
+    pending: tuple[dist.Work, torch.Tensor, xxhash.xxh3_64 | None] | None = None
+    for i in range(nseg):
+        off, n = int(meta[6 + 2 * i]), int(meta[7 + 2 * i])
+        h = None
+        if hash_while_receiving and off in (slot.payload_off, slot.extras_off):
+            h = xxhash.xxh3_64()
+            hashers[off] = (n, h)
+        view = slot.segment(off, n)
+        for s in range(0, n, chunk):
+            piece = view[s:s + chunk]
+            work = dist.irecv(piece, src=src, group=group, tag=tags[1])
+            if pending is not None:
+                _land(pending)
+            pending = (work, piece, h)
+    if pending is not None:
+        _land(pending)
+    sums = None
+    if hash_while_receiving:
+        sums = SegmentChecksums({off: (n, h.intdigest()) for off, (n, h) in hashers.items()})
+    return Pulled(idx, iteration, sums)
+
+
+def _land(pending: tuple[dist.Work, torch.Tensor, xxhash.xxh3_64 | None]) -> None:
+    """Wait for a chunk (chunks of one source and tag land in the order they were posted) and hash it."""
+    work, piece, h = pending
+    work.wait()
+    if h is not None:
+        h.update(piece.numpy())
+
+
+class GlooTransport(NeighborTransport):
+    """Every byte between ranks over one gloo group (see the module docstring for the wire and the tags).
+
+    Args:
+        topology: this rank's topology (successor / predecessor).
+        store: this rank's host store: the predecessor's images land in its replica slots, pulls in the role asked.
+        group: a gloo group over all ranks (the snapshot group; the recovery's small collectives run on it too).
+        chunk_bytes: bytes per send.
+        gate: optional :class:`TrafficGate` (streaming yields to training traffic).
+        rate_limit_bps: streaming bound in bytes per second, 0 for unlimited.
+        on_replica: called with (iteration) after each replica commit (metrics).
+    """
+
+    kind = "gloo"
+
+    def __init__(self, topology: Topology, store: HostStore, group: dist.ProcessGroup, *, chunk_bytes: int,
+                 gate: TrafficGate | None = None, rate_limit_bps: float = 0.0,
+                 on_replica: Callable[[int], None] | None = None) -> None:
+        super().__init__(topology=topology, store=store, group=group)
+        self.chunk = max(1, int(chunk_bytes))
+        self.gate = gate
+        self.rate = rate_limit_bps
+        self.on_replica = on_replica
+        self._healthy = True
+        self._thread: threading.Thread | None = None
+
+    # -- streaming --------------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def _mark_stale(self, what: str, err: BaseException) -> None:
+        if self._healthy:
+            logger.warning("rank %d: neighbor streaming stopped (%s: %s); replicas are stale until the next "
+                           "restart, training continues", self.topology.rank, what, err)
+        self._healthy = False
+
+    def start(self) -> None:
+        if self.topology.dp_size < 2:
+            raise TopologyError(f"rank {self.topology.rank}: streaming to a ring successor needs a data-parallel "
+                                f"group of at least two ranks (this one has {self.topology.dp_size})")
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._receive_loop, name="neighbor_ckpt-recv", daemon=True)
+        self._thread.start()
+
+    def _receive_loop(self) -> None:
+        pred = self.topology.predecessor
+        try:
+            while True:
+                got = recv_image(self.store, ROLE_REPLICA, pred, self.group, chunk=self.chunk)
+                if got is None:
+                    return
+                _, iteration = got
+                self.replica_iteration = iteration
+                dist.send(torch.tensor([iteration], dtype=torch.int64), dst=pred, group=self.group, tag=TAG_ACK)
+                if self.on_replica is not None:
+                    self.on_replica(iteration)
+        except Exception as e:  # noqa: BLE001 - a dead predecessor must not take training down
+            self._mark_stale(f"receiving from rank {pred}", e)
+
+    def send(self, slot: SlotFile, header: SlotHeader) -> bool:
+        if not self._healthy:
+            return False
+        succ = self.topology.successor
+        t0 = time.perf_counter()
+        try:
+            send_image(slot, header, succ, self.group, chunk=self.chunk, gate=self.gate, rate_bps=self.rate)
+            ack = torch.zeros(1, dtype=torch.int64)
+            dist.recv(ack, src=succ, group=self.group, tag=TAG_ACK)
+        except Exception as e:  # noqa: BLE001
+            self._mark_stale(f"sending to rank {succ}", e)
+            return False
+        self.send_seconds += time.perf_counter() - t0
+        self.bytes_sent += sum(n for _, n in slot.image_segments(header))
+        if int(ack[0]) != header.iteration:
+            self._mark_stale(f"rank {succ} acknowledged iteration {int(ack[0])} for {header.iteration}",
+                             RuntimeError("out-of-order acknowledgement"))
+            return False
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return  # never streamed: the successor has no receiver waiting for a CLOSE
+        if self._healthy:
+            try:
+                dist.send(_meta(MSG_CLOSE, None, None), dst=self.topology.successor, group=self.group, tag=TAG_META)
+            except Exception as e:  # noqa: BLE001
+                self._mark_stale("closing", e)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("rank %d: receiver thread did not stop within %.0fs (predecessor gone?)",
+                           self.topology.rank, timeout)
+
+    # -- recovery ---------------------------------------------------------------------------------------
+
+    def send_image(self, slot: SlotFile, header: SlotHeader, dst: int) -> None:
+        send_image(slot, header, dst, self.group, chunk=self.chunk, tags=(TAG_PULL_META, TAG_PULL_DATA))
+
+    def pull_image(self, role: str, src: int, *, index: int | None = None) -> Pulled:
+        got = pull_image(self.store, role, src, self.group, chunk=self.chunk, index=index,
+                         tags=(TAG_PULL_META, TAG_PULL_DATA))
+        if got is None:  # only streaming sends CLOSE, on other tags
+            raise TransportError(f"rank {self.topology.rank}: rank {src} announced no image")
+        return got
+
+    # -- the elastic exchange ---------------------------------------------------------------------------
+
+    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int]) -> dict[int, torch.Tensor]:
+        _check_messages(out, self.topology.rank)
+        sizes_in = {s: torch.zeros(1, dtype=torch.int64) for s in expect_from}
+        works = [dist.irecv(t, src=s, group=self.group, tag=TAG_SIZES) for s, t in sizes_in.items()]
+        sizes_out = {d: torch.tensor([m.numel()], dtype=torch.int64) for d, m in out.items()}
+        works += [dist.isend(t, dst=d, group=self.group, tag=TAG_SIZES) for d, t in sizes_out.items()]
+        for w in works:
+            w.wait()
+        data_in = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes_in.items()}
+        works = [dist.irecv(t, src=s, group=self.group, tag=TAG_MSG) for s, t in data_in.items() if t.numel()]
+        works += [dist.isend(m.contiguous(), dst=d, group=self.group, tag=TAG_MSG) for d, m in out.items()
+                  if m.numel()]
+        for w in works:
+            w.wait()
+        return data_in
+
+
+def _check_messages(out: Mapping[int, torch.Tensor], rank: int) -> None:
+    for dst, m in out.items():
+        if m.dtype != torch.uint8 or m.dim() != 1:
+            raise TransportError(f"rank {rank}: the message for rank {dst} must be a 1-D uint8 tensor, got "
+                                 f"{m.dtype} of shape {tuple(m.shape)}")
+        if dst == rank:
+            raise TransportError(f"rank {rank}: a rank does not exchange a message with itself")
+
+
+GlooRingTransport = GlooTransport
+"""The name :class:`GlooTransport` had when it streamed only."""
+
+
+@register_transport("gloo")
+def make_gloo_transport(config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
+                        gate: TrafficGate | None, on_replica: Callable[[int], None] | None) -> GlooTransport:
+    """Kind ``gloo``: :class:`GlooTransport` over the snapshot group, with the configuration's chunk and rate."""
+    return GlooTransport(topology, store, group, chunk_bytes=int(config.chunk_mb * 2**20), gate=gate,
+                         rate_limit_bps=config.rate_limit_mb_per_s * 1e6, on_replica=on_replica)

@@ -1,0 +1,72 @@
+"""The transport seam in one process: ``transport.kind`` validation, the factory, the names kept importable, and the
+rounds recovery allows itself. The multi-rank contract is ``tests/multiproc/test_transport_contract.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from neighbor_ckpt.config import TRANSPORT_KINDS, NeighborCkptConfig, TransportConfig
+from neighbor_ckpt.errors import ConfigError, TopologyError
+from neighbor_ckpt.recovery.flow import COPIES_PER_VERSION_RESHARD, COPIES_PER_VERSION_RESTORE, max_rounds
+from neighbor_ckpt.snapshot import gloo_transport
+from neighbor_ckpt.snapshot.store import HostStore
+from neighbor_ckpt.snapshot.topology import build_topology
+from neighbor_ckpt.snapshot.transport import NeighborTransport, make_transport, transport_kinds
+
+
+def test_transport_kind_defaults_to_gloo_and_an_unknown_kind_names_the_known_ones() -> None:
+    assert TransportConfig().kind == "gloo"
+    assert NeighborCkptConfig.from_dict({"transport": {"kind": "gloo"}}).transport.kind == "gloo"
+    with pytest.raises(ConfigError, match=r"neighbor_ckpt\.transport\.kind: 'nccl' is not allowed \(allowed values: "
+                                          r"'gloo'\)"):
+        NeighborCkptConfig.from_dict({"transport": {"kind": "nccl"}})
+    with pytest.raises(ConfigError, match=r"neighbor_ckpt\.transport\.kind"):
+        TransportConfig(kind="tcp")
+
+
+def test_the_configurable_kinds_are_the_registered_ones() -> None:
+    assert set(TRANSPORT_KINDS) == set(transport_kinds())
+
+
+def test_old_import_paths_of_the_gloo_kind_still_work() -> None:
+    from neighbor_ckpt.snapshot.transport import META_LEN, GlooRingTransport, pull_image, recv_image, send_image
+
+    assert GlooRingTransport is gloo_transport.GlooTransport
+    assert (send_image, recv_image, pull_image, META_LEN) == (gloo_transport.send_image, gloo_transport.recv_image,
+                                                             gloo_transport.pull_image, gloo_transport.META_LEN)
+
+
+def test_max_rounds_keeps_what_each_recovery_needs() -> None:
+    assert [max_rounds(v, copies_per_version=COPIES_PER_VERSION_RESTORE) for v in (1, 2, 3)] == [6, 10, 14]
+    assert [max_rounds(v, copies_per_version=COPIES_PER_VERSION_RESHARD) for v in (1, 2, 3)] == [4, 6, 8]
+
+
+@pytest.fixture()
+def group(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_make_transport_builds_the_configured_kind_over_the_group_passed_in(tmp_path: Path,
+                                                                            group: dist.ProcessGroup) -> None:
+    topo = build_topology(rank=0, world_size=1, dp_ranks=[0])
+    store = HostStore(tmp_path / "store", job_id="j", rank=0)
+    cfg = TransportConfig(chunk_mb=0.5, rate_limit_mb_per_s=3)
+    t = make_transport(cfg, topology=topo, store=store, group=group)
+    assert isinstance(t, NeighborTransport) and t.kind == "gloo" and t.group is group and t.store is store
+    assert (t.chunk, t.rate) == (1 << 19, 3e6)
+    t.close()  # never started: nothing to stop, nothing sent
+    with pytest.raises(TopologyError, match="at least two ranks"):
+        t.start()  # one DP rank: no ring to stream on (recovery still uses the transport)
+    cfg.kind = "nccl"  # set after validation: the factory refuses it too
+    with pytest.raises(ConfigError, match=r"'nccl' is not a known transport \(known kinds: 'gloo'\)"):
+        make_transport(cfg, topology=topo, store=store, group=group)
