@@ -304,7 +304,7 @@ def block_rounds(stamps: Sequence[Sequence[tuple[int, float]]], *, warmup: int, 
 def main(argv: Sequence[str] | None = None) -> int:
     from tools.bench.machine import cpu_sample, foreign_load, wait_until_quiet
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.nemo_step", description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=CONFIGS_DIR / "gpt_tiny_cpu.yaml",
                     help="the job file the shape overrides apply to")
     ap.add_argument("--mode", choices=("blocks", "launches"), default="blocks",
