@@ -114,12 +114,13 @@ def iteration_from_name(path: Any, *, framework: str, steps_for_consumed: Callab
     return step
 
 
-def disk_checkpoint_wins(path: Any, restored_step: int) -> bool:
+def disk_checkpoint_wins(path: Any, restored_step: int, *, disk_step: int | None = None) -> bool:
     """After an in-memory restore of ``restored_step``, with the framework about to load the checkpoint ``path``:
     whether that checkpoint is loaded over the in-memory version. The newer iteration wins: the disk checkpoint only
-    when its name says it is newer (a name without a step is taken for older: one snapshot is taken every iteration).
-    Announced either way."""
-    disk_step = checkpoint_step(path)
+    when it is newer, by ``disk_step`` when the framework knows it (Megatron-Bridge's tracker file), else by its name
+    (a name without a step is taken for older: one snapshot is taken every iteration). Announced either way."""
+    if disk_step is None:
+        disk_step = checkpoint_step(path)
     if disk_step is not None and disk_step > restored_step:
         logger.warning("disk checkpoint %s (step %d) is newer than the in-memory version (step %d): it is loaded "
                        "over it", path, disk_step, restored_step)

@@ -4,7 +4,7 @@ A framework callback (Lightning / NeMo 2 today, Megatron-Bridge next) calls, in 
 
     session = Session(config, name="NeighborCheckpoint")
     insurance = session.own_insurance(files, load_file)          # our insurance checkpoints, or
-    insurance = session.framework_insurance(path_of, step_of)    # the framework's checkpoint is the insurance
+    insurance = session.framework_insurance(path_of, step_of, announce="Bridge loads its checkpoint")  # or theirs
     session.start(adapter=..., insurance=insurance, ...)         # builds the NeighborCheckpointer (collective)
     resume = session.recover()                                   # collective; before the framework's data iterators
     if resume.state is not None:                                 # apply it (loops, schedulers, RNG) ...

@@ -57,6 +57,11 @@ def test_after_an_in_memory_restore_the_newer_iteration_wins_announced(path: str
     assert (f"skipping the disk restore of {path}: the in-memory version of step 7 is newer" in said) is not wins
 
 
+def test_a_step_the_framework_knows_overrides_the_name() -> None:
+    assert disk_checkpoint_wins("/ckpt/iter_0000009", 7, disk_step=9)
+    assert not disk_checkpoint_wins("/ckpt/m-step=9", 7, disk_step=7)
+
+
 def _result(outcome: str, iteration: int | None, user_state: object = None) -> RecoveryResult:
     return RecoveryResult(RecoveryReport(outcome=outcome, iteration=iteration), iteration, user_state)
 
