@@ -56,7 +56,7 @@ LAUNCH_ID_ENV = "NEIGHBOR_CKPT_LAUNCH_ID"
 """Set by :mod:`neighbor_ckpt.runtime.launch_identity` in every worker of a torchrun launch without a run id: the
 job id made once for that launch (shared by its restarts through the agent's store)."""
 
-TRANSPORT_KINDS = ("gloo",)
+TRANSPORT_KINDS = ("gloo", "gloo_split")
 """The transports ``neighbor_ckpt.transport.kind`` accepts: the kinds registered in
 :mod:`neighbor_ckpt.snapshot.transport` (named here so that validating a config imports no layer above it; a test
 keeps the two the same)."""
@@ -119,8 +119,10 @@ class TransportConfig:
     (:mod:`neighbor_ckpt.snapshot.transport`)."""
 
     kind: str = "gloo"
-    """The transport (one of :data:`TRANSPORT_KINDS`). ``gloo``: point-to-point over the snapshot gloo group, on
-    the host, a tag pair per purpose."""
+    """The transport (one of :data:`TRANSPORT_KINDS`), on the host, point-to-point. ``gloo``: everything over the
+    snapshot gloo group. ``gloo_split``: streaming over a gloo group of its own (one more connection per pair of
+    ranks), so streamed chunks never queue ahead of the snapshot group's collectives; recovery stays on the snapshot
+    group."""
 
     enabled: bool = True
     """Stream snapshots to the successor. Off: only the local slot exists (a lost node falls back to

@@ -1,7 +1,16 @@
-"""The ``gloo`` transport: every byte between ranks over one gloo process group, point-to-point.
+"""The gloo transports: snapshot bytes between ranks over gloo process groups, point-to-point, on the host.
+
+Two kinds, one wire:
+
+* ``gloo`` (:class:`GlooTransport`): everything over the snapshot group;
+* ``gloo_split`` (:class:`GlooSplitTransport`): streaming over a gloo group of its own (its own connections), the
+  recovery images and the elastic exchange over the snapshot group. A streamed chunk (``chunk_mb``, 16 MB by default)
+  then never sits on a connection ahead of the small collectives the training thread runs on the snapshot group while
+  streaming goes on in the background (the store-generation release, the failure verdicts, the closing barrier).
+  The cost: one more gloo group (a collective when it is made, one more connection per pair of ranks).
 
 :class:`GlooTransport` implements :class:`~neighbor_ckpt.snapshot.transport.NeighborTransport` (the call order is in
-its docstring). Each purpose has its own pair of tags on the group, so a purpose never takes another's message:
+its docstring). Each purpose has its own pair of tags, so a purpose never takes another's message:
 
 * streaming (``TAG_META`` / ``TAG_DATA`` / ``TAG_ACK``): one background receiver thread per rank takes the
   predecessor's images into its replica slots and acknowledges each once its commit marker landed;
@@ -24,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
@@ -41,7 +51,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlooTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"]
+__all__ = ["GlooTransport", "GlooSplitTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"]
 
 TAG_META = 7101
 TAG_DATA = 7102
@@ -171,6 +181,8 @@ class GlooTransport(NeighborTransport):
                  gate: TrafficGate | None = None, rate_limit_bps: float = 0.0,
                  on_replica: Callable[[int], None] | None = None) -> None:
         super().__init__(topology=topology, store=store, group=group)
+        self.stream_group = group
+        """The group streaming runs on (:class:`GlooSplitTransport`: one of its own)."""
         self.chunk = max(1, int(chunk_bytes))
         self.gate = gate
         self.rate = rate_limit_bps
@@ -203,12 +215,13 @@ class GlooTransport(NeighborTransport):
         pred = self.topology.predecessor
         try:
             while True:
-                got = recv_image(self.store, ROLE_REPLICA, pred, self.group, chunk=self.chunk)
+                got = recv_image(self.store, ROLE_REPLICA, pred, self.stream_group, chunk=self.chunk)
                 if got is None:
                     return
                 _, iteration = got
                 self.replica_iteration = iteration
-                dist.send(torch.tensor([iteration], dtype=torch.int64), dst=pred, group=self.group, tag=TAG_ACK)
+                dist.send(torch.tensor([iteration], dtype=torch.int64), dst=pred, group=self.stream_group,
+                          tag=TAG_ACK)
                 if self.on_replica is not None:
                     self.on_replica(iteration)
         except Exception as e:  # noqa: BLE001 - a dead predecessor must not take training down
@@ -220,9 +233,9 @@ class GlooTransport(NeighborTransport):
         succ = self.topology.successor
         t0 = time.perf_counter()
         try:
-            send_image(slot, header, succ, self.group, chunk=self.chunk, gate=self.gate, rate_bps=self.rate)
+            send_image(slot, header, succ, self.stream_group, chunk=self.chunk, gate=self.gate, rate_bps=self.rate)
             ack = torch.zeros(1, dtype=torch.int64)
-            dist.recv(ack, src=succ, group=self.group, tag=TAG_ACK)
+            dist.recv(ack, src=succ, group=self.stream_group, tag=TAG_ACK)
         except Exception as e:  # noqa: BLE001
             self._mark_stale(f"sending to rank {succ}", e)
             return False
@@ -239,7 +252,8 @@ class GlooTransport(NeighborTransport):
             return  # never streamed: the successor has no receiver waiting for a CLOSE
         if self._healthy:
             try:
-                dist.send(_meta(MSG_CLOSE, None, None), dst=self.topology.successor, group=self.group, tag=TAG_META)
+                dist.send(_meta(MSG_CLOSE, None, None), dst=self.topology.successor, group=self.stream_group,
+                          tag=TAG_META)
             except Exception as e:  # noqa: BLE001
                 self._mark_stale("closing", e)
         self._thread.join(timeout)
@@ -291,9 +305,44 @@ GlooRingTransport = GlooTransport
 """The name :class:`GlooTransport` had when it streamed only."""
 
 
+class GlooSplitTransport(GlooTransport):
+    """Kind ``gloo_split``: :class:`GlooTransport` with streaming on ``stream_group``, a gloo group of its own (see
+    the module docstring for why); recovery images and the exchange stay on ``group``.
+
+    Args:
+        stream_group: a gloo group over the same ranks as ``group``, used for nothing but streaming.
+        (the rest as :class:`GlooTransport`)
+    """
+
+    kind = "gloo_split"
+
+    def __init__(self, topology: Topology, store: HostStore, group: dist.ProcessGroup, *,
+                 stream_group: dist.ProcessGroup, chunk_bytes: int, gate: TrafficGate | None = None,
+                 rate_limit_bps: float = 0.0, on_replica: Callable[[int], None] | None = None) -> None:
+        super().__init__(topology, store, group, chunk_bytes=chunk_bytes, gate=gate, rate_limit_bps=rate_limit_bps,
+                         on_replica=on_replica)
+        if dist.get_world_size(stream_group) != dist.get_world_size(group):
+            raise TopologyError(f"rank {topology.rank}: the streaming group has {dist.get_world_size(stream_group)} "
+                                f"ranks, the snapshot group {dist.get_world_size(group)}; they must be the same ranks")
+        self.stream_group = stream_group
+
+
 @register_transport("gloo")
 def make_gloo_transport(config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
                         gate: TrafficGate | None, on_replica: Callable[[int], None] | None) -> GlooTransport:
     """Kind ``gloo``: :class:`GlooTransport` over the snapshot group, with the configuration's chunk and rate."""
     return GlooTransport(topology, store, group, chunk_bytes=int(config.chunk_mb * 2**20), gate=gate,
                          rate_limit_bps=config.rate_limit_mb_per_s * 1e6, on_replica=on_replica)
+
+
+@register_transport("gloo_split")
+def make_gloo_split_transport(config: TransportConfig, *, topology: Topology, store: HostStore,
+                              group: dist.ProcessGroup, gate: TrafficGate | None,
+                              on_replica: Callable[[int], None] | None) -> GlooSplitTransport:
+    """Kind ``gloo_split``: :class:`GlooSplitTransport`; makes its streaming group (collective over the default group:
+    every rank calls it at the same point), with the configuration's timeout."""
+    stream_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                                  timeout=timedelta(seconds=config.timeout_s))
+    return GlooSplitTransport(topology, store, group, stream_group=stream_group,
+                              chunk_bytes=int(config.chunk_mb * 2**20), gate=gate,
+                              rate_limit_bps=config.rate_limit_mb_per_s * 1e6, on_replica=on_replica)

@@ -11,8 +11,9 @@ What moves:
 The process group is passed in; the recovery's small collectives (the inventory and verdict all-gathers) run on
 :attr:`NeighborTransport.group` beside the transport, which carries the point-to-point bytes.
 
-Kinds (:func:`transport_kinds`): ``gloo`` (:class:`~neighbor_ckpt.snapshot.gloo_transport.GlooTransport`: one gloo
-group, point-to-point, a tag pair per purpose). A new kind registers its factory with :func:`register_transport`,
+Kinds (:func:`transport_kinds`), in :mod:`neighbor_ckpt.snapshot.gloo_transport`: ``gloo`` (everything over the
+snapshot gloo group, point-to-point, a tag pair per purpose) and ``gloo_split`` (the same, with streaming over a gloo
+group of its own). A new kind registers its factory with :func:`register_transport`,
 is added to :data:`neighbor_ckpt.config.TRANSPORT_KINDS` (the configuration names the kinds it accepts without
 importing this layer) and passes the contract test (``tests/multiproc/test_transport_contract.py``), which runs for
 every registered kind.
@@ -36,7 +37,7 @@ from neighbor_ckpt.snapshot.topology import Topology
 if TYPE_CHECKING:
     from neighbor_ckpt.config import TransportConfig
 
-__all__ = ["NeighborTransport", "GlooTransport", "GlooRingTransport", "TrafficGate", "Pulled", "make_transport",
+__all__ = ["NeighborTransport", "GlooTransport", "GlooSplitTransport", "GlooRingTransport", "TrafficGate", "Pulled", "make_transport",
            "register_transport", "transport_kinds", "TransportFactory", "send_image", "recv_image", "pull_image",
            "META_LEN"]
 
@@ -207,7 +208,7 @@ def make_transport(config: TransportConfig, *, topology: Topology, store: HostSt
 _BUILTIN = ("neighbor_ckpt.snapshot.gloo_transport",)
 """Modules of the kinds shipped here; each registers itself when imported."""
 
-_REEXPORTED = {"GlooTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"}
+_REEXPORTED = {"GlooTransport", "GlooSplitTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"}
 """Names of the gloo kind that stay importable from this module (they lived here before the seam)."""
 
 

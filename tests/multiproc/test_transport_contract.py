@@ -49,8 +49,10 @@ def kind_factory(kind: str, topology: Topology, store: HostStore, group: dist.Pr
 
 
 def _expected(owner: int, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(owner * 100 + iteration)  # as tests.multiproc.test_gloo_ring._image writes them
-    return torch.randn(1000), torch.randn(33, 7, dtype=torch.float64)
+    """The tensors ``tests.multiproc.test_gloo_ring._image`` writes, from a generator of their own: this runs on the
+    receiver thread too, while the main thread seeds the global one to write the next image."""
+    g = torch.Generator().manual_seed(owner * 100 + iteration)
+    return torch.randn(1000, generator=g), torch.randn(33, 7, dtype=torch.float64, generator=g)
 
 
 def _image_problems(slot: SlotFile | None, owner: int, iteration: int, what: str) -> list[str]:

@@ -22,7 +22,7 @@ def test_transport_kind_defaults_to_gloo_and_an_unknown_kind_names_the_known_one
     assert TransportConfig().kind == "gloo"
     assert NeighborCkptConfig.from_dict({"transport": {"kind": "gloo"}}).transport.kind == "gloo"
     with pytest.raises(ConfigError, match=r"neighbor_ckpt\.transport\.kind: 'nccl' is not allowed \(allowed values: "
-                                          r"'gloo'\)"):
+                                          r"'gloo', 'gloo_split'\)"):
         NeighborCkptConfig.from_dict({"transport": {"kind": "nccl"}})
     with pytest.raises(ConfigError, match=r"neighbor_ckpt\.transport\.kind"):
         TransportConfig(kind="tcp")
@@ -68,5 +68,15 @@ def test_make_transport_builds_the_configured_kind_over_the_group_passed_in(tmp_
     with pytest.raises(TopologyError, match="at least two ranks"):
         t.start()  # one DP rank: no ring to stream on (recovery still uses the transport)
     cfg.kind = "nccl"  # set after validation: the factory refuses it too
-    with pytest.raises(ConfigError, match=r"'nccl' is not a known transport \(known kinds: 'gloo'\)"):
+    with pytest.raises(ConfigError, match=r"'nccl' is not a known transport \(known kinds: 'gloo', 'gloo_split'\)"):
         make_transport(cfg, topology=topo, store=store, group=group)
+
+
+def test_gloo_split_streams_over_a_group_of_its_own_and_recovers_over_the_one_passed_in(
+        tmp_path: Path, group: dist.ProcessGroup) -> None:
+    topo = build_topology(rank=0, world_size=1, dp_ranks=[0])
+    store = HostStore(tmp_path / "store", job_id="j", rank=0)
+    t = make_transport(TransportConfig(kind="gloo_split"), topology=topo, store=store, group=group)
+    assert isinstance(t, gloo_transport.GlooSplitTransport) and t.kind == "gloo_split"
+    assert t.group is group and t.stream_group is not group
+    assert dist.get_process_group_ranks(t.stream_group) == dist.get_process_group_ranks(group)
