@@ -1,4 +1,4 @@
-"""Run unmodified megatron-core 0.15 training code on CPU-only PyTorch with gloo: for smoke runs and tests only.
+"""Run unmodified megatron-core 0.15 / 0.16 training code on CPU-only PyTorch with gloo: for smoke runs and tests only.
 
 **Never use this on a machine with a GPU.** :func:`enable_cpu` refuses to start when ``torch.cuda.is_available()``
 is True. It exists so that the project's tests can drive the real megatron-core stack (``GPTModel``,
@@ -56,6 +56,11 @@ undone exactly by :meth:`CpuPatch.disable`:
    "CPU RNG state changed within GPU RNG context" warning, which fires on every dropout inside
    ``CudaRNGStatesTracker.fork`` here by construction (see "RNG").
 
+4. Megatron-Bridge 0.3.1 (megatron-core 0.16), when installed: the four patches of :mod:`megatron_patches.bridge`
+   (a Transformer Engine stand-in for the two Bridge modules that import it, CUDA-free ``initialize_megatron``, the
+   RNG tracker seeded on CPU, no datasets-helper build where the wheel ships it), applied as Bridge's modules are
+   imported; so call :func:`enable_cpu` before ``import megatron.bridge``.
+
 RNG
     On CPU, dropout draws from the CPU default generator whatever the tracker does: there is no way to hand
     ``torch.nn.functional.dropout`` another generator. So the stand-in for "CUDA device 0's default generator"
@@ -90,6 +95,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import logging
 import threading
 import time
@@ -101,6 +107,7 @@ from torch.overrides import TorchFunctionMode
 
 from neighbor_ckpt.errors import UnsupportedPlatformError
 
+from . import bridge as _bridge
 from . import moe as _moe
 from ._versions import check_versions
 from .device_mode import CPU, CudaToCpuMode
@@ -437,6 +444,7 @@ class CpuPatch:
         self._names: list[tuple[str, str]] = []  # (module, name as in PATCHED_ATTRIBUTES) of each saved entry
         self._mode: CudaToCpuMode | None = None
         self._filter: _DropForkWarning | None = None
+        self._bridge: _bridge.BridgePatch | None = None
         self._active = False
 
     @property
@@ -447,8 +455,10 @@ class CpuPatch:
         """``(module, attribute)`` of every attribute currently replaced."""
         return list(self._names)
 
-    def _apply(self, *, skip: frozenset[str] = frozenset()) -> None:
+    def _apply(self, *, skip: frozenset[str] = frozenset(), bridge: str | None = None) -> None:
         try:
+            if bridge is not None:  # first: it only installs an import hook (Bridge is imported later)
+                self._bridge = _bridge.apply(bridge)
             for attr in PATCHED_ATTRIBUTES:
                 if attr.framework in skip:
                     continue
@@ -479,6 +489,9 @@ class CpuPatch:
         self._active = True
 
     def _restore(self) -> None:
+        if self._bridge is not None:
+            self._bridge.disable()
+            self._bridge = None
         if self._mode is not None:
             _remove_mode(self._mode)
             self._mode = None
@@ -530,13 +543,21 @@ def _remove_mode(mode: TorchFunctionMode) -> None:
             torch._C._push_on_torch_function_stack(m)
 
 
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def active_patch() -> CpuPatch | None:
     """The active :class:`CpuPatch`, if any."""
     return _ACTIVE
 
 
-def enable_cpu(*, nemo: bool = True) -> CpuPatch:
-    """Make unmodified megatron-core 0.15 training code run on CPU-only torch (gloo). **Smoke runs and tests
+def enable_cpu(*, nemo: bool = True, bridge: bool | None = None) -> CpuPatch:
+    """Make unmodified megatron-core 0.15 / 0.16 training code run on CPU-only torch (gloo). **Smoke runs and tests
     only; never on a GPU machine.**
 
     Checks the installed versions (:func:`megatron_patches._versions.check_versions`), refuses with
@@ -546,19 +567,27 @@ def enable_cpu(*, nemo: bool = True) -> CpuPatch:
 
     ``nemo=False`` leaves NeMo's seeding alone and does not import NeMo: for plain megatron-core loops, which then
     start several seconds faster per process (``nemo.lightning`` pulls in Lightning, torchmetrics and transformers).
+    With NeMo installed and ``nemo=True``, NeMo and megatron-core must be a pair it runs on (NeMo 2.7.3 on 0.15).
+
+    ``bridge``: apply the Megatron-Bridge patches (:mod:`megatron_patches.bridge`); None (default): when
+    megatron-bridge is installed. Bridge must then be 0.3.1 on megatron-core 0.16, else
+    :class:`~neighbor_ckpt.errors.UnsupportedVersionError` names both; call it before ``import megatron.bridge``.
     """
     global _ACTIVE
     with _LOCK:
         if _ACTIVE is not None and _ACTIVE.active:
             return _ACTIVE
-        check_versions()
+        if bridge is None:
+            bridge = _bridge.is_installed()
+        versions = check_versions(require_nemo=nemo and _installed("nemo-toolkit"), require_bridge=bridge)
         if torch.cuda.is_available():
             raise UnsupportedPlatformError(
                 "megatron_patches.cpu.enable_cpu() maps CUDA to the CPU for smoke runs and tests on CPU-only "
                 "machines; this machine has CUDA, so it refuses to run. Run megatron-core normally here (do not "
                 "call enable_cpu()).")
         patch = CpuPatch()
-        patch._apply(skip=frozenset() if nemo else frozenset({"nemo"}))
+        patch._apply(skip=frozenset() if nemo else frozenset({"nemo"}),
+                     bridge=versions["megatron-bridge"] if bridge else None)
         _ACTIVE = patch
     logger.info("megatron_patches.cpu enabled: %d attributes replaced, CUDA->CPU device mode on thread %s",
                 len(patch._saved), threading.current_thread().name)

@@ -36,9 +36,9 @@ def test_supported_versions_pass(installed: dict[str, str | None], require_nemo:
 
 def test_wrong_mcore_names_installed_and_supported_and_pin() -> None:
     with pytest.raises(UnsupportedVersionError) as ei:
-        _check({"megatron-core": "0.16.1", "nemo-toolkit": "2.7.3"}, require_nemo=False)
+        _check({"megatron-core": "0.17.0", "nemo-toolkit": "2.7.3"}, require_nemo=False)
     msg = str(ei.value)
-    assert "megatron-core 0.16.1" in msg and "0.15.x" in msg and "neighbor-ckpt[megatron]" in msg
+    assert "megatron-core 0.17.0" in msg and "0.15.x, 0.16.x" in msg and "neighbor-ckpt[megatron]" in msg
     assert isinstance(ei.value, NeighborCkptError)
 
 
@@ -72,7 +72,7 @@ def test_check_versions_reads_metadata_without_importing(monkeypatch: pytest.Mon
                         (_ for _ in ()).throw(_versions.importlib.metadata.PackageNotFoundError(name)))
     with pytest.raises(UnsupportedVersionError, match="megatron-core 0.14.0"):
         _versions.check_versions()
-    assert set(seen) == {"megatron-core", "nemo-toolkit"}
+    assert set(seen) == set(_versions.SUPPORTED)
 
 
 # -- the CPU shim ----------------------------------------------------------------------------------------------
