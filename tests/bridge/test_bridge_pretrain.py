@@ -1,0 +1,49 @@
+"""Megatron-Bridge 0.3.1's own ``pretrain(cfg, forward_step, callbacks=[...])`` on megatron-core 0.16.1, CPU/gloo, with
+nothing but ``enable_cpu(nemo=False)`` before Bridge is imported (``tests/workers/train_bridge.py``): a tiny GPT,
+the distributed optimizer, mock data, 2 ranks. The ground the Bridge callback stands on: a run is a function of its
+seed, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Baselines, RunResult, assert_same_training, run_torchrun
+
+pytestmark = pytest.mark.e2e
+
+STEPS, NPROC = 5, 2
+GLOBAL_BATCH = 8  # train_bridge.py: micro-batch 2, two micro-batches per data-parallel rank, DP 2
+
+
+def _check_run(res: RunResult) -> None:
+    assert res.returncode == 0, res.log[-6000:]
+    losses = res.losses()
+    for rank in range(NPROC):
+        assert sorted(losses[rank]) == list(range(STEPS)), f"rank {rank} recorded steps {sorted(losses[rank])}"
+        assert all(loss is not None for recs in losses[rank].values() for _, loss in recs)
+        final = res.final(rank)
+        assert (final["step"], final["consumed_samples"]) == (STEPS, STEPS * GLOBAL_BATCH), final
+        assert final["optimizer"], "the distributed optimizer's fp32 shard state was not found"
+
+
+@pytest.mark.cold
+def test_bridge_pretrain_is_bit_identical_across_runs(baseline: Baselines, tmp_path: Path) -> None:
+    """Two runs with one seed: every loss (==, as float.hex), every final parameter and every optimizer shard
+    tensor (sha256) equal. The first run's workers fork from the warm zygote, the second's start cold (as a user's
+    torchrun does): the same bits either way."""
+    first = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS)
+    _check_run(first)
+    second = run_torchrun("train_bridge.py", tmp_path, nproc=NPROC, STEPS=STEPS)
+    _check_run(second)
+    assert_same_training(first, second, nranks=NPROC)
+
+
+def test_bridge_pretrain_with_another_seed_differs(baseline: Baselines, tmp_path: Path) -> None:
+    """The comparison above can fail: another seed (data and initialization) gives other losses and weights."""
+    first = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS)
+    other = run_torchrun("train_bridge.py", tmp_path, nproc=NPROC, STEPS=STEPS, SEED=4321)
+    _check_run(other)
+    assert first.losses()[0][0] != other.losses()[0][0]
+    assert first.final(0)["params"] != other.final(0)["params"]
