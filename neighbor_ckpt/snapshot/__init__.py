@@ -4,8 +4,9 @@
 backed up lazily), ``topology`` (ranks, DP groups, the ring), ``codec`` and ``rng`` (the small per-rank state as
 bytes, never pickle), ``slot`` (one shared-memory slot file: header, checksum, commit marker), ``store`` (a rank's
 slots, their directories, the store's footprint, the slot a replaced rank prepares before its recovery),
-``engine`` (the background copy into a slot and the wait point), ``transport`` (the neighbor-ring interface and its
-gloo implementation), ``damage`` (deliberate slot damage for campaigns and tests).
+``engine`` (the background copy into a slot and the wait point), ``transport`` (the one interface for every snapshot
+byte between ranks: streaming, recovery images, the elastic exchange; its kinds by ``transport.kind``),
+``gloo_transport`` (the gloo kinds), ``damage (deliberate slot damage for campaigns and tests).
 
 May import (the rule: :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``):
 :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.validation`, :mod:`neighbor_ckpt.config`,
