@@ -1,4 +1,4 @@
-"""Test worker: a tiny GPT trained by Megatron-Bridge's own ``pretrain(cfg, forward_step, callbacks=[...])`` on CPU/gloo.
+"""Test worker: a tiny GPT trained by Megatron-Bridge's own ``pretrain(cfg, forward_step, callbacks=[...])``, CPU, gloo.
 
 What a Bridge user's script is, plus ``enable_cpu(nemo=False)`` before ``import megatron.bridge`` and a recording
 callback: 2 layers, hidden 64, seq 32, mock data, the distributed optimizer, megatron-core's local layer spec (the
