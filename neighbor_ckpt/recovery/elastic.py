@@ -13,8 +13,9 @@ this node, not by this rank's number, and this layout's snapshots go to a new ge
    slot of the previous generation on its node: old owner, iteration, the old rank's layout) and this rank's new
    layout (its unique tensors with their shard spans);
 2. per round (at most :func:`~neighbor_ckpt.recovery.flow.max_rounds` with two copies per version): the choice
-   (:func:`~neighbor_ckpt.recovery.reshard.choose_version`, pure), the holders verify the checksums of the copies they serve, one all-gather of the failed copies; none
-   failed ends the rounds, else they are excluded and the next round chooses again;
+   (:func:`~neighbor_ckpt.recovery.reshard.choose_version`, pure), the holders verify the checksums of the copies
+   they serve, one all-gather of the failed copies; none failed ends the rounds, else they are excluded and the next
+   round chooses again;
 3. the moves (:func:`~neighbor_ckpt.recovery.reshard.plan_reshard`, pure): one message per pair the plan names,
    through the transport's exchange (:meth:`~neighbor_ckpt.snapshot.transport.NeighborTransport.exchange`); each
    message carries the xxh3 of its bytes, checked on arrival;

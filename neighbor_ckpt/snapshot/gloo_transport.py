@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlooTransport", "GlooSplitTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"]
+__all__ = ["GlooTransport", "GlooSplitTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image",
+           "META_LEN", "make_gloo_transport", "make_gloo_split_transport"]
 
 TAG_META = 7101
 TAG_DATA = 7102

@@ -13,10 +13,10 @@ The process group is passed in; the recovery's small collectives (the inventory 
 
 Kinds (:func:`transport_kinds`), in :mod:`neighbor_ckpt.snapshot.gloo_transport`: ``gloo`` (everything over the
 snapshot gloo group, point-to-point, a tag pair per purpose) and ``gloo_split`` (the same, with streaming over a gloo
-group of its own). A new kind registers its factory with :func:`register_transport`,
-is added to :data:`neighbor_ckpt.config.TRANSPORT_KINDS` (the configuration names the kinds it accepts without
-importing this layer) and passes the contract test (``tests/multiproc/test_transport_contract.py``), which runs for
-every registered kind.
+group of its own). A new kind registers its factory with :func:`register_transport`, is added to
+:data:`neighbor_ckpt.config.TRANSPORT_KINDS` (the configuration names the kinds it accepts without importing this
+layer) and passes the contract test (``tests/multiproc/test_transport_contract.py``), which runs for every registered
+kind.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from neighbor_ckpt.snapshot.topology import Topology
 if TYPE_CHECKING:
     from neighbor_ckpt.config import TransportConfig
 
-__all__ = ["NeighborTransport", "GlooTransport", "GlooSplitTransport", "GlooRingTransport", "TrafficGate", "Pulled", "make_transport",
+__all__ = ["NeighborTransport", "GlooTransport", "GlooSplitTransport", "GlooRingTransport", "TrafficGate", "Pulled",
+           "make_transport",
            "register_transport", "transport_kinds", "TransportFactory", "send_image", "recv_image", "pull_image",
            "META_LEN"]
 
@@ -165,6 +166,8 @@ class NeighborTransport(ABC):
 
 
 class TransportFactory(Protocol):
+    """What :func:`register_transport` registers: builds one kind's transport (:func:`make_transport`'s arguments)."""
+
     def __call__(self, config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
                  gate: TrafficGate | None, on_replica: Callable[[int], None] | None) -> NeighborTransport: ...
 
@@ -208,8 +211,9 @@ def make_transport(config: TransportConfig, *, topology: Topology, store: HostSt
 _BUILTIN = ("neighbor_ckpt.snapshot.gloo_transport",)
 """Modules of the kinds shipped here; each registers itself when imported."""
 
-_REEXPORTED = {"GlooTransport", "GlooSplitTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image", "META_LEN"}
-"""Names of the gloo kind that stay importable from this module (they lived here before the seam)."""
+_REEXPORTED = {"GlooTransport", "GlooSplitTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image",
+               "META_LEN"}
+"""Names of the gloo kinds that stay importable from this module (they lived here before the seam)."""
 
 
 def _load_builtin() -> None:
