@@ -410,11 +410,22 @@ def _encode_message(head: dict[str, Any], blob: np.ndarray) -> torch.Tensor:
 
 
 def _decode_message(buf: torch.Tensor, src: int, rank: int) -> tuple[dict[str, Any], np.ndarray]:
+    """A message of :func:`_encode_message`, checked: a damaged one raises :class:`SnapshotCorruptError` (which
+    :func:`run_reshard` reports collectively), whether the damage hit its bytes or the header that frames them."""
     arr = buf.numpy()
-    n = int(np.frombuffer(arr[:8].tobytes(), dtype=np.int64)[0])
-    head = json.loads(arr[8:8 + n].tobytes())
+    try:
+        if arr.size < 8:
+            raise ValueError(f"{arr.size} bytes")
+        n = int(np.frombuffer(arr[:8].tobytes(), dtype=np.int64)[0])
+        if not 0 <= n <= arr.size - 8:
+            raise ValueError(f"a header of {n} bytes in a message of {arr.size}")
+        head = json.loads(arr[8:8 + n].tobytes())
+        digest = int(head["xxh3"])
+    except (ValueError, KeyError, TypeError) as e:  # JSON and Unicode decode errors are ValueErrors
+        raise SnapshotCorruptError(f"rank {rank}: the reshard message received from rank {src} is unreadable "
+                                   f"({e})") from e
     blob = arr[8 + n + ((-n) % 8):]
-    if xxhash.xxh3_64_intdigest(blob) != head["xxh3"]:
+    if xxhash.xxh3_64_intdigest(blob) != digest:
         raise SnapshotCorruptError(f"rank {rank}: the reshard data received from rank {src} fails its checksum")
     if head.get("refused"):
         raise SnapshotCorruptError(f"rank {rank}: rank {src} could not send its part of the reshard: "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -196,18 +197,22 @@ def check_contract(make: Factory, rank: int, world: int, root: Path) -> list[str
 
 
 class BrokenTransport(NeighborTransport):
-    """Wraps a real transport; on rank 0, the first transfer of one kind loses one chunk's order or the chunk itself.
+    """Wraps a real transport; on ``armed_rank``, the first transfer of one kind loses one chunk's order or the chunk
+    itself. Counts the calls of each method (:attr:`calls`), so a test can also see what went through it.
 
     ``mode``: ``stream-reorder`` (the first streamed image has chunks 0 and 1 of its payload swapped),
     ``pull-drop`` (chunk 1 of the first recovery image's payload never arrives: the receiver keeps what its slot
-    held), ``exchange-reorder`` (the first exchanged message of at least two chunks has chunks 0 and 1 swapped).
+    held), ``exchange-reorder`` (the first exchanged message of at least two chunks has chunks 0 and 1 swapped),
+    ``none`` (nothing broken: only counts).
     The broken copy is made in a scratch store and handed to the real transport, so the wire protocol (how many
     messages, their sizes) is untouched and no peer waits forever."""
 
-    def __init__(self, inner: NeighborTransport, *, mode: str, chunk: int, scratch: HostStore) -> None:
+    def __init__(self, inner: NeighborTransport, *, mode: str, chunk: int, scratch: HostStore,
+                 armed_rank: int = 0) -> None:
         super().__init__(topology=inner.topology, store=inner.store, group=inner.group)
         self.inner, self.mode, self.chunk, self.scratch = inner, mode, chunk, scratch
-        self._armed = inner.topology.rank == 0
+        self._armed = inner.topology.rank == armed_rank
+        self.calls: Counter[str] = Counter()
 
     def _fire(self, mode: str) -> bool:
         if self._armed and self.mode == mode:
@@ -236,6 +241,7 @@ class BrokenTransport(NeighborTransport):
         self.inner.start()
 
     def send(self, slot: SlotFile, header: SlotHeader) -> bool:
+        self.calls["send"] += 1
         if self._fire("stream-reorder"):
             slot = self._broken_copy(slot, header, drop=False)
         return self.inner.send(slot, header)
@@ -256,14 +262,17 @@ class BrokenTransport(NeighborTransport):
         pass  # the inner transport's counts
 
     def send_image(self, slot: SlotFile, header: SlotHeader, dst: int) -> None:
+        self.calls["send_image"] += 1
         if self._fire("pull-drop"):
             slot = self._broken_copy(slot, header, drop=True)
         self.inner.send_image(slot, header, dst)
 
     def pull_image(self, role: str, src: int, *, index: int | None = None) -> Pulled:
+        self.calls["pull_image"] += 1
         return self.inner.pull_image(role, src, index=index)
 
     def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int]) -> dict[int, torch.Tensor]:
+        self.calls["exchange"] += 1
         out = dict(out)
         if self.mode == "exchange-reorder":
             for dst, m in sorted(out.items()):
