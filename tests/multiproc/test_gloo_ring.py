@@ -1,5 +1,6 @@
-"""Tier 2: real gloo process groups in spawned processes (no torchrun). The transport contract, a dead
-neighbor, and recovery refusing another layout."""
+"""Tier 2: real gloo process groups in spawned processes (no torchrun). The gloo ring's streaming and pulls through
+its wire functions, a dead neighbor, and recovery refusing another layout. The contract every transport kind passes
+is ``test_transport_contract.py``."""
 
 from __future__ import annotations
 
