@@ -122,11 +122,28 @@ def test_installed_pair_is_bridge_on_016() -> None:
 # -- the Bridge CPU patches, in a fresh interpreter (Bridge's import is what they act on) --------------------------
 
 _SCRIPT = r'''
-import sys, torch
+import importlib, sys, torch
 from megatron_patches import enable_cpu
-from megatron_patches.bridge import PATCHES, TE_IMPORTERS, TE_STAND_IN
+from megatron_patches.bridge import PATCHES
+from megatron_patches.cpu import PATCHED_ATTRIBUTES
 
+MCORE = [a for a in PATCHED_ATTRIBUTES if a.framework != "nemo"]
+
+
+def mcore_attributes():
+    out = []
+    for a in MCORE:
+        owner = importlib.import_module(a.module)
+        *path, leaf = a.name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        out.append(owner.__dict__.get(leaf, "<missing>"))
+    return out
+
+
+before = mcore_attributes()
 patch = enable_cpu(nemo=False)
+assert len(patch.replaced()) == len(MCORE), (len(patch.replaced()), len(MCORE))  # all exist on 0.16.1
 assert patch._bridge is not None and patch._bridge.replaced() == [], patch._bridge.replaced()
 import megatron.bridge  # the stand-in makes this import work
 from megatron.bridge.peft import lora, lora_layers
@@ -154,12 +171,13 @@ patch.disable()  # exact undo
 assert setup.initialize_megatron is initialize.initialize_megatron
 assert initialize._set_random_seed is seed and initialize.compile_helpers is helpers
 assert not any(type(f).__module__ == "megatron_patches.bridge" for f in sys.meta_path)
-assert torch.cuda.current_device is not None
+assert all(x is y for x, y in zip(mcore_attributes(), before)), "a megatron-core attribute was not restored"
 print("OK")
 '''
 
 
 def test_bridge_patches_apply_on_import_and_undo_exactly() -> None:
+    """And the megatron-core part of the CPU shim on 0.16.1: every attribute it replaces exists, and comes back."""
     res = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout[-3000:] + res.stderr[-6000:]
