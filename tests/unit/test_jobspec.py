@@ -275,3 +275,27 @@ def test_launching_a_multi_node_job_from_one_shell_is_refused_with_the_way_out(t
                                           r"`neighbor-ckpt launch CONFIG --slurm FILE`"):
         runner.run_local(plan)
     assert not (tmp_path / "run").exists()
+
+
+def test_elastic_without_in_process_recovery_cannot_shrink_a_launch_and_is_refused_naming_the_key() -> None:
+    """A launch's world size is fixed (torchrun restarts every rank at the same size; a rank lost for good stops the
+    job): elastic can shrink only in process, so the file is refused with the key to set (issue 31 item 2)."""
+    with pytest.raises(ConfigError) as e:
+        load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["neighbor_ckpt.elastic.enabled=true"])
+    assert str(e.value).splitlines() == [
+        "config.neighbor_ckpt.elastic.enabled: cannot shrink this launch: without in-process recovery the launcher "
+        "restarts every rank with the same world size, and a rank lost for good stops the job; set "
+        "neighbor_ckpt.inprocess.enabled: true (the survivors go on with fewer ranks), or turn elastic off"]
+    job = load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["neighbor_ckpt.elastic.enabled=true",
+                                                        "neighbor_ckpt.inprocess.enabled=true"])
+    assert job.neighbor_ckpt.elastic.enabled and job.neighbor_ckpt.inprocess.enabled
+
+
+def test_launch_refuses_elastic_without_in_process_before_any_process_starts(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "launch", str(REPO / "configs/gpt_tiny_cpu.yaml"),
+                           "neighbor_ckpt.elastic.enabled=true", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert "neighbor-ckpt: error: config.neighbor_ckpt.elastic.enabled: cannot shrink this launch" in proc.stderr
+    assert "set neighbor_ckpt.inprocess.enabled: true" in proc.stderr
+    assert not (tmp_path / "run").exists()
