@@ -67,7 +67,8 @@ from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
 from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
-from neighbor_ckpt.snapshot.transport import NeighborTransport, TrafficGate, make_transport
+from neighbor_ckpt.snapshot.transport import NeighborTransport, TrafficGate
+from neighbor_ckpt.snapshot.transport_kinds import make_transport
 from neighbor_ckpt.validation import validate
 
 logger = logging.getLogger(__name__)

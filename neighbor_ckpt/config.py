@@ -58,7 +58,7 @@ job id made once for that launch (shared by its restarts through the agent's sto
 
 TRANSPORT_KINDS = ("gloo", "gloo_split")
 """The transports ``neighbor_ckpt.transport.kind`` accepts: the kinds registered in
-:mod:`neighbor_ckpt.snapshot.transport` (named here so that validating a config imports no layer above it; a test
+:mod:`neighbor_ckpt.snapshot.transport_kinds` (named here so that validating a config imports no layer above it; a test
 keeps the two the same)."""
 
 UNUSABLE_RUN_IDS = frozenset({"", "none"})

@@ -44,7 +44,7 @@ from neighbor_ckpt.errors import TopologyError, TransportError
 from neighbor_ckpt.runtime import failpoints
 from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, SlotHeader
 from neighbor_ckpt.snapshot.topology import Topology
-from neighbor_ckpt.snapshot.transport import NeighborTransport, Pulled, TrafficGate, register_transport
+from neighbor_ckpt.snapshot.transport import NeighborTransport, Pulled, TrafficGate
 
 if TYPE_CHECKING:
     from neighbor_ckpt.config import TransportConfig
@@ -328,7 +328,6 @@ class GlooSplitTransport(GlooTransport):
         self.stream_group = stream_group
 
 
-@register_transport("gloo")
 def make_gloo_transport(config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
                         gate: TrafficGate | None, on_replica: Callable[[int], None] | None) -> GlooTransport:
     """Kind ``gloo``: :class:`GlooTransport` over the snapshot group, with the configuration's chunk and rate."""
@@ -336,7 +335,6 @@ def make_gloo_transport(config: TransportConfig, *, topology: Topology, store: H
                          rate_limit_bps=config.rate_limit_mb_per_s * 1e6, on_replica=on_replica)
 
 
-@register_transport("gloo_split")
 def make_gloo_split_transport(config: TransportConfig, *, topology: Topology, store: HostStore,
                               group: dist.ProcessGroup, gate: TrafficGate | None,
                               on_replica: Callable[[int], None] | None) -> GlooSplitTransport:

@@ -86,7 +86,7 @@ def checksum(data: memoryview | bytes) -> int:
 
 @dataclass(frozen=True)
 class SegmentChecksums:
-    """xxh3-64 of byte ranges of a slot computed while they were received (``transport.pull_image``): segment
+    """xxh3-64 of byte ranges of a slot computed while they were received (``NeighborTransport.pull_image``): segment
     offset -> (length, checksum). :meth:`SlotFile.verify` uses one where its offset and length are exactly the
     range it would hash, and hashes the slot itself otherwise."""
 

@@ -211,7 +211,7 @@ class HostStore:
         capacities and fault in every page (:meth:`SlotFile.fault_in`), so that the bytes a restore pulls into it
         land in memory that is already there, as they do in a raw transfer into a pre-allocated buffer. For a rank
         whose store is empty (a replaced node or a hot spare), started while the rest of the job still gets ready;
-        the pull of :func:`~neighbor_ckpt.snapshot.transport.pull_image` then waits for it in :meth:`ensure`.
+        the pull of :meth:`~neighbor_ckpt.snapshot.transport.NeighborTransport.pull_image` then waits for it in :meth:`ensure`.
 
         Only when ``role`` has no slot file yet and nothing else is being prepared; returns whether it started.
         Best effort: a failure (e.g. ``/dev/shm`` full) is logged and the slot is made when it is needed, where

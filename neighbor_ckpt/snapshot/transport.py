@@ -1,5 +1,6 @@
 """The transport seam: everything that moves snapshot bytes between ranks goes through one
-:class:`NeighborTransport`, chosen by ``neighbor_ckpt.transport.kind`` (:func:`make_transport`).
+:class:`NeighborTransport`, chosen by ``neighbor_ckpt.transport.kind``
+(:func:`neighbor_ckpt.snapshot.transport_kinds.make_transport`).
 
 What moves:
 
@@ -11,9 +12,11 @@ What moves:
 The process group is passed in; the recovery's small collectives (the inventory and verdict all-gathers) run on
 :attr:`NeighborTransport.group` beside the transport, which carries the point-to-point bytes.
 
-Kinds (:func:`transport_kinds`), in :mod:`neighbor_ckpt.snapshot.gloo_transport`: ``gloo`` (everything over the
+Kinds (:mod:`neighbor_ckpt.snapshot.transport_kinds`, which maps each to its factory), in
+:mod:`neighbor_ckpt.snapshot.gloo_transport`: ``gloo`` (everything over the
 snapshot gloo group, point-to-point, a tag pair per purpose) and ``gloo_split`` (the same, with streaming over a gloo
-group of its own). A new kind registers its factory with :func:`register_transport`, is added to
+group of its own). A new kind registers its factory with
+:func:`~neighbor_ckpt.snapshot.transport_kinds.register_transport`, is added to
 :data:`neighbor_ckpt.config.TRANSPORT_KINDS` (the configuration names the kinds it accepts without importing this
 layer) and passes the contract test (``tests/multiproc/test_transport_contract.py``), which runs for every registered
 kind.
@@ -21,26 +24,18 @@ kind.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.snapshot.store import HostStore, SegmentChecksums, SlotFile, SlotHeader
 from neighbor_ckpt.snapshot.topology import Topology
 
-if TYPE_CHECKING:
-    from neighbor_ckpt.config import TransportConfig
-
-__all__ = ["NeighborTransport", "GlooTransport", "GlooSplitTransport", "GlooRingTransport", "TrafficGate", "Pulled",
-           "make_transport",
-           "register_transport", "transport_kinds", "TransportFactory", "send_image", "recv_image", "pull_image",
-           "META_LEN"]
+__all__ = ["NeighborTransport", "TrafficGate", "Pulled"]
 
 
 class TrafficGate:
@@ -163,67 +158,3 @@ class NeighborTransport(ABC):
         """Send ``out[dst]`` (a 1-D uint8 tensor) to every ``dst`` and receive one message from every rank in
         ``expect_from``; returns them by sender. Every rank a message names calls it in the same round; no order of
         peers can deadlock. The bytes arrive as sent; checking them (a message's own checksum) is the caller's."""
-
-
-class TransportFactory(Protocol):
-    """What :func:`register_transport` registers: builds one kind's transport (:func:`make_transport`'s arguments)."""
-
-    def __call__(self, config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
-                 gate: TrafficGate | None, on_replica: Callable[[int], None] | None) -> NeighborTransport: ...
-
-
-_FACTORIES: dict[str, TransportFactory] = {}
-
-
-def register_transport(kind: str) -> Callable[[TransportFactory], TransportFactory]:
-    """Decorator: register the factory of transport ``kind`` (see the module docstring for what else a kind needs)."""
-
-    def wrap(factory: TransportFactory) -> TransportFactory:
-        _FACTORIES[kind] = factory
-        return factory
-
-    return wrap
-
-
-def transport_kinds() -> tuple[str, ...]:
-    """The registered kinds, sorted."""
-    _load_builtin()
-    return tuple(sorted(_FACTORIES))
-
-
-def make_transport(config: TransportConfig, *, topology: Topology, store: HostStore, group: dist.ProcessGroup,
-                   gate: TrafficGate | None = None, on_replica: Callable[[int], None] | None = None
-                   ) -> NeighborTransport:
-    """The transport of kind ``config.kind`` over ``group`` (collective when the kind builds groups of its own: call
-    it on every rank at the same point).
-
-    Raises:
-        ConfigError: the kind is not registered (the message names the known kinds).
-    """
-    _load_builtin()
-    factory = _FACTORIES.get(config.kind)
-    if factory is None:
-        raise ConfigError(f"neighbor_ckpt.transport.kind: {config.kind!r} is not a known transport "
-                          f"(known kinds: {', '.join(map(repr, transport_kinds()))})")
-    return factory(config, topology=topology, store=store, group=group, gate=gate, on_replica=on_replica)
-
-
-_BUILTIN = ("neighbor_ckpt.snapshot.gloo_transport",)
-"""Modules of the kinds shipped here; each registers itself when imported."""
-
-_REEXPORTED = {"GlooTransport", "GlooSplitTransport", "GlooRingTransport", "send_image", "recv_image", "pull_image",
-               "META_LEN"}
-"""Names of the gloo kinds that stay importable from this module (they lived here before the seam)."""
-
-
-def _load_builtin() -> None:
-    for name in _BUILTIN:
-        importlib.import_module(name)
-
-
-def __getattr__(name: str) -> object:
-    if name in _REEXPORTED:  # imported on first use: the gloo module subclasses the interface above
-        from neighbor_ckpt.snapshot import gloo_transport
-
-        return getattr(gloo_transport, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

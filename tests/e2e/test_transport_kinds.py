@@ -1,7 +1,7 @@
 """End to end, per ``transport.kind`` other than the default (the default, ``gloo``, is every other e2e test): the
 headline recovery of ``test_mcore_recovery.py`` (real megatron-core, 4 gloo ranks, DP 4, a SIGKILL inside optimizer
 step 5 and the killed rank's host store replaced) with the kind set in the ``neighbor_ckpt:`` YAML, so the
-checkpointer builds it with :func:`~neighbor_ckpt.snapshot.transport.make_transport`, streams through it and recovers
+checkpointer builds it with :func:`~neighbor_ckpt.snapshot.transport_kinds.make_transport`, streams through it and recovers
 through it. The wire contract itself is ``tests/multiproc/test_transport_contract.py``."""
 
 from __future__ import annotations

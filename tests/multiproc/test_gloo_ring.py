@@ -21,7 +21,7 @@ from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
 from neighbor_ckpt.recovery.flow import read_tensors, run_recovery
 from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import build_topology
-from neighbor_ckpt.snapshot.transport import GlooRingTransport, pull_image, send_image
+from neighbor_ckpt.snapshot.gloo_transport import GlooRingTransport, pull_image, send_image
 
 pytestmark = pytest.mark.multiproc
 

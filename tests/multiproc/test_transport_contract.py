@@ -26,7 +26,8 @@ from neighbor_ckpt.config import TransportConfig
 from neighbor_ckpt.recovery.flow import read_tensors
 from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile, SlotHeader
 from neighbor_ckpt.snapshot.topology import Topology, build_topology
-from neighbor_ckpt.snapshot.transport import NeighborTransport, Pulled, make_transport, transport_kinds
+from neighbor_ckpt.snapshot.transport import NeighborTransport, Pulled
+from neighbor_ckpt.snapshot.transport_kinds import make_transport, transport_kinds
 from tests.multiproc.test_gloo_ring import _image, _spawn
 
 pytestmark = pytest.mark.multiproc

@@ -24,7 +24,7 @@ from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
 from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, HostStore
 from neighbor_ckpt.snapshot.topology import build_topology
-from neighbor_ckpt.snapshot.transport import make_transport
+from neighbor_ckpt.snapshot.transport_kinds import make_transport
 
 
 def report(outcome: str, newest: int | None = None, iteration: int | None = None) -> RecoveryReport:

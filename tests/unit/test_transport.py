@@ -15,7 +15,8 @@ from neighbor_ckpt.recovery.flow import COPIES_PER_VERSION_RESHARD, COPIES_PER_V
 from neighbor_ckpt.snapshot import gloo_transport
 from neighbor_ckpt.snapshot.store import HostStore
 from neighbor_ckpt.snapshot.topology import build_topology
-from neighbor_ckpt.snapshot.transport import NeighborTransport, make_transport, transport_kinds
+from neighbor_ckpt.snapshot.transport import NeighborTransport
+from neighbor_ckpt.snapshot.transport_kinds import make_transport, transport_kinds
 
 
 def test_transport_kind_defaults_to_gloo_and_an_unknown_kind_names_the_known_ones() -> None:
@@ -30,14 +31,6 @@ def test_transport_kind_defaults_to_gloo_and_an_unknown_kind_names_the_known_one
 
 def test_the_configurable_kinds_are_the_registered_ones() -> None:
     assert set(TRANSPORT_KINDS) == set(transport_kinds())
-
-
-def test_old_import_paths_of_the_gloo_kind_still_work() -> None:
-    from neighbor_ckpt.snapshot.transport import META_LEN, GlooRingTransport, pull_image, recv_image, send_image
-
-    assert GlooRingTransport is gloo_transport.GlooTransport
-    assert (send_image, recv_image, pull_image, META_LEN) == (gloo_transport.send_image, gloo_transport.recv_image,
-                                                             gloo_transport.pull_image, gloo_transport.META_LEN)
 
 
 def test_max_rounds_keeps_what_each_recovery_needs() -> None:

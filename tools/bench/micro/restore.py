@@ -48,7 +48,7 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
     from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA
     from neighbor_ckpt.recovery.flow import run_recovery
     from neighbor_ckpt.snapshot.topology import build_topology
-    from neighbor_ckpt.snapshot.transport import META_LEN
+    from neighbor_ckpt.snapshot.gloo_transport import META_LEN
 
     chunk = cfg["chunk_bytes"]
     rounds = cfg["warmup"] + cfg["iters"]

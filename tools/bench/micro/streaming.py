@@ -31,7 +31,7 @@ def _stream_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from neighbor_ckpt.snapshot.topology import build_topology
-    from neighbor_ckpt.snapshot.transport import META_LEN, GlooRingTransport
+    from neighbor_ckpt.snapshot.gloo_transport import META_LEN, GlooRingTransport
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=cfg["timeout_s"])
