@@ -39,13 +39,13 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from neighbor_ckpt.adapters.base import StateAdapter
-from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.config import NeighborCkptConfig, decide_job_id
 from neighbor_ckpt.errors import CallOrderError, ConfigError, HostMemoryError, TopologyError
 from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
@@ -54,6 +54,7 @@ from neighbor_ckpt.recovery.datacheck import SNAPSHOT_KEY, DataCheck, parse_inpu
 from neighbor_ckpt.recovery.elastic import Generations, rank_layout
 from neighbor_ckpt.recovery.journal import read_failure_input, take_failure_event
 from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult, Reshard
+from neighbor_ckpt.recovery.reshard import micro_batches_per_rank
 from neighbor_ckpt.report.status import Reporter, SnapshotStats, replica_lag, resolve_status_interval
 from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_rank_events, newest_commit_unix,
                                            process_start_unix, wait_for_renders)
@@ -73,7 +74,7 @@ from neighbor_ckpt.validation import validate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader", "check_setup"]
+__all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader", "check_setup", "elastic_cannot_shrink"]
 
 
 class Phase(str, enum.Enum):
@@ -88,13 +89,18 @@ class Phase(str, enum.Enum):
 
 
 def check_setup(config: NeighborCkptConfig | None, adapter: StateAdapter, *,
-                attempt: AttemptInfo | None = None) -> NeighborCkptConfig:
+                attempt: AttemptInfo | None = None, env: Mapping[str, str] | None = None,
+                global_batch: int | None = None, micro_batch_size: int | None = None) -> NeighborCkptConfig:
     """Pure: what :class:`NeighborCheckpointer` checks before any collective, with no process group needed. Returns
     the configuration (the defaults when None), validated again (attributes may have been set after construction).
+    ``env``: the launcher's environment (default: this process's), the same on every rank of a launch, so every rank
+    decides alike.
 
     Raises:
         ConfigError: ``config`` is not a :class:`NeighborCkptConfig` or is invalid; ``elastic`` is on with an adapter
-            whose optimizer state cannot be re-partitioned for another data-parallel size.
+            whose optimizer state cannot be re-partitioned for another data-parallel size, or where nothing can
+            shrink (:func:`elastic_cannot_shrink`); ``global_batch`` / ``micro_batch_size`` given alone, below 1, or
+            not dividing each other.
     """
     if config is not None and not isinstance(config, NeighborCkptConfig):
         raise ConfigError(f"NeighborCheckpointer expects a NeighborCkptConfig, got {type(config).__name__}; "
@@ -106,10 +112,43 @@ def check_setup(config: NeighborCkptConfig | None, adapter: StateAdapter, *,
             f"neighbor_ckpt.elastic.enabled: {type(adapter).__name__} keeps optimizer state that cannot be "
             "re-partitioned for another data-parallel size. Elastic resharding needs megatron-core's distributed "
             "optimizer (use_distributed_optimizer=True, MegatronOptimizerAdapter); turn elastic off otherwise")
+    why = elastic_cannot_shrink(config, os.environ if env is None else env)
+    if why:
+        raise ConfigError(f"neighbor_ckpt.elastic.enabled: {why}")
+    if (global_batch is None) != (micro_batch_size is None):
+        raise ConfigError("NeighborCheckpointer: give global_batch= and micro_batch_size= together (the global "
+                          "batch an elastic reshard keeps, in samples, and the samples per micro-batch), or neither")
+    if global_batch is not None and micro_batch_size is not None:
+        if global_batch < 1 or micro_batch_size < 1 or global_batch % micro_batch_size:
+            raise ConfigError(f"NeighborCheckpointer: global_batch={global_batch} must be a positive multiple of "
+                              f"micro_batch_size={micro_batch_size}")
     if attempt is None and config.inprocess.enabled:
         logger.warning("neighbor_ckpt: inprocess.enabled but no attempt= given: pass InprocessRecovery."
                        "attempt_info(), or in-process attempts share one attempt number (failure events, timeline)")
     return config
+
+
+def elastic_cannot_shrink(config: NeighborCkptConfig, env: Mapping[str, str]) -> str:
+    """Pure: why ``elastic.enabled`` can never change the data-parallel size of this job (empty: it can, or it is off).
+
+    The data-parallel size changes in process (``inprocess.enabled``: the survivors go on with fewer ranks), or at a
+    restart that comes back with another world size: a multi-node torchrun (``--nnodes MIN:MAX`` re-forms with the
+    nodes left), or a later launch that reads this job's snapshots (a job id that outlives the launch:
+    ``neighbor_ckpt.job_id``, ``NEIGHBOR_CKPT_JOB_ID``, torchrun's ``--rdzv-id``). Nothing can when a single torchrun
+    agent (one node: ``GROUP_WORLD_SIZE`` 1) restarts every rank at the same size and the job id is one neighbor_ckpt
+    made for this launch only (torchrun without ``--rdzv-id``): no later launch ever reads these snapshots."""
+    if not config.enabled or not config.elastic.enabled or config.inprocess.enabled:
+        return ""
+    if "TORCHELASTIC_RUN_ID" not in env or env.get("GROUP_WORLD_SIZE", "") != "1":
+        return ""
+    if decide_job_id(env, config.job_id).source != "launch":
+        return ""
+    return ("nothing can shrink this job: one torchrun agent restarts every rank with the same world size, no rank "
+            "is kept alive after a failure, and its job id is made for this launch only, so no later launch on fewer "
+            "ranks reads its snapshots. Set neighbor_ckpt.inprocess.enabled: true and launch under ft_launcher "
+            "(`neighbor-ckpt launch` arranges it) for the survivors to go on with fewer ranks; or name the job "
+            "(neighbor_ckpt.job_id, NEIGHBOR_CKPT_JOB_ID or torchrun --rdzv-id) so that a launch on fewer ranks "
+            "reshards these snapshots; or turn elastic off")
 
 
 class NeighborCheckpointer:
@@ -129,6 +168,11 @@ class NeighborCheckpointer:
         attempt: which attempt of the job this is (default: the launcher's restart count alone); under in-process
             recovery :meth:`InprocessRecovery.attempt_info() <neighbor_ckpt.inprocess.InprocessRecovery.attempt_info>`
             gives it, so in-process attempts do not share detector keys, failure events or timeline files.
+        global_batch, micro_batch_size: the job's global batch (samples per optimizer step, over every DP rank and
+            micro-batch) and micro-batch size, given together. Each rank then trains :attr:`micro_batches` =
+            ``global_batch / (micro_batch_size x DP)`` per step in every layout: a data-parallel size that does not
+            divide the global batch is refused at construction, before an elastic reshard changes anything, and the
+            recovery report says which global batch a reshard keeps. None: the training loop alone decides it.
 
     Collectives on the snapshot group (:attr:`group`, gloo), one place per phase, in this order on every rank
     (gloo hangs when ranks disagree, so each "whether" below depends only on gathered data or the configuration):
@@ -151,10 +195,12 @@ class NeighborCheckpointer:
     def __init__(self, config: NeighborCkptConfig | None = None, *, adapter: StateAdapter,
                  dp_group: dist.ProcessGroup | None = None, model_parallel_coord: tuple[int, ...] = (),
                  insurance: InsuranceLoader | None = None, capture_rng_state: bool = True,
-                 handle_sigterm: bool = True, attempt: AttemptInfo | None = None) -> None:
+                 handle_sigterm: bool = True, attempt: AttemptInfo | None = None, global_batch: int | None = None,
+                 micro_batch_size: int | None = None) -> None:
         # Construction in three steps: the policy checks (pure, check_setup), the collectives every rank runs in the
         # same order (_setup_collectives), then the wiring of plain objects from their results (the rest of __init__).
-        self.config = check_setup(config, adapter, attempt=attempt)
+        self.config = check_setup(config, adapter, attempt=attempt, global_batch=global_batch,
+                                  micro_batch_size=micro_batch_size)
         self.attempt = attempt if attempt is not None else AttemptInfo.from_env()
         if not dist.is_available() or not dist.is_initialized():
             raise TopologyError("NeighborCheckpointer needs torch.distributed to be initialized first")
@@ -168,6 +214,14 @@ class NeighborCheckpointer:
         self.job_identity = resolve_job_id(self.config)
         """The job id and where it came from (a torchrun launch without a run id gets one of its own)."""
         self._setup_collectives(dp_group=dp_group, model_parallel_coord=model_parallel_coord)
+        self.global_batch = global_batch
+        """The global batch the job keeps in every layout (None: not given; the training loop decides it)."""
+        self.micro_batches: int | None = None
+        """Micro-batches per rank per step in this layout (``global_batch / (micro_batch_size x DP)``; None when the
+        global batch was not given)."""
+        if global_batch is not None and micro_batch_size is not None:
+            # Before any reshard: DP size and batch are the same on every rank, so every rank refuses alike.
+            self.micro_batches = micro_batches_per_rank(global_batch, micro_batch_size, self.topology.dp_size)
         # -- the wiring: plain objects built from the collectives' results --
         self.store = HostStore(self.config.resolved_store_dir(), job_id=self.job_identity.job_id,
                                rank=self.topology.rank, versions=self.config.store.versions,
@@ -213,6 +267,8 @@ class NeighborCheckpointer:
             else self.store.user_dir / "reports" / self.store.job_id,
             process_group_ready=group_ready)
         """Status line, metrics and recovery timeline; the Lightning callback attaches the trainer's."""
+        if global_batch is not None and micro_batch_size is not None:
+            self.reporter.batch = (global_batch, micro_batch_size)
         self._first_snapshot: int | None = None
         self._closed = False
         self._prev_sigterm: Any = None
@@ -372,6 +428,11 @@ class NeighborCheckpointer:
         if prepared is not None and prepared.used:
             result.report.notes.append(f"pulled into a slot prepared in advance ({prepared.seconds:.3f} s in the "
                                        "background, from the layout in the launch's store)")
+        if result.report.resharded and self.micro_batches is not None:
+            result.report.notes.append(
+                f"global batch {self.global_batch} samples kept: {self.micro_batches} micro-batch(es) of "
+                f"{self.global_batch // (self.micro_batches * self.topology.dp_size)} per rank at data-parallel size "
+                f"{self.topology.dp_size}")
         self.last_report = result.report
         self._recovered = True
         if result.report.resharded:

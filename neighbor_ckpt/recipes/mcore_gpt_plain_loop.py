@@ -64,8 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--dropout", type=float, default=0.1, help="attention and hidden dropout")
     ap.add_argument("--global-batch", type=int, default=None,
-                    help="samples per step, kept whatever the data-parallel size (default: micro-batch size x "
-                         "micro-batches x the data-parallel size at start); needed to shrink with neighbor_ckpt.elastic")
+                    help="samples per step, kept whatever the data-parallel size (default: the --config file's "
+                         "trainer.global_batch_size; else, with neighbor_ckpt.elastic off, micro-batch size x "
+                         "micro-batches x the data-parallel size, which cannot change then); required with "
+                         "neighbor_ckpt.elastic")
     ap.add_argument("--no-dist-opt", dest="dist_opt", action="store_false",
                     help="replicated optimizer state (megatron's Float16/FP32 optimizer) instead of the distributed one")
     ap.add_argument("--overlap", action="store_true", help="overlap grad reduce-scatter and param all-gather")
@@ -161,11 +163,10 @@ def build_gpt(*, tp: int = 1, pp: int = 1, dist_opt: bool = True, overlap: bool 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     if global_batch is None:
         global_batch = mbs * n_mb * dp_size
-    elif global_batch % (mbs * dp_size):
-        raise ValueError(f"global batch {global_batch} is not a multiple of micro-batch size {mbs} x data-parallel "
-                         f"size {dp_size}")
     else:
-        n_mb = global_batch // (mbs * dp_size)
+        from neighbor_ckpt.recovery.reshard import micro_batches_per_rank
+
+        n_mb = micro_batches_per_rank(global_batch, mbs, dp_size)  # ConfigError when DP does not divide it
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
                                         lr_warmup_steps=3 * global_batch, lr_decay_steps=steps * global_batch,
                                         lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
@@ -263,10 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder(args.out)
     victims, kill_step = _parse_kill(args.kill)
     nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
-    # The global batch, fixed at start: an elastic shrink gives the survivors more micro-batches instead.
-    active = int(os.environ.get("WORLD_SIZE", "1")) - (nc_config.inprocess.spares if nc_config.inprocess.enabled else 0)
-    global_batch = args.global_batch or \
-        args.micro_batch_size * args.micro_batches * max(1, active // (args.tp * args.pp))
+    global_batch = job_global_batch(args, nc_config)
     if args.job_id:
         nc_config.job_id = args.job_id
     inproc = None
@@ -315,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = NeighborCheckpointer(nc_config, insurance=insurance.load if insurance else None,
                                     adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
                                     dp_group=groups.dp_group, model_parallel_coord=groups.coord,
-                                    attempt=inproc.attempt_info() if inproc is not None else None)
+                                    attempt=inproc.attempt_info() if inproc is not None else None,
+                                    global_batch=global_batch, micro_batch_size=mbs)
         if inproc is not None:  # a failed attempt: closed after the abort, host slots kept
             inproc.on_restart(lambda: ckpt.close(success=False))
         if RANK in victims and first_attempt and args.kill_phase == "optimizer":
@@ -441,6 +440,34 @@ class Insurance:
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.state = json.loads(loaded["user"])
         return int(loaded["iteration"])
+
+
+def job_global_batch(args: argparse.Namespace, nc_config: Any) -> int:
+    """The job's global batch (samples per step), the same in every layout: ``--global-batch``, else the ``--config``
+    file's ``trainer.global_batch_size`` (a job file). Without either, and only with ``neighbor_ckpt.elastic`` off
+    (the data-parallel size cannot change then: a snapshot of another layout is refused), micro-batch size x
+    micro-batches x the data-parallel size of the job's ranks (hot spares excluded). With elastic on, a size derived
+    from this launch's world would change at a restart on fewer ranks, silently: refused.
+
+    Raises:
+        ConfigError: elastic is on and no global batch is given."""
+    from neighbor_ckpt.errors import ConfigError
+
+    if args.global_batch is not None:
+        return int(args.global_batch)
+    if args.config is not None:
+        import yaml
+
+        doc = yaml.safe_load(Path(args.config).read_text()) or {}
+        trainer = doc.get("trainer") if isinstance(doc, dict) else None
+        if isinstance(trainer, dict) and trainer.get("global_batch_size") is not None:
+            return int(trainer["global_batch_size"])
+    if nc_config.enabled and nc_config.elastic.enabled:
+        raise ConfigError("neighbor_ckpt.elastic.enabled needs the job's global batch, kept in every layout: give "
+                          "--global-batch N (or trainer.global_batch_size in the --config file); derived from this "
+                          "launch's world size it would change at a restart on fewer ranks")
+    active = int(os.environ.get("WORLD_SIZE", "1")) - (nc_config.inprocess.spares if nc_config.inprocess.enabled else 0)
+    return args.micro_batch_size * args.micro_batches * max(1, active // (args.tp * args.pp))
 
 
 def _parse_kill(spec: str | None) -> tuple[frozenset[int], int]:

@@ -26,10 +26,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from neighbor_ckpt.errors import SnapshotMismatchError
+from neighbor_ckpt.errors import ConfigError, SnapshotMismatchError
 
 __all__ = ["ShardSpan", "TensorEntry", "RankLayout", "Copy", "Piece", "ReshardPlan", "VersionChoice", "choose_version",
-           "plan_reshard", "ElasticPolicy", "DTYPE_BYTES"]
+           "plan_reshard", "ElasticPolicy", "DTYPE_BYTES", "micro_batches_per_rank"]
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1}
@@ -350,3 +350,26 @@ class ElasticPolicy:
                 f"size {self.model_parallel}) is >= elastic.min_data_parallel {self.min_data_parallel}"
                 + ("" if self.batch_micro_batches is None else
                    f" and divides the global batch's {self.batch_micro_batches} micro-batches"))
+
+
+def micro_batches_per_rank(global_batch: int, micro_batch_size: int, data_parallel: int) -> int:
+    """Micro-batches each data-parallel rank trains per step so that the step holds exactly ``global_batch`` samples
+    (megatron-core's num-microbatches rule: ``global_batch / (micro_batch_size x data_parallel)``); what keeps an
+    elastic reshard on the same trajectory (ReCoVer's constant global batch).
+
+    Raises:
+        ConfigError: a size below 1, or a data-parallel size whose ranks cannot split the global batch evenly (the
+            message names the sizes and the data-parallel sizes that would)."""
+    if global_batch < 1 or micro_batch_size < 1 or data_parallel < 1:
+        raise ConfigError(f"global batch {global_batch}, micro-batch size {micro_batch_size} and data-parallel size "
+                          f"{data_parallel} must all be >= 1")
+    if global_batch % (micro_batch_size * data_parallel):
+        fits = [d for d in range(1, global_batch // micro_batch_size + 1)
+                if global_batch % (micro_batch_size * d) == 0]
+        raise ConfigError(
+            f"the global batch of {global_batch} samples cannot be kept at data-parallel size {data_parallel}: "
+            f"{global_batch} is not a multiple of micro-batch size {micro_batch_size} x data-parallel size "
+            f"{data_parallel} = {micro_batch_size * data_parallel}, so the ranks would train unequal numbers of "
+            f"micro-batches. Start the job on a world whose data-parallel size divides it (data-parallel sizes that "
+            f"do: {fits}), or change the global batch (a change of trajectory)")
+    return global_batch // (micro_batch_size * data_parallel)

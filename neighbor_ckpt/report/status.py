@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SnapshotStats",
     "Reporter",
+    "resize_line",
     "PhaseProgress",
     "PLAIN_LOOP_LOG_EVERY",
     "METRIC_PREFIX",
@@ -396,6 +397,9 @@ class Reporter:
                              tuple[int | None, int | None]] | None = None
         self.timeline_pending = False
         """A recovery happened and its timeline waits for the end of the first step (rank 0 only)."""
+        self.batch: tuple[int, int] | None = None
+        """(global batch, micro-batch size) the job keeps in every layout, when the checkpointer was given them: what
+        the line after an elastic reshard states (:func:`resize_line`)."""
 
     def attach(self, *, every_n_steps: int | None = None, loggers: Sequence[Any] | None = None,
                report_dir: Path | None = None, process_group_ready: float | None = None) -> None:
@@ -471,7 +475,7 @@ class Reporter:
             where = f"; timeline {tl.path_png or tl.path_json}" if tl.path_json else ""
             _say("neighbor_ckpt: recovery %s%s", tl.summary(), where)
             if tl.resized:
-                _say("neighbor_ckpt: %s", tl.resize_note())
+                _say("neighbor_ckpt: %s", resize_line(tl.data_parallel_before, tl.data_parallel_after, self.batch))
             for note in tl.notes:
                 _say("neighbor_ckpt: recovery timeline: %s", note)
             if self.config.log_metrics and self.loggers and step is not None:
@@ -480,3 +484,25 @@ class Reporter:
         except Exception as e:  # noqa: BLE001 - reporting never stops training
             logger.warning("neighbor_ckpt: could not write the recovery timeline: %s", e)
             return None
+
+
+def resize_line(before: int | None, after: int | None, batch: tuple[int, int] | None) -> str:
+    """What an elastic reshard from data-parallel size ``before`` to ``after`` changed for training, in words: with
+    ``batch`` (global batch, micro-batch size, as given to the checkpointer) the global batch actually used and the
+    micro-batches per rank on each side; without it, that the checkpointer does not know the global batch (nothing is
+    claimed that was not checked)."""
+    if before is None or after is None or before == after:
+        return ""
+    cost = f"a step takes about {before / after:.2f}x as long (throughput x {after / before:.2f})"
+    if batch is None:
+        return (f"data-parallel size {before} -> {after}: the global batch is the training loop's (not given to the "
+                f"checkpointer: pass global_batch= and micro_batch_size= to have it checked); if it keeps it, each "
+                f"rank trains {before}/{after} = {before / after:.2f}x the micro-batches per step and {cost}")
+    gb, mbs = batch
+    per = gb // mbs  # micro-batches per step over all ranks; the checkpointer refused a DP size that does not divide it
+
+    def each(dp: int) -> str:
+        return str(per // dp) if per % dp == 0 else f"{per / dp:.2f}"
+
+    return (f"data-parallel size {before} -> {after}: the global batch is {gb} samples, {each(after)} micro-batch(es) "
+            f"of {mbs} per rank (was {each(before)}), so {cost}")

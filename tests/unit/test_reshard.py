@@ -181,3 +181,19 @@ def test_elastic_policy_picks_the_largest_world_that_keeps_the_global_batch() ->
     assert "elastic.min_data_parallel 3" in floor.why_not(2) and "12 micro-batches" in floor.why_not(2)
     with pytest.raises(ValueError):
         ElasticPolicy(model_parallel=0)
+
+
+def test_micro_batches_per_rank_keep_the_global_batch_and_a_dp_size_that_does_not_divide_it_is_refused() -> None:
+    from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.recovery.reshard import micro_batches_per_rank
+
+    assert [micro_batches_per_rank(24, 2, dp) for dp in (1, 2, 3, 4, 6, 12)] == [12, 6, 4, 3, 2, 1]
+    assert micro_batches_per_rank(16, 2, 4) == 2
+    with pytest.raises(ConfigError) as e:
+        micro_batches_per_rank(16, 2, 3)
+    msg = str(e.value)
+    assert msg.startswith("the global batch of 16 samples cannot be kept at data-parallel size 3: 16 is not a multiple "
+                          "of micro-batch size 2 x data-parallel size 3 = 6"), msg
+    assert "data-parallel sizes that do: [1, 2, 4, 8]" in msg
+    with pytest.raises(ConfigError, match="must all be >= 1"):
+        micro_batches_per_rank(16, 0, 2)
