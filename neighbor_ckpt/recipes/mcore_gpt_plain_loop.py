@@ -194,6 +194,12 @@ def sample_batches(gpt: GPT, consumed: int) -> Iterator[dict[str, torch.Tensor]]
                "position_ids": torch.arange(SEQ).unsqueeze(0).expand(mbs, SEQ).cuda()}
 
 
+def step_samples(gpt: GPT, consumed: int) -> list[int]:
+    """The sample indices this rank trains in the step that starts at ``consumed`` (what :func:`sample_batches`
+    draws; recorded with each step's loss so a test can check the global batch on the samples themselves)."""
+    return [consumed + (m * gpt.dp_size + gpt.dp_rank) * gpt.mbs + i for m in range(gpt.n_mb) for i in range(gpt.mbs)]
+
+
 def global_loss(gpt: GPT, losses: list[dict[str, torch.Tensor]]) -> float | None:
     """The step's loss over the global batch: this rank's mean over its micro-batches, averaged over the DP group
     (every rank trains as many samples). None on a pipeline stage without the loss."""
@@ -229,11 +235,13 @@ class Recorder:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
 
-    def loss(self, step: int, loss: float | None, *, consumed: int | None = None) -> None:
+    def loss(self, step: int, loss: float | None, *, consumed: int | None = None,
+             samples: list[int] | None = None) -> None:
         if self.out is not None:
             with open(self.out / f"losses.rank{RANK}.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": None if loss is None else loss.hex(),
-                                    "attempt": ATTEMPT, "consumed_samples": consumed}) + "\n")
+                                    "attempt": ATTEMPT, "consumed_samples": consumed,
+                                    **({} if samples is None else {"samples": samples})}) + "\n")
 
     def json(self, name: str, obj: Any) -> None:
         if self.out is not None:
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
                 losses = forward_backward(forward_step_func=forward_step, data_iterator=sample_batches(gpt, consumed),
                                           model=[ddp_model], num_microbatches=n_mb, seq_length=SEQ,
                                           micro_batch_size=mbs, decoder_seq_length=SEQ, forward_only=False)
-                rec.loss(step, global_loss(gpt, losses), consumed=consumed)
+                rec.loss(step, global_loss(gpt, losses), consumed=consumed, samples=step_samples(gpt, consumed))
                 ok, _, _ = optimizer.step()
                 if not ok:
                     raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")

@@ -172,11 +172,29 @@ def test_restart_path_reshards_to_the_nodes_that_come_back_and_grows_back_to_the
         else:
             a, b = float.fromhex(rec["loss"]), float.fromhex(expected[step]["loss"])
             assert abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+    # The global batch on the samples themselves: in every step, the ranks of the run that trained it consumed
+    # exactly samples step x 24 .. step x 24 + 23, each once, each rank 24 / DP of them (not only the counter).
+    per_step: dict[int, dict[int, dict[int, list[int]]]] = {}
+    for i, r in enumerate(runs):
+        for path in sorted(r.out.glob("losses.rank*.jsonl")):
+            rank = int(path.name.split(".")[1].removeprefix("rank"))
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                per_step.setdefault(rec["step"], {}).setdefault(i, {})[rank] = rec["samples"]
+    for step, by_run in sorted(per_step.items()):
+        ranks = by_run[max(by_run)]
+        dp = 4 if step < 5 or step >= 7 else 3
+        assert len(ranks) == dp and all(len(v) == 24 // dp for v in ranks.values()), (step, ranks)
+        assert sorted(x for v in ranks.values() for x in v) == list(range(step * 24, step * 24 + 24)), (step, ranks)
     for run, nranks, it, dp in ((runs[1], 3, 4, (4, 3)), (runs[2], 4, 6, (3, 4))):
         for r in range(nranks):
             rep = run.report(r, 0)
             assert (rep["outcome"], rep["source"], rep["iteration"]) == ("restored", "reshard", it), rep
             assert (rep["data_parallel_before"], rep["data_parallel_after"]) == dp, rep
+            assert f"global batch 24 samples kept: {24 // (2 * dp[1])} micro-batch(es) of 2 per rank" in \
+                " ".join(rep["notes"]), rep
+    assert "data-parallel size 4 -> 3: the global batch is 24 samples, 4 micro-batch(es) of 2 per rank (was 3)" \
+        in runs[1].log, runs[1].log[-4000:]
     # the successful end removed every generation of the job's store on every node
     assert not list(store.glob("node*/*/grow/**/*.slot")), sorted(store.glob("node*/*/grow/**/*.slot"))
 
