@@ -57,7 +57,7 @@ from neighbor_ckpt.snapshot.transport import NeighborTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationInfo", "LocalGeneration", "local_generation", "decide_generation", "scan_copies",
+__all__ = ["GenerationInfo", "LocalGeneration", "local_generation", "local_generations", "decide_generation", "scan_copies",
            "layout_from_meta", "run_reshard", "all_gather_bytes", "ELASTIC_META_KEYS", "Generations", "model_identity",
            "rank_layout"]
 
@@ -70,12 +70,21 @@ ELASTIC_META_KEYS = ("world_size", "dp_ranks", "coord", "model", "shards", "tens
 
 @dataclass(frozen=True)
 class LocalGeneration:
-    """The newest generation of this job's store on this node that holds a committed snapshot, and the layout of its
-    snapshots (-1: none)."""
+    """A generation of this job's store on this node that holds a committed snapshot, the layout of its snapshots
+    (-1: none), and which old ranks' iterations its committed copies hold (``copies``: (owner, iteration) pairs;
+    empty: not known)."""
 
     generation: int = -1
     world_size: int = -1
     dp_size: int = -1
+    copies: tuple[tuple[int, int], ...] = ()
+
+    def to_json(self) -> list[Any]:
+        return [self.generation, self.world_size, self.dp_size, [list(c) for c in self.copies]]
+
+    @classmethod
+    def from_json(cls, v: list[Any]) -> LocalGeneration:
+        return cls(int(v[0]), int(v[1]), int(v[2]), tuple((int(o), int(i)) for o, i in v[3]))
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,9 @@ class GenerationInfo:
     resharded into this one (None: an ordinary restore, or a fresh start)."""
     world_before: int | None = None
     dp_before: int | None = None
+    skipped: int | None = None
+    """The newest generation, when it holds no complete version and an older one (not yet released) does: that older
+    one is resharded instead (a failure before the newest layout's first complete snapshot)."""
 
 
 def _committed_headers(gen_dir: Path) -> list[tuple[str, Path, SlotHeader]]:
@@ -112,38 +124,74 @@ def _committed_headers(gen_dir: Path) -> list[tuple[str, Path, SlotHeader]]:
     return out
 
 
+def local_generations(root: Path, job_id: str) -> list[LocalGeneration]:
+    """Every generation of the job on this node with a committed snapshot, newest first: its layout and the (owner,
+    iteration) of each committed copy."""
+    out: list[LocalGeneration] = []
+    for gen in reversed(store_generations(root, job_id)):
+        hdrs = [hdr for _, _, hdr in _committed_headers(generation_dir(root, job_id, gen)) if hdr.job_id == job_id]
+        if not hdrs:
+            continue
+        world = int(hdrs[0].meta.get("world_size", -1))
+        dp = len(hdrs[0].meta.get("dp_ranks", ())) or -1
+        copies = tuple(sorted({(int(h.owner_rank), int(h.iteration)) for h in hdrs}))
+        out.append(LocalGeneration(gen, world, dp, copies))
+    return out
+
+
 def local_generation(root: Path, job_id: str) -> LocalGeneration:
     """This node's newest generation of the job with a committed snapshot, and that snapshot's layout."""
-    for gen in reversed(store_generations(root, job_id)):
-        for _, _, hdr in _committed_headers(generation_dir(root, job_id, gen)):
-            if hdr.job_id != job_id:
-                continue
-            world = int(hdr.meta.get("world_size", -1))
-            dp = len(hdr.meta.get("dp_ranks", ())) or -1
-            return LocalGeneration(gen, world, dp)
-    return LocalGeneration()
+    found = local_generations(root, job_id)
+    return found[0] if found else LocalGeneration()
 
 
-def decide_generation(rows: list[LocalGeneration], *, world_size: int, dp_size: int, elastic: bool) -> GenerationInfo:
-    """Pure (every rank's :func:`local_generation`, gathered): the newest generation anywhere; an ordinary restore in
-    it when its snapshots have this world and data-parallel size (or elastic is off: the restore flow then refuses
-    another layout, as always), else a reshard from it into the next generation."""
-    newest = max((r.generation for r in rows), default=-1)
-    if newest < 0:
+def _complete(nodes: list[list[LocalGeneration]], generation: int) -> bool:
+    """Whether the copies every process reported for ``generation`` hold one iteration for every rank of its layout
+    (:func:`~neighbor_ckpt.recovery.reshard.choose_version`, pure); True when no process reported its copies."""
+    rows = [(h, g) for h, gens in enumerate(nodes) for g in gens if g.generation == generation]
+    if not any(g.copies for _, g in rows):
+        return True
+    world = min(g.world_size for _, g in rows)
+    copies = [Copy(o, i, h, "own") for h, g in rows for o, i in g.copies]
+    return world > 0 and choose_version(copies, old_world=world).iteration is not None
+
+
+def decide_generation(rows: list[LocalGeneration] | list[list[LocalGeneration]], *, world_size: int, dp_size: int,
+                      elastic: bool) -> GenerationInfo:
+    """Pure (every process's :func:`local_generations`, gathered; or each one's newest, :func:`local_generation`):
+    the newest generation anywhere; an ordinary restore in it when its snapshots have this world and data-parallel
+    size (or elastic is off: the restore flow then refuses another layout, as always), else a reshard from it into the
+    next generation.
+
+    With elastic on, a newest generation that holds no complete version (a failure before its layout's first
+    snapshot was committed on every rank) while an older one, not yet released, does: that older layout's snapshots
+    are resharded into the next generation instead of falling back to insurance."""
+    nodes = [r if isinstance(r, list) else ([r] if r.generation >= 0 else []) for r in rows]
+    gens = sorted({g.generation for gens in nodes for g in gens}, reverse=True)
+    if not gens:
         return GenerationInfo(0)
-    layouts = {(r.world_size, r.dp_size) for r in rows if r.generation == newest}
+    newest = gens[0]
+
+    def layout(gen: int) -> set[tuple[int, int]]:
+        return {(g.world_size, g.dp_size) for gens_ in nodes for g in gens_ if g.generation == gen}
+
+    if elastic and not _complete(nodes, newest):
+        older = next((g for g in gens[1:] if _complete(nodes, g)), None)
+        if older is not None:
+            world, dp = min(layout(older))
+            return GenerationInfo(newest + 1, reshard_from=older, world_before=world, dp_before=dp, skipped=newest)
+    layouts = layout(newest)
     world, dp = min(layouts)
     if not elastic or layouts == {(world_size, dp_size)}:
         return GenerationInfo(newest)
     return GenerationInfo(newest + 1, reshard_from=newest, world_before=world, dp_before=dp)
 
 
-def gather_generations(mine: LocalGeneration, group: dist.ProcessGroup) -> list[LocalGeneration]:
-    """Collective over ``group``: every rank's :class:`LocalGeneration`."""
-    t = torch.tensor([mine.generation, mine.world_size, mine.dp_size], dtype=torch.int64)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return [LocalGeneration(*(int(x) for x in o.tolist())) for o in out]
+def gather_generations(mine: list[LocalGeneration], group: dist.ProcessGroup) -> list[list[LocalGeneration]]:
+    """Collective over ``group`` (two all-gathers: :func:`all_gather_bytes`): every process's
+    :func:`local_generations`, by group rank."""
+    data = json.dumps([g.to_json() for g in mine], separators=(",", ":")).encode()
+    return [[LocalGeneration.from_json(v) for v in json.loads(b)] for b in all_gather_bytes(data, group)]
 
 
 class Generations:
@@ -163,11 +211,16 @@ class Generations:
     def __init__(self, *, root: Path, job_id: str, topology: Topology, group: dist.ProcessGroup,
                  elastic: bool) -> None:
         self.root, self.job_id, self.topology, self.group = Path(root), job_id, topology, group
-        rows = gather_generations(local_generation(self.root, job_id), group)
+        rows = gather_generations(local_generations(self.root, job_id), group)
         self.info = decide_generation(rows, world_size=topology.world_size, dp_size=topology.dp_size,
                                       elastic=elastic)
         """The generation this layout uses, and the one it reshards from (if any)."""
         self._release_below: int | None = self.info.generation if self.info.reshard_from is not None else None
+        if self.info.skipped is not None:
+            logger.warning("rank %d: neighbor_ckpt: store generation %d holds no complete version (a failure before "
+                           "its layout's first snapshot was committed and replicated everywhere); generation %d, not "
+                           "released yet, does: resharding it from memory instead of falling back to insurance",
+                           topology.rank, self.info.skipped, self.info.reshard_from)
         if self.info.reshard_from is not None:
             logger.info("rank %d: neighbor_ckpt: the newest snapshots (store generation %d) were taken with %d ranks, "
                         "data-parallel size %d; this job has %d ranks, data-parallel size %d: elastic reshard into "

@@ -197,3 +197,37 @@ def test_micro_batches_per_rank_keep_the_global_batch_and_a_dp_size_that_does_no
     assert "data-parallel sizes that do: [1, 2, 4, 8]" in msg
     with pytest.raises(ConfigError, match="must all be >= 1"):
         micro_batches_per_rank(16, 0, 2)
+
+
+def test_a_newest_generation_without_a_complete_version_falls_back_to_the_older_layout_not_yet_released() -> None:
+    """Issue 31 item 2: DP 4 (generation 0, iterations 3 and 4 of every old rank) resharded to DP 3 (generation 1);
+    a second failure before generation 1's first snapshot was committed everywhere (old rank 2's never was, and its
+    replica did not arrive): generation 0, still in memory, is resharded into generation 2 instead of insurance."""
+    from neighbor_ckpt.recovery.elastic import LocalGeneration, decide_generation
+
+    g0 = [LocalGeneration(0, 4, 4, ((o, 3),)) for o in range(4)]
+    # holder h of the survivors keeps old rank h's own slots and its predecessor's replicas (iterations 3 and 4)
+    g0_both = [LocalGeneration(0, 4, 4, tuple((o, i) for o in sorted({h, (h - 1) % 4}) for i in (3, 4)))
+               for h in range(4)]
+    g1_partial = [LocalGeneration(1, 3, 3, ((0, 5),)), LocalGeneration(1, 3, 3, ((1, 5), (0, 5))),
+                  LocalGeneration(1, 3, 3, ())]
+    nodes = [[g1_partial[h], g0_both[h]] for h in range(3)]
+    info = decide_generation(nodes, world_size=3, dp_size=3, elastic=True)
+    assert (info.generation, info.reshard_from, info.world_before, info.dp_before, info.skipped) == (2, 0, 4, 4, 1)
+    # the same at a restart on 4 ranks again (grow back): still the older layout, into a new generation
+    info = decide_generation(nodes + [[g0[3]]], world_size=4, dp_size=4, elastic=True)
+    assert (info.generation, info.reshard_from, info.skipped) == (2, 0, 1)
+    # elastic off: as before, the newest generation (the restore flow then decides: insurance)
+    assert decide_generation(nodes, world_size=3, dp_size=3, elastic=False).generation == 1
+    # generation 1 complete (every old rank's iteration 5, own slots or replicas): an ordinary restore in it
+    g1_done = [LocalGeneration(1, 3, 3, ((h, 5),)) for h in range(3)]
+    info = decide_generation([[g1_done[h], g0_both[h]] for h in range(3)], world_size=3, dp_size=3, elastic=True)
+    assert (info.generation, info.reshard_from, info.skipped) == (1, None, None)
+    # nothing older is complete either: the newest, as before (its restore flow reports why)
+    g0_broken = [LocalGeneration(0, 4, 4, ((o, 3),)) for o in range(3)]  # old rank 3 lost with its successor
+    info = decide_generation([[g1_partial[h], g0_broken[h]] for h in range(3)], world_size=3, dp_size=3, elastic=True)
+    assert (info.generation, info.reshard_from, info.skipped) == (1, None, None)
+    # each process's newest generation alone (no copies reported): the rule of before, unchanged
+    info = decide_generation([LocalGeneration(0, 4, 4)] * 3, world_size=3, dp_size=3, elastic=True)
+    assert (info.generation, info.reshard_from, info.dp_before) == (1, 0, 4)
+    assert decide_generation([LocalGeneration()] * 3, world_size=3, dp_size=3, elastic=True).generation == 0
