@@ -511,9 +511,13 @@ def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
     from neighbor_ckpt.snapshot.damage import damage_newest_slot
     from neighbor_ckpt.snapshot.store import rank_dir
 
-    own = rank_dir(config.resolved_store_dir(), config.resolved_job_id(), RANK)
-    if args.replace_store:
-        shutil.rmtree(own, ignore_errors=True)
+    root, job = config.resolved_store_dir(), config.resolved_job_id()
+    own = rank_dir(root, job, RANK)
+    if args.replace_store:  # a replaced node: its host memory is empty, every store generation (elastic layouts)
+        from neighbor_ckpt.snapshot.store import store_generations
+
+        for gen in store_generations(root, job) or [0]:
+            shutil.rmtree(rank_dir(root, job, RANK, gen), ignore_errors=True)
     if args.damage:
         import random
 

@@ -57,9 +57,9 @@ from neighbor_ckpt.snapshot.transport import NeighborTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationInfo", "LocalGeneration", "local_generation", "local_generations", "decide_generation", "scan_copies",
-           "layout_from_meta", "run_reshard", "all_gather_bytes", "ELASTIC_META_KEYS", "Generations", "model_identity",
-           "rank_layout"]
+__all__ = ["GenerationInfo", "LocalGeneration", "local_generation", "local_generations", "decide_generation",
+           "scan_copies", "layout_from_meta", "run_reshard", "all_gather_bytes", "ELASTIC_META_KEYS", "Generations",
+           "model_identity", "rank_layout"]
 
 ELASTIC_META_KEYS = ("world_size", "dp_ranks", "coord", "model", "shards", "tensors")
 """What a slot header's ``meta`` must hold for its snapshot to be resharded (the checkpointer writes them all)."""

@@ -199,6 +199,53 @@ def test_restart_path_reshards_to_the_nodes_that_come_back_and_grows_back_to_the
     assert not list(store.glob("node*/*/grow/**/*.slot")), sorted(store.glob("node*/*/grow/**/*.slot"))
 
 
+def test_restart_path_second_failure_before_the_new_layouts_first_snapshot_reshards_the_old_layout_from_memory(
+        elastic_baseline: RunResult, tmp_path: Path) -> None:
+    """Issue 31 item 2. The job dies in step 5 on 4 nodes and comes back on 3 (DP 4 -> 3, store generation 1). In its
+    first step after the reshard, rank 1 is SIGKILLed halfway through streaming its first DP-3 snapshot (iteration 5)
+    to its successor, and torchrun restarts the 3 ranks with rank 1's node replaced (every store generation of it
+    empty): generation 1 holds no complete version (rank 1's snapshot 5 is gone with its node, its replica never
+    committed), while generation 0, not released yet (that waits for the first DP-3 snapshot on every rank, committed
+    and replicated), holds iteration 4 of every old rank. The restart reshards generation 0 again, from memory, into
+    generation 2 (the rule before chose generation 1, the newest with a committed copy, whose restore had no complete
+    version); the replayed step 5 is bit for bit the one the first DP-3 attempt trained, every later step within 1e-4
+    of the failure-free DP-4 run, each step on its 24 samples."""
+    cfg = tmp_path / "elastic.yaml"
+    cfg.write_text("neighbor_ckpt:\n  elastic:\n    enabled: true\n")
+    common = dict(STEPS=STEPS, NCKPT_CONFIG=cfg, TEST_STORE_BASE=tmp_path / "store", NEIGHBOR_CKPT_JOB_ID="again")
+    run_torchrun("train_mcore.py", tmp_path / "dp4", nproc=4, KILL_RANK="0,1,2,3", KILL_STEP=5,
+                 EXTRA_ARGS="--global-batch 24 --dropout 0", **common)
+    res = run_torchrun("train_mcore.py", tmp_path / "dp3", nproc=3, max_restarts=1, KILL_RANK="1", KILL_STEP=5,
+                       KILL_PHASE="stream", EXTRA_ARGS="--global-batch 24 --dropout 0 --replace-store", **common)
+    assert res.returncode == 0, res.log[-8000:]
+    assert "falling back to the insurance" not in res.log and "starting over" not in res.log, res.log[-8000:]
+    # ranks 0 and 2 committed their snapshot 5 (in the background, within milliseconds) before torchrun stopped them
+    assert "store generation 1 holds no complete version" in res.log and "elastic reshard into generation 2" in \
+        res.log, res.log[-8000:]
+    for r in range(3):
+        for attempt in (0, 1):
+            rep = res.report(r, attempt)
+            assert (rep["outcome"], rep["source"], rep["iteration"]) == ("restored", "reshard", 4), (attempt, rep)
+            assert (rep["data_parallel_before"], rep["data_parallel_after"]) == (4, 3), rep
+    expected = {json.loads(line)["step"]: json.loads(line) for line in
+                (elastic_baseline.out / "losses.rank0.jsonl").read_text().splitlines()}
+    recs: dict[int, list[dict[str, Any]]] = {}
+    for line in (res.out / "losses.rank0.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        recs.setdefault(rec["step"], []).append(rec)
+    assert sorted(recs) == list(range(5, STEPS)), sorted(recs)
+    assert [r["attempt"] for r in recs[5]] == [0, 1], recs[5]
+    assert recs[5][0]["loss"] == recs[5][1]["loss"], recs[5]  # the same state, resharded twice: the same step
+    for step, rs in recs.items():
+        a, b = float.fromhex(rs[-1]["loss"]), float.fromhex(expected[step]["loss"])
+        assert abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+    for step in range(5, STEPS):
+        samples = [json.loads(line)["samples"] for r in range(3)
+                   for line in (res.out / f"losses.rank{r}.jsonl").read_text().splitlines()
+                   if json.loads(line)["step"] == step and json.loads(line)["attempt"] == 1]
+        assert sorted(x for v in samples for x in v) == list(range(step * 24, step * 24 + 24)), (step, samples)
+
+
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("tp,dp_after", [(1, 3), (2, 1)], ids=["tp1-dp4-to-dp3", "tp2-dp2-to-dp1"])
 def test_nemo_recipe_loses_a_rank_for_good_and_continues_on_a_smaller_dp_in_process(

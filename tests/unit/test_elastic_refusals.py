@@ -24,7 +24,8 @@ def elastic(**kw) -> NeighborCkptConfig:
 
 def test_one_torchrun_agent_with_a_per_launch_job_id_cannot_shrink_and_says_what_to_set() -> None:
     why = elastic_cannot_shrink(elastic(), TORCHRUN_ONE_AGENT)
-    assert why.startswith("nothing can shrink this job: one torchrun agent restarts every rank with the same world size")
+    assert why.startswith("nothing can shrink this job: one torchrun agent restarts every rank with the same "
+                          "world size")
     assert "Set neighbor_ckpt.inprocess.enabled: true" in why and "neighbor_ckpt.job_id" in why
 
 
@@ -72,9 +73,9 @@ def test_the_global_batch_given_to_the_checkpointer_is_checked_before_any_collec
 
 
 def test_the_line_after_a_reshard_states_the_global_batch_used_or_that_it_was_not_given() -> None:
-    assert resize_line(4, 3, (24, 2)) == ("data-parallel size 4 -> 3: the global batch is 24 samples, 4 micro-batch(es) "
-                                          "of 2 per rank (was 3), so a step takes about 1.33x as long (throughput x "
-                                          "0.75)")
+    assert resize_line(4, 3, (24, 2)) == ("data-parallel size 4 -> 3: the global batch is 24 samples, 4 "
+                                          "micro-batch(es) of 2 per rank (was 3), so a step takes about 1.33x as "
+                                          "long (throughput x 0.75)")
     unknown = resize_line(4, 3, None)
     assert "unchanged" not in unknown and "not given to the checkpointer" in unknown
     assert resize_line(3, 3, (24, 2)) == "" and resize_line(None, 3, None) == ""
