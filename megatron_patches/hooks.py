@@ -1,11 +1,13 @@
 """Attach a :class:`~neighbor_ckpt.NeighborCheckpointer` to a megatron-core optimizer: step tags and the
-training-traffic signal together, removed together; and the data-position check's input (:meth:`MegatronHooks.observe`
-wraps the data iterator handed to ``forward_backward_func``)."""
+training-traffic signal together, removed together; and the data-position check's input: every micro-batch
+megatron-core's forward-backward function draws (:mod:`megatron_patches.data_iter`, installed with the others);
+:meth:`MegatronHooks.observe` wraps an iterator by hand."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+from megatron_patches.data_iter import DataIteratorHook, observe_forward_backward
 from megatron_patches.step_tags import StepTags, tag_optimizer_steps
 from megatron_patches.traffic import TrafficHooks, TrafficListener, mark_training_traffic
 
@@ -25,19 +27,24 @@ class _Checkpointer(Protocol):
 
 
 class MegatronHooks:
-    """Both patches for one checkpointer; :meth:`remove` undoes them (idempotent)."""
+    """The patches for one checkpointer; :meth:`remove` undoes them (idempotent)."""
 
-    def __init__(self, tags: StepTags, traffic: TrafficHooks, observe_input: Any = None) -> None:
+    def __init__(self, tags: StepTags, traffic: TrafficHooks, observe_input: Any = None,
+                 data: DataIteratorHook | None = None) -> None:
         self.tags = tags
         self.traffic = traffic
+        self.data = data
+        """The forward-backward data-iterator hook (None: the checkpointer takes no input)."""
         self._observe_input = observe_input
 
     def observe(self, data_iterator: Any) -> Any:
         """The data iterator to hand to ``forward_backward_func``: each micro-batch goes to the checkpointer's
-        ``observe_input`` (the data-position check fingerprints the first one of every step) on its way to
-        ``forward_step_func``. Wrap the host-side iterator (before ``.cuda()``: no device synchronization). ``None``
-        (pipeline stages without data) and lists (virtual pipeline: the first chunk's iterator is wrapped) are
-        handled; an iterator created once and used for every step can be wrapped once."""
+        ``observe_input`` (every micro-batch enters the step's fingerprint) on its way to ``forward_step_func``.
+        Not needed for megatron-core's forward-backward functions (:mod:`megatron_patches.data_iter` observes what
+        they draw; an iterator wrapped here is not observed twice): for loops that draw micro-batches otherwise.
+        Wrap the host-side iterator (before ``.cuda()``: no device synchronization). ``None`` (pipeline stages
+        without data) and lists (virtual pipeline: the first chunk's iterator is wrapped) are handled; an iterator
+        created once and used for every step can be wrapped once."""
         from neighbor_ckpt.recovery.datacheck import ObservedIterator
 
         if data_iterator is None or self._observe_input is None:
@@ -49,6 +56,8 @@ class MegatronHooks:
     def remove(self) -> None:
         self.tags.remove()
         self.traffic.remove()
+        if self.data is not None:
+            self.data.remove()
 
     def __enter__(self) -> MegatronHooks:
         return self
@@ -62,11 +71,22 @@ def install_hooks(ckpt: _Checkpointer, optimizer: Any) -> MegatronHooks:
     collectives: the wait point runs before the first gradient collective of each iteration; streaming pauses while
     collectives are in flight. The optimizer step's tag calls it too, for an iteration without a gradient
     collective: the engine blocks once per snapshot, so there (and for every further bucket group) it is a flag
-    check that keeps the real wait's figure."""
+    check that keeps the real wait's figure.
+
+    And the data-position check's input: every micro-batch that megatron-core's training forward-backward function
+    draws from its ``data_iterator`` goes to ``ckpt.observe_input`` (:mod:`megatron_patches.data_iter`; take
+    ``get_forward_backward_func()`` after this call, or wrap the iterator with :meth:`MegatronHooks.observe`)."""
     traffic = mark_training_traffic(ckpt.gate, before_grad_sync=ckpt.wait)
     try:
         tags = tag_optimizer_steps(optimizer, on_enter=ckpt.begin_optimizer_step, on_exit=ckpt.end_optimizer_step)
     except Exception:
         traffic.remove()
         raise
-    return MegatronHooks(tags, traffic, getattr(ckpt, "observe_input", None))
+    observe_input = getattr(ckpt, "observe_input", None)
+    try:
+        data = observe_forward_backward(observe_input) if observe_input is not None else None
+    except Exception:
+        tags.remove()
+        traffic.remove()
+        raise
+    return MegatronHooks(tags, traffic, observe_input, data)

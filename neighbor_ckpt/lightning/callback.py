@@ -162,7 +162,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             ckpt = self.session.start(adapter=mc.adapter, dp_group=mc.dp_group, model_parallel_coord=mc.coord,
                                       insurance=insurance, attempt=self.attempt)
             # NeMo runs backward inside training_step (no on_before_backward): the wait point and the step tags
-            # come from mcore's gradient collectives and the mcore optimizer's step.
+            # come from mcore's gradient collectives and the mcore optimizer's step; the data check's input from
+            # the data iterator handed to mcore's forward-backward function.
             self._hooks = install_hooks(ckpt, mc.optimizer)
         else:
             # Same DDP bucket layout in every run, so the first step after a restart reduces like the original.
@@ -220,7 +221,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self._apply_pending_rng()
         if self.checkpointer is not None:
             self.checkpointer.mark("forward")
-            if not self._megatron:  # under MegatronStrategy the batch is drawn inside NeMo's data step
+            # Under MegatronStrategy the micro-batches are drawn inside NeMo's data step, from the data iterator
+            # handed to megatron-core's forward-backward function: install_hooks observes them there.
+            if not self._megatron:
                 self.checkpointer.observe_input(batch)
 
     def _apply_pending_rng(self) -> None:

@@ -6,16 +6,26 @@ global RNG draws another shuffle seed; a sampler restarted at the beginning of i
 every loss after the restart differs from the run without failure, silently. This module notices it at the first
 replayed step.
 
-**Fingerprint.** :func:`fingerprint` is the xxh3-64 of the bytes of a step's input token ids (the first micro-batch
-of the step: :func:`token_tensor` finds the ids in a batch; a 16 KiB sample of larger ones). A few microseconds per
-step (``scripts/bench``).
+**Fingerprint.** Every sample (row) of every micro-batch of a step is hashed (:func:`sample_hashes`: xxh3-64 of a
+bounded part of each row, its first and last bytes and a fixed-stride sample between them; :func:`token_tensor`
+finds the ids in a batch). A micro-batch's :func:`fingerprint` is the hash of its per-sample hashes in order; the
+step's (:func:`step_fingerprint`) chains its micro-batches in order; beside it the step keeps the order-independent
+sum of its per-sample hashes (:func:`combine_samples`), the figure a changed data-parallel layout can compare. A few
+microseconds per micro-batch (``tools/bench/micro/fingerprint.py``).
+
+**Where the micro-batches come from:** :func:`megatron_patches.data_iter.observe_forward_backward` wraps the
+``data_iterator`` handed to megatron-core's forward-backward function (installed by ``install_hooks``, hence by the
+NeMo callback; Megatron-Bridge's callback installs it too); the Lightning callback feeds each training batch; other
+loops call :meth:`~neighbor_ckpt.NeighborCheckpointer.observe_input` or wrap their iterator
+(:class:`ObservedIterator`).
 
 **Where fingerprints live, so that they survive a restart of every rank** (torchrun's restart kills the survivors
 too; their host store survives on their node):
 
-* the *input record* (:class:`InputRecord`, :data:`RECORD_FILE` in the rank's store directory): a 1.5 KiB file,
-  memory-mapped, holding the fingerprints of the last :data:`RING` steps, one 24-byte entry per step (step,
-  fingerprint, check word) written with one store to the mapping as soon as the step's first micro-batch is seen. It
+* the *input record* (:class:`InputRecord`, :data:`RECORD_FILE` in the rank's store directory): a 2.5 KiB file,
+  memory-mapped, holding the fingerprints of the last :data:`RING` steps, one 40-byte entry per step (step,
+  fingerprint, micro-batches seen, sample sum, check word) rewritten with one store to the mapping at each
+  micro-batch. It
   therefore holds the *in-flight* step (the one the failure interrupted), survives any death of the process (the
   page is the file's, not the process's) and needs no system call per step. A torn entry fails its check word and is
   ignored;
@@ -29,8 +39,8 @@ A rank whose store was lost (a replaced node) has nothing recorded for its in-fl
 peers, whose stores survived, check theirs (a loader mistake is the same on every rank).
 
 **The check** (:class:`DataCheck`, configured by ``neighbor_ckpt.data_check``): after a restore of iteration ``k``
-(in-memory or insurance), the fingerprint of step ``k + 1``'s first micro-batch is compared with the one recorded
-before the failure (:func:`compare`). ``error``: a mismatch raises :class:`~neighbor_ckpt.errors.DataPositionError`
+(in-memory or insurance), the fingerprint of step ``k + 1``'s first ``n`` micro-batches (``n``: as many as were
+recorded before the failure) is compared with the one recorded before the failure (:func:`compare`). ``error``: a mismatch raises :class:`~neighbor_ckpt.errors.DataPositionError`
 before the step trains, and leaves a marker (:data:`STOPPED_FILE`) so the launcher's further restarts of the same
 launch stop at once with the same message instead of walking back through older versions; ``warn``: logged, training
 goes on; ``off``: nothing is computed or written.
@@ -49,7 +59,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 import xxhash
@@ -59,8 +69,9 @@ from neighbor_ckpt.runtime.atomic_json import write_atomic_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECORD_FILE", "STOPPED_FILE", "SNAPSHOT_KEY", "RING", "TOKEN_KEYS", "fingerprint", "token_tensor",
-           "InputRecord", "Verdict", "compare", "mismatch_message", "parse_input", "DataCheck", "ObservedIterator"]
+__all__ = ["RECORD_FILE", "STOPPED_FILE", "SNAPSHOT_KEY", "RING", "TOKEN_KEYS", "fingerprint", "sample_hashes",
+           "step_fingerprint", "combine_samples", "token_tensor", "InputMark", "InputRecord", "Verdict", "compare",
+           "mismatch_message", "parse_input", "parse_mark", "read_mark", "DataCheck", "ObservedIterator"]
 
 RECORD_FILE = "inputs.bin"
 """Per-rank input record in the rank's store directory (mode 0600)."""
@@ -77,48 +88,107 @@ RING = 64
 TOKEN_KEYS = ("tokens", "input_ids", "text")
 """Keys under which :func:`token_tensor` looks for the token ids of a dict batch, in this order."""
 
-_ENTRY = struct.Struct("<qQQ")
+_ENTRY = struct.Struct("<qQQQQ")  # step, fingerprint, micro-batches, sample sum, check word
+_PAIR = struct.Struct("<QQ")
 _MASK = (1 << 64) - 1
 _MAGIC = 0x6E636B70_74646174  # "nckptdat"
 _GOLDEN = 0x9E3779B9_7F4A7C15
 
 
-def _check_word(step: int, fp: int) -> int:
-    return ((step * _GOLDEN) ^ fp ^ _MAGIC) & _MASK
+def _check_word(step: int, fp: int, n: int = 0, total: int = 0) -> int:
+    return ((step * _GOLDEN) ^ fp ^ _MAGIC ^ (n * 0xC2B2AE3D_27D4EB4F) ^ ((total << 1) | (total >> 63))) & _MASK
 
 
-SAMPLE_BYTES = 16 * 1024
-"""Token ids up to this size are hashed whole; larger ones by :data:`SAMPLE_WINDOWS` windows that together are this
-size, spread evenly from the first byte to the last, and their total size. Another batch differs in every window (a
-shuffled or shifted data position changes the ids throughout), and the cost stays a few microseconds whatever the
-micro-batch size (a whole 8 x 8192-token batch would take ~30 us, the 1% budget of ``snapshot()`` is ~10 us)."""
-SAMPLE_WINDOWS = 4
+class InputMark(NamedTuple):
+    """What was recorded of one step's input: its fingerprint after ``n`` micro-batches, and the order-independent
+    sum of those micro-batches' per-sample hashes (:func:`combine_samples`)."""
+
+    step: int
+    fp: int
+    n: int = 0
+    """Micro-batches seen (0: not recorded, e.g. a record of an older release: compared at the first one)."""
+    total: int = 0
+
+
+ROW_WHOLE_BYTES = 1024
+"""A sample (one row: the first dimension of the token ids) up to this size is hashed whole."""
+ROW_EDGE_BYTES = 256
+"""Of a longer sample: its first and last this many bytes ..."""
+ROW_STRIDED = 32
+"""... and this many elements at a fixed stride across the rest, with the sample's size as the hash seed. Bounded
+per sample (at most 2 x 256 bytes + 32 elements, copied into one small tensor for the micro-batch, a small copy
+from a device too), and every sample is read: a shuffled or shifted data position changes each sample's first
+bytes; another sample in one row changes that row's hash."""
+
+
+def sample_hashes(tokens: torch.Tensor) -> list[int]:
+    """The per-sample hashes of a micro-batch's token ids: one xxh3-64 per row of the first dimension (a 0- or
+    1-dimensional tensor is one sample), of the whole row up to :data:`ROW_WHOLE_BYTES`, else of its first and last
+    :data:`ROW_EDGE_BYTES` and :data:`ROW_STRIDED` elements in between, seeded with the row's size in bytes (its
+    dtype's element size included, its values' shape not). Host tensors are hashed in place; of a device tensor or
+    a strided view only the sampled part is copied."""
+    t = tokens.detach()
+    rows = t.shape[0] if t.dim() >= 2 else 1
+    if rows == 0 or t.numel() == 0:
+        return []
+    esize = t.element_size()
+    per_row = t.numel() // rows
+    row_bytes = per_row * esize
+    if row_bytes <= ROW_WHOLE_BYTES:
+        if not (t.is_cpu and t.is_contiguous()):
+            t = (t if t.is_cpu else t.cpu()).contiguous()
+        # Host token ids (what a loader yields): hashed in place through ctypes views of their memory (the tensor is
+        # alive for the call). No numpy view and no copy: the fewest Python-level calls at the start of a micro-batch.
+        return _row_hashes(t.data_ptr(), rows, row_bytes, row_bytes)
+    flat = t.reshape(rows, per_row)
+    edge = max(1, ROW_EDGE_BYTES // esize)
+    middle = per_row - 2 * edge
+    parts = [flat[:, :edge]]
+    if middle > 0:
+        stride = max(1, middle // ROW_STRIDED)
+        parts.append(flat[:, edge:per_row - edge:stride][:, :ROW_STRIDED])
+    parts.append(flat[:, per_row - edge:])
+    sampled = torch.cat(parts, dim=1)
+    if not sampled.is_cpu:
+        sampled = sampled.cpu()
+    sampled = sampled.contiguous()
+    return _row_hashes(sampled.data_ptr(), rows, sampled.shape[1] * esize, row_bytes)
+
+
+def _row_hashes(address: int, rows: int, stride_bytes: int, seed: int) -> list[int]:
+    view = ctypes.c_char * stride_bytes
+    h = xxhash.xxh3_64_intdigest
+    return [h(view.from_address(address + r * stride_bytes), seed) for r in range(rows)]
+
+
+def _combine(hashes: list[int], esize: int) -> int:
+    """The micro-batch fingerprint: xxh3-64 of its per-sample hashes in order, seeded with the element size."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(hashes)}Q", *hashes), seed=esize)
 
 
 def fingerprint(tokens: torch.Tensor) -> int:
-    """xxh3-64 of the tensor's bytes (its dtype's element size included, its shape not), sampled beyond
-    :data:`SAMPLE_BYTES`. A CUDA tensor is copied to host memory first (a device synchronization: fingerprint the
-    host batch, before ``.cuda()``, where you can)."""
-    if tokens.is_cpu and tokens.is_contiguous():
-        # Host token ids (what a loader yields): hashed in place through ctypes views of their memory (the tensor is
-        # alive for the call). No numpy view and no copy: the fewest Python-level calls at the start of a step, which
-        # is where this runs (BENCHMARKS, "Data-position check").
-        return _hash_sampled(tokens.data_ptr(), tokens.numel() * tokens.element_size())
-    t = tokens.detach()  # on a device, or a strided view: the bytes of its contiguous host copy
-    host = (t if t.is_cpu else t.cpu()).contiguous()
-    return _hash_sampled(host.data_ptr(), host.numel() * host.element_size())
+    """A micro-batch's fingerprint: the xxh3-64 of its :func:`sample_hashes` in order (every sample, a bounded part
+    of each). A CUDA tensor's sampled part is copied to host memory (a device synchronization: fingerprint the host
+    batch, before ``.cuda()``, where you can)."""
+    return _combine(sample_hashes(tokens), tokens.element_size())
 
 
-def _hash_sampled(address: int, nbytes: int) -> int:
-    """xxh3-64 of ``nbytes`` at ``address``: whole up to :data:`SAMPLE_BYTES`, else :data:`SAMPLE_WINDOWS` windows
-    spread from the first byte to the last, seeded with the size."""
-    if nbytes <= SAMPLE_BYTES:
-        return xxhash.xxh3_64_intdigest((ctypes.c_char * nbytes).from_address(address) if nbytes else b"")
-    window = SAMPLE_BYTES // SAMPLE_WINDOWS
-    h = xxhash.xxh3_64(seed=nbytes)
-    for i in range(SAMPLE_WINDOWS):
-        h.update((ctypes.c_char * window).from_address(address + (nbytes - window) * i // (SAMPLE_WINDOWS - 1)))
-    return h.intdigest()
+def step_fingerprint(previous: int | None, micro_batch: int) -> int:
+    """The step's fingerprint after one more micro-batch: the first micro-batch's own fingerprint, then an ordered
+    chain (every micro-batch of the step enters it; another order is another fingerprint)."""
+    if previous is None:
+        return micro_batch
+    return xxhash.xxh3_64_intdigest(_PAIR.pack(previous, micro_batch), seed=_GOLDEN)
+
+
+def combine_samples(hashes: Iterable[int], start: int = 0) -> int:
+    """Order-independent combination of per-sample hashes: their sum mod 2^64. Partial sums of any split of a
+    global batch (per rank, per micro-batch, in any data-parallel layout) add up to the same value, which is what
+    is compared across an elastic reshard."""
+    total = start
+    for h in hashes:
+        total += h
+    return total & _MASK
 
 
 def token_tensor(batch: Any) -> torch.Tensor | None:
@@ -151,6 +221,8 @@ class InputRecord:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         size = RING * _ENTRY.size
+        self.existed = self.path.exists()
+        """Whether the file was there before (False: a new store, e.g. a replaced node's, or a first start)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -160,16 +232,29 @@ class InputRecord:
         finally:
             os.close(fd)
 
-    def put(self, step: int, fp: int) -> None:
+    def put(self, step: int, fp: int, n: int = 1, total: int = 0) -> None:
         if self._map is not None:
-            _ENTRY.pack_into(self._map, (step % RING) * _ENTRY.size, step, fp, _check_word(step, fp))
+            _ENTRY.pack_into(self._map, (step % RING) * _ENTRY.size, step, fp, n, total,
+                             _check_word(step, fp, n, total))
+
+    def mark(self, step: int) -> InputMark | None:
+        """What was recorded for ``step`` (None: never recorded, overwritten by a later step, or torn)."""
+        if self._map is None or step < 0:
+            return None
+        s, fp, n, total, chk = _ENTRY.unpack_from(self._map, (step % RING) * _ENTRY.size)
+        return InputMark(s, fp, n, total) if s == step and chk == _check_word(s, fp, n, total) else None
 
     def get(self, step: int) -> int | None:
         """The fingerprint recorded for ``step`` (None: never recorded, overwritten by a later step, or torn)."""
-        if self._map is None or step < 0:
-            return None
-        s, fp, chk = _ENTRY.unpack_from(self._map, (step % RING) * _ENTRY.size)
-        return fp if s == step and chk == _check_word(s, fp) else None
+        m = self.mark(step)
+        return None if m is None else m.fp
+
+    def any_recorded(self) -> bool:
+        """Whether any step is recorded (a record that never saw an input holds none)."""
+        if self._map is None:
+            return False
+        return any(self.mark(s) is not None
+                   for s, *_ in (_ENTRY.unpack_from(self._map, i * _ENTRY.size) for i in range(RING)) if s >= 0)
 
     def clear(self) -> None:
         if self._map is not None:
@@ -195,11 +280,16 @@ def compare(expected: int | None, actual: int) -> Verdict:
     return Verdict.MATCH if expected == actual else Verdict.MISMATCH
 
 
-def mismatch_message(*, rank: int, step: int, expected: int, actual: int, source: str, restored: int | None) -> str:
-    """What :class:`DataPositionError` (and the ``warn`` log line) says."""
+def mismatch_message(*, rank: int, step: int, expected: int, actual: int, source: str, restored: int | None,
+                     micro_batches: int = 1, seen: int | None = None) -> str:
+    """What :class:`DataPositionError` (and the ``warn`` log line) says. ``micro_batches``: how many of the step's
+    micro-batches the recorded fingerprint covers; ``seen``: how many the replay had when judged (default: as many)."""
     after = f"after the restore of iteration {restored}" if restored is not None else "after the recovery"
+    seen = micro_batches if seen is None else seen
+    what = (f"of its first {micro_batches} micro-batch(es)" if seen == micro_batches else
+            f"of {seen} micro-batch(es), the step ended before the {micro_batches} seen before the failure")
     return (f"rank {rank}: the data position was not restored: step {step}, replayed {after}, got other input than "
-            f"before the failure (fingerprint of its first micro-batch {actual:016x}, recorded before the failure "
+            f"before the failure (fingerprint {what} {actual:016x}, recorded before the failure "
             f"{expected:016x}, from {source}). Training on would silently diverge from the run without the failure. "
             f"Resume the loader with the snapshot: put a torchdata StatefulDataLoader's state_dict() in snapshot()'s "
             f"user_state and load it after recover(), or build the sampler from result.next_step / the consumed "
@@ -212,12 +302,60 @@ def mismatch_message(*, rank: int, step: int, expected: int, actual: int, source
 class _Expectation:
     step: int
     fp: int
+    n: int
     source: str
     restored: int | None
 
 
+@dataclass(frozen=True)
+class _GlobalExpectation:
+    step: int
+    total: int
+    group: Any
+    restored: int | None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+_NO_RECORD, _EMPTY, _HAS_STEP, _STEP_MISSING = 0, 1, 2, 3
+"""What :func:`read_mark` found (ordered so that the all-reduce MAX of :meth:`DataCheck.arm_reshard` keeps what
+any node found)."""
+
+
+def read_mark(path: Path, step: int) -> tuple[int, InputMark | None]:
+    """Read another process's input record without changing it: (what was found, the step's mark or None)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError:
+        return _NO_RECORD, None
+    if len(raw) != RING * _ENTRY.size:
+        return _NO_RECORD, None
+    marks = {}
+    for i in range(RING):
+        s, fp, n, total, chk = _ENTRY.unpack_from(raw, i * _ENTRY.size)
+        if s >= 0 and chk == _check_word(s, fp, n, total) and (s, fp, n, total, chk) != (0, 0, 0, 0, 0):
+            marks[s] = InputMark(s, fp, n, total)
+    if step in marks:
+        return _HAS_STEP, marks[step]
+    return (_STEP_MISSING if marks else _EMPTY), None
+
+
 def _hex(fp: int) -> str:
     return f"{fp:016x}"
+
+
+def _no_input_reason(record: InputRecord, step: int) -> str:
+    """Why nothing is recorded for ``step`` on this rank, from what the record shows (one line, never a guess)."""
+    if not record.existed:
+        return ("this rank's input record did not exist when this attempt started (a new host store: a replaced node, "
+                "or a store directory that was removed)")
+    if not record.any_recorded():
+        return ("no input reached the data check on this rank before the failure (the data iterator handed to "
+                "megatron-core's forward-backward function is observed through install_hooks, NeMo and Bridge; "
+                "other loops call observe(); a pipeline stage that reads no data has nothing to record)")
+    return f"the failure came before step {step} drew its input on this rank"
 
 
 class DataCheck:
@@ -230,8 +368,8 @@ class DataCheck:
         attempt: the launcher's restart count (default ``TORCHELASTIC_RESTART_COUNT``; the marker stops restarts of
             the same launch only).
 
-    The training thread calls :meth:`observe` for every micro-batch (only the first one of a step is fingerprinted)
-    and :meth:`step_done` when the step's snapshot is taken; :meth:`arm` once after the recovery.
+    The training thread calls :meth:`observe` for every micro-batch (every one enters the step's fingerprint) and
+    :meth:`step_done` when the step's snapshot is taken; :meth:`arm` once after the recovery.
     """
 
     def __init__(self, mode: str, *, store_dir: Path, rank: int, attempt: int | None = None) -> None:
@@ -241,10 +379,13 @@ class DataCheck:
         self.store_dir = Path(store_dir)
         self.record: InputRecord | None = InputRecord(self.store_dir / RECORD_FILE) if mode != "off" else None
         self._step = 0
-        self._seen = False
+        self._fp: int | None = None
+        self._n = 0
+        self._total = 0
         self._expect: _Expectation | None = None
-        self.inflight: tuple[int, int] | None = None
-        """(step, fingerprint) of the newest observed step (the in-flight one until its snapshot)."""
+        self._global: _GlobalExpectation | None = None
+        self.inflight: InputMark | None = None
+        """What was seen of the newest observed step (the in-flight one until its snapshot)."""
         self.verdict: Verdict | None = None
         """Outcome of the last check (None: none ran yet)."""
 
@@ -277,21 +418,23 @@ class DataCheck:
         self.stopped_path.unlink(missing_ok=True)
 
     def arm(self, next_step: int, *, restored: bool, restored_iteration: int | None = None,
-            snapshot_input: Any = None, failure_input: tuple[int, int] | None = None) -> None:
+            snapshot_input: Any = None, failure_input: tuple[int, ...] | None = None) -> None:
         """After the recovery: the next step to be trained is ``next_step``. When something was restored, the input
-        record's (or the failure event's) fingerprint of that step becomes the expectation for its first
-        micro-batch; a fresh start empties the record (a new timeline).
+        record's (or the failure event's) fingerprint of that step becomes the expectation for the same number of
+        its micro-batches; a fresh start empties the record (a new timeline).
 
         ``snapshot_input``: the restored snapshot's :data:`SNAPSHOT_KEY` extras (the input of the restored step);
-        ``failure_input``: the (step, fingerprint) of this rank's failure event, if it had one."""
-        self._step, self._seen, self._expect, self.inflight = next_step, False, None, None
+        ``failure_input``: this rank's failure event's (step, fingerprint[, micro-batches, sum]), if it had one
+        (:func:`parse_mark`)."""
+        self._begin(next_step)
+        self._expect, self.inflight = None, None
         if self.record is None:
             return
         if not restored:
             self.record.clear()
             return
         source = "this rank's input record"
-        expected = self.record.get(next_step)
+        expected = self.record.mark(next_step)
         snap = parse_input(snapshot_input)
         if snap is not None and restored_iteration is not None and snap[0] == restored_iteration:
             mine = self.record.get(restored_iteration)
@@ -301,74 +444,187 @@ class DataCheck:
                                restored_iteration)
                 expected = None
         if expected is None and failure_input is not None and failure_input[0] == next_step:
-            expected, source = failure_input[1], "this rank's failure event"
+            expected, source = InputMark(*failure_input), "this rank's failure event"
         if expected is None:
-            logger.info("rank %d: neighbor_ckpt data check: no input recorded for step %d on this rank (its store was "
-                        "replaced, or the failure came before that step drew its input): not checked here",
-                        self.rank, next_step)
+            logger.info("rank %d: neighbor_ckpt data check: no input recorded for step %d on this rank: %s; not "
+                        "checked here", self.rank, next_step, _no_input_reason(self.record, next_step))
             return
-        self._expect = _Expectation(next_step, expected, source, restored_iteration)
+        self._expect = _Expectation(next_step, expected.fp, expected.n, source, restored_iteration)
 
-    # -- per step ----------------------------------------------------------------------------------------
+    # -- across an elastic reshard ---------------------------------------------------------------------------
 
-    def observe(self, batch: Any) -> None:
-        """A micro-batch of the current step (a token tensor, or a batch :func:`token_tensor` understands): the
-        first one of each step is fingerprinted, recorded, and after a recovery checked. Raises
-        :class:`DataPositionError` (mode ``error``) before the mismatching step is recorded or trained."""
-        if self._seen or self.record is None:
+    def arm_reshard(self, next_step: int, *, group: Any, old_generation: Path, old_world: int,
+                    restored_iteration: int | None = None) -> None:
+        """Collective over ``group`` (every rank of the new layout; a one-time all-reduce): after an elastic reshard
+        restored iteration ``next_step - 1``, the global batch of ``next_step`` is compared instead of each rank's
+        micro-batches (another data-parallel size deals the samples to other ranks). The expectation is the sum of
+        the previous layout's recorded sample sums of that step (:func:`combine_samples`; every old rank's input
+        record under ``old_generation`` on every node), compared at the end of the step (:meth:`before_snapshot`)
+        with the same sum over this layout. Tensor and pipeline parallel sizes are unchanged by a reshard, so the
+        ranks that observe a global batch count it as often in both layouts.
+
+        Not checked, said in one line: an old rank's record is missing (its node's store is gone) or lacks the step
+        (it failed before drawing it), or the old ranks saw different numbers of micro-batches (the failure came
+        while they drew it)."""
+        self._begin(next_step)
+        self._expect, self.inflight, self._global = None, None, None
+        if self.record is None:
             return
-        self._seen = True
-        tokens = token_tensor(batch)
-        if tokens is None:
+        self.record.clear()  # the new generation's record: a new layout's timeline
+        status = torch.zeros(max(old_world, 1), 5, dtype=torch.int64)  # found, n, sum lo, sum hi, seen by
+        for d in Path(old_generation).glob("rank*"):
+            try:
+                old = int(d.name[4:])
+            except ValueError:
+                continue
+            if 0 <= old < old_world:
+                code, mark = read_mark(d / RECORD_FILE, next_step)
+                status[old, 0] = code
+                if mark is not None:
+                    status[old, 1:4] = torch.tensor([mark.n, mark.total & 0xFFFFFFFF, mark.total >> 32])
+        torch.distributed.all_reduce(status, op=torch.distributed.ReduceOp.MAX, group=group)
+        codes = status[:, 0].tolist()
+        missing = [r for r, c in enumerate(codes) if c == _NO_RECORD]
+        lacking = [r for r, c in enumerate(codes) if c == _STEP_MISSING]
+        counts = sorted({int(status[r, 1]) for r, c in enumerate(codes) if c == _HAS_STEP})
+        why = None
+        if missing:
+            why = f"the input record of old rank(s) {_ranks(missing)} did not survive (their node's store is gone)"
+        elif lacking:
+            why = f"old rank(s) {_ranks(lacking)} failed before step {next_step} drew its input"
+        elif len(counts) > 1:
+            why = (f"the failure came while the old ranks drew step {next_step}'s input (they saw "
+                   f"{counts[0]} to {counts[-1]} micro-batches)")
+        elif not counts:
+            why = "no old rank recorded any input (nothing reached the data check before the failure)"
+        if why is not None:
+            logger.info("rank %d: neighbor_ckpt data check: not checked after the elastic reshard: %s", self.rank,
+                        why)
             return
-        step, fp = self._step, fingerprint(tokens)
-        exp = self._expect
-        if exp is not None and exp.step == step:
-            self._expect = None
-            self._judge(exp, fp)
-        self.record.put(step, fp)
-        self.inflight = (step, fp)
+        total = 0
+        for r, c in enumerate(codes):
+            if c == _HAS_STEP:
+                total += int(status[r, 2]) | (int(status[r, 3]) << 32)
+        self._global = _GlobalExpectation(next_step, total & _MASK, group, restored_iteration)
 
-    def _judge(self, exp: _Expectation, fp: int) -> None:
-        self.verdict = compare(exp.fp, fp)
+    def before_snapshot(self, iteration: int) -> None:
+        """Collective over the group of :meth:`arm_reshard`, on every rank, when the first step after a reshard
+        ends (the checkpointer calls it before that step's snapshot is taken; a no-op otherwise): the global batch's
+        sample sum is compared. Raises :class:`DataPositionError` on every rank alike (mode ``error``)."""
+        exp = self._global
+        if exp is None or exp.step != iteration:
+            return
+        self._global = None
+        mine = self._total if self._step == iteration else 0
+        halves = torch.tensor([mine & 0xFFFFFFFF, mine >> 32], dtype=torch.int64)
+        torch.distributed.all_reduce(halves, group=exp.group)
+        actual = (int(halves[0]) + (int(halves[1]) << 32)) & _MASK
+        self.verdict = compare(exp.total, actual)
         if self.verdict is Verdict.MATCH:
-            logger.info("rank %d: neighbor_ckpt data check: step %d replays the input it had before the failure "
-                        "(fingerprint %016x): data position verified", self.rank, exp.step, fp)
+            logger.info("rank %d: neighbor_ckpt data check: step %d's global batch after the elastic reshard is the "
+                        "one drawn before the failure (sample sum %016x): data position verified", self.rank,
+                        iteration, actual)
             return
-        msg = mismatch_message(rank=self.rank, step=exp.step, expected=exp.fp, actual=fp, source=exp.source,
-                               restored=exp.restored)
+        after = f"the restore of iteration {exp.restored}" if exp.restored is not None else "the recovery"
+        msg = (f"rank {self.rank}: the data position was not restored: step {iteration}, replayed after {after} "
+               f"resharded to another data-parallel size, got another global batch than before the failure (sum of "
+               f"its per-sample fingerprints {actual:016x} over every rank, recorded before the failure "
+               f"{exp.total:016x}, from the previous layout's input records). Training on would silently diverge "
+               f"from the run without the failure. Resume the loader from the consumed samples at the new "
+               f"data-parallel size (the global batch is kept: README 'Elastic'). To train on anyway set "
+               f"neighbor_ckpt.data_check: warn.")
+        self._stop_or_warn(iteration, msg, expected=exp.total, actual=actual)
+
+    def _stop_or_warn(self, step: int, msg: str, *, expected: int, actual: int) -> None:
         if self.mode == "warn":
             logger.warning("neighbor_ckpt data check (data_check: warn, training goes on): %s", msg)
             return
         try:
-            write_atomic_json(self.stopped_path, {"attempt": self.attempt, "step": exp.step, "message": msg})
+            write_atomic_json(self.stopped_path, {"attempt": self.attempt, "step": step, "message": msg})
         except OSError as e:
             logger.debug("rank %d: could not write %s: %s", self.rank, self.stopped_path, e)
-        raise DataPositionError(msg, step=exp.step, rank=self.rank, expected=exp.fp, actual=fp)
+        raise DataPositionError(msg, step=step, rank=self.rank, expected=expected, actual=actual)
+
+    # -- per step ----------------------------------------------------------------------------------------
+
+    def _begin(self, step: int) -> None:
+        self._step, self._fp, self._n, self._total = step, None, 0, 0
+
+    def observe(self, batch: Any) -> None:
+        """A micro-batch of the current step (a token tensor, or a batch :func:`token_tensor` understands): its
+        per-sample hashes enter the step's fingerprint (ordered) and its sample sum (order-independent); the record
+        is updated; after a recovery, once as many micro-batches as were recorded before the failure were seen, the
+        step is checked. Raises :class:`DataPositionError` (mode ``error``) before the mismatching micro-batch is
+        recorded or trained."""
+        if self.record is None:
+            return
+        tokens = token_tensor(batch)
+        if tokens is None:
+            return
+        hashes = sample_hashes(tokens)
+        step = self._step
+        fp = step_fingerprint(self._fp, _combine(hashes, tokens.element_size()))
+        n, total = self._n + 1, combine_samples(hashes, self._total)
+        exp = self._expect
+        if exp is not None and exp.step == step and n >= exp.n:
+            # exp.n == 0: no count recorded (a failure event of an older release, whose fingerprint was the first
+            # micro-batch's): compared at the first one
+            self._expect = None
+            self._judge(exp, fp, n)
+        self._fp, self._n, self._total = fp, n, total
+        self.record.put(step, fp, n, total)
+        self.inflight = InputMark(step, fp, n, total)
+
+    def _judge(self, exp: _Expectation, fp: int, n: int) -> None:
+        self.verdict = compare(exp.fp, fp) if n == max(exp.n, 1) else Verdict.MISMATCH
+        if self.verdict is Verdict.MATCH:
+            logger.info("rank %d: neighbor_ckpt data check: step %d replays the input it had before the failure "
+                        "(fingerprint %016x of %d micro-batch(es)): data position verified", self.rank, exp.step, fp,
+                        n)
+            return
+        msg = mismatch_message(rank=self.rank, step=exp.step, expected=exp.fp, actual=fp, source=exp.source,
+                               restored=exp.restored, micro_batches=max(exp.n, 1), seen=n)
+        self._stop_or_warn(exp.step, msg, expected=exp.fp, actual=fp)
 
     def step_done(self, iteration: int) -> None:
-        """The snapshot of ``iteration`` is being taken: the next micro-batch belongs to ``iteration + 1``."""
-        self._step, self._seen = iteration + 1, False
+        """The snapshot of ``iteration`` is being taken: the next micro-batch belongs to ``iteration + 1``. A replayed
+        step that ended with fewer micro-batches than were recorded before the failure is judged here (a
+        mismatch); one that drew none through the check is logged."""
+        exp = self._expect
+        if exp is not None and exp.step == iteration:
+            self._expect = None
+            if self._n:
+                self._judge(exp, self._fp or 0, self._n)
+            else:
+                logger.warning("rank %d: neighbor_ckpt data check: step %d trained without any input reaching the "
+                               "check in this attempt (before the failure it saw %d micro-batch(es)): not checked",
+                               self.rank, iteration, exp.n)
+        self._begin(iteration + 1)
 
     def snapshot_extras(self, iteration: int) -> dict[str, Any] | None:
         """What the snapshot of ``iteration`` carries (:data:`SNAPSHOT_KEY`), None when its input was not seen."""
         cur = self.inflight
-        if cur is None or cur[0] != iteration:
+        if cur is None or cur.step != iteration:
             return None
-        return {"step": cur[0], "fp": _hex(cur[1])}
+        return _extras(cur)
 
     def failure_extras(self) -> dict[str, Any] | None:
-        """What a failure event records: the in-flight step and its fingerprint (None: none observed)."""
+        """What a failure event records: the in-flight step, its fingerprint, micro-batches and sample sum (None:
+        none observed)."""
         cur = self.inflight
-        return None if cur is None else {"step": cur[0], "fp": _hex(cur[1])}
+        return None if cur is None else _extras(cur)
 
     def close(self) -> None:
         if self.record is not None:
             self.record.close()
 
 
+def _extras(m: InputMark) -> dict[str, Any]:
+    return {"step": m.step, "fp": _hex(m.fp), "n": m.n, "sum": _hex(m.total)}
+
+
 def parse_input(value: Any) -> tuple[int, int] | None:
-    """``{"step": i, "fp": hex}`` (a snapshot's or a failure event's) -> (i, fingerprint); None when absent or
+    """``{"step": i, "fp": hex, ...}`` (a snapshot's or a failure event's) -> (i, fingerprint); None when absent or
     malformed."""
     try:
         return int(value["step"]), int(str(value["fp"]), 16)
@@ -376,9 +632,23 @@ def parse_input(value: Any) -> tuple[int, int] | None:
         return None
 
 
+def parse_mark(value: Any) -> InputMark | None:
+    """Like :func:`parse_input`, with the micro-batch count and sample sum where recorded (0 where not)."""
+    head = parse_input(value)
+    if head is None:
+        return None
+    try:
+        return InputMark(head[0], head[1], int(value.get("n", 0)), int(str(value.get("sum", "0")), 16))
+    except (TypeError, ValueError, AttributeError):
+        return InputMark(head[0], head[1])
+
+
 class ObservedIterator:
     """Wraps a data iterator: every item goes to ``observe`` (e.g. :meth:`NeighborCheckpointer.observe_input`)
     before the training loop gets it. Attributes of the wrapped iterator are reachable through the wrapper."""
+
+    neighbor_ckpt_observed = True
+    """Marks an observed iterator: :mod:`megatron_patches.data_iter` does not wrap it again."""
 
     def __init__(self, inner: Any, observe: Any) -> None:
         self.inner = inner

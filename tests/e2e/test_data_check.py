@@ -37,7 +37,7 @@ def test_a_loader_that_reshuffles_after_the_restart_stops_the_job_at_the_replaye
     assert stopped, res.log[-6000:]
     for rank, err in stopped.items():
         assert err["type"] == "DataPositionError", err
-        assert err["message"].startswith(f"rank {rank}: the data position was not restored: step {KILL}"), err
+        assert err["message"].startswith(f"rank {rank}: the data position was not restored: step {checked}"), err
         assert "restore of iteration 4" in err["message"] and "StatefulDataLoader" in err["message"]
     assert 1 in stopped, "the killed rank kept its store: its in-flight record of step 5 is checked too"
     for rank, steps in res.losses().items():
@@ -71,3 +71,67 @@ def test_warn_logs_the_mismatch_and_trains_on(tmp_path: Path) -> None:
         assert sorted(losses[rank]) == list(range(STEPS))
         before, after = [loss for _, loss in losses[rank][KILL]]
         assert before != after, f"rank {rank}: step {KILL} was replayed on other data; the loss should show it"
+
+
+# -- without any wiring: install_hooks alone (plain loop, TP 2 / PP 2) and NeMo's MegatronStrategy (issue 31) ----------
+
+
+def assert_stopped_at_the_replayed_step(res, *, ranks: int = 4, restored: int = KILL - 1,  # noqa: ANN001
+                                        checked: int = KILL) -> dict[int, dict]:
+    """The job stopped with DataPositionError at the replayed step (loss index KILL; the checkpointer's iteration
+    ``checked``, ``restored`` + 1) of the restarted attempt, before any rank trained it. A rank whose peer stopped
+    first (a pipeline neighbour waiting on it, a gradient collective) may fail on the closed connection instead."""
+    assert res.killed(), "the kill did not happen"
+    assert res.returncode != 0, "the job must stop, not train on other data"
+    errors = {r: res.error(r) for r in range(ranks)}
+    failed = {r: e for r, e in errors.items() if e is not None and e["attempt"] == 1}
+    stopped = {r: e for r, e in failed.items() if e["type"] == "DataPositionError"}
+    assert stopped, res.log[-6000:]
+    for rank, err in failed.items():
+        assert rank in stopped or "Connection closed by" in err["message"], err
+    for rank, err in stopped.items():
+        assert err["message"].startswith(f"rank {rank}: the data position was not restored: step {checked}"), err
+        assert f"restore of iteration {restored}" in err["message"], err
+    for rank, steps in res.losses().items():
+        assert all(a == 0 for a, _ in steps.get(KILL, [])), f"rank {rank} trained the replayed step on other data"
+    return stopped
+
+
+@pytest.mark.quick
+def test_install_hooks_alone_checks_every_micro_batch_at_tp2(tmp_path: Path) -> None:
+    """No hooks.observe(): the forward-backward function's data iterator feeds the check (TP 2 x DP 2)."""
+    res = run_torchrun("train_mcore_data.py", tmp_path, max_restarts=1, LOADER="reshuffle", OBSERVE=0, TP=2, **FAULT)
+    stopped = assert_stopped_at_the_replayed_step(res)
+    assert "of its first 2 micro-batch(es)" in next(iter(stopped.values()))["message"], "both micro-batches"
+
+
+def test_install_hooks_alone_checks_every_micro_batch_at_pp2(tmp_path: Path) -> None:
+    """The same at PP 2 x DP 2: both pipeline stages draw the micro-batches through the pipelined schedule."""
+    res = run_torchrun("train_mcore_data.py", tmp_path, max_restarts=1, LOADER="reshuffle", OBSERVE=0, PP=2, **FAULT)
+    assert_stopped_at_the_replayed_step(res)
+
+
+NEMO_FAULT = {"STEPS": STEPS, "KILL_RANK": 1, "KILL_STEP": KILL}
+
+
+def test_nemo_reading_other_data_after_the_restart_stops_at_the_replayed_step(tmp_path: Path) -> None:
+    """NeMo 2 (MegatronStrategy, the NeighborCheckpoint callback, nothing else): the restarted attempt's mock dataset
+    has another seed; the job stops with DataPositionError at step KILL instead of diverging silently."""
+    pytest.importorskip("nemo")
+    res = run_torchrun("train_nemo_data.py", tmp_path, max_restarts=1, **NEMO_FAULT)
+    # NeMo's snapshot after its 5th optimizer step is iteration 5 (trainer.global_step); the replayed step, 6, is the
+    # one whose loss is recorded as step index KILL
+    assert_stopped_at_the_replayed_step(res, restored=KILL, checked=KILL + 1)
+    assert "neighbor_ckpt data check" in res.log
+
+
+def test_nemo_reading_other_data_with_warn_logs_it_and_trains_on(tmp_path: Path) -> None:
+    pytest.importorskip("nemo")
+    res = run_torchrun("train_nemo_data.py", tmp_path, max_restarts=1, NCKPT_DATA_CHECK="warn", **NEMO_FAULT)
+    assert res.returncode == 0, res.log[-6000:]
+    assert res.killed(), "the kill did not happen"
+    assert "neighbor_ckpt data check (data_check: warn, training goes on)" in res.log
+    assert f"the data position was not restored: step {KILL + 1}" in res.log
+    assert "DataPositionError" not in res.log
+    for rank, steps in res.losses().items():
+        assert sorted(steps) == list(range(STEPS)), rank
