@@ -109,7 +109,8 @@ def _check_shrink(base: RunResult, res: RunResult, *, dp_before: int, dp_after: 
     tl = timeline(res, "0.1")
     assert (tl["mode"], tl["restarted_ranks"]) == ("in-process", []), tl
     assert (tl["data_parallel_before"], tl["data_parallel_after"]) == (dp_before, dp_after), tl
-    assert "data-parallel size %d -> %d" % (dp_before, dp_after) in res.log
+    assert "data-parallel size %d -> %d: the global batch is %d samples, %d micro-batch(es) of 2 per rank (was %d)" % (
+        dp_before, dp_after, global_batch, global_batch // (2 * dp_after), global_batch // (2 * dp_before)) in res.log
     # the resharded optimizer state is the reference resharding of the same snapshots, bit for bit
     full = _reference(res.out / "oldstore", KILL_STEP - 1)
     checked = 0

@@ -165,7 +165,7 @@ def train(att: Attempt) -> dict[str, Any]:
     groups = mcore_groups()
     ckpt = NeighborCheckpointer(make_config(), adapter=MegatronOptimizerAdapter([ddp_model], optimizer),
                                 dp_group=groups.dp_group, model_parallel_coord=groups.coord, handle_sigterm=False,
-                                attempt=inproc.attempt_info())
+                                attempt=inproc.attempt_info(), global_batch=GLOBAL_BATCH, micro_batch_size=MBS)
     # Closed after the abort if this attempt fails (the abort frees its streaming threads first); slots stay.
     inproc.on_restart(lambda: ckpt.close(success=False))
     armed = FAULT in ("kill", "raise", "stop") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
