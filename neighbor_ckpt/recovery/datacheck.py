@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import json
 import logging
 import mmap
@@ -61,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
+import numpy as np
 import torch
 import xxhash
 
@@ -140,19 +142,34 @@ def sample_hashes(tokens: torch.Tensor) -> list[int]:
         # Host token ids (what a loader yields): hashed in place through ctypes views of their memory (the tensor is
         # alive for the call). No numpy view and no copy: the fewest Python-level calls at the start of a micro-batch.
         return _row_hashes(t.data_ptr(), rows, row_bytes, row_bytes)
-    flat = t.reshape(rows, per_row)
+    elements = _sampled_elements(per_row, esize)
+    if t.is_cpu and t.is_contiguous():
+        # one gather of the sampled bytes of every row (numpy over the tensor's memory, an index cached per row
+        # size): the cheapest copy of a few hundred bytes per row from Python
+        raw = np.frombuffer((ctypes.c_char * (rows * row_bytes)).from_address(t.data_ptr()), dtype=np.uint8)
+        sampled_bytes = np.take(raw.reshape(rows, row_bytes), _sampled_bytes(per_row, esize), axis=1)  # C order
+        return _row_hashes(sampled_bytes.ctypes.data, rows, sampled_bytes.shape[1], row_bytes)
+    # on a device, or a strided view: the same elements gathered there, only they copied to the host
+    index = torch.tensor(elements, device=t.device)
+    sampled = t.reshape(rows, per_row).index_select(1, index)
+    sampled = (sampled if sampled.is_cpu else sampled.cpu()).contiguous()
+    return _row_hashes(sampled.data_ptr(), rows, sampled.shape[1] * esize, row_bytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _sampled_elements(per_row: int, esize: int) -> tuple[int, ...]:
+    """The element indices of a row that :func:`sample_hashes` reads, in order (first, strided, last)."""
     edge = max(1, ROW_EDGE_BYTES // esize)
     middle = per_row - 2 * edge
-    parts = [flat[:, :edge]]
-    if middle > 0:
-        stride = max(1, middle // ROW_STRIDED)
-        parts.append(flat[:, edge:per_row - edge:stride][:, :ROW_STRIDED])
-    parts.append(flat[:, per_row - edge:])
-    sampled = torch.cat(parts, dim=1)
-    if not sampled.is_cpu:
-        sampled = sampled.cpu()
-    sampled = sampled.contiguous()
-    return _row_hashes(sampled.data_ptr(), rows, sampled.shape[1] * esize, row_bytes)
+    stride = max(1, middle // ROW_STRIDED) if middle > 0 else 1
+    strided = list(range(edge, per_row - edge, stride))[:ROW_STRIDED] if middle > 0 else []
+    return (*range(edge), *strided, *range(per_row - edge, per_row))
+
+
+@functools.lru_cache(maxsize=64)
+def _sampled_bytes(per_row: int, esize: int) -> np.ndarray:
+    elements = np.asarray(_sampled_elements(per_row, esize), dtype=np.int64)
+    return (elements[:, None] * esize + np.arange(esize)[None, :]).reshape(-1)
 
 
 def _row_hashes(address: int, rows: int, stride_bytes: int, seed: int) -> list[int]:
