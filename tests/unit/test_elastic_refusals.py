@@ -79,3 +79,21 @@ def test_the_line_after_a_reshard_states_the_global_batch_used_or_that_it_was_no
     unknown = resize_line(4, 3, None)
     assert "unchanged" not in unknown and "not given to the checkpointer" in unknown
     assert resize_line(3, 3, (24, 2)) == "" and resize_line(None, 3, None) == ""
+
+
+def test_the_plain_loop_recipe_takes_the_global_batch_from_the_job_never_from_the_world_with_elastic(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neighbor_ckpt.recipes import mcore_gpt_plain_loop as recipe
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    job = tmp_path / "job.yaml"
+    job.write_text("trainer:\n  global_batch_size: 24\nneighbor_ckpt:\n  elastic:\n    enabled: true\n")
+    on, off = elastic(), NeighborCkptConfig()
+    assert recipe.job_global_batch(recipe.parse_args(["--global-batch", "24"]), on) == 24
+    assert recipe.job_global_batch(recipe.parse_args(["--config", str(job)]), on) == 24
+    with pytest.raises(ConfigError, match="^neighbor_ckpt.elastic.enabled needs the job's global batch"):
+        recipe.job_global_batch(recipe.parse_args([]), on)
+    # elastic off: the data-parallel size cannot change, and the 4-rank tests' default stays what it was
+    assert recipe.job_global_batch(recipe.parse_args([]), off) == 2 * 2 * 3
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert recipe.job_global_batch(recipe.parse_args(["--tp", "2"]), off) == 2 * 2 * 2
