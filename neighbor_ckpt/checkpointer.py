@@ -50,7 +50,7 @@ from neighbor_ckpt.errors import CallOrderError, ConfigError, HostMemoryError, T
 from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.flow import RecoveryReport, Restored
 from neighbor_ckpt.recovery.backup import FailureBackup, WeightsTag
-from neighbor_ckpt.recovery.datacheck import SNAPSHOT_KEY, DataCheck, parse_input
+from neighbor_ckpt.recovery.datacheck import SNAPSHOT_KEY, DataCheck, parse_mark
 from neighbor_ckpt.recovery.elastic import Generations, rank_layout
 from neighbor_ckpt.recovery.journal import read_failure_input, take_failure_event
 from neighbor_ckpt.recovery.recoverer import InsuranceLoader, Recoverer, RecoveryResult, Reshard
@@ -66,7 +66,7 @@ from neighbor_ckpt.runtime.preflight import check_host_memory
 from neighbor_ckpt.snapshot.engine import SnapshotEngine
 from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
-from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, store_bytes_per_rank
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, generation_dir, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
 from neighbor_ckpt.snapshot.transport import NeighborTransport, TrafficGate
 from neighbor_ckpt.snapshot.transport_kinds import make_transport
@@ -415,7 +415,7 @@ class NeighborCheckpointer:
         self.datacheck.refuse_if_stopped()
         started = time.time()
         last_commit = newest_commit_unix(self.store)
-        failure_input = parse_input(read_failure_input(self.failure.events_path))
+        failure_input = parse_mark(read_failure_input(self.failure.events_path))
         self._restored_input = None
         noticed = take_failure_event(self.failure.events_path, not_after=started)
         reshard = None
@@ -436,12 +436,12 @@ class NeighborCheckpointer:
         self.last_report = result.report
         self._recovered = True
         if result.report.resharded:
-            # Another data-parallel size deals the samples to other ranks: no rank's first micro-batch of the replayed
-            # step is the one it had before the failure. The data position itself (consumed samples) is the
-            # training loop's, restored with its state.
-            logger.info("rank %d: neighbor_ckpt data check: not checked after an elastic reshard (each rank's "
-                        "micro-batches change with the data-parallel size)", self.topology.rank)
-            self.datacheck.arm(result.next_step, restored=False)
+            # Another data-parallel size deals the samples to other ranks: the global batch's order-independent sample
+            # sum is compared instead, at the end of the replayed step (collective, here and in snapshot()).
+            self.datacheck.arm_reshard(result.next_step, group=self.group, old_world=self.generations.info.world_before
+                                       or 0, old_generation=generation_dir(self.store.root, self.store.job_id,
+                                                                           self.generations.reshard_from or 0),
+                                       restored_iteration=result.iteration)
         else:
             self.datacheck.arm(result.next_step, restored=result.restored, restored_iteration=result.iteration,
                                snapshot_input=self._restored_input, failure_input=failure_input)
@@ -591,6 +591,7 @@ class NeighborCheckpointer:
         extras: dict[str, Any] = {"adapter": self.adapter.capture_extras(), "user": user_state}
         if self.capture_rng_state:
             extras["rng"] = capture_rng()
+        self.datacheck.before_snapshot(iteration)  # after an elastic reshard: the global batch (collective, once)
         seen = self.datacheck.snapshot_extras(iteration)
         if seen is not None:
             extras[SNAPSHOT_KEY] = seen

@@ -134,3 +134,25 @@ def test_nemo_reading_other_data_with_warn_logs_it_and_trains_on(tmp_path: Path)
     assert "DataPositionError" not in res.log
     for rank, steps in res.losses().items():
         assert sorted(steps) == list(range(STEPS)), rank
+
+
+def test_the_data_check_runs_across_an_elastic_reshard(tmp_path: Path) -> None:
+    """The plain-loop recipe (``install_hooks``, no observe()) at DP 3 dies in step 5 on every rank; it comes back on
+    4 nodes (one new, empty) with elastic on: the DP-3 snapshots are resharded to DP 4, and the replayed step's
+    global batch, dealt to 4 ranks in other micro-batches, is checked against the previous layout's input records
+    by its order-independent sample sum, on every rank, instead of being skipped."""
+    pytest.importorskip("nvidia_resiliency_ext")
+    cfg = tmp_path / "elastic.yaml"
+    cfg.write_text("neighbor_ckpt:\n  elastic:\n    enabled: true\n")
+    common = dict(STEPS=7, NCKPT_CONFIG=cfg, EXTRA_ARGS="--global-batch 24 --dropout 0",
+                  TEST_STORE_BASE=tmp_path / "store", NEIGHBOR_CKPT_JOB_ID="datacheck-reshard")
+    first = run_torchrun("train_mcore.py", tmp_path / "dp3", nproc=3, KILL_RANK="0,1,2", KILL_STEP=5, **common)
+    assert first.returncode != 0, "the kill did not happen"
+    res = run_torchrun("train_mcore.py", tmp_path / "dp4", nproc=4, **common)
+    assert res.returncode == 0, res.log[-6000:]
+    for rank in range(4):
+        rep = res.report(rank, 0)
+        assert (rep["source"], rep["data_parallel_before"], rep["data_parallel_after"]) == ("reshard", 3, 4), rep
+        assert (f"[rank{rank}] neighbor_ckpt.recovery.datacheck INFO rank {rank}: neighbor_ckpt data check: step 5's "
+                "global batch after the elastic reshard is the one drawn before the failure") in res.log, rank
+    assert "not checked" not in res.log

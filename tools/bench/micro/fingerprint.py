@@ -4,8 +4,9 @@ One process (spawn; a gloo group of one, file init) runs a real :class:`~neighbo
 small model and Adam under torch's ``ZeroRedundancyOptimizer`` (``ZeroOptimizerAdapter``: a sharded optimizer, so
 ``snapshot()`` returns once the copy is handed to the engine thread, as under megatron-core's distributed optimizer;
 its training-thread work is the same small-state work: extras, RNG capture, codec, staging). Every step draws a
-micro-batch of token ids (int64), calls :meth:`~neighbor_ckpt.NeighborCheckpointer.observe_input` with it (xxh3-64
-of the ids, sampled beyond 16 KiB, + one store into the memory-mapped input record) and, after the optimizer step,
+micro-batch of token ids (int64), calls :meth:`~neighbor_ckpt.NeighborCheckpointer.observe_input` with it (one
+xxh3-64 per sample of a bounded part of each row, + one store into the memory-mapped input record: the cost *per
+micro-batch*; a step of N micro-batches pays it N times) and, after the optimizer step,
 :meth:`~neighbor_ckpt.NeighborCheckpointer.snapshot`; both calls are timed on the training thread, in its CPU time
 and on the wall clock. The row's ratio is ``observe_input`` over ``snapshot()`` per step (medians of the thread's
 CPU time: see :func:`fingerprint_rows`), target ``<= 0.01``. Two micro-batch sizes: 1 x 8192 tokens
@@ -108,7 +109,7 @@ def fingerprint_rows(samples: dict[str, list[float]]) -> list[Row]:
             wall_obs, wall_snap = stat_summary(samples[f"observe {a}x{b}"]), stat_summary(samples["snapshot"])
             detail.update(wall_observe_us=wall_obs * 1e6, wall_snapshot_us=wall_snap * 1e6,
                           wall_ratio=wall_obs / wall_snap)
-        rows.append(Row("datacheck", f"input fingerprint per step: observe_input({a} x {b} int64 tokens)", obs * 1e6,
+        rows.append(Row("datacheck", f"input fingerprint per micro-batch: observe_input({a} x {b} int64 tokens)", obs * 1e6,
                         "us", snap * 1e6, f"snapshot() on the training thread ({detail['clock']})", obs / snap,
                         TARGET, "<=", detail=detail).judge())
     return rows
