@@ -220,9 +220,12 @@ def test_restart_path_second_failure_before_the_new_layouts_first_snapshot_resha
                        KILL_PHASE="stream", EXTRA_ARGS="--global-batch 24 --dropout 0 --replace-store", **common)
     assert res.returncode == 0, res.log[-8000:]
     assert "falling back to the insurance" not in res.log and "starting over" not in res.log, res.log[-8000:]
-    # ranks 0 and 2 committed their snapshot 5 (in the background, within milliseconds) before torchrun stopped them
-    assert "store generation 1 holds no complete version" in res.log and "elastic reshard into generation 2" in \
-        res.log, res.log[-8000:]
+    # Ranks 0 and 2 usually commit their snapshot 5 (in the background, within milliseconds) before torchrun stops
+    # them: generation 1 then holds copies but no complete version, and is skipped for generation 0, resharded into
+    # generation 2. On a loaded machine they may be stopped first: generation 1 then holds nothing and generation 0
+    # is resharded into it again. Either way the old layout's snapshots are the source, from memory (checked below).
+    assert ("store generation 1 holds no complete version" in res.log and "elastic reshard into generation 2" in
+            res.log) or "elastic reshard into generation 1" in res.log, res.log[-8000:]
     for r in range(3):
         for attempt in (0, 1):
             rep = res.report(r, attempt)
