@@ -29,6 +29,14 @@ Entries 2-4 patch Bridge modules that are imported after :func:`enable_cpu` (by 
 patches each right after it is imported (or at once if it already is). Hence the order: ``enable_cpu(nemo=False)``
 before ``import megatron.bridge``. The default GPT provider picks Transformer Engine's layer spec; pass
 megatron-core's local one (``get_gpt_layer_local_spec``).
+
+Not a CPU patch, used on GPUs too: ``data_init_event`` (:func:`on_data_init`), the one event
+:class:`neighbor_ckpt.bridge.NeighborCheckpoint` needs that Megatron-Bridge 0.3.1 lacks: after the model, optimizer,
+scheduler and Bridge's own checkpoint load, before the data iterators are built (where the restore must happen so the
+loop and the iterators start at the restored step and sample). Installed while a listener is registered, version
+checked (0.3.1), undone by identity when the last listener is removed. The iterators built under it get ``__iter__``
+(megatron-core 0.16's ``RerunDataIterator`` has only ``__next__``, and the data check's forward-backward hook calls
+``iter()`` on the iterator it is handed).
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ from typing import Any, Callable, Sequence
 
 from neighbor_ckpt.errors import UnsupportedVersionError
 
-__all__ = ["BridgePatch", "PATCHES", "TE_IMPORTERS", "TE_STAND_IN", "apply", "is_installed"]
+__all__ = ["BridgePatch", "PATCHES", "TE_IMPORTERS", "TE_STAND_IN", "apply", "is_installed", "DataInit", "DataInitHook",
+           "on_data_init", "data_init_installed"]
 
 logger = logging.getLogger(__name__)
 
@@ -316,3 +325,192 @@ def apply(version: str) -> BridgePatch:
     logger.info("megatron_patches.bridge: Megatron-Bridge %s CPU patches on (Transformer Engine stand-in for %s; %s)",
                 version, ", ".join(sorted(TE_IMPORTERS)), ", ".join(f"{p.module}.{p.name}" for p in PATCHES))
     return patch
+
+
+# --------------------------------------------------------------------------------------------------------------
+# data_init_event: an event before Bridge builds its data iterators (0.3.1 has none; 0.5+ has on_data_init_start)
+# --------------------------------------------------------------------------------------------------------------
+
+DATA_INIT_VERSIONS = ("0.3.1",)
+"""The megatron-bridge releases :func:`on_data_init` was written against."""
+DATA_INIT_ATTRS = ("setup_optimizer", "load_checkpoint", "setup_data_iterators")
+"""What :func:`on_data_init` wraps in ``megatron.bridge.training.setup`` (module globals ``setup()`` calls): the
+first captures the model chunks, optimizer and scheduler it builds, the second records Bridge's own checkpoint load
+(the arguments, to load it again, and the step it reached), the third calls the listeners before it runs."""
+
+
+@dataclass
+class DataInit:
+    """What a :func:`on_data_init` listener gets: ``setup()``'s objects after the model, optimizer, scheduler and
+    Bridge's own checkpoint load, before the data iterators exist (they start at ``train_state``'s consumed samples)."""
+
+    cfg: Any
+    """The ``ConfigContainer``."""
+    train_state: Any
+    """``GlobalState.train_state``: what the listener sets is what the data iterators and the loop start from."""
+    model: list[Any]
+    optimizer: Any
+    scheduler: Any
+    loaded_step: int | None = None
+    """``train_state.step`` right after Bridge's own ``load_checkpoint`` (steps completed); None: it loaded none."""
+    _load: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
+
+    def reload(self) -> None:
+        """Run Bridge's ``load_checkpoint`` again, with the arguments ``setup()`` gave it (model, optimizer,
+        scheduler, train state and RNG back to its checkpoint)."""
+        if self._load is None:
+            raise RuntimeError("megatron_patches.bridge: Bridge loaded no checkpoint in this setup()")
+        fn, args, kwargs = self._load
+        fn(*args, **kwargs)
+
+
+_di_lock = threading.Lock()
+_di_listeners: list[Callable[[DataInit], None]] = []
+_di_saved: list[tuple[types.ModuleType, str, Any, Any]] = []
+_di_ctx: dict[str, Any] = {}
+
+
+def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return dict(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
+
+
+def _wrap_setup_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def setup_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        _di_ctx.clear()  # a new setup(): nothing of an earlier one is kept
+        _di_ctx["model"] = _bound(original, args, kwargs).get("model")
+        _di_ctx["optimizer"], _di_ctx["scheduler"] = result
+        return result
+
+    return setup_optimizer
+
+
+def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        state = _bound(original, args, kwargs).get("state")
+        _di_ctx["load"] = (original, args, kwargs)
+        _di_ctx["loaded_step"] = getattr(getattr(state, "train_state", None), "step", None)
+        return result
+
+    return load_checkpoint
+
+
+def _wrap_setup_data_iterators(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def setup_data_iterators(*args: Any, **kwargs: Any) -> Any:
+        listeners = list(_di_listeners)
+        if listeners:
+            a = _bound(original, args, kwargs)
+            model = _di_ctx.get("model")
+            event = DataInit(cfg=a.get("cfg"), train_state=a.get("train_state"),
+                             model=list(model) if model is not None else [], optimizer=_di_ctx.get("optimizer"),
+                             scheduler=_di_ctx.get("scheduler"),
+                             loaded_step=_di_ctx.get("loaded_step") if "load" in _di_ctx else None,
+                             _load=_di_ctx.get("load"))
+            for listener in listeners:
+                listener(event)
+        _di_ctx.clear()
+        iterators = original(*args, **kwargs)
+        if listeners:
+            iterators = tuple(_iterable(it) for it in iterators)
+        return iterators
+
+    return setup_data_iterators
+
+
+_ITERABLE: dict[type, type] = {}
+
+
+def _iterable(it: Any) -> Any:
+    """The iterator protocol for megatron-core's ``RerunDataIterator`` (0.16 defines ``__next__`` but no
+    ``__iter__``), so that ``iter(it)`` -- what :mod:`megatron_patches.data_iter` does to the iterator handed to
+    forward-backward -- returns it: the instance's class becomes a subclass adding ``__iter__`` (``isinstance`` checks
+    and every attribute unchanged). Only the iterators built while a data-init listener is registered; lists (virtual
+    pipeline) element by element."""
+    if isinstance(it, list):
+        return [_iterable(x) for x in it]
+    cls = type(it)
+    if it is None or hasattr(cls, "__iter__") or not hasattr(cls, "__next__"):
+        return it
+    if cls not in _ITERABLE:
+        _ITERABLE[cls] = type(cls.__name__, (cls,), {"__iter__": lambda self: self, "__module__": cls.__module__,
+                                                     "__doc__": cls.__doc__})
+    it.__class__ = _ITERABLE[cls]
+    return it
+
+
+_DI_WRAPPERS = {"setup_optimizer": _wrap_setup_optimizer, "load_checkpoint": _wrap_load_checkpoint,
+                "setup_data_iterators": _wrap_setup_data_iterators}
+
+
+class DataInitHook:
+    """One listener of :func:`on_data_init`; :meth:`remove` is idempotent and restores ``setup``'s attributes (by
+    identity) when the last listener goes."""
+
+    def __init__(self, listener: Callable[[DataInit], None]) -> None:
+        self._listener = listener
+        self._active = True
+
+    def remove(self) -> None:
+        with _di_lock:
+            if not self._active:
+                return
+            self._active = False
+            for i in range(len(_di_listeners) - 1, -1, -1):
+                if _di_listeners[i] is self._listener:
+                    del _di_listeners[i]
+                    break
+            if not _di_listeners:
+                for module, name, original, wrapper in reversed(_di_saved):
+                    if getattr(module, name, None) is wrapper:
+                        setattr(module, name, original)
+                    else:
+                        logger.debug("megatron_patches.bridge: %s.%s was wrapped again over ours; left in place",
+                                     module.__name__, name)
+                _di_saved.clear()
+                _di_ctx.clear()
+
+
+def data_init_installed() -> bool:
+    """Whether the data-init event's wrappers are in place now."""
+    return bool(_di_saved)
+
+
+def on_data_init(listener: Callable[[DataInit], None]) -> DataInitHook:
+    """Patch ``data_init_event``: call ``listener(DataInit)`` in every Megatron-Bridge ``setup()`` (``pretrain``'s)
+    after the model, optimizer, scheduler and Bridge's own checkpoint load, right before it builds the data iterators
+    -- where Megatron-Bridge 0.5+ fires ``on_data_init_start``. 0.3.1 has no such event, and its ``CallbackManager``
+    rejects unknown events, hence a listener list. Imports ``megatron.bridge.training.setup`` (on CPU: after
+    :func:`megatron_patches.enable_cpu`). Undone by the returned hook's ``remove()``.
+
+    Raises:
+        UnsupportedVersionError: megatron-bridge is not installed or is not 0.3.1, or ``setup`` lacks an attribute.
+    """
+    try:
+        version = importlib.metadata.version(BRIDGE)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise UnsupportedVersionError("megatron_patches.bridge.on_data_init: megatron-bridge is not installed") from e
+    if version not in DATA_INIT_VERSIONS:
+        raise UnsupportedVersionError(
+            f"megatron_patches.bridge.on_data_init: written for megatron-bridge {', '.join(DATA_INIT_VERSIONS)}, "
+            f"found {version} (0.5+ has its own on_data_init_start event)")
+    import importlib as _importlib
+
+    setup = _importlib.import_module(_SETUP)
+    with _di_lock:
+        if not _di_saved:
+            missing = [n for n in DATA_INIT_ATTRS if not callable(getattr(setup, n, None))]
+            if missing:
+                raise UnsupportedVersionError(
+                    f"megatron_patches.bridge.on_data_init: {_SETUP} has no {', '.join(missing)} in megatron-bridge "
+                    f"{version}")
+            for name in DATA_INIT_ATTRS:
+                original = getattr(setup, name)
+                wrapper = _DI_WRAPPERS[name](original)
+                _di_saved.append((setup, name, original, wrapper))
+                setattr(setup, name, wrapper)
+        _di_listeners.append(listener)
+    return DataInitHook(listener)

@@ -7,7 +7,7 @@ default GPT provider picks Transformer Engine's), dropout on (so the RNG tracker
 Environment: OUT_DIR; STEPS (default 5), TP (1), SEED (1234), DIST_OPT (1|0). Leaves in OUT_DIR:
 ``losses.rank{r}.jsonl`` (step, attempt, loss as float.hex, consumed samples after the step: the format
 ``tests.conftest.RunResult.losses`` reads) and ``final.rank{r}.json`` (sha256 of every final parameter and of the
-optimizer's fp32 shard state, the step and consumed samples Bridge reached).
+optimizer's fp32 shard state, the step, consumed and skipped samples and FLOPs counter Bridge reached).
 """
 
 from __future__ import annotations
@@ -28,6 +28,16 @@ def main() -> None:
 
     enable_cpu(nemo=False)  # before Bridge is imported: its CPU patches apply as its modules are imported
 
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    cfg, record = build()
+    pretrain(cfg, forward_step, callbacks=[record])
+
+
+def build() -> tuple[Any, Any]:
+    """The ``ConfigContainer`` of this worker's job (from the environment) and its recording callback (also
+    used by ``train_bridge_nckpt.py``). Call after ``enable_cpu(nemo=False)``."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.callbacks import Callback
@@ -35,8 +45,6 @@ def main() -> None:
                                                  DistributedInitConfig, LoggerConfig, MockGPTDatasetConfig,
                                                  OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,
                                                  TrainingConfig)
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     out = Path(os.environ["OUT_DIR"])
@@ -72,6 +80,7 @@ def main() -> None:
                                 shards[f"{k}/{gi}/{pi}/{name}"] = v
             write_json(out / f"final.rank{RANK}.json", {
                 "step": ts.step, "consumed_samples": ts.consumed_train_samples,
+                "skipped_samples": ts.skipped_train_samples, "flops": float(ts.floating_point_operations_so_far).hex(),
                 "params": fingerprint(params), "optimizer": fingerprint(shards)})
 
     model = GPTModelProvider(
@@ -106,7 +115,7 @@ def main() -> None:
         checkpoint=CheckpointConfig(save=None, load=None),
         rng=RNGConfig(seed=seed),
     )
-    pretrain(cfg, forward_step, callbacks=[Record()])
+    return cfg, Record()
 
 
 if __name__ == "__main__":

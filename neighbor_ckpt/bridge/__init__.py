@@ -1,0 +1,28 @@
+"""Per-iteration neighbor checkpointing for Megatron-Bridge: :class:`NeighborCheckpoint`, one Bridge ``Callback``::
+
+    from megatron_patches import enable_cpu
+    enable_cpu(nemo=False)                      # CPU only (smoke runs, tests): before megatron.bridge is imported
+    from neighbor_ckpt.bridge import NeighborCheckpoint
+    pretrain(cfg, forward_step, callbacks=[NeighborCheckpoint()])   # under torchrun --max-restarts N
+
+:func:`check_bridge_config` holds the refusals (pure; it reads the ``ConfigContainer`` only). Importing this package
+imports no Megatron-Bridge; ``NeighborCheckpoint`` imports it on first use.
+
+May import (:data:`neighbor_ckpt.layers.LAYERS`): the glue, the checkpointer, the core and ``megatron_patches``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from neighbor_ckpt.bridge.checks import ALLOWED_OPTIMIZERS, check_bridge_config
+
+__all__ = ["NeighborCheckpoint", "check_bridge_config", "ALLOWED_OPTIMIZERS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NeighborCheckpoint":
+        from neighbor_ckpt.bridge.callback import NeighborCheckpoint
+
+        return NeighborCheckpoint
+    raise AttributeError(f"module 'neighbor_ckpt.bridge' has no attribute {name!r}")

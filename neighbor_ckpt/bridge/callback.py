@@ -1,0 +1,271 @@
+"""``NeighborCheckpoint``: per-iteration neighbor checkpointing as one Megatron-Bridge callback.
+
+Example (all a Bridge user adds; on CPU, ``megatron_patches.enable_cpu(nemo=False)`` first)::
+
+    from neighbor_ckpt.bridge import NeighborCheckpoint
+    pretrain(cfg, forward_step, callbacks=[NeighborCheckpoint()])   # or NeighborCheckpoint(NeighborCkptConfig(...))
+    # under `torchrun --max-restarts N`: a restarted attempt resumes by itself
+
+What happens where (Megatron-Bridge 0.3.1):
+
+* **construction** (before ``pretrain`` creates the process group): torchrun's restart is prepared (a fresh
+  rendezvous store per attempt), and a listener is registered on the ``data_init_event`` patch
+  (:func:`megatron_patches.bridge.on_data_init`), which fires inside ``setup()`` after the model, optimizer, scheduler
+  and Bridge's own checkpoint load, before the data iterators are built.
+* **there** (every rank): the configuration is checked (:func:`~neighbor_ckpt.bridge.checks.check_bridge_config`),
+  the checkpointer is built on the Megatron adapter (the distributed optimizer's fp32 main-param shards and Adam
+  moments, the RNG tracker streams; weights regenerate by all-gather), the wait point, step tags and the data check's
+  input are hooked into megatron-core (:func:`megatron_patches.install_hooks`), and the recovery runs. After a
+  restore, ``train_state`` (step, consumed and skipped train samples, consumed valid samples, the FLOPs counter) and
+  the scheduler are set from the restored state, so the loop and the data iterators start at the restored step and
+  sample; the torch RNG is set at ``on_train_start`` (building the data loader's iterator draws from it, as in the
+  uninterrupted run).
+* **which wins**: when Bridge's ``checkpoint.load`` also loaded a checkpoint, the newer iteration wins, announced: an
+  in-memory version that is newer is applied over it; a Bridge checkpoint that is newer is loaded again over the
+  in-memory version. Bridge's checkpoint is the insurance: when no in-memory version is complete (both copies of a
+  rank's state lost), the recovery falls back to it, announced, and Bridge's load stands.
+* **per step**: ``on_train_step_end`` snapshots completed step ``train_state.step`` (Bridge increments the step,
+  consumed samples and FLOPs after this event: the snapshot carries the values after the increment).
+* **reporting** (global rank 0): the status line every ``logger.log_interval`` steps (``report.status_every_n_steps``
+  overrides), the same figures and, after a recovery, the MTTR phases as scalars to Bridge's TensorBoard writer, and
+  the recovery timeline in ``report.dir`` (default: ``<checkpoint.save>/neighbor_ckpt_reports``, else the store's
+  report directory).
+
+Not covered: a survivor's exception has no Bridge event; the checkpointer's SIGTERM handler (torchrun stops the
+survivors) and the failure detector handle it. Our own insurance checkpoints (``insurance.every_n_steps``) are refused:
+Bridge's ``checkpoint.save`` / ``save_interval`` is the insurance.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from megatron.bridge.training.callbacks import Callback
+
+from neighbor_ckpt.bridge.checks import check_bridge_config
+from neighbor_ckpt.checkpointer import NeighborCheckpointer, RecoveryResult
+from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.glue import Session, disk_checkpoint_wins
+from neighbor_ckpt.report.status import resolve_status_interval
+from neighbor_ckpt.runtime.detector import PAUSED
+from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
+from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NeighborCheckpoint"]
+
+FRAMEWORK = "Megatron-Bridge"
+TRAIN_STATE_KEYS = ("step", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
+                    "floating_point_operations_so_far")
+"""The ``train_state`` counters a snapshot carries and a restore sets (``do_train`` etc. are set by the iterators)."""
+
+
+class _TensorBoard:
+    """Bridge's TensorBoard writer as the reporter's logger (``log_metrics`` / ``save``)."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+
+    def save(self) -> None:
+        self.writer.flush()
+
+
+class NeighborCheckpoint(Callback):
+    """Megatron-Bridge callback: snapshot after every optimizer step, recover automatically on restart.
+
+    Args:
+        config: configuration (defaults when None).
+        bridge_config: the ``ConfigContainer`` given to ``pretrain``, to refuse what is not supported at once (it is
+            checked again, on every rank, inside ``pretrain``).
+
+    Raises:
+        ConfigError: ``config`` is not a :class:`NeighborCkptConfig`, asks for our own insurance checkpoints, or
+            ``bridge_config`` has an option :func:`~neighbor_ckpt.bridge.checks.check_bridge_config` refuses.
+        UnsupportedVersionError: megatron-bridge is not 0.3.1 (the data-init event is written for it).
+    """
+
+    def __init__(self, config: NeighborCkptConfig | None = None, *, bridge_config: Any = None) -> None:
+        super().__init__()
+        if config is not None and not isinstance(config, NeighborCkptConfig):
+            raise ConfigError(f"NeighborCheckpoint expects a NeighborCkptConfig, got {type(config).__name__}; "
+                              "build one with NeighborCkptConfig.from_yaml(...) or NeighborCkptConfig(...)")
+        self.config = config or NeighborCkptConfig()
+        if self.config.enabled and (self.config.insurance.every_n_steps or self.config.insurance.dirpath):
+            raise ConfigError("neighbor_ckpt.insurance under Megatron-Bridge: Bridge's own checkpoint "
+                              "(checkpoint.save, save_interval, checkpoint.load) is the insurance; leave "
+                              "neighbor_ckpt.insurance.every_n_steps at 0 and dirpath unset")
+        if bridge_config is not None:
+            check_bridge_config(bridge_config)
+        self.session = Session(self.config, name="NeighborCheckpoint", framework=FRAMEWORK)
+        """Insurance, resume and data-position policy (:mod:`neighbor_ckpt.glue`); owns the checkpointer."""
+        self.attempt: Any = None
+        """Which attempt this is, for the checkpointer (None: the launcher's restart count)."""
+        self.winner: str | None = None
+        """After the recovery: ``"in-memory"``, ``"bridge-checkpoint"`` or None (a fresh start)."""
+        self._hooks: Any = None
+        self._event: Any = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._dp_size = 1
+        if self.config.enabled:
+            from megatron_patches.bridge import on_data_init
+
+            prepare_torchrun_restart()  # before pretrain creates the process group
+            self._event = on_data_init(self._on_data_init)
+
+    @property
+    def checkpointer(self) -> NeighborCheckpointer | None:
+        """The plain-loop checkpointer under this callback (None before ``pretrain``'s setup and when disabled)."""
+        return self.session.checkpointer
+
+    @property
+    def last_recovery(self) -> RecoveryResult | None:
+        """What the recovery of this run did (None before ``pretrain``'s setup and when disabled)."""
+        return self.session.last_recovery
+
+    # -- set-up and recovery (the data-init event) ----------------------------------------------------------
+
+    def _on_data_init(self, ev: Any) -> None:
+        if not self.config.enabled or self.session.checkpointer is not None:
+            return
+        check_bridge_config(ev.cfg)
+        if not dist.is_available() or not dist.is_initialized():
+            logger.warning("NeighborCheckpoint: torch.distributed is not initialized (single-process run); disabled")
+            self.config.enabled = False
+            return
+        from megatron.core import parallel_state
+
+        from megatron_patches import install_hooks, mcore_groups
+        from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
+
+        cfg = ev.cfg
+        groups = mcore_groups()
+        self._dp_size = parallel_state.get_data_parallel_world_size()
+        load_dir = cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint
+        loaded = ev.loaded_step  # steps Bridge's checkpoint had completed: its last step is loaded - 1
+        insurance = self.session.framework_insurance(
+            lambda: load_dir if loaded else None, lambda _path: int(loaded) - 1,
+            announce="Megatron-Bridge's own checkpoint (checkpoint.load), already loaded, is the insurance:")
+        ckpt = self.session.start(adapter=MegatronOptimizerAdapter(ev.model, ev.optimizer), insurance=insurance,
+                                  dp_group=groups.dp_group, model_parallel_coord=groups.coord, attempt=self.attempt,
+                                  capture_rng_state=False, global_batch=cfg.train.global_batch_size,
+                                  micro_batch_size=cfg.train.micro_batch_size)
+        # The wait point before the first gradient collective, step tags on the optimizer step, and every micro-batch
+        # megatron-core's forward-backward draws to the data check (train() takes get_forward_backward_func() later).
+        self._hooks = install_hooks(ckpt, ev.optimizer)
+        rep = self.config.report
+        report_dir = Path(rep.dir) if rep.dir else (
+            Path(cfg.checkpoint.save) / "neighbor_ckpt_reports" if rep.timeline and cfg.checkpoint.save else None)
+        ckpt.reporter.attach(every_n_steps=resolve_status_interval(rep.status_every_n_steps, cfg.logger.log_interval),
+                             report_dir=report_dir)
+        resume = self.session.recover()
+        restored = resume.result.iteration
+        if resume.framework_loads:
+            self.winner = "bridge-checkpoint"
+            self.session.resumed_at(int(ev.train_state.step) - 1)
+            return
+        if resume.state is None:
+            return
+        if loaded is not None and resume.in_memory and disk_checkpoint_wins(load_dir, restored,
+                                                                             disk_step=int(loaded) - 1):
+            ev.reload()  # Bridge's checkpoint is newer: loaded again over the in-memory version, announced
+            self.winner = "bridge-checkpoint"
+            self.session.resumed_at(int(ev.train_state.step) - 1)
+            return
+        self._apply(resume.state, ev.train_state, ev.scheduler)
+        self.winner = "in-memory"
+        self.session.resumed_at(restored)
+        if dist.get_rank() == 0:
+            logger.warning("NeighborCheckpoint: resumed at step %d, %d samples consumed (%s)", ev.train_state.step,
+                           ev.train_state.consumed_train_samples, resume.result.report.summary())
+
+    def _apply(self, state: dict[str, Any], train_state: Any, scheduler: Any) -> None:
+        """The restored training state into Bridge's objects (the torch RNG waits for ``on_train_start``)."""
+        train_state.step = int(state["step"])
+        train_state.consumed_train_samples = int(state["consumed_samples"])
+        for key in TRAIN_STATE_KEYS[2:]:
+            if key in state:
+                setattr(train_state, key, state[key])
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        self._pending_rng = state.get("rng")
+
+    def _training_state(self, context: Any) -> dict[str, Any]:
+        """What a snapshot of the step just completed carries: ``train_state`` as Bridge leaves it after this event
+        (step + 1, consumed samples + the global batch, the FLOPs of the batch added; Bridge's own formulas), the
+        scheduler, the torch/numpy/python RNG."""
+        from megatron.bridge.training.utils import flop_utils
+        from megatron.core.num_microbatches_calculator import (get_current_global_batch_size,
+                                                                get_current_running_global_batch_size,
+                                                                get_num_microbatches)
+
+        ts, cfg = context.state.train_state, context.state.cfg
+        batch = self._dp_size * cfg.train.micro_batch_size * get_num_microbatches()
+        return {
+            "step": ts.step + 1,
+            "consumed_samples": ts.consumed_train_samples + batch,
+            "skipped_train_samples": ts.skipped_train_samples
+            + get_current_global_batch_size() - get_current_running_global_batch_size(),
+            "consumed_valid_samples": ts.consumed_valid_samples,
+            "floating_point_operations_so_far": ts.floating_point_operations_so_far
+            + flop_utils.num_floating_point_operations(cfg, batch),
+            "scheduler": context.scheduler.state_dict() if context.scheduler is not None else None,
+            "rng": capture_rng(),
+        }
+
+    # -- per step --------------------------------------------------------------------------------------------
+
+    def on_train_start(self, context: Any) -> None:
+        self._apply_pending_rng()
+        ckpt = self.checkpointer
+        if ckpt is not None and self.config.report.log_metrics:
+            writer = getattr(context.state, "tensorboard_logger", None)
+            if writer is not None:
+                ckpt.reporter.attach(loggers=[_TensorBoard(writer)])
+
+    def _apply_pending_rng(self) -> None:
+        if self._pending_rng is not None:
+            restore_rng(self._pending_rng)
+            self._pending_rng = None
+
+    def on_train_step_start(self, context: Any) -> None:
+        self._apply_pending_rng()
+        if self.checkpointer is not None:
+            self.checkpointer.mark("forward")
+
+    def on_train_step_end(self, context: Any) -> None:
+        # Step train_state.step is complete (weights updated); Bridge increments the counters after this event.
+        self.session.step_completed(context.state.train_state.step, lambda: self._training_state(context))
+
+    def on_eval_start(self, context: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.mark(PAUSED)  # no step tags during evaluation: the hang clock stops
+
+    def on_eval_end(self, context: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.mark("validated")
+
+    def on_train_end(self, context: Any) -> None:
+        self._remove_hooks()
+        if self.checkpointer is not None:
+            self.checkpointer.close(success=True)
+
+    def close(self) -> None:
+        """Remove every hook and the data-init listener (idempotent); ``on_train_end`` removes the training hooks."""
+        self._remove_hooks()
+        if self._event is not None:
+            self._event.remove()
+            self._event = None
+
+    def _remove_hooks(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None

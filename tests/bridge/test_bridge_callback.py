@@ -1,0 +1,129 @@
+"""``neighbor_ckpt.bridge.NeighborCheckpoint`` under Megatron-Bridge 0.3.1's own ``pretrain`` (issue 30 item 3).
+
+The kill test: ``tests/workers/train_bridge_nckpt.py`` is ``train_bridge.py``'s job (tiny GPT, distributed optimizer,
+mock data, dropout on) with only ``enable_cpu(nemo=False)`` and the callback added; 4 gloo ranks at TP 1 and TP 2,
+rank 1 SIGKILLed inside optimizer step 5 and restarted with an empty host store (a replaced node), plain
+``torchrun --max-restarts 1``. Compared with the failure-free run of ``train_bridge.py`` *without* the callback: every
+loss (==), every final parameter and optimizer shard tensor (sha256), and the step, consumed samples, skipped samples
+and FLOPs counter Bridge ends with. So the restore lands before Bridge builds its data iterators (they start at the
+restored sample), and the callback itself changes nothing in the training.
+
+The refusals, the data-init event's install / remove and its version check run in one subprocess (Bridge is imported
+after ``enable_cpu``, which must not leak into this process).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, Baselines, assert_same_training, recomputed_steps, run_torchrun
+
+STEPS, NPROC, KILL_STEP = 8, 4, 5
+LAYOUTS = {"tp1-dp4": 1, "tp2-dp2": 2}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bridge_callback_kill_inside_optimizer_step_is_bit_exact(layout: str, baseline: Baselines,
+                                                                 tmp_path: Path) -> None:
+    tp = LAYOUTS[layout]
+    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, TP=tp)
+    assert base.returncode == 0, base.log[-6000:]
+    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, TP=tp,
+                       KILL_RANK=1, KILL_STEP=KILL_STEP, WIPE_RANKS=1)
+    assert res.returncode == 0, res.log[-6000:]
+    assert res.killed(), "the kill did not happen"
+    assert json.loads((res.out / "fault.json").read_text())["step"] == KILL_STEP
+    assert_same_training(base, res, nranks=NPROC)
+    assert recomputed_steps(res) <= {KILL_STEP}
+    final = res.final(0)
+    assert (final["step"], final["consumed_samples"]) == (STEPS, STEPS * base.final(0)["consumed_samples"] // STEPS)
+    for rank in range(NPROC):
+        rep = res.report(rank, 1)
+        assert (rep["outcome"], rep["iteration"], rep["winner"]) == ("restored", KILL_STEP - 1, "in-memory"), rep
+        # Bridge's loop and data iterators start at the restored step and sample (set before they were built)
+        assert rep["train_state_step"] == KILL_STEP, rep
+        assert rep["consumed_train_samples"] == KILL_STEP * final["consumed_samples"] // STEPS, rep
+    victim = res.report(1, 1)
+    assert victim["source"] == "replica" and victim["pulled_bytes"] > 0 and victim["lazy_bytes"] == 0, victim
+    assert res.report(0, 1)["source"] == "own"
+
+
+_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, "tests/workers")
+os.environ.setdefault("OUT_DIR", sys.argv[1])
+from megatron_patches import enable_cpu
+enable_cpu(nemo=False)
+import megatron.bridge.training.setup as setup
+from megatron_patches import bridge as mb
+from neighbor_ckpt.bridge import NeighborCheckpoint, check_bridge_config
+from neighbor_ckpt.errors import ConfigError
+from train_bridge import build
+
+out = {}
+def refused(mutate):
+    cfg, _ = build()
+    mutate(cfg)
+    try:
+        check_bridge_config(cfg)
+    except ConfigError as e:
+        try:
+            NeighborCheckpoint(bridge_config=cfg)
+        except ConfigError:
+            return str(e)
+        return "NOT REFUSED AT CONSTRUCTION"
+    return None
+
+cfg, _ = build()
+check_bridge_config(cfg)
+out["plain"] = None
+from megatron.bridge.training.config import InProcessRestartConfig
+out["inprocess"] = refused(lambda c: setattr(c, "inprocess_restart", InProcessRestartConfig(enabled=True)))
+def graphs(c):
+    c.model.cuda_graph_impl = "local"; c.model.cuda_graph_scope = ["full_iteration"]
+out["full_cuda_graph"] = refused(graphs)
+out["per_layer_graphs"] = refused(lambda c: (setattr(c.model, "cuda_graph_impl", "local"),
+                                             setattr(c.model, "cuda_graph_scope", ["attn"])))
+out["megatron_fsdp"] = refused(lambda c: setattr(c.dist, "use_megatron_fsdp", True))
+out["sgd"] = refused(lambda c: setattr(c.optimizer, "optimizer", "sgd"))
+
+originals = {n: getattr(setup, n) for n in mb.DATA_INIT_ATTRS}
+cb = NeighborCheckpoint()
+out["wrapped"] = all(getattr(setup, n) is not originals[n] for n in mb.DATA_INIT_ATTRS)
+cb.close()
+out["restored"] = all(getattr(setup, n) is originals[n] for n in mb.DATA_INIT_ATTRS) and not mb.data_init_installed()
+import importlib.metadata
+real = importlib.metadata.version
+importlib.metadata.version = lambda name: "0.5.0" if name == "megatron-bridge" else real(name)
+try:
+    mb.on_data_init(lambda ev: None)
+    out["version"] = None
+except Exception as e:
+    out["version"] = f"{type(e).__name__}: {e}"
+importlib.metadata.version = real
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_refusals_and_the_data_init_event(tmp_path: Path) -> None:
+    """Each refused option by name (ConfigError, from check_bridge_config and from the constructor given the
+    ConfigContainer); per-layer CUDA graphs pass. The data-init event wraps setup()'s three attributes while a
+    listener is registered and restores them by identity; another Bridge release is refused."""
+    res = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-6000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert out["plain"] is None and out["per_layer_graphs"] is None, out
+    assert "inprocess_restart.enabled" in out["inprocess"], out
+    assert "cuda_graph_scope full_iteration" in out["full_cuda_graph"], out
+    assert "dist.use_megatron_fsdp" in out["megatron_fsdp"], out
+    assert "optimizer.optimizer: 'sgd'" in out["sgd"] and "supported: adam" in out["sgd"], out
+    assert out["wrapped"] and out["restored"], out
+    assert out["version"].startswith("UnsupportedVersionError") and "0.5.0" in out["version"], out
