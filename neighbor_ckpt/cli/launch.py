@@ -46,6 +46,8 @@ __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run
 
 RECIPE = RECIPES_DIR / "nemo_pretrain.py"
 """The recipe ``launch`` runs: the one inside this installed package (``neighbor_ckpt/recipes``)."""
+BRIDGE_RECIPE = RECIPES_DIR / "bridge_pretrain.py"
+"""The recipe of a job file with ``framework: bridge`` (Megatron-Bridge)."""
 RDZV_LAST_CALL_S = 300
 """In-process launch: how long the agents' rendezvous waits for the last agents once the minimum has joined."""
 NVRX_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
@@ -131,7 +133,10 @@ def plan_launch(config: str | Path, overrides: Sequence[str] = (), *, run_dir: P
     if job.neighbor_ckpt.inprocess.enabled and not job.neighbor_ckpt.enabled:
         raise ConfigError("config.neighbor_ckpt.inprocess.enabled: in-process recovery restores from the neighbor "
                           "snapshots, but neighbor_ckpt.enabled is false; enable both, or neither")
-    recipe = recipe_path(RECIPE.name)  # raises when the installation lacks it
+    if job.framework == "bridge" and job.neighbor_ckpt.inprocess.enabled:
+        raise ConfigError("config.neighbor_ckpt.inprocess.enabled: in-process recovery under Megatron-Bridge "
+                          "(framework: bridge) is not supported yet; use the restart path (launch.max_restarts)")
+    recipe = recipe_path((BRIDGE_RECIPE if job.framework == "bridge" else RECIPE).name)  # raises when it is missing
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_id = job.neighbor_ckpt.job_id or f"{job.name}-{stamp}-{secrets.token_hex(2)}"  # unique per launch
     if job.neighbor_ckpt.job_id is None:
