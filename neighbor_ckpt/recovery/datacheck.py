@@ -15,7 +15,8 @@ microseconds per micro-batch (``tools/bench/micro/fingerprint.py``).
 
 **Where the micro-batches come from:** :func:`megatron_patches.data_iter.observe_forward_backward` wraps the
 ``data_iterator`` handed to megatron-core's forward-backward function (installed by ``install_hooks``, hence by the
-NeMo callback; Megatron-Bridge's callback installs it too); the Lightning callback feeds each training batch; other
+NeMo callback; a Megatron-Bridge callback installs it the same way); the Lightning callback feeds each training
+batch; other
 loops call :meth:`~neighbor_ckpt.NeighborCheckpointer.observe_input` or wrap their iterator
 (:class:`ObservedIterator`).
 
@@ -118,8 +119,8 @@ ROW_EDGE_BYTES = 256
 """Of a longer sample: its first and last this many bytes ..."""
 ROW_STRIDED = 32
 """... and this many elements at a fixed stride across the rest, with the sample's size as the hash seed. Bounded
-per sample (at most 2 x 256 bytes + 32 elements, copied into one small tensor for the micro-batch, a small copy
-from a device too), and every sample is read: a shuffled or shifted data position changes each sample's first
+per sample (at most 2 x 256 bytes + 32 elements, gathered into one small copy for the micro-batch; from a device
+only that copy crosses to the host), and every sample is read: a shuffled or shifted data position changes each sample's first
 bytes; another sample in one row changes that row's hash."""
 
 
@@ -154,8 +155,7 @@ def sample_hashes(tokens: torch.Tensor) -> list[int]:
         h = xxhash.xxh3_64_intdigest
         return [h(row, row_bytes) for row in sampled_bytes]
     # on a device, or a strided view: the same elements gathered there, only they copied to the host
-    index = torch.tensor(_sampled_elements(per_row, esize), device=t.device)
-    sampled = t.reshape(rows, per_row).index_select(1, index)
+    sampled = t.reshape(rows, per_row).index_select(1, _device_index(per_row, esize, t.device))
     sampled = (sampled if sampled.is_cpu else sampled.cpu()).contiguous()
     return _row_hashes(sampled.data_ptr(), rows, sampled.shape[1] * esize, row_bytes)
 
@@ -168,6 +168,12 @@ def _sampled_elements(per_row: int, esize: int) -> tuple[int, ...]:
     stride = max(1, middle // ROW_STRIDED) if middle > 0 else 1
     strided = list(range(edge, per_row - edge, stride))[:ROW_STRIDED] if middle > 0 else []
     return (*range(edge), *strided, *range(per_row - edge, per_row))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_index(per_row: int, esize: int, device: torch.device) -> torch.Tensor:
+    """:func:`_sampled_elements` as an index tensor on ``device`` (made once: no host-to-device copy per step)."""
+    return torch.tensor(_sampled_elements(per_row, esize), dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=64)
