@@ -41,10 +41,15 @@ peers, whose stores survived, check theirs (a loader mistake is the same on ever
 
 **The check** (:class:`DataCheck`, configured by ``neighbor_ckpt.data_check``): after a restore of iteration ``k``
 (in-memory or insurance), the fingerprint of step ``k + 1``'s first ``n`` micro-batches (``n``: as many as were
-recorded before the failure) is compared with the one recorded before the failure (:func:`compare`). ``error``: a mismatch raises :class:`~neighbor_ckpt.errors.DataPositionError`
-before the step trains, and leaves a marker (:data:`STOPPED_FILE`) so the launcher's further restarts of the same
-launch stop at once with the same message instead of walking back through older versions; ``warn``: logged, training
-goes on; ``off``: nothing is computed or written.
+recorded before the failure) is compared with the one recorded before the failure (:func:`compare`). ``error``: a
+mismatch raises :class:`~neighbor_ckpt.errors.DataPositionError` before the micro-batch trains, and leaves a marker
+(:data:`STOPPED_FILE`) so the launcher's further restarts of the same launch stop at once with the same message
+instead of walking back through older versions; ``warn``: logged, training goes on; ``off``: nothing is computed or
+written.
+
+After an elastic reshard (:meth:`DataCheck.arm_reshard`, :meth:`DataCheck.before_snapshot`) the replayed step's
+global batch is compared instead: the sum of its per-sample hashes over every rank, against the previous layout's
+input records found on the nodes.
 
 May import: :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.runtime` (layer rule of :mod:`neighbor_ckpt.recovery`).
 """
@@ -120,8 +125,8 @@ ROW_EDGE_BYTES = 256
 ROW_STRIDED = 32
 """... and this many elements at a fixed stride across the rest, with the sample's size as the hash seed. Bounded
 per sample (at most 2 x 256 bytes + 32 elements, gathered into one small copy for the micro-batch; from a device
-only that copy crosses to the host), and every sample is read: a shuffled or shifted data position changes each sample's first
-bytes; another sample in one row changes that row's hash."""
+only that copy crosses to the host), and every sample is read: a shuffled or shifted data position changes each
+sample's first bytes; another sample in one row changes that row's hash."""
 
 
 def sample_hashes(tokens: torch.Tensor) -> list[int]:

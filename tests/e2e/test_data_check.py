@@ -37,7 +37,7 @@ def test_a_loader_that_reshuffles_after_the_restart_stops_the_job_at_the_replaye
     assert stopped, res.log[-6000:]
     for rank, err in stopped.items():
         assert err["type"] == "DataPositionError", err
-        assert err["message"].startswith(f"rank {rank}: the data position was not restored: step {checked}"), err
+        assert err["message"].startswith(f"rank {rank}: the data position was not restored: step {KILL}"), err
         assert "restore of iteration 4" in err["message"] and "StatefulDataLoader" in err["message"]
     assert 1 in stopped, "the killed rank kept its store: its in-flight record of step 5 is checked too"
     for rank, steps in res.losses().items():

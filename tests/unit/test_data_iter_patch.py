@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from megatron_patches import data_iter  # noqa: E402
-from megatron_patches.data_iter import SCHEDULES, ObservedMicroBatches, observe_forward_backward, observe_iterator  # noqa: E402
+from megatron_patches.data_iter import (SCHEDULES, ObservedMicroBatches, observe_forward_backward,  # noqa: E402
+                                        observe_iterator)
 from neighbor_ckpt.recovery.datacheck import ObservedIterator  # noqa: E402
 
 

@@ -15,8 +15,8 @@ With OBSERVE=1 (default) the data iterator handed to ``forward_backward_func`` i
 ``install_hooks(...).observe``; with OBSERVE=0 nothing is wrapped by hand: ``install_hooks`` alone feeds the check
 (``megatron_patches.data_iter`` observes what megatron-core's forward-backward function draws). TP, PP: tensor and
 pipeline parallel sizes (default 1; the data-parallel rank picks the data, so tensor-parallel peers read the same);
-N_MB: micro-batches per step (default 2). Writes per rank: ``losses.rank<R>.jsonl``, ``final.rank<R>.json``, ``error.rank<R>.json`` (the
-exception that stopped the rank, if any).
+N_MB: micro-batches per step (default 2). Writes per rank: ``losses.rank<R>.jsonl``, ``final.rank<R>.json``,
+``error.rank<R>.json`` (the exception that stopped the rank, if any).
 """
 
 from __future__ import annotations

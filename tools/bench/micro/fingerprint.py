@@ -109,9 +109,9 @@ def fingerprint_rows(samples: dict[str, list[float]]) -> list[Row]:
             wall_obs, wall_snap = stat_summary(samples[f"observe {a}x{b}"]), stat_summary(samples["snapshot"])
             detail.update(wall_observe_us=wall_obs * 1e6, wall_snapshot_us=wall_snap * 1e6,
                           wall_ratio=wall_obs / wall_snap)
-        rows.append(Row("datacheck", f"input fingerprint per micro-batch: observe_input({a} x {b} int64 tokens)", obs * 1e6,
-                        "us", snap * 1e6, f"snapshot() on the training thread ({detail['clock']})", obs / snap,
-                        TARGET, "<=", detail=detail).judge())
+        rows.append(Row("datacheck", f"input fingerprint per micro-batch: observe_input({a} x {b} int64 tokens)",
+                        obs * 1e6, "us", snap * 1e6, f"snapshot() on the training thread ({detail['clock']})",
+                        obs / snap, TARGET, "<=", detail=detail).judge())
     return rows
 
 
