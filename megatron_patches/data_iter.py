@@ -94,7 +94,10 @@ def observe_iterator(data_iterator: Any, observe: Callable[[Any], None]) -> Any:
             if it is not None:
                 return [*data_iterator[:i], observe_iterator(it, observe), *data_iterator[i + 1:]]
         return data_iterator
-    return ObservedMicroBatches(iter(data_iterator), observe)
+    # an iterator is used as it is (megatron-core 0.16's RerunDataIterator has __next__ but no __iter__); only an
+    # iterable that is not an iterator is turned into one
+    inner = data_iterator if hasattr(data_iterator, "__next__") else iter(data_iterator)
+    return ObservedMicroBatches(inner, observe)
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -74,3 +74,18 @@ def test_virtual_pipeline_lists_get_their_first_iterator_observed():
     assert out[0] is None and isinstance(out[1], ObservedMicroBatches) and out[2] is b
     assert next(out[1]) == 1 and seen == [1]
     assert observe_iterator([None, None], seen.append) == [None, None]
+
+
+def test_an_iterator_with_only_next_is_observed_as_it_is():
+    class NextOnly:  # megatron-core 0.16's RerunDataIterator: __next__, no __iter__
+        def __init__(self) -> None:
+            self.i = 0
+
+        def __next__(self) -> int:
+            self.i += 1
+            return self.i
+
+    seen: list[Any] = []
+    inner = NextOnly()
+    out = observe_iterator(inner, seen.append)
+    assert out.inner is inner and next(out) == 1 and seen == [1]
