@@ -65,6 +65,13 @@ TRAIN_STATE_KEYS = ("step", "consumed_train_samples", "skipped_train_samples", "
 """The ``train_state`` counters a snapshot carries and a restore sets (``do_train`` etc. are set by the iterators)."""
 
 
+def _announce(msg: str, *args: Any) -> None:
+    """Global rank 0, at INFO: Megatron-Bridge's logging drops every WARNING record by default
+    (``logger.filter_warnings``), so what is announced under Bridge is announced at INFO."""
+    if dist.get_rank() == 0:
+        logger.info("NeighborCheckpoint: " + msg, *args)
+
+
 class _TensorBoard:
     """Bridge's TensorBoard writer as the reporter's logger (``log_metrics`` / ``save``)."""
 
@@ -171,6 +178,8 @@ class NeighborCheckpoint(Callback):
         if resume.framework_loads:
             self.winner = "bridge-checkpoint"
             self.session.resumed_at(int(ev.train_state.step) - 1)
+            _announce("no complete in-memory version: Megatron-Bridge's checkpoint %s stands (iteration %d, %d steps "
+                      "done)", load_dir, int(loaded) - 1, int(loaded))
             return
         if resume.state is None:
             return
@@ -179,13 +188,17 @@ class NeighborCheckpoint(Callback):
             ev.reload()  # Bridge's checkpoint is newer: loaded again over the in-memory version, announced
             self.winner = "bridge-checkpoint"
             self.session.resumed_at(int(ev.train_state.step) - 1)
+            _announce("Megatron-Bridge's checkpoint %s (iteration %d) is newer than the in-memory version (iteration "
+                      "%d): loaded again over it", load_dir, int(loaded) - 1, restored)
             return
         self._apply(resume.state, ev.train_state, ev.scheduler)
         self.winner = "in-memory"
         self.session.resumed_at(restored)
-        if dist.get_rank() == 0:
-            logger.warning("NeighborCheckpoint: resumed at step %d, %d samples consumed (%s)", ev.train_state.step,
-                           ev.train_state.consumed_train_samples, resume.result.report.summary())
+        if loaded is not None:
+            _announce("the in-memory version (iteration %d) is newer than Megatron-Bridge's checkpoint %s (iteration "
+                      "%d, loaded first): applied over it", restored, load_dir, int(loaded) - 1)
+        _announce("resumed at step %d, %d samples consumed (%s)", ev.train_state.step,
+                  ev.train_state.consumed_train_samples, resume.result.report.summary())
 
     def _apply(self, state: dict[str, Any], train_state: Any, scheduler: Any) -> None:
         """The restored training state into Bridge's objects (the torch RNG waits for ``on_train_start``)."""
@@ -195,6 +208,9 @@ class NeighborCheckpoint(Callback):
             if key in state:
                 setattr(train_state, key, state[key])
         if scheduler is not None and state.get("scheduler") is not None:
+            # megatron-core's load_state_dict *adds* the loaded step count (step(increment=num_steps)) to the
+            # current one, which Bridge's own checkpoint load may have set already: start from zero
+            scheduler.num_steps = 0
             scheduler.load_state_dict(state["scheduler"])
         self._pending_rng = state.get("rng")
 

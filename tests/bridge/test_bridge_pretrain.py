@@ -15,17 +15,19 @@ pytestmark = pytest.mark.e2e
 
 STEPS, NPROC = 5, 2
 GLOBAL_BATCH = 8  # train_bridge.py: micro-batch 2, two micro-batches per data-parallel rank, DP 2
-LAYOUTS = {"dp2": {"nproc": 2, "TP": 1}, "tp2-dp2": {"nproc": 4, "TP": 2}}
+LAYOUTS = {"dp2": {"nproc": 2, "TP": 1, "STEPS": STEPS}, "tp2-dp2": {"nproc": 4, "TP": 2, "STEPS": 8}}
+"""TP 2 runs 8 steps: its first run is the failure-free baseline test_bridge_callback.py's TP 2 kill test compares
+with (computed once per session)."""
 
 
-def _check_run(res: RunResult, nproc: int = NPROC) -> None:
+def _check_run(res: RunResult, nproc: int = NPROC, steps: int = STEPS) -> None:
     assert res.returncode == 0, res.log[-6000:]
     losses = res.losses()
     for rank in range(nproc):
-        assert sorted(losses[rank]) == list(range(STEPS)), f"rank {rank} recorded steps {sorted(losses[rank])}"
+        assert sorted(losses[rank]) == list(range(steps)), f"rank {rank} recorded steps {sorted(losses[rank])}"
         assert all(loss is not None for recs in losses[rank].values() for _, loss in recs)
         final = res.final(rank)
-        assert (final["step"], final["consumed_samples"]) == (STEPS, STEPS * GLOBAL_BATCH), final
+        assert (final["step"], final["consumed_samples"]) == (steps, steps * GLOBAL_BATCH), final
         assert final["optimizer"], "the distributed optimizer's fp32 shard state was not found"
 
 
@@ -36,11 +38,11 @@ def test_bridge_pretrain_is_bit_identical_across_runs(layout: str, baseline: Bas
     tensor (sha256) equal. The first run's workers fork from the warm zygote, the second's start cold (as a user's
     torchrun does): the same bits either way. At TP 2 the tensor-parallel ranks' dropout draws from the RNG
     tracker's model-parallel stream, which only the Bridge patch seeds on CPU."""
-    nproc, tp = LAYOUTS[layout]["nproc"], LAYOUTS[layout]["TP"]
-    first = baseline("train_bridge.py", nproc=nproc, warm=True, STEPS=STEPS, TP=tp)
-    _check_run(first, nproc)
-    second = run_torchrun("train_bridge.py", tmp_path, nproc=nproc, STEPS=STEPS, TP=tp)
-    _check_run(second, nproc)
+    nproc, tp, steps = LAYOUTS[layout]["nproc"], LAYOUTS[layout]["TP"], LAYOUTS[layout]["STEPS"]
+    first = baseline("train_bridge.py", nproc=nproc, warm=True, STEPS=steps, TP=tp)
+    _check_run(first, nproc, steps)
+    second = run_torchrun("train_bridge.py", tmp_path, nproc=nproc, STEPS=steps, TP=tp)
+    _check_run(second, nproc, steps)
     assert_same_training(first, second, nranks=nproc)
 
 

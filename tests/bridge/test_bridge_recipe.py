@@ -15,6 +15,7 @@ from tests.conftest import Baselines, assert_same_training, recomputed_steps, ru
 
 CONFIG = "gpt_tiny_bridge_cpu.yaml"
 STEPS = "trainer.max_steps=8"
+BRIDGE_CKPT = "checkpoint.every_n_train_steps=2"  # Bridge's own checkpoint every 2 steps: the insurance
 
 
 def test_framework_picks_the_recipe(tmp_path: Path) -> None:
@@ -28,11 +29,13 @@ def test_framework_picks_the_recipe(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_bridge_recipe_launch_kill_inside_optimizer_step_is_bit_exact(baseline: Baselines, tmp_path: Path) -> None:
-    """4 CPU ranks, distributed optimizer; rank 1 SIGKILLed inside optimizer step 5, its host store emptied on the
-    restart (``fault_injection``), torchrun's restart: every loss, final weight, optimizer shard, step, consumed
-    samples and FLOPs counter equal to the failure-free launch, bit for bit."""
-    base = baseline.launch(CONFIG, STEPS, warm=True)
-    res = run_launch(CONFIG, tmp_path / "fault", STEPS, "neighbor_ckpt.fault_injection.enabled=true",
+    """4 CPU ranks, distributed optimizer, Bridge's own checkpoint every 2 steps; rank 1 SIGKILLed inside optimizer
+    step 5, its host store emptied on the restart (``fault_injection``), torchrun's restart: Bridge loads its
+    checkpoint of 4 steps (iteration 3), the in-memory version of iteration 4 is newer and is applied over it,
+    announced; every loss, final weight, optimizer shard, step, consumed samples and FLOPs counter equal to the
+    failure-free launch, bit for bit (the scheduler is not advanced twice)."""
+    base = baseline.launch(CONFIG, STEPS, BRIDGE_CKPT, warm=True)
+    res = run_launch(CONFIG, tmp_path / "fault", STEPS, BRIDGE_CKPT, "neighbor_ckpt.fault_injection.enabled=true",
                      NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
     assert res.returncode == 0, res.log[-6000:]
     assert res.killed(), "the kill did not happen"
@@ -44,3 +47,4 @@ def test_bridge_recipe_launch_kill_inside_optimizer_step_is_bit_exact(baseline: 
     rep = res.report(1, 1)
     assert (rep["outcome"], rep["iteration"], rep["source"], rep["winner"]) == ("restored", 4, "replica", "in-memory")
     assert rep["train_state_step"] == 5 and rep["consumed_train_samples"] == 5 * 8, rep
+    assert "the in-memory version (iteration 4) is newer than Megatron-Bridge's checkpoint" in res.log
