@@ -23,7 +23,8 @@ What happens where (Megatron-Bridge 0.3.1):
 * **which wins**: when Bridge's ``checkpoint.load`` also loaded a checkpoint, the newer iteration wins, announced: an
   in-memory version that is newer is applied over it; a Bridge checkpoint that is newer is loaded again over the
   in-memory version. Bridge's checkpoint is the insurance: when no in-memory version is complete (both copies of a
-  rank's state lost), the recovery falls back to it, announced, and Bridge's load stands.
+  rank's state lost), the recovery falls back to it, announced, and Bridge's load stands (the torch RNG it restored
+  is set again at ``on_train_start``, after the data iterators drew from it: the replay is bit-exact too).
 * **per step**: ``on_train_step_end`` snapshots completed step ``train_state.step`` (Bridge increments the step,
   consumed samples and FLOPs after this event: the snapshot carries the values after the increment).
 * **reporting** (global rank 0): the status line every ``logger.log_interval`` steps (``report.status_every_n_steps``
@@ -178,6 +179,7 @@ class NeighborCheckpoint(Callback):
         if resume.framework_loads:
             self.winner = "bridge-checkpoint"
             self.session.resumed_at(int(ev.train_state.step) - 1)
+            self._pending_rng = capture_rng()  # as Bridge's load left it: re-set after the iterators draw from it
             _announce("no complete in-memory version: Megatron-Bridge's checkpoint %s stands (iteration %d, %d steps "
                       "done)", load_dir, int(loaded) - 1, int(loaded))
             return
@@ -187,6 +189,7 @@ class NeighborCheckpoint(Callback):
                                                                              disk_step=int(loaded) - 1):
             ev.reload()  # Bridge's checkpoint is newer: loaded again over the in-memory version, announced
             self.winner = "bridge-checkpoint"
+            self._pending_rng = capture_rng()
             self.session.resumed_at(int(ev.train_state.step) - 1)
             _announce("Megatron-Bridge's checkpoint %s (iteration %d) is newer than the in-memory version (iteration "
                       "%d): loaded again over it", load_dir, int(loaded) - 1, restored)

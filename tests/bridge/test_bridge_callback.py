@@ -24,17 +24,19 @@ import pytest
 from tests.conftest import REPO, Baselines, assert_same_training, recomputed_steps, run_torchrun
 
 STEPS, NPROC, KILL_STEP = 8, 4, 5
-LAYOUTS = {"tp1-dp4": 1, "tp2-dp2": 2}
+LAYOUTS = {"tp1-dp4": {"TP": 1, "BRIDGE_CKPT_EVERY": 2}, "tp2-dp2": {"TP": 2}}
+"""At TP 1 Bridge's own checkpoint is on (every 2 steps; loaded on the restart, older than the in-memory version);
+the TP 2 baseline is test_bridge_pretrain.py's first TP 2 run."""
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bridge_callback_kill_inside_optimizer_step_is_bit_exact(layout: str, baseline: Baselines,
                                                                  tmp_path: Path) -> None:
-    tp = LAYOUTS[layout]
-    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, TP=tp)
+    env = LAYOUTS[layout]
+    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, **env)
     assert base.returncode == 0, base.log[-6000:]
-    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, TP=tp,
+    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, **env,
                        KILL_RANK=1, KILL_STEP=KILL_STEP, WIPE_RANKS=1)
     assert res.returncode == 0, res.log[-6000:]
     assert res.killed(), "the kill did not happen"
@@ -52,6 +54,29 @@ def test_bridge_callback_kill_inside_optimizer_step_is_bit_exact(layout: str, ba
     victim = res.report(1, 1)
     assert victim["source"] == "replica" and victim["pulled_bytes"] > 0 and victim["lazy_bytes"] == 0, victim
     assert res.report(0, 1)["source"] == "own"
+    if env.get("BRIDGE_CKPT_EVERY"):
+        assert "the in-memory version (iteration 4) is newer than Megatron-Bridge's checkpoint" in res.log
+
+
+@pytest.mark.e2e
+def test_adjacent_pair_lost_falls_back_to_bridges_checkpoint_bit_exactly(baseline: Baselines, tmp_path: Path) -> None:
+    """Rank 1 killed in step 5 and both copies of its state lost (its store and its ring successor's, rank 2's,
+    emptied on the restart): no in-memory version is complete, so Bridge's own checkpoint (4 steps: iteration 3),
+    which Bridge loaded, is the insurance, announced; steps 4.. are replayed from it bit for bit (the torch RNG Bridge
+    restored is set again after the data iterators drew from it)."""
+    env = LAYOUTS["tp1-dp4"]
+    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, **env)
+    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, **env,
+                       KILL_RANK=1, KILL_STEP=KILL_STEP, WIPE_RANKS="1,2")
+    assert res.returncode == 0, res.log[-6000:]
+    assert res.killed(), "the kill did not happen"
+    assert_same_training(base, res, nranks=NPROC)
+    assert recomputed_steps(res) == {KILL_STEP - 1}
+    for rank in range(NPROC):
+        rep = res.report(rank, 1)
+        assert (rep["outcome"], rep["iteration"], rep["winner"]) == ("insurance", 3, "bridge-checkpoint"), rep
+        assert rep["train_state_step"] == 4, rep
+    assert "no complete in-memory version: Megatron-Bridge's checkpoint" in res.log
 
 
 _SCRIPT = r"""

@@ -4,7 +4,8 @@ What a Bridge user's script is, plus ``enable_cpu(nemo=False)`` before ``import 
 callback: 2 layers, hidden 64, seq 32, mock data, the distributed optimizer, megatron-core's local layer spec (the
 default GPT provider picks Transformer Engine's), dropout on (so the RNG tracker's seeding matters).
 
-Environment: OUT_DIR; STEPS (default 5), TP (1), SEED (1234), DIST_OPT (1|0). Leaves in OUT_DIR:
+Environment: OUT_DIR; STEPS (default 5), TP (1), SEED (1234), DIST_OPT (1|0), BRIDGE_CKPT_EVERY (0: Bridge's own
+checkpoint every N steps in OUT_DIR/bridge_checkpoints, loaded on a restart). Leaves in OUT_DIR:
 ``losses.rank{r}.jsonl`` (step, attempt, loss as float.hex, consumed samples after the step: the format
 ``tests.conftest.RunResult.losses`` reads) and ``final.rank{r}.json`` (sha256 of every final parameter and of the
 optimizer's fp32 shard state, the step, consumed and skipped samples and FLOPs counter Bridge reached).
@@ -49,6 +50,8 @@ def build() -> tuple[Any, Any]:
 
     out = Path(os.environ["OUT_DIR"])
     out.mkdir(parents=True, exist_ok=True)
+    ckpt_every = int(os.environ.get("BRIDGE_CKPT_EVERY", "0"))
+    ckpt_dir = str(out / "bridge_checkpoints") if ckpt_every else None
     steps, tp = int(os.environ.get("STEPS", "5")), int(os.environ.get("TP", "1"))
     seed, dist_opt = int(os.environ.get("SEED", "1234")), os.environ.get("DIST_OPT", "1") == "1"
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -112,7 +115,7 @@ def build() -> tuple[Any, Any]:
                                      dataloader_type="single", num_workers=0),
         logger=LoggerConfig(log_interval=1),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=256),
-        checkpoint=CheckpointConfig(save=None, load=None),
+        checkpoint=CheckpointConfig(save=ckpt_dir, load=ckpt_dir, save_interval=ckpt_every or None),
         rng=RNGConfig(seed=seed),
     )
     return cfg, Record()

@@ -2,7 +2,7 @@
 -- what a Bridge user's script adds: ``enable_cpu(nemo=False)`` (CPU only) and the callback in
 ``pretrain(cfg, forward_step, callbacks=[...])``.
 
-Environment: as ``train_bridge.py`` (OUT_DIR, STEPS, TP, SEED, DIST_OPT), plus TEST_STORE_BASE and WIPE_RANKS (each
+Environment: as ``train_bridge.py`` (OUT_DIR, STEPS, TP, SEED, DIST_OPT, BRIDGE_CKPT_EVERY), plus TEST_STORE_BASE and WIPE_RANKS (each
 rank its own store root, a listed rank an empty one on a restart: ``common.setup_store_env``), NCKPT_CONFIG (a YAML
 file with a neighbor_ckpt: section) and the fault: KILL_RANK, KILL_STEP (SIGKILL inside that optimizer step, first
 attempt only). Leaves what ``train_bridge.py`` leaves, plus ``report.rank{r}.attempt{a}.json`` (the recovery report)
@@ -25,6 +25,9 @@ RANK = int(os.environ.get("RANK", "0"))
 
 
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"[rank{RANK}] %(levelname)s %(name)s: %(message)s")
     setup_store_env(RANK)
     from megatron_patches import enable_cpu
 
