@@ -12,7 +12,8 @@ successor. When in-process recovery gives up, every rank exits and ``ft_launcher
 
 The job file is a path, or the name of one shipped with the package (``gpt_tiny_cpu``; ``configs/gpt_tiny_cpu.yaml``
 also outside a checkout: :func:`resolve_config`); the recipe is the one inside this installed package
-(``neighbor_ckpt/recipes/nemo_pretrain.py``). The job file is validated (with the overrides applied) before
+(``neighbor_ckpt/recipes/nemo_pretrain.py``; ``bridge_pretrain.py`` for a job file with ``framework: bridge``, restart
+path only). The job file is validated (with the overrides applied) before
 anything starts; the resolved file is written to the run directory
 ``<launch.log_dir>/<name>-<timestamp>/config.yaml`` and the recipe reads only that, so a restarted worker group sees
 exactly what the first one saw. The torchrun rendezvous id is unique per launch and stable across its restarts: it is
