@@ -12,8 +12,8 @@ covered without wiring: a hand-written loop with ``install_hooks``, NeMo 2 (``Me
 ``get_forward_backward_func()`` every step), Megatron-Bridge's ``train_step``.
 
 Not observed: ``forward_only`` calls (validation, evaluation: not the training input), ``data_iterator=None``
-(pipeline stages without data), an iterator that is already observed (``hooks.observe(...)`` or
-:class:`~neighbor_ckpt.recovery.datacheck.ObservedIterator`, marked ``neighbor_ckpt_observed``: never counted twice).
+(pipeline stages without data), an iterator that is already observed (``hooks.observe(...)``, which wraps it in an
+:class:`ObservedMicroBatches` too, marked ``neighbor_ckpt_observed``: never counted twice).
 A list of iterators (virtual pipeline chunks): the first one that is not None (the chunk that draws the input).
 
 A function obtained from ``get_forward_backward_func()`` *before* the patch is the unwrapped schedule: build the
@@ -54,25 +54,27 @@ _observers: list[Callable[[Any], None]] = []
 
 class ObservedMicroBatches:
     """Iterator over ``inner`` that hands every item to ``observe`` before returning it; other attributes are the
-    inner iterator's."""
+    inner object's. An iterator is used as it is (megatron-core 0.16's RerunDataIterator has ``__next__`` but no
+    ``__iter__``); only an iterable that is not an iterator is iterated with ``iter()``."""
 
     neighbor_ckpt_observed = True
     """Marks an iterator whose items already reach the data check (not wrapped again)."""
 
     def __init__(self, inner: Any, observe: Callable[[Any], None]) -> None:
         self.inner = inner
+        self._it = inner if hasattr(inner, "__next__") else iter(inner)
         self._observe = observe
 
     def __iter__(self) -> ObservedMicroBatches:
         return self
 
     def __next__(self) -> Any:
-        item = next(self.inner)
+        item = next(self._it)
         self._observe(item)
         return item
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "_observe"):
+        if name in ("inner", "_it", "_observe"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -94,10 +96,7 @@ def observe_iterator(data_iterator: Any, observe: Callable[[Any], None]) -> Any:
             if it is not None:
                 return [*data_iterator[:i], observe_iterator(it, observe), *data_iterator[i + 1:]]
         return data_iterator
-    # an iterator is used as it is (megatron-core 0.16's RerunDataIterator has __next__ but no __iter__); only an
-    # iterable that is not an iterator is turned into one
-    inner = data_iterator if hasattr(data_iterator, "__next__") else iter(data_iterator)
-    return ObservedMicroBatches(inner, observe)
+    return ObservedMicroBatches(data_iterator, observe)
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from megatron_patches.data_iter import DataIteratorHook, observe_forward_backward
+from megatron_patches.data_iter import DataIteratorHook, observe_forward_backward, observe_iterator
 from megatron_patches.step_tags import StepTags, tag_optimizer_steps
 from megatron_patches.traffic import TrafficHooks, TrafficListener, mark_training_traffic
 
@@ -45,13 +45,9 @@ class MegatronHooks:
         Wrap the host-side iterator (before ``.cuda()``: no device synchronization). ``None`` (pipeline stages
         without data) and lists (virtual pipeline: the first chunk's iterator is wrapped) are handled; an iterator
         created once and used for every step can be wrapped once."""
-        from neighbor_ckpt.recovery.datacheck import ObservedIterator
-
-        if data_iterator is None or self._observe_input is None:
+        if self._observe_input is None:
             return data_iterator
-        if isinstance(data_iterator, list):
-            return [self.observe(data_iterator[0]), *data_iterator[1:]] if data_iterator else data_iterator
-        return ObservedIterator(data_iterator, self._observe_input)
+        return observe_iterator(data_iterator, self._observe_input)
 
     def remove(self) -> None:
         self.tags.remove()

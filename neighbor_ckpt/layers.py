@@ -84,11 +84,7 @@ LAYERS: tuple[Layer, ...] = (
 )
 """Bottom up; each entry names only units listed before it."""
 
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("megatron_patches.hooks", "neighbor_ckpt.recovery.datacheck"):
-        "MegatronHooks.observe wraps the data iterator in recovery.datacheck.ObservedIterator (a function-local "
-        "import); to go once ObservedIterator lives at or below megatron_patches' layer (issue 27)",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 """(importing module, imported module) -> why this one import breaks its unit's rule, until when. The test fails on
 an exception that is no longer used."""
 

@@ -18,7 +18,7 @@ microseconds per micro-batch (``tools/bench/micro/fingerprint.py``).
 NeMo callback; a Megatron-Bridge callback installs it the same way); the Lightning callback feeds each training
 batch; other
 loops call :meth:`~neighbor_ckpt.NeighborCheckpointer.observe_input` or wrap their iterator
-(:class:`ObservedIterator`).
+(``hooks.observe``, :func:`megatron_patches.data_iter.observe_iterator`).
 
 **Where fingerprints live, so that they survive a restart of every rank** (torchrun's restart kills the survivors
 too; their host store survives on their node):
@@ -66,7 +66,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RECORD_FILE", "STOPPED_FILE", "SNAPSHOT_KEY", "RING", "TOKEN_KEYS", "fingerprint", "sample_hashes",
            "step_fingerprint", "combine_samples", "token_tensor", "InputMark", "InputRecord", "Verdict", "compare",
-           "mismatch_message", "parse_input", "parse_mark", "read_mark", "DataCheck", "ObservedIterator"]
+           "mismatch_message", "parse_input", "parse_mark", "read_mark", "DataCheck"]
 
 RECORD_FILE = "inputs.bin"
 """Per-rank input record in the rank's store directory (mode 0600)."""
@@ -670,29 +670,3 @@ def parse_mark(value: Any) -> InputMark | None:
         return InputMark(head[0], head[1], int(value.get("n", 0)), int(str(value.get("sum", "0")), 16))
     except (TypeError, ValueError, AttributeError):
         return InputMark(head[0], head[1])
-
-
-class ObservedIterator:
-    """Wraps a data iterator: every item goes to ``observe`` (e.g. :meth:`NeighborCheckpointer.observe_input`)
-    before the training loop gets it. Attributes of the wrapped iterator are reachable through the wrapper."""
-
-    neighbor_ckpt_observed = True
-    """Marks an observed iterator: :mod:`megatron_patches.data_iter` does not wrap it again."""
-
-    def __init__(self, inner: Any, observe: Any) -> None:
-        self.inner = inner
-        self._it: Iterator[Any] = iter(inner)
-        self._observe = observe
-
-    def __iter__(self) -> ObservedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self._it)
-        self._observe(item)
-        return item
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "_it", "_observe"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)

@@ -12,7 +12,6 @@ pytest.importorskip("megatron.core")
 from megatron_patches import data_iter  # noqa: E402
 from megatron_patches.data_iter import (SCHEDULES, ObservedMicroBatches, observe_forward_backward,  # noqa: E402
                                         observe_iterator)
-from neighbor_ckpt.recovery.datacheck import ObservedIterator  # noqa: E402
 
 
 def test_the_schedules_are_wrapped_while_a_hook_lives_and_restored_by_identity():
@@ -60,7 +59,7 @@ def test_a_training_call_observes_every_micro_batch_and_forward_only_none_and_ob
         wrapped(forward_step_func=forward_step, data_iterator=iter(range(10)), num_microbatches=2, forward_only=True)
         assert seen == [], "validation / evaluation is not the training input"
         assert wrapped(forward_step_func=forward_step, data_iterator=None, num_microbatches=2) is None
-        mine = ObservedIterator(iter(range(3)), seen.append)
+        mine = observe_iterator(iter(range(3)), seen.append)
         assert wrapped(forward_step_func=forward_step, data_iterator=mine, num_microbatches=3) is mine
         assert seen == [0, 1, 2], "an iterator the user wrapped with hooks.observe is not observed twice"
     finally:

@@ -15,8 +15,9 @@ import torch
 
 from neighbor_ckpt.errors import DataPositionError
 from neighbor_ckpt.recovery.datacheck import (RECORD_FILE, RING, ROW_WHOLE_BYTES, STOPPED_FILE, DataCheck, InputRecord,
-                                              ObservedIterator, Verdict, compare, fingerprint, parse_input,
+                                              Verdict, compare, fingerprint, parse_input,
                                               token_tensor)
+from megatron_patches.data_iter import observe_iterator
 from neighbor_ckpt.recovery.journal import read_failure_input, record_failure_event, take_failure_event
 
 
@@ -282,7 +283,7 @@ def test_observed_iterator_hands_every_item_on_and_observes_it():
         def __iter__(self):
             return iter([1, 2, 3])
 
-    it = ObservedIterator(Source(), seen.append)
+    it = observe_iterator(Source(), seen.append)
     assert list(it) == [1, 2, 3] and seen == [1, 2, 3]
     assert it.flag == "inner attribute"
 
