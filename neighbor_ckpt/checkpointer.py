@@ -61,7 +61,7 @@ from neighbor_ckpt.report.timeline import (RankEvents, RecoveryTimeline, gather_
 from neighbor_ckpt.runtime import failpoints, reaper
 from neighbor_ckpt.runtime.detector import Failure, FailureDetector, connect_store, local_ranks_from_env, os_instance
 from neighbor_ckpt.runtime.launch_identity import report_leftovers, resolve_job_id
-from neighbor_ckpt.runtime.launch_store import SlotLayouts
+from neighbor_ckpt.runtime.launch_store import SlotCapacities
 from neighbor_ckpt.runtime.preflight import check_host_memory
 from neighbor_ckpt.snapshot.engine import SnapshotEngine
 from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
@@ -232,9 +232,9 @@ class NeighborCheckpointer:
         reaper.record(self.store.dir)
         if self.job_identity.source == "launch":  # an earlier launch's store under this root is never loaded: say so
             report_leftovers(self.store.user_dir, self.store.job_id, self.topology.rank)
-        self.slot_layouts = SlotLayouts(job_id=self.job_identity.job_id, generation=self.generations.generation)
+        self.slot_capacities = SlotCapacities(job_id=self.job_identity.job_id, generation=self.generations.generation)
         """Own-slot capacities of every rank, in the launch's store (what a replaced rank prepares its slot from)."""
-        self._published_layout: tuple[int, int, int] | None = None
+        self._published_capacities: tuple[int, int, int] | None = None
         self._prepare_receive_slot()
         self.datacheck = DataCheck(self.config.data_check if self.config.enabled else "off",
                                    store_dir=self.store.dir, rank=self.topology.rank)
@@ -309,7 +309,7 @@ class NeighborCheckpointer:
         failure (:mod:`neighbor_ckpt.runtime.launch_store`), so its memory is there when the pull starts."""
         if not self.config.enabled or self.store.has_files(ROLE_OWN):
             return
-        caps = self.slot_layouts.lookup(self.topology.rank)
+        caps = self.slot_capacities.lookup(self.topology.rank)
         if caps is None:
             return  # a first launch: nothing published yet
         if self.store.prefault(ROLE_OWN, header_cap=caps[0], payload_cap=caps[1], extras_cap=caps[2]):
@@ -583,9 +583,9 @@ class NeighborCheckpointer:
             self._first_snapshot = iteration
         assert self.engine is not None  # noqa: S101
         caps = self.engine.own_capacities
-        if caps is not None and caps != self._published_layout:  # once per layout (the first snapshot sizes it)
-            self._published_layout = caps
-            self.slot_layouts.publish(self.topology.rank, caps)
+        if caps is not None and caps != self._published_capacities:  # once per layout (the first snapshot sizes it)
+            self._published_capacities = caps
+            self.slot_capacities.publish(self.topology.rank, caps)
         if self.reporter.status_due(iteration):
             self.reporter.emit_status(iteration, self.stats())
         extras: dict[str, Any] = {"adapter": self.adapter.capture_extras(), "user": user_state}

@@ -1,10 +1,10 @@
-"""What a replaced rank can read before its recovery: the launch's key-value store, and the slot layouts kept there.
+"""What a replaced rank can read before its recovery: the launch's key-value store, and the slot capacities kept there.
 
 A rank whose host store is empty (a replaced node, an activated hot spare) pulls its state from its ring successor
 into a new slot file. Making that memory costs about as much as the transfer (tmpfs zeroes each page on its first
 touch; BENCHMARKS section 6), so the checkpointer prepares the slot in the background while the rest of the job gets
 ready (:meth:`~neighbor_ckpt.snapshot.store.HostStore.prefault`). Its capacities have to be known before the
-recovery's exchange says them, so every rank publishes the capacities of its own slots once (:class:`SlotLayouts`)
+recovery's exchange says them, so every rank publishes the capacities of its own slots once (:class:`SlotCapacities`)
 in a store that outlives its process:
 
 * **under torchrun**, the elastic agent's store: it lives as long as the launch. Workers reach it at MASTER_ADDR /
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from neighbor_ckpt.runtime.launch_identity import agent_store_address
 
-__all__ = ["AGENT_STORE_ENV", "recorded_agent_store", "open_launch_store", "SlotLayouts"]
+__all__ = ["AGENT_STORE_ENV", "recorded_agent_store", "open_launch_store", "SlotCapacities"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,11 @@ def open_launch_store(*, timeout_s: float = 10.0) -> Any | None:
             store = store.underlying_store
         return store
     except Exception as e:  # noqa: BLE001 - an addition: without it a pulled slot is made when it is needed
-        logger.debug("neighbor_ckpt: no launch store for slot layouts: %s", e)
+        logger.debug("neighbor_ckpt: no launch store for slot capacities: %s", e)
         return None
 
 
-class SlotLayouts:
+class SlotCapacities:
     """The capacities (header, payload, extras bytes) of each rank's own slots in one store generation of a job, as
     its ranks published them. ``store``: :func:`open_launch_store`'s, made on first use (None: nothing is kept)."""
 
@@ -93,7 +93,7 @@ class SlotLayouts:
             store.set(self.key(rank), json.dumps([int(c) for c in capacities]))
             return True
         except Exception as e:  # noqa: BLE001 - best effort (module docstring)
-            logger.debug("rank %d: could not publish its slot layout: %s", rank, e)
+            logger.debug("rank %d: could not publish its slot capacities: %s", rank, e)
             return False
 
     def lookup(self, rank: int) -> tuple[int, int, int] | None:
@@ -106,6 +106,6 @@ class SlotLayouts:
                 return None
             h, p, e = (int(v) for v in json.loads(store.get(self.key(rank))))
         except Exception as exc:  # noqa: BLE001 - best effort (module docstring)
-            logger.debug("rank %d: no usable slot layout in the launch store: %s", rank, exc)
+            logger.debug("rank %d: no usable slot capacities in the launch store: %s", rank, exc)
             return None
         return (h, p, e) if min(h, p, e) >= 0 else None

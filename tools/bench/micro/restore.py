@@ -133,7 +133,7 @@ def restore_section(rank: int, world: int, cfg: dict[str, Any], topo: Any, group
     image = store.slot(ROLE_OWN, own_refs[-1].index)
     assert image is not None  # noqa: S101
     segs = image.image_segments(own_refs[-1].header)  # the victim's image has this layout on every rank
-    own_caps = image.capacities  # what the victim published (SlotLayouts) before it lost its store
+    own_caps = image.capacities  # what the victim published (SlotCapacities) before it lost its store
     image_bytes = sum(n for _, n in segs)
     payload_at = segs[0][1]  # the first segment is preamble + header, up to the payload
     del image, own_refs
