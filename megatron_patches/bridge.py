@@ -34,9 +34,7 @@ Not a CPU patch, used on GPUs too: ``data_init_event`` (:func:`on_data_init`), t
 :class:`neighbor_ckpt.bridge.NeighborCheckpoint` needs that Megatron-Bridge 0.3.1 lacks: after the model, optimizer,
 scheduler and Bridge's own checkpoint load, before the data iterators are built (where the restore must happen so the
 loop and the iterators start at the restored step and sample). Installed while a listener is registered, version
-checked (0.3.1), undone by identity when the last listener is removed. The iterators built under it get ``__iter__``
-(megatron-core 0.16's ``RerunDataIterator`` has only ``__next__``, and the data check's forward-backward hook calls
-``iter()`` on the iterator it is handed).
+checked (0.3.1), undone by identity when the last listener is removed.
 """
 
 from __future__ import annotations
@@ -413,33 +411,9 @@ def _wrap_setup_data_iterators(original: Callable[..., Any]) -> Callable[..., An
             for listener in listeners:
                 listener(event)
         _di_ctx.clear()
-        iterators = original(*args, **kwargs)
-        if listeners:
-            iterators = tuple(_iterable(it) for it in iterators)
-        return iterators
+        return original(*args, **kwargs)
 
     return setup_data_iterators
-
-
-_ITERABLE: dict[type, type] = {}
-
-
-def _iterable(it: Any) -> Any:
-    """The iterator protocol for megatron-core's ``RerunDataIterator`` (0.16 defines ``__next__`` but no
-    ``__iter__``), so that ``iter(it)`` -- what :mod:`megatron_patches.data_iter` does to the iterator handed to
-    forward-backward -- returns it: the instance's class becomes a subclass adding ``__iter__`` (``isinstance`` checks
-    and every attribute unchanged). Only the iterators built while a data-init listener is registered; lists (virtual
-    pipeline) element by element."""
-    if isinstance(it, list):
-        return [_iterable(x) for x in it]
-    cls = type(it)
-    if it is None or hasattr(cls, "__iter__") or not hasattr(cls, "__next__"):
-        return it
-    if cls not in _ITERABLE:
-        _ITERABLE[cls] = type(cls.__name__, (cls,), {"__iter__": lambda self: self, "__module__": cls.__module__,
-                                                     "__doc__": cls.__doc__})
-    it.__class__ = _ITERABLE[cls]
-    return it
 
 
 _DI_WRAPPERS = {"setup_optimizer": _wrap_setup_optimizer, "load_checkpoint": _wrap_load_checkpoint,
