@@ -427,7 +427,8 @@ class NeighborCheckpointer:
         prepared = self.store.prepared
         if prepared is not None and prepared.used:
             result.report.notes.append(f"pulled into a slot prepared in advance ({prepared.seconds:.3f} s in the "
-                                       "background, from the layout in the launch's store)")
+                                       "background, from the capacities in the launch's store; the pull waited "
+                                       f"{prepared.waited:.3f} s for it)")
         if result.report.resharded and self.micro_batches is not None:
             result.report.notes.append(
                 f"global batch {self.global_batch} samples kept: {self.micro_batches} micro-batch(es) of "
@@ -463,6 +464,10 @@ class NeighborCheckpointer:
         if self.capture_rng_state and "rng" in extras:
             restore_rng(extras["rng"])
 
+    def _prepared_slot_wait(self) -> float | None:
+        prepared = self.store.prepared
+        return prepared.waited if prepared is not None and prepared.used else None
+
     def _gather_recovery_events(self, report: RecoveryReport, *, started: float, last_commit: float | None,
                                 noticed: float | None) -> None:
         """Collective: every rank's wall-clock events of this recovery to rank 0 (one small all-gather)."""
@@ -474,7 +479,8 @@ class NeighborCheckpointer:
                           process_start=process_start_unix(), process_group_ready=self.reporter.process_group_ready,
                           recovery_start=started, reconcile_end=reconcile_end,
                           transfer_end=reconcile_end + ph.get("transfer", 0.0), restore_end=time.time(),
-                          abort_end=att.abort_end_unix, activated_spare=1.0 if att.activated_spare else 0.0)
+                          abort_end=att.abort_end_unix, activated_spare=1.0 if att.activated_spare else 0.0,
+                          prepared_slot_wait=self._prepared_slot_wait())
         per_rank = gather_rank_events(mine, self.group)
         self.reporter.begin_timeline(per_rank, outcome=report.outcome, iteration=report.iteration,
                                      recovery_phases=ph,

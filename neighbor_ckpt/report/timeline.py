@@ -178,6 +178,9 @@ class RankEvents:
     restart)."""
     activated_spare: float | None = None
     """1.0: this rank's process was an idle hot spare until this recovery; 0.0: it was not; None: unknown."""
+    prepared_slot_wait: float | None = None
+    """Seconds (not a time) this rank's recovery waited for the receive slot it prepared in advance to be ready (None:
+    no prepared slot received its pull)."""
 
     def to_tensor(self) -> torch.Tensor:
         """float64 tensor, NaN for None (the all-gather payload)."""
@@ -272,6 +275,12 @@ class RecoveryTimeline:
                 f"{before / after:.2f}x as long (throughput x {after / before:.2f})")
 
     @property
+    def prepared_slot_wait_s(self) -> float | None:
+        """The longest a rank's pull waited for its receive slot prepared in advance (None: no rank pulled into one):
+        what of the preparation's cost still lay on the recovery's path."""
+        return _agg([r.prepared_slot_wait for r in self.per_rank], "max")
+
+    @property
     def origin(self) -> float | None:
         """Time zero of the timeline: the first known event."""
         return next((self.events[e] for e in self.event_names if self.events.get(e) is not None), None)
@@ -305,6 +314,7 @@ class RecoveryTimeline:
             "phases_s": {p: self.phases.get(p) for p in self.phase_names},
             "events_unix": {e: self.events.get(e) for e in self.event_names},
             "process_group_ready_unix": self.process_group_ready,
+            "prepared_slot_wait_s": self.prepared_slot_wait_s,
             "notes": list(self.notes),
             "recovery_phases_rank0_s": dict(self.recovery_phases),
             "per_rank_events_unix": [r.to_json() for r in self.per_rank],

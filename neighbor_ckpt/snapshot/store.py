@@ -236,12 +236,15 @@ class HostStore:
             pf = self._prefault
             if pf is None:
                 return self.prepared
+            t0 = time.perf_counter()
             pf.thread.join()
+            pf.waited = time.perf_counter() - t0
             self._prefault = None
             self.prepared = pf
             if pf.slot is not None:
                 self._slots[pf.key] = pf.slot
-                logger.debug("rank %d: %s slot %d prepared in advance in %.3f s", self.rank, *pf.key, pf.seconds)
+                logger.debug("rank %d: %s slot %d prepared in advance in %.3f s (waited %.3f s for it)", self.rank,
+                             *pf.key, pf.seconds, pf.waited)
             else:
                 logger.warning("rank %d: preparing the %s slot in advance failed (%s); it is made when needed",
                                self.rank, pf.key[0], pf.error)
@@ -373,6 +376,8 @@ class PreparedSlot:
     """How long creating and faulting in took (in the background)."""
     used: bool = False
     """A write (a pull, the engine's first snapshot) landed in this slot."""
+    waited: float = 0.0
+    """How long the first one to need the slot (the recovery's pull) waited for the preparation to end (0: ready)."""
 
     def run(self) -> None:
         t0 = time.perf_counter()

@@ -45,6 +45,12 @@ def test_distributed_optimizer_kill_inside_optimizer_step_with_replaced_store_is
     assert rep["pulled_bytes"] > 0 and rep["lazy_bytes"] == 0, "weights must be regenerated, never backed up"
     assert any("prepared in advance" in n for n in rep["notes"]), \
         f"the replaced rank prepares its receive slot from the layout in the torchrun agent's store: {rep}"
+    # the timeline says how long the pull waited for that slot (the part of its preparation on the recovery's path)
+    (tl_path,) = tmp_path.rglob("recovery_timeline.attempt1.json")  # rank 0's, in its store's reports
+    tl = json.loads(tl_path.read_text())
+    waits = [r["prepared_slot_wait"] for r in tl["per_rank_events_unix"]]
+    assert waits[1] is not None and waits[1] >= 0 and tl["prepared_slot_wait_s"] == max(
+        w for w in waits if w is not None), tl
     kept = res.report(0, 1)
     assert kept["source"] == "own" and kept["pulled_bytes"] == 0
 

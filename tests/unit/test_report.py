@@ -130,10 +130,21 @@ def test_timeline_clamps_events_out_of_order() -> None:
 def test_rank_events_round_trip_through_the_gather_tensor() -> None:
     ev = rank_events(snap=None)
     t = ev.to_tensor()
-    assert t.dtype == torch.float64 and t.numel() == 10
+    assert t.dtype == torch.float64 and t.numel() == len(dataclasses.fields(RankEvents)) == 11
     assert RankEvents.from_tensor(t) == ev
-    inproc = dataclasses.replace(ev, abort_end=T0 + 1.0, activated_spare=1.0)
+    inproc = dataclasses.replace(ev, abort_end=T0 + 1.0, activated_spare=1.0, prepared_slot_wait=0.125)
     assert RankEvents.from_tensor(inproc.to_tensor()) == inproc
+
+
+def test_timeline_reports_the_longest_wait_for_a_prepared_receive_slot() -> None:
+    """The part of a replaced rank's slot preparation that still lay on the recovery's path: the longest wait of any
+    rank whose pull landed in a slot it prepared in advance; None when none did."""
+    ranks = [rank_events(), dataclasses.replace(rank_events(), prepared_slot_wait=0.04),
+             dataclasses.replace(rank_events(), prepared_slot_wait=0.0), rank_events()]
+    tl = compute_timeline(ranks, first_step_end=T0 + 6.0, attempt=1, outcome="restored", iteration=4)
+    assert tl.prepared_slot_wait_s == 0.04 and tl.to_json()["prepared_slot_wait_s"] == 0.04
+    plain = compute_timeline([rank_events()] * 4, first_step_end=T0 + 6.0, attempt=1, outcome="restored", iteration=4)
+    assert plain.prepared_slot_wait_s is None and plain.to_json()["prepared_slot_wait_s"] is None
 
 
 # -- in-process recoveries -------------------------------------------------------------------------------------

@@ -317,6 +317,7 @@ def test_ensure_waits_for_the_slot_being_prepared(store):
     assert store.prefault(ROLE_OWN, **CAPS)
     slot = store.ensure(ROLE_OWN, 0, **CAPS)  # right away: joins the preparing thread
     assert store.prepared is not None and store.prepared.slot is slot and store.prepared.used
+    assert store.prepared.waited >= 0.0, "how long the join took is recorded"
 
 
 def test_a_slot_is_prepared_only_for_a_role_without_files(store):
