@@ -52,14 +52,21 @@ def test_nemo_autoresume_of_an_older_disk_checkpoint_does_not_roll_back_the_in_m
 def test_nemo_losing_a_rank_and_its_successor_falls_back_to_nemos_disk_checkpoint(tmp_path: Path) -> None:
     """Rank 1 and its ring successor (rank 2) both come back with empty host stores: no complete in-memory version
     exists. The callback says so in one line and lets NeMo's AutoResume load its distributed checkpoint of step 3;
-    the run re-trains steps 3..7 and finishes. Nothing from the host store is loaded."""
+    the run re-trains steps 3..7 and finishes. Nothing from the host store is loaded.
+
+    NeMo's resume from its own checkpoint does not give the replayed step the input it had before the failure (its
+    loss differs from the first attempt's; so it did before the data check ran under NeMo, silently): the data check,
+    which now sees NeMo's micro-batches, says so on the ranks that kept their input record. Under the default
+    ``data_check: error`` that stops the job at the replayed step (the announced stop); this run sets ``warn`` to show
+    the fallback itself going on, and the divergence announced."""
     env = dict(DISTOPT_DP4, STEPS=STEPS, DISK_EVERY=3)
     res = run_torchrun("train_nemo.py", tmp_path / "fault", max_restarts=1, KILL_RANK=1, KILL_STEP=5,
-                       WIPE_RANKS="1,2", **env)
+                       WIPE_RANKS="1,2", DATA_CHECK="warn", **env)
     assert res.returncode == 0, res.log[-6000:]
     assert res.killed(), "the kill did not happen"
     assert "falling back to the insurance checkpoint of iteration 3 because" in res.log, res.log[-6000:]
     assert "NeMo loads its distributed checkpoint" in res.log
+    assert "the data position was not restored: step 4, replayed" in res.log, res.log[-6000:]
     for rank in range(4):
         rep = res.report(rank, 1)
         assert (rep["outcome"], rep["iteration"]) == ("insurance", 3), rep

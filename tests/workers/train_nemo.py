@@ -109,8 +109,8 @@ def main() -> None:
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, bucket_size=4096),
         ckpt_async_save=False)
     disk_every = int(os.environ.get("DISK_EVERY", "0"))
-    ckpt_cb = NeighborCheckpoint(NeighborCkptConfig.from_dict({"job_id": "nemo",
-                                                                "store": {"cleanup_on_success": False}}))
+    ckpt_cb = NeighborCheckpoint(NeighborCkptConfig.from_dict({"job_id": "nemo", "store": {"cleanup_on_success": False},
+                                                                "data_check": os.environ.get("DATA_CHECK", "error")}))
     trainer = nl.Trainer(devices=4, num_nodes=1, accelerator="cpu", strategy=strategy, max_steps=steps,
                          callbacks=[ckpt_cb, Record()], log_every_n_steps=1, enable_progress_bar=False,
                          logger=False, enable_checkpointing=bool(disk_every), num_sanity_val_steps=0, limit_val_batches=0,
