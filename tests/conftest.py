@@ -182,6 +182,23 @@ def recomputed_steps(faulted: RunResult, attempt: int = 1) -> set[int]:
     return again
 
 
+def assert_replaced_rank_restored_from_its_replica(baseline: RunResult, faulted: RunResult) -> dict[str, Any]:
+    """The megatron-core headline kill (rank 1 SIGKILLed inside optimizer step 5, its store replaced, one torchrun
+    restart), as every transport and environment must show it: the job finished, bit for bit the failure-free run
+    with only step 5 computed twice; rank 1 pulled its shard of iteration 4 from its successor (weights regenerated,
+    never backed up) and rank 0 restored its own slot. Returns rank 1's report of the restart."""
+    assert faulted.returncode == 0, faulted.log[-6000:]
+    assert faulted.killed(), "the kill did not happen"
+    assert_same_training(baseline, faulted)
+    assert recomputed_steps(faulted) <= {5}
+    rep = faulted.report(1, 1)
+    assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 4, "replica"), rep
+    assert rep["pulled_bytes"] > 0 and rep["lazy_bytes"] == 0, "weights must be regenerated, never backed up"
+    kept = faulted.report(0, 1)
+    assert kept["source"] == "own" and kept["pulled_bytes"] == 0, kept
+    return rep
+
+
 # --- warm workers (tests/warm) --------------------------------------------------------------------------------------
 
 
