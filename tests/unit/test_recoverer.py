@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -117,16 +116,6 @@ def test_an_unreadable_restore_journal_is_ignored_not_fatal(tmp_path: Path, capl
 
 # -- the Recoverer on a one-rank group -----------------------------------------------------------------------
 
-
-@pytest.fixture
-def group(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def one_rank(tmp_path: Path, group: dist.ProcessGroup, *, attempt: int, insurance=None) -> Recoverer:

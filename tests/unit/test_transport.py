@@ -4,7 +4,6 @@ rounds recovery allows itself. The multi-rank contract is ``tests/multiproc/test
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -37,16 +36,6 @@ def test_max_rounds_keeps_what_each_recovery_needs() -> None:
     assert [max_rounds(v, copies_per_version=COPIES_PER_VERSION_RESTORE) for v in (1, 2, 3)] == [6, 10, 14]
     assert [max_rounds(v, copies_per_version=COPIES_PER_VERSION_RESHARD) for v in (1, 2, 3)] == [4, 6, 8]
 
-
-@pytest.fixture()
-def group(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_make_transport_builds_the_configured_kind_over_the_group_passed_in(tmp_path: Path,
