@@ -1,0 +1,90 @@
+"""The contract between our in-process engine, its per-node launchers and the store: key names, environment
+variables and exit statuses. No logic: every party imports its names from here.
+
+**Processes.** A launch starts ``N = active + spares`` *processes*, numbered ``0..N-1`` (the *process index*, stable
+for the process's life; ``RANK`` as the launcher sets it). One launcher per (simulated) node starts its share
+(:mod:`neighbor_ckpt.inprocess.launcher`). Ranks are assigned per generation (:mod:`neighbor_ckpt.inprocess.
+assignment`): processes ``0..active-1`` start as ranks ``0..active-1``, the others are idle hot spares.
+
+**Store.** One TCP store that outlives every rank (:mod:`neighbor_ckpt.inprocess.store_host`). Every key below lives
+under :func:`launch_prefix` (the job's run id and the launcher-level restart count, so a restarted launch never meets
+an old launch's keys). Values are plain text (ASCII, decimal integers, comma-separated lists, JSON objects of plain
+types): nothing read from the store is unpickled.
+
+``proc/<p>``
+    JSON ``{"pid", "node", "start"}``, written by process ``p`` when its engine starts (who it is, where it runs).
+``hb/<p>``
+    Heartbeat of process ``p`` (its monitor thread): ``"<beat> <generation> <counter> <iteration> <phase>"``; the
+    progress tag ``(counter, iteration, phase)`` is the training thread's (``-``/``None`` fields when idle).
+``dead``
+    Append-only, ``"<p>:<reason>;"`` per entry: processes declared dead, by their launcher (the process exited) or by
+    a detector (silent, hung). A process that finds itself here exits at once with :data:`EXIT_FENCED`; its launcher
+    SIGKILLs any of its processes listed here.
+``gen``
+    The current generation number (decimal), advanced by whoever completes a generation's barrier.
+``gen/<g>/arrived``
+    Append-only ``"<p>,"`` per process that joined generation ``g``'s barrier.
+``gen/<g>/members``
+    The canonical outcome of generation ``g``'s barrier (first ``compare_set`` wins): JSON ``{"members": [...],
+    "progressed": bool, "hangs": int}`` (the processes in it; whether generation ``g - 1`` completed a step; how many
+    generations so far failed on a hang with every rank's tag equal).
+``gen/<g>/failed``
+    Why generation ``g`` failed (first ``compare_set`` wins): JSON ``{"by", "kind", "ranks", "reason", "unix"}``;
+    ``kind`` in :data:`FAILURE_KINDS`. Every process's monitor waits on this key (the push of a failure).
+``gen/<g>/finished``
+    Counter: active ranks whose training function returned in generation ``g``.
+``progress/<g>``
+    Set once generation ``g`` completed a training step (its first).
+``complete``
+    Set when the job completed (every active rank of one generation returned): idle spares and launchers stop.
+``giveup``
+    Why in-process recovery gave up (first ``compare_set`` wins): every process exits with
+    :data:`EXIT_FALLBACK`; the launchers restart the job (launcher-level restart count + 1).
+``launcher/<node>``
+    JSON ``{"pid", "processes": [...]}`` of node ``node``'s launcher.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
+           "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "launch_prefix", "key"]
+
+EXIT_FALLBACK = 75
+"""Every process, when in-process recovery gives up (EX_TEMPFAIL): the launchers restart the job."""
+EXIT_FENCED = 76
+"""A process that found itself declared dead (a stopped process that resumed, a stale generation)."""
+EXIT_HYGIENE = 77
+"""A process whose state after a failed generation is not clean (leaked threads, memory): its launcher starts a new
+process in its place, which joins as a spare."""
+EXIT_ABORT_HUNG = 78
+"""A process whose NCCL abort itself hung (the abort watchdog ended it)."""
+
+FAILURE_KINDS = ("exception", "exited", "silent", "hung", "hang_all", "launcher")
+"""``exception``: the training function raised on a rank; ``exited``: a launcher saw its process exit;
+``silent``: no heartbeat within ``detector.timeout_s`` (a stopped rank, a lost node); ``hung``: a rank whose
+progress tag lags while its heartbeat goes on (stuck in a collective or a C call): it is killed and replaced;
+``hang_all``: no progress on any rank, every tag equal: the same ranks re-form once; ``launcher``: a launcher's own
+report (a process it could not start)."""
+
+ENV_STORE = "NEIGHBOR_CKPT_INPROCESS_STORE"
+"""``host:port`` of the store (every process and launcher)."""
+ENV_RUN_ID = "NEIGHBOR_CKPT_INPROCESS_RUN"
+"""The launch's run id (the store namespace)."""
+ENV_LAUNCHER = "NEIGHBOR_CKPT_INPROCESS_LAUNCHER"
+"""Set by our launcher in every process it starts (its pid): in-process recovery is refused without it."""
+ENV_PROCESS = "RANK"
+"""The process index (= the initial rank)."""
+ENV_PROCESSES = "WORLD_SIZE"
+"""Processes of the launch, spares included (the engine rewrites ``RANK``/``WORLD_SIZE`` per generation)."""
+ENV_SPARES = "NEIGHBOR_CKPT_INPROCESS_SPARES"
+"""How many of the processes are hot spares (the last ones)."""
+
+
+def launch_prefix(run_id: str, launch: int) -> str:
+    """Every key of one launcher-level attempt of a launch lives under this prefix."""
+    return f"neighbor_ckpt/inprocess/{run_id}/{launch}/"
+
+
+def key(*parts: object) -> str:
+    """A key relative to :func:`launch_prefix`: ``key("gen", 3, "failed") == "gen/3/failed"``."""
+    return "/".join(str(p) for p in parts)
