@@ -1,0 +1,290 @@
+"""Generations over the store: who is dead, which generation failed and why, who joined the next one.
+
+A *generation* is one call of the training function on a fixed set of processes with fixed ranks. It ends with
+success (every active rank returned: ``complete``) or with a failure, recorded once under ``gen/<g>/failed`` (the
+first ``compare_set`` wins, so every process acts on the same record). The next generation forms behind a barrier
+that waits for every process expected in it, except those declared dead meanwhile; its canonical outcome is again
+written once (``gen/<g>/members``), and every process derives its rank from it with the pure
+:func:`~neighbor_ckpt.inprocess.assignment.next_assignment`. Key names and formats:
+:mod:`neighbor_ckpt.inprocess.protocol`.
+
+**Fencing.** A process declared dead (its launcher saw it exit, or a detector found it silent or hung) is listed in
+``dead`` for good: when it runs again (a SIGSTOPped process resumed) it finds itself there at its next store access
+and exits with :data:`~neighbor_ckpt.inprocess.protocol.EXIT_FENCED`; the generations after its own use process
+groups under prefixes it never joined, so it cannot disturb them before that.
+
+Every method is one or two store operations; :meth:`GenerationStore.join` polls (every ``poll_s``), which at a few
+thousand processes is a few kilobytes per poll: the lists are single keys, read whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterable, Optional
+
+from neighbor_ckpt.errors import NeighborCkptError
+from neighbor_ckpt.inprocess.assignment import Assignment
+from neighbor_ckpt.inprocess.protocol import FAILURE_KINDS, key
+
+__all__ = ["GenerationStore", "Members", "GenerationFailure", "Fenced", "BarrierTimeout", "parse_list",
+           "parse_dead"]
+
+logger = logging.getLogger(__name__)
+
+
+class Fenced(NeighborCkptError):
+    """This process was declared dead; it must exit (:data:`~neighbor_ckpt.inprocess.protocol.EXIT_FENCED`)."""
+
+
+class BarrierTimeout(NeighborCkptError):
+    """A generation's barrier did not complete within ``inprocess.barrier_timeout_s``."""
+
+
+@dataclass(frozen=True)
+class Members:
+    """The canonical outcome of one generation's barrier."""
+
+    generation: int
+    members: frozenset[int]
+    """Process indices in the generation."""
+    progressed: bool
+    """The previous generation completed a training step."""
+    hangs: int
+    """Generations so far that failed on a hang with every rank's progress tag equal."""
+
+    def to_json(self) -> str:
+        return json.dumps({"members": sorted(self.members), "progressed": self.progressed, "hangs": self.hangs})
+
+    @classmethod
+    def from_json(cls, generation: int, raw: bytes | str) -> "Members":
+        d = json.loads(raw)
+        return cls(generation=generation, members=frozenset(int(p) for p in d["members"]),
+                   progressed=bool(d["progressed"]), hangs=int(d["hangs"]))
+
+
+@dataclass(frozen=True)
+class GenerationFailure:
+    """Why a generation failed (``gen/<g>/failed``)."""
+
+    generation: int
+    by: str
+    kind: str
+    ranks: tuple[int, ...]
+    """Process indices at fault (empty when unknown or nobody, e.g. ``hang_all``)."""
+    reason: str
+    unix: float
+
+    def to_json(self) -> str:
+        return json.dumps({"by": self.by, "kind": self.kind, "ranks": list(self.ranks), "reason": self.reason,
+                           "unix": self.unix})
+
+    @classmethod
+    def from_json(cls, generation: int, raw: bytes | str) -> "GenerationFailure":
+        d = json.loads(raw)
+        return cls(generation=generation, by=str(d.get("by", "?")), kind=str(d.get("kind", "?")),
+                   ranks=tuple(int(r) for r in d.get("ranks", ())), reason=str(d.get("reason", "")),
+                   unix=float(d.get("unix", 0.0)))
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
+def parse_list(raw: bytes | str | None) -> list[int]:
+    """``"3,5,"`` -> ``[3, 5]`` (an append-only list key)."""
+    if not raw:
+        return []
+    return [int(x) for x in _text(raw).split(",") if x.strip()]
+
+
+def parse_dead(raw: bytes | str | None) -> dict[int, str]:
+    """``"3:exited with status -9;5:silent for 2.1 s;"`` -> ``{3: "exited ...", 5: "silent ..."}`` (first reason
+    of each process kept)."""
+    out: dict[int, str] = {}
+    if not raw:
+        return out
+    for entry in _text(raw).split(";"):
+        p, sep, why = entry.partition(":")
+        if sep and p.strip().lstrip("-").isdigit():
+            out.setdefault(int(p), why)
+    return out
+
+
+class GenerationStore:
+    """One process's view of the generations (a client of the launch's store, keys under the launch prefix).
+
+    Not thread-safe: the engine's main thread and its monitor thread each hold their own (own store connections)."""
+
+    def __init__(self, store: Any, *, process: int, name: Optional[str] = None) -> None:
+        self.store = store
+        self.process = process
+        self.name = name or f"process {process}"
+
+    # -- reads --------------------------------------------------------------------------------------------------
+
+    def _get(self, k: str) -> Optional[bytes]:
+        return self.store.get(k) if self.store.check([k]) else None
+
+    def dead(self) -> dict[int, str]:
+        return parse_dead(self._get("dead"))
+
+    def ready(self) -> list[int]:
+        return parse_list(self._get("ready"))
+
+    def failure(self, generation: int) -> Optional[GenerationFailure]:
+        raw = self._get(key("gen", generation, "failed"))
+        return None if raw is None else GenerationFailure.from_json(generation, raw)
+
+    def complete(self) -> bool:
+        return self.store.check(["complete"])
+
+    def gave_up(self) -> Optional[str]:
+        raw = self._get("giveup")
+        return None if raw is None else _text(raw)
+
+    def current(self) -> int:
+        raw = self._get("gen")
+        return int(raw) if raw else 0
+
+    def assignment(self, generation: int) -> Optional[Assignment]:
+        raw = self._get(key("gen", generation, "assignment"))
+        return None if raw is None else Assignment.from_json(raw)
+
+    def members(self, generation: int) -> Optional[Members]:
+        raw = self._get(key("gen", generation, "members"))
+        return None if raw is None else Members.from_json(generation, raw)
+
+    def check_fenced(self) -> None:
+        why = self.dead().get(self.process)
+        if why is not None:
+            raise Fenced(f"{self.name} was declared dead ({why}); a newer generation goes on without it")
+
+    # -- writes -------------------------------------------------------------------------------------------------
+
+    def announce_ready(self) -> None:
+        """This process is up (imports done): generations after the current one wait for it."""
+        self.store.append("ready", f"{self.process},")
+
+    def declare_dead(self, processes: Iterable[int], reason: str) -> None:
+        entry = "".join(f"{p}:{reason.replace(';', ',')};" for p in processes)
+        if entry:
+            self.store.append("dead", entry)
+
+    def publish_assignment(self, generation: int, assignment: Assignment) -> None:
+        """The generation's ranks, for processes that join later (a replacement) and for the launchers (is a process
+        that died active, or an idle spare?). Every member computes the same; any may write it."""
+        self.store.set(key("gen", generation, "assignment"), assignment.to_json())
+
+    def report_death(self, processes: Iterable[int], *, kind: str, reason: str, by: Optional[str] = None) -> \
+            Optional[GenerationFailure]:
+        """``processes`` are dead: list them in ``dead`` and, if one of them is active in the current generation,
+        record the generation's failure (the push every survivor waits for). An idle spare's death fails nothing: the
+        job goes on, the spare is no longer counted. Returns the generation's failure record, if one was recorded."""
+        processes = tuple(processes)
+        self.declare_dead(processes, f"{kind}: {reason}")
+        g = self.current()
+        assigned = self.assignment(g)
+        if assigned is not None and not any(p in assigned.ranks for p in processes):
+            logger.warning("%s: idle spare(s) %s lost (%s): the job goes on without them", by or self.name,
+                           list(processes), reason)
+            return None
+        return self.fail(g, kind=kind, ranks=processes, reason=reason, by=by)
+
+    def fail(self, generation: int, *, kind: str, ranks: Iterable[int] = (), reason: str,
+             by: Optional[str] = None) -> GenerationFailure:
+        """Record that ``generation`` failed; returns the record that stands (this one, or an earlier one)."""
+        if kind not in FAILURE_KINDS:
+            raise ValueError(f"unknown failure kind {kind!r}")
+        mine = GenerationFailure(generation=generation, by=by or self.name, kind=kind, ranks=tuple(ranks),
+                                 reason=reason[:400], unix=time.time())
+        stored = self.store.compare_set(key("gen", generation, "failed"), "", mine.to_json())
+        self._mine = mine
+        return GenerationFailure.from_json(generation, stored)
+
+    def won(self, record: GenerationFailure) -> bool:
+        """Whether ``record`` (returned by :meth:`fail`) is the one this client wrote last."""
+        return record == getattr(self, "_mine", None)
+
+    def give_up(self, reason: str) -> str:
+        """Record that in-process recovery gives up; returns the reason that stands."""
+        return _text(self.store.compare_set("giveup", "", reason[:400]))
+
+    def mark_progress(self, generation: int) -> None:
+        self.store.set(key("progress", generation), str(self.process))
+
+    def finished(self, generation: int, world_size: int) -> None:
+        """This active rank's training function returned; the last of the generation marks the job complete."""
+        if int(self.store.add(key("gen", generation, "finished"), 1)) >= world_size:
+            self.store.set("complete", str(generation))
+
+    # -- waiting ------------------------------------------------------------------------------------------------
+
+    def wait_outcome(self, generation: int, *, poll_s: float = 0.02) -> Optional[GenerationFailure]:
+        """Block until the job is complete (None) or ``generation`` failed (its record)."""
+        keys = ["complete", key("gen", generation, "failed")]
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=max(poll_s, 1.0)))
+            except Exception:  # noqa: BLE001 - the store's wait timeout: look again
+                pass
+            if self.complete():
+                return None
+            failed = self.failure(generation)
+            if failed is not None:
+                return failed
+            self.check_fenced()
+
+    def join(self, generation: int, *, expected: Iterable[int], timeout_s: float,
+             poll_s: float = 0.01) -> Members:
+        """Arrive at ``generation``'s barrier and return its canonical outcome, once every expected process arrived
+        or was declared dead (whoever sees that first writes the outcome; everyone reads the same).
+
+        Raises:
+            Fenced: this process was declared dead.
+            BarrierTimeout: not complete within ``timeout_s`` (the processes still missing are named)."""
+        members_key = key("gen", generation, "members")
+        arrived_key = key("gen", generation, "arrived")
+        self.store.append(arrived_key, f"{self.process},")
+        want = frozenset(expected) | {self.process}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            raw = self._get(members_key)
+            if raw is not None:
+                return self._admitted(Members.from_json(generation, raw))
+            dead = self.dead()
+            if self.process in dead:
+                raise Fenced(f"{self.name} was declared dead ({dead[self.process]}) before generation "
+                             f"{generation} formed")
+            arrived = set(parse_list(self._get(arrived_key)))
+            missing = want - arrived - dead.keys()
+            if not missing:
+                return self._admitted(self._settle(generation, arrived - dead.keys()))
+            if time.monotonic() > deadline:
+                raise BarrierTimeout(f"generation {generation} did not form within {timeout_s:g} s "
+                                     f"(inprocess.barrier_timeout_s): processes {sorted(missing)} neither joined nor "
+                                     f"were declared dead")
+            time.sleep(poll_s)
+
+    def _settle(self, generation: int, members: set[int]) -> Members:
+        progressed = generation == 0 or self.store.check([key("progress", generation - 1)])
+        hangs = 0
+        if generation > 0:
+            prev_raw = self._get(key("gen", generation - 1, "members"))
+            prev = Members.from_json(generation - 1, prev_raw) if prev_raw is not None else None
+            failed = self.failure(generation - 1)
+            hangs = (prev.hangs if prev is not None else 0) + int(failed is not None and failed.kind == "hang_all")
+        mine = Members(generation=generation, members=frozenset(members), progressed=progressed, hangs=hangs)
+        stored = self.store.compare_set(key("gen", generation, "members"), "", mine.to_json())
+        if _text(stored) == mine.to_json():
+            self.store.set("gen", str(generation))
+        return Members.from_json(generation, stored)
+
+    def _admitted(self, members: Members) -> Members:
+        if self.process not in members.members:
+            raise Fenced(f"{self.name} is not a member of generation {members.generation} (declared dead while it "
+                         "joined)")
+        return members

@@ -1,0 +1,252 @@
+"""The in-process failure detector: one daemon thread per process, for the process's whole life.
+
+It runs the same decisions as the restart path's :class:`~neighbor_ckpt.runtime.detector.FailureDetector`
+(:class:`~neighbor_ckpt.runtime.detector.Watch` for silent peers, :class:`~neighbor_ckpt.runtime.detector.
+ProgressClock` for a stuck training thread, the same ``neighbor_ckpt.detector`` timers); what differs is the action:
+the restart path's detector kills and exits so the launcher restarts the job, this one records the failure of the
+current generation in the store, where every process waits for it, and the engine aborts in place. Every
+``detector.interval_s`` it:
+
+* publishes this process's heartbeat and the training thread's progress tag (``hb/<p>``);
+* waits on the current generation's ``failed`` key (the store wakes it when any process or launcher records a
+  failure: a dead rank is pushed, not polled for) and hands a failure to the engine (:meth:`Engine-callback
+  <Monitor.__init__>` ``on_failure``);
+* reads the heartbeat of its predecessor in the ring of the generation's members (spares included, so an idle spare
+  that dies is noticed too): silent for more than ``detector.timeout_s`` -> that process is declared dead (its
+  launcher SIGKILLs it: a SIGSTOPped process ignores everything else) and the generation failed (``silent``);
+* watches its own training thread: when its progress tag stood still for ``detector.hang_timeout_s`` it reads every
+  active rank's tag. The ranks whose tag lags the others' are declared dead and replaced (``hung``: stuck in a C
+  call or a collective the others already left); when every tag is equal, nobody is to blame: the generation fails
+  with ``hang_all`` and the same ranks re-form (a second time, the engine falls back to the restart path);
+* exits the process with :data:`~neighbor_ckpt.inprocess.protocol.EXIT_FENCED` when it finds itself declared dead.
+
+The decision on the tags is :func:`laggards` (pure).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Optional
+
+from neighbor_ckpt.inprocess.generation import GenerationFailure, GenerationStore
+from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
+from neighbor_ckpt.runtime.detector import PAUSED, ProgressClock, Watch
+
+__all__ = ["Monitor", "laggards", "ring_predecessor", "Tag", "parse_heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+Tag = tuple[int, Optional[int], str]
+"""A training thread's progress tag: (counter, last completed iteration or None, phase)."""
+
+IDLE_TAG: Tag = (0, None, "idle")
+
+
+def parse_heartbeat(raw: bytes | str | None) -> Optional[tuple[int, int, Tag]]:
+    """``"<beat> <generation> <counter> <iteration> <phase>"`` -> (beat, generation, tag); None if absent/garbled."""
+    if raw is None:
+        return None
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    parts = text.split(" ", 4)
+    if len(parts) != 5:
+        return None
+    try:
+        beat, gen, counter = int(parts[0]), int(parts[1]), int(parts[2])
+        it = None if parts[3] in ("None", "-") else int(parts[3])
+    except ValueError:
+        return None
+    return beat, gen, (counter, it, parts[4])
+
+
+def laggards(tags: Mapping[int, Tag]) -> tuple[int, ...]:
+    """The processes whose progress tag lags the others' (fewest progress marks in this generation): the ones to
+    blame for a hang. Empty when every tag is equal (no one to blame) or there are no tags."""
+    if not tags:
+        return ()
+    counters = {p: t[0] for p, t in tags.items()}
+    low = min(counters.values())
+    if all(c == low for c in counters.values()):
+        return ()
+    return tuple(sorted(p for p, c in counters.items() if c == low))
+
+
+def ring_predecessor(process: int, members: frozenset[int] | set[int]) -> Optional[int]:
+    """The member before ``process`` in the ring of ``members`` ordered by process index (None: alone)."""
+    ring = sorted(members)
+    if process not in ring or len(ring) < 2:
+        return None
+    return ring[ring.index(process) - 1]
+
+
+class Monitor:
+    """The detector thread of one process (see the module docstring).
+
+    Args:
+        gens: a :class:`GenerationStore` on a store connection of this thread alone.
+        state: returns ``(generation, members, active ranks {process: rank} or None between generations, whether
+            the training thread is inside the training function)``.
+        progress: returns the training thread's current tag (:data:`IDLE_TAG` outside an attempt).
+        on_failure: called (from this thread) once per failed generation this process was part of.
+        interval_s, timeout_s, hang_timeout_s: ``neighbor_ckpt.detector``.
+        exit: how to leave when fenced (``os._exit``; tests pass a recorder).
+    """
+
+    def __init__(self, gens: GenerationStore, *,
+                 state: Callable[[], tuple[int, frozenset[int], Optional[Mapping[int, int]], bool]],
+                 progress: Callable[[], Tag], on_failure: Callable[[GenerationFailure], None],
+                 interval_s: float, timeout_s: float, hang_timeout_s: Optional[float],
+                 exit: Callable[[int], None] = os._exit) -> None:  # noqa: A002
+        self.gens, self.state, self.progress, self.on_failure = gens, state, progress, on_failure
+        self.interval_s, self.timeout_s, self.hang_timeout_s = interval_s, timeout_s, hang_timeout_s
+        self._exit = exit
+        self._beat = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._handled: set[int] = set()
+        self._watch: Optional[tuple[int, Optional[int], Watch]] = None
+        self._clock: tuple[int, ProgressClock] = (-1, ProgressClock(hang_timeout_s))
+        self.decisions: list[GenerationFailure] = []
+        """Failures this monitor recorded itself (for tests and the log)."""
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="neighbor_ckpt-inprocess-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s * 4 + 2)
+
+    # -- one round --------------------------------------------------------------------------------------------------
+
+    def beat(self) -> None:
+        gen, _, _, _ = self.state()
+        counter, it, phase = self.progress()
+        self._beat += 1
+        self.gens.store.set(key("hb", self.gens.process), f"{self._beat} {gen} {counter} {it} {phase}")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.round()
+            except SystemExit:
+                raise
+            except Exception as e:  # noqa: BLE001 - the store went away, or a bug: keep watching, say it once
+                logger.warning("%s: in-process monitor: %s: %s", self.gens.name, type(e).__name__, e)
+                self._stop.wait(self.interval_s)
+
+    def round(self) -> None:
+        """Wait up to one interval for the current generation to fail, then beat and look (one detector round)."""
+        gen, members, active, inside = self.state()
+        failed_key = key("gen", gen, "failed")
+        try:
+            self.gens.store.wait([failed_key], timedelta(seconds=self.interval_s))
+        except Exception:  # noqa: BLE001 - the wait timed out: nothing failed in this interval
+            pass
+        if self._stop.is_set():
+            return
+        gen2, members, active, inside = self.state()
+        if gen2 != gen:
+            return  # a new generation formed meanwhile: look at it next round
+        dead = self.gens.dead()
+        self._fenced(dead)
+        self.beat()
+        failed = self.gens.failure(gen)
+        if failed is not None:
+            self._hand_over(failed)
+            return
+        now = time.monotonic()
+        failure = self._silent_peer(gen, members - dead.keys(), now)
+        if failure is None and active is not None and inside and self.gens.process in active:
+            failure = self._hang(gen, active, now)
+        if failure is not None:
+            self._hand_over(failure)
+
+    def _hand_over(self, failed: GenerationFailure) -> None:
+        if failed.generation in self._handled:
+            return
+        self._handled.add(failed.generation)
+        self.on_failure(failed)
+
+    def _fenced(self, dead: Mapping[int, str]) -> None:
+        why = dead.get(self.gens.process)
+        if why is None:
+            return
+        logger.error("%s: declared dead by the others (%s): a newer generation goes on without this process; "
+                     "exiting with status %d", self.gens.name, why, EXIT_FENCED)
+        for h in logging.getLogger().handlers:
+            try:
+                h.flush()
+            except Exception:  # noqa: BLE001, S110 - leaving anyway
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._exit(EXIT_FENCED)
+
+    def _silent_peer(self, gen: int, members: frozenset[int], now: float) -> Optional[GenerationFailure]:
+        peer = ring_predecessor(self.gens.process, members)
+        if self._watch is None or self._watch[0] != gen or self._watch[1] != peer:
+            self._watch = (gen, peer, Watch(() if peer is None else (peer,), timeout_s=self.timeout_s, now=now))
+        if peer is None:
+            return None
+        watch = self._watch[2]
+        raw = self.gens.store.get(key("hb", peer)) if self.gens.store.check([key("hb", peer)]) else None
+        watch.observe(peer, None if raw is None else raw.decode(errors="replace"), now)
+        silent = watch.silent(now)
+        if not silent:
+            return None
+        _, length = silent[0]
+        if peer in self.gens.dead() or self.gens.complete():
+            return None  # already declared (its launcher saw it go), or the job is over and it left
+        reason = f"process {peer} sent no heartbeat for {length:.1f} s (detector.timeout_s {self.timeout_s:g})"
+        logger.error("%s: %s: declaring it dead (its launcher kills it)", self.gens.name, reason)
+        record = self.gens.report_death((peer,), kind="silent", reason=reason)
+        if record is not None and self.gens.won(record):
+            self.decisions.append(record)
+        return record
+
+    def _hang(self, gen: int, active: Mapping[int, int], now: float) -> Optional[GenerationFailure]:
+        if self.hang_timeout_s is None:
+            return None
+        if self._clock[0] != gen:
+            self._clock = (gen, ProgressClock(self.hang_timeout_s))
+        clock = self._clock[1]
+        clock.observe(self.progress(), now)
+        stalled = clock.stalled(now)
+        if stalled is None:
+            return None
+        procs = sorted(active)
+        values = self.gens.store.multi_get([key("hb", p) for p in procs])
+        tags: dict[int, Tag] = {}
+        for p, raw in zip(procs, values):
+            hb = parse_heartbeat(raw)
+            if hb is not None and hb[1] == gen and hb[2][2] != PAUSED:
+                tags[p] = hb[2]
+        blame = laggards(tags)
+        if blame:
+            where = ", ".join(f"process {p} (rank {active[p]}) at {tags[p][2]} #{tags[p][0]}" for p in blame)
+            reason = (f"no progress for {stalled:.1f} s (detector.hang_timeout_s {self.hang_timeout_s:g}); lagging: "
+                      f"{where}")
+            return self._decide(gen, kind="hung", culprits=blame, reason=reason)
+        reason = (f"no progress on any rank for {stalled:.1f} s (detector.hang_timeout_s {self.hang_timeout_s:g}), "
+                  "every progress tag equal: the same ranks re-form")
+        return self._decide(gen, kind="hang_all", culprits=(), reason=reason)
+
+    def _decide(self, gen: int, *, kind: str, culprits: tuple[int, ...], reason: str) -> GenerationFailure:
+        """Record the failure; if this record is the one that stands, declare the culprits dead (their launchers
+        kill them). The record that stands (maybe another process's) is returned either way."""
+        record = self.gens.fail(gen, kind=kind, ranks=culprits, reason=reason)
+        if self.gens.won(record):
+            self.decisions.append(record)
+            if culprits:
+                self.gens.declare_dead(culprits, f"{kind}: {reason}")
+            logger.error("%s: generation %d failed (%s): %s", self.gens.name, gen, kind, reason)
+        return record

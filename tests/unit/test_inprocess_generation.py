@@ -1,0 +1,131 @@
+"""Generations over a real TCP store in one process: the barrier, the failure record, fencing, deaths of spares,
+and the monitor's hang decision (pure)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from neighbor_ckpt.inprocess.assignment import initial_assignment
+from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, parse_dead,
+                                                parse_list)
+from neighbor_ckpt.inprocess.monitor import laggards, parse_heartbeat, ring_predecessor
+from tests.conftest import free_port
+
+
+@pytest.fixture()
+def store() -> Any:
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
+                           timeout=timedelta(seconds=10))
+    yield lambda: dist.PrefixStore("job/0/", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                            wait_for_workers=False, use_libuv=True,
+                                                            timeout=timedelta(seconds=10)))
+    del master
+
+
+def test_list_and_dead_keys_parse_as_written() -> None:
+    assert parse_list(b"3,5,") == [3, 5] and parse_list(None) == []
+    assert parse_dead(b"3:exited with status -9;5:silent: no beat;3:again;") == {3: "exited with status -9",
+                                                                                  5: "silent: no beat"}
+
+
+def test_every_process_reads_the_same_barrier_outcome(store: Any) -> None:
+    results: dict[int, Members] = {}
+
+    def join(p: int) -> None:
+        results[p] = GenerationStore(store(), process=p).join(0, expected=range(3), timeout_s=10)
+
+    threads = [threading.Thread(target=join, args=(p,)) for p in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {m.to_json() for m in results.values()} == {results[0].to_json()}
+    assert results[0].members == frozenset({0, 1, 2}) and results[0].progressed
+
+
+def test_the_barrier_goes_on_without_a_process_declared_dead(store: Any) -> None:
+    a, b = GenerationStore(store(), process=0), GenerationStore(store(), process=1)
+    b.declare_dead([2], "exited with status -9")
+    out: list[Members] = []
+    t = threading.Thread(target=lambda: out.append(b.join(1, expected={0, 1, 2}, timeout_s=10)))
+    t.start()
+    m = a.join(1, expected={0, 1, 2}, timeout_s=10)
+    t.join()
+    assert m.members == frozenset({0, 1}) and out[0] == m
+    assert not m.progressed, "generation 0 never marked a completed step"
+
+
+def test_a_missing_process_times_the_barrier_out_and_is_named(store: Any) -> None:
+    with pytest.raises(BarrierTimeout, match=r"\[1\]"):
+        GenerationStore(store(), process=0).join(0, expected={0, 1}, timeout_s=0.3)
+
+
+def test_a_process_declared_dead_is_fenced_at_the_barrier(store: Any) -> None:
+    g = GenerationStore(store(), process=1)
+    GenerationStore(store(), process=0).declare_dead([1], "silent: no heartbeat")
+    with pytest.raises(Fenced, match="silent"):
+        g.join(1, expected={0, 1}, timeout_s=5)
+    with pytest.raises(Fenced):
+        g.check_fenced()
+
+
+def test_the_first_failure_record_stands_for_everyone(store: Any) -> None:
+    a, b = GenerationStore(store(), process=0), GenerationStore(store(), process=1)
+    first = a.fail(3, kind="exception", ranks=[0], reason="boom")
+    second = b.fail(3, kind="exited", ranks=[1], reason="status -9")
+    assert first == second and a.won(first) and not b.won(second)
+    assert b.failure(3) == first and b.failure(2) is None
+    with pytest.raises(ValueError):
+        a.fail(4, kind="bogus", reason="?")
+
+
+def test_an_idle_spares_death_fails_no_generation(store: Any) -> None:
+    g = GenerationStore(store(), process=0)
+    g.store.set("gen", "0")
+    g.publish_assignment(0, initial_assignment(5, 1))
+    assert g.report_death([4], kind="exited", reason="status -9") is None
+    assert g.failure(0) is None and 4 in g.dead()
+    record = g.report_death([1], kind="exited", reason="status -9", by="launcher:node1")
+    assert record is not None and record.ranks == (1,) and record.by == "launcher:node1"
+
+
+def test_the_last_active_rank_to_finish_completes_the_job(store: Any) -> None:
+    a = GenerationStore(store(), process=0)
+    a.finished(2, world_size=2)
+    assert not a.complete()
+    GenerationStore(store(), process=1).finished(2, world_size=2)
+    assert a.complete() and a.wait_outcome(2) is None
+
+
+def test_a_hang_on_equal_tags_is_counted_into_the_next_generation(store: Any) -> None:
+    a = GenerationStore(store(), process=0)
+    a.join(0, expected={0}, timeout_s=5)
+    a.mark_progress(0)
+    a.fail(0, kind="hang_all", reason="no progress anywhere")
+    m1 = a.join(1, expected={0}, timeout_s=5)
+    assert m1.hangs == 1 and m1.progressed
+    a.fail(1, kind="exception", reason="boom")
+    assert a.join(2, expected={0}, timeout_s=5).hangs == 1
+
+
+def test_the_rank_whose_tag_lags_is_blamed_and_equal_tags_blame_nobody() -> None:
+    assert laggards({0: (9, 4, "optimizer"), 1: (7, 4, "forward"), 2: (9, 4, "optimizer")}) == (1,)
+    assert laggards({0: (9, 4, "optimizer"), 1: (9, 4, "optimizer")}) == ()
+    assert laggards({}) == ()
+
+
+def test_heartbeats_parse_and_garbage_is_ignored() -> None:
+    assert parse_heartbeat(b"12 3 40 7 optimizer") == (12, 3, (40, 7, "optimizer"))
+    assert parse_heartbeat("1 0 0 None idle") == (1, 0, (0, None, "idle"))
+    assert parse_heartbeat(b"nonsense") is None and parse_heartbeat(None) is None
+
+
+def test_each_member_is_watched_by_its_ring_predecessor() -> None:
+    assert ring_predecessor(0, {0, 2, 5}) == 5 and ring_predecessor(5, {0, 2, 5}) == 2
+    assert ring_predecessor(3, {3}) is None and ring_predecessor(1, {0, 2}) is None
