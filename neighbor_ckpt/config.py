@@ -13,6 +13,9 @@ Environment overrides win over the config (they are how a launcher or a test cha
 * ``NEIGHBOR_CKPT_STORE_DIR``: :attr:`StoreConfig.dir`
 * ``NEIGHBOR_CKPT_JOB_ID``: :attr:`NeighborCkptConfig.job_id`
 
+``NEIGHBOR_CKPT_INPROCESS_TIMERS`` (the timers of the NVRx wrapper in-process recovery used to run on) is no longer read:
+with ``inprocess.enabled`` it is refused, naming the keys that replace it (:func:`refuse_legacy_timer_env`).
+
 ``NEIGHBOR_CKPT_LAUNCH_ID`` is set by neighbor_ckpt itself (:mod:`neighbor_ckpt.runtime.launch_identity`): the job id
 made for a torchrun launch that has no run id of its own.
 """
@@ -48,6 +51,9 @@ __all__ = [
     "LAUNCH_ID_ENV",
     "UNUSABLE_RUN_IDS",
     "TRANSPORT_KINDS",
+    "LEGACY_TIMERS_ENV",
+    "LEGACY_TIMER_KEYS",
+    "refuse_legacy_timer_env",
 ]
 
 STORE_DIR_ENV = "NEIGHBOR_CKPT_STORE_DIR"
@@ -210,28 +216,43 @@ class ReportConfig:
 @checked("neighbor_ckpt.detector")
 @dataclass(kw_only=True, slots=True)
 class DetectorConfig:
-    """Failure detection through heartbeats in the job's c10d store (one daemon thread per rank)."""
+    """Failure detection through heartbeats and progress tags (one monitor thread per process). The one detector of
+    both recovery modes: on the launcher's restart path it beats in the job's c10d store and a failure makes every
+    rank exit for the launcher to restart the job; with in-process recovery (``inprocess.enabled``) it beats in the
+    launch's store host (:mod:`neighbor_ckpt.inprocess.protocol`, ``hb/<p>``) and a failure starts the next
+    generation: the failed process is declared dead, killed by its launcher and replaced by a hot spare, the others
+    stay alive."""
 
     enabled: bool = True
-    """Run the detector. Off: a dead rank is noticed when the launcher sees its process exit, a hung one when
-    the job's collectives time out (10-30 minutes)."""
+    """Run the detector. Off (restart path only): a dead rank is noticed when the launcher sees its process exit, a
+    hung one when the job's collectives time out (10-30 minutes). Refused with ``inprocess.enabled``: in process the
+    detector is what notices a silent or hung rank."""
 
     interval_s: float = 1.0
-    """Heartbeat period: each rank publishes its heartbeat and step/phase tag and reads the ones it watches."""
+    """Heartbeat period: each process publishes its heartbeat and step/phase tag and reads the ones it watches. In
+    process every process publishes its own and a failure recorded by any of them reaches every other at once (the
+    monitors wait on the generation's failure key); the period bounds how late a silence or a hang is seen."""
 
     timeout_s: float = 5.0
-    """A watched rank without a new heartbeat for this long (SIGKILL, SIGSTOP, a lost node), or a c10d store
-    that does not answer for this long, is a failure. Detection takes at most about this plus one interval."""
+    """A watched process without a new heartbeat for this long (SIGKILL, SIGSTOP, a lost node) is a failure.
+    Detection takes at most about this plus one interval. Restart path (where a c10d store that does not answer for
+    this long is a failure too): every rank exits and the launcher restarts the job. In process: the silent process
+    is declared dead, its launcher kills it (a stopped one too) and a hot spare takes its rank; the survivors stay
+    alive. A process that exits is reported by its launcher at once, without waiting for this."""
 
     hang_timeout_s: float | None = 900.0
-    """A rank whose step/phase tag (forward, backward, optimizer step, snapshot) does not change for this long
-    during training is stuck, or waits in a collective with a stuck rank. Counted from the first completed
-    iteration; stopped during validation. Must exceed the longest step plus a synchronous persistent
-    checkpoint. None: off."""
+    """A rank whose step/phase tag (forward, backward, optimizer step, snapshot) does not change for this long while
+    its heartbeat goes on is stuck, or waits in a collective with a stuck rank. Counted from the first completed
+    iteration (of each in-process generation); stopped during validation. Must exceed the longest step plus a
+    synchronous persistent checkpoint. Restart path: the job restarts. In process: the rank whose tag lags behind the
+    others' is the stuck one: it is declared dead, killed and replaced by a spare; if every tag is equal (no rank to
+    blame) the same ranks re-form once, and a second such hang gives up to the launcher's restart path. None: off
+    (refused with ``inprocess.enabled``: a stuck rank would never be noticed)."""
 
     kill_local: bool = True
-    """SIGKILL a failed rank of this node (a stopped process ignores the launcher's SIGTERM for its whole grace
-    period); the launcher then restarts the job at once."""
+    """Restart path: SIGKILL a failed rank of this node (a stopped process ignores the launcher's SIGTERM for its whole
+    grace period); the launcher then restarts the job at once. In process the failed process's own launcher SIGKILLs
+    every process of its node declared dead in the store (a stopped one too), whatever this says."""
 
     def _check(self, p: Problems) -> None:
         p.above("interval_s", self.interval_s)
@@ -280,10 +301,13 @@ class FaultInjectionConfig:
 @checked("neighbor_ckpt.inprocess")
 @dataclass(kw_only=True, slots=True)
 class InprocessConfig:
-    """In-process recovery (:mod:`neighbor_ckpt.inprocess`, on NVIDIA's resiliency extension): after a failure
-    the surviving processes stay alive, abort and re-form their process groups and restore from their own host
-    slots; a hot spare takes a lost rank's place. When it cannot (no spare left, a failure during recovery), every
-    rank exits and the launcher's restart path recovers, as with this section off."""
+    """In-process recovery (:mod:`neighbor_ckpt.inprocess`, our own engine; NVIDIA's resiliency extension is not
+    used): after a failure the surviving processes stay alive, abort and re-form their process groups in a new
+    generation and restore from their own host slots; a hot spare takes a lost rank's place and pulls its state from
+    the ring successor. Failures are noticed by the one detector of both modes (``neighbor_ckpt.detector``, which must
+    be on). When in-process recovery cannot go on (no spare left, a failure before the new generation completed a
+    step, more than ``max_restarts``), every process exits and the launcher's restart path recovers, as with this
+    section off."""
 
     enabled: bool = False
     """Recover in process. Needs a launcher that keeps the surviving workers alive when one exits
@@ -292,8 +316,50 @@ class InprocessConfig:
     spares: int = 0
     """Hot spare processes started with the job, idle until a rank is lost (on top of the job's ranks)."""
 
+    max_restarts: int | None = 10
+    """In-process restarts (generations after the first) before giving up to the launcher's restart path. Ten
+    absorbs a bad day of a large GPU job in process while a job that fails over and over (a bad node that keeps
+    coming back, a bug that fails every generation) still reaches the launcher, which counts its own restarts
+    (``launch.max_restarts``). None: unbounded."""
+
+    barrier_timeout_s: float = 300.0
+    """How long a generation's barrier waits for the processes expected in it (a process declared dead meanwhile is
+    no longer expected); past it, in-process recovery gives up to the launcher's restart path. 300 s: on a GPU
+    cluster a replaced process imports torch, megatron-core and the framework and builds its CUDA context before it
+    joins, which takes minutes on a slow shared filesystem. Must exceed ``abort_timeout_s`` (a process whose abort
+    hangs must be gone and declared dead before the barrier gives up on it) and, in process, ``detector.timeout_s``."""
+
+    abort_timeout_s: float = 60.0
+    """NCCL abort watchdog: when aborting this process's process groups after a failure takes longer than this, the
+    process exits with ``EXIT_ABORT_HUNG`` (:mod:`neighbor_ckpt.inprocess.protocol`) and its launcher starts a new
+    one in its place, which joins as a spare. 60 s: an NCCL communicator abort normally takes well under a second,
+    even with kernels pending; one that runs for a minute is stuck in the driver or the network and will not come
+    back."""
+
+    hygiene_rss_growth_mib: float = 50.0
+    """The hygiene check between generations: when this process's resident memory grew by more than this many MiB
+    over the last five generations, state leaks across generations (model or optimizer copies held by a reference, a
+    cache) and the process exits with ``EXIT_HYGIENE``; its launcher starts a clean one, which joins as a spare. 50
+    MiB over five generations: room for the host allocator's and Python's caches to settle, far less than one leaked
+    copy of a GPU model's host-side state (a snapshot buffer, an optimizer shard: gigabytes)."""
+
     def _check(self, p: Problems) -> None:
         p.at_least("spares", self.spares, 0)
+        p.at_least("max_restarts", self.max_restarts, 1,
+                   " (or null for unbounded; to never recover in process, set inprocess.enabled: false)",
+                   optional=True)
+        p.positive("barrier_timeout_s", self.barrier_timeout_s)
+        p.positive("abort_timeout_s", self.abort_timeout_s)
+        p.positive("hygiene_rss_growth_mib", self.hygiene_rss_growth_mib)
+        if p.ok("barrier_timeout_s", "abort_timeout_s"):
+            p.check(self.barrier_timeout_s > self.abort_timeout_s, "barrier_timeout_s",
+                    f"{self.barrier_timeout_s!r} must exceed inprocess.abort_timeout_s ({self.abort_timeout_s!r}): a "
+                    "process whose abort hangs is ended only after abort_timeout_s, and the next generation's barrier "
+                    "must still be waiting when it is declared dead")
+        if self.enabled:
+            legacy = _legacy_timer_env_problem(os.environ)
+            if legacy is not None:
+                p.add("enabled", legacy)
 
 
 @checked("neighbor_ckpt.elastic")
@@ -364,6 +430,31 @@ class NeighborCkptConfig:
     """After a recovery, each rank compares a fingerprint of the replayed step's input with the one recorded
     before the failure. error: a mismatch (the data position was not restored) stops the job; warn: it is
     logged; off: no fingerprints."""
+
+    def _check(self, p: Problems) -> None:
+        """The rules across sections (after each section's own); each runs only when the keys it reads passed theirs.
+
+        In-process recovery has no failure detection of its own: the detector notices a silent or stuck process and
+        starts the next generation, so it must be on, with its hang clock."""
+        inp, det = self.inprocess, self.detector  # a value that failed its type check holds its default here
+        if not inp.enabled:
+            return
+        if not p.check(det.enabled, "detector.enabled",
+                       "false is refused with in-process recovery (inprocess.enabled: true): the detector is what "
+                       "notices failures in process (a stopped or stuck process, a lost node: a launcher sees only "
+                       "its own processes exit), and without it the survivors would wait for such a rank until their "
+                       "collectives time out; turn the detector on, or in-process recovery off"):
+            return
+        p.check(det.hang_timeout_s is not None, "detector.hang_timeout_s",
+                "null (off) is refused with in-process recovery (inprocess.enabled: true): a stuck rank (its "
+                "heartbeat goes on, its step does not) would never be noticed, and every other rank would wait for it "
+                "in a collective; set the seconds a step may stand still (more than the longest step plus a "
+                "synchronous persistent checkpoint)")
+        if p.ok("detector.timeout_s", "inprocess.barrier_timeout_s"):
+            p.check(inp.barrier_timeout_s > det.timeout_s, "inprocess.barrier_timeout_s",
+                    f"{inp.barrier_timeout_s!r} must exceed detector.timeout_s ({det.timeout_s!r}): a process that "
+                    "falls silent before a generation's barrier is declared dead only after detector.timeout_s, and "
+                    "the barrier must still be waiting then")
 
     # -- construction -------------------------------------------------------------------------
 
@@ -449,3 +540,66 @@ def _safe_name(value: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in value)
     return safe.strip(".") or "default"
 
+
+
+# -- the old in-process timer variable ----------------------------------------------------------------------------
+
+LEGACY_TIMERS_ENV = "NEIGHBOR_CKPT_INPROCESS_TIMERS"
+"""The timer overrides of the NVRx wrapper (``name=seconds,...``), no longer read: its timers are job-file keys now
+(:func:`refuse_legacy_timer_env`)."""
+
+LEGACY_TIMER_KEYS: dict[str, str | None] = {
+    "heartbeat_interval": "neighbor_ckpt.detector.interval_s",
+    "monitor_thread_interval": "neighbor_ckpt.detector.interval_s",
+    "monitor_process_interval": "neighbor_ckpt.detector.interval_s",
+    "progress_watchdog_interval": "neighbor_ckpt.detector.interval_s",
+    "heartbeat_timeout": "neighbor_ckpt.detector.timeout_s",
+    "soft_timeout": "neighbor_ckpt.detector.hang_timeout_s",
+    "hard_timeout": "neighbor_ckpt.detector.hang_timeout_s",
+    "barrier_timeout": "neighbor_ckpt.inprocess.barrier_timeout_s",
+    "completion_timeout": None,
+    "last_call_wait": None,
+    "termination_grace_time": None,
+}
+"""Each timer of the old wrapper -> the key that does its work now (None: none does). ``soft_timeout`` started the
+recovery and ``hard_timeout`` killed the rank; ``detector.hang_timeout_s`` does both at once (the lagging rank is
+killed and replaced). ``completion_timeout`` (no completion barrier any more), ``last_call_wait`` and
+``termination_grace_time`` (a dead process is SIGKILLed, no grace) have no counterpart. New, with no old timer:
+``neighbor_ckpt.inprocess.abort_timeout_s``."""
+
+_NEW_TIMER_KEYS = ("neighbor_ckpt.detector.interval_s", "neighbor_ckpt.detector.timeout_s",
+                   "neighbor_ckpt.detector.hang_timeout_s", "neighbor_ckpt.inprocess.barrier_timeout_s",
+                   "neighbor_ckpt.inprocess.abort_timeout_s", "neighbor_ckpt.inprocess.max_restarts")
+
+
+def _legacy_timer_env_problem(environ: Mapping[str, str]) -> str | None:
+    """Why the old timer variable in ``environ`` is refused (one line), or None when it is not set (or empty: it
+    overrides nothing, so nothing the user set is ignored)."""
+    raw = environ.get(LEGACY_TIMERS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    mapping = ", ".join(f"{old} -> {new.removeprefix('neighbor_ckpt.') if new else '(none)'}"
+                        for old, new in LEGACY_TIMER_KEYS.items())
+    overrides: dict[str, str] = {}
+    for part in filter(None, (x.strip() for x in raw.split(","))):
+        name, sep, value = (x.strip() for x in part.partition("="))
+        new = LEGACY_TIMER_KEYS.get(name)
+        if sep and new is not None and value:
+            overrides.setdefault(new, value)  # soft_timeout before hard_timeout: the first named wins
+    hint = f"; for this value: {' '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""
+    return (f"{LEGACY_TIMERS_ENV}={raw!r} is set, and no longer read: the in-process timers are job-file keys now, "
+            f"{', '.join(_NEW_TIMER_KEYS)} (set them in the job file, or as key=value overrides of neighbor-ckpt "
+            f"launch{hint}); the old names map as {mapping}; unset {LEGACY_TIMERS_ENV}")
+
+
+def refuse_legacy_timer_env(environ: Mapping[str, str] = os.environ) -> None:
+    """Raise :class:`~neighbor_ckpt.errors.ConfigError` when ``NEIGHBOR_CKPT_INPROCESS_TIMERS`` is set (not empty).
+
+    The variable overrode the timers of the NVRx wrapper; our in-process engine reads its timers from the job file
+    (``neighbor_ckpt.detector.*``, ``neighbor_ckpt.inprocess.*``), and a variable silently ignored would leave a user
+    believing the timers they set are in force. The message names the new keys and maps every old name to its key.
+    Validating an :class:`InprocessConfig` with ``enabled: true`` runs the same check (one problem line under
+    ``neighbor_ckpt.inprocess.enabled``); the engine calls this when it is built."""
+    problem = _legacy_timer_env_problem(environ)
+    if problem is not None:
+        raise ConfigError(problem)

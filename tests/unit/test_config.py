@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from neighbor_ckpt.config import (JOB_ID_ENV, STORE_DIR_ENV, InsuranceConfig, LazyBackupConfig, NeighborCkptConfig,
-                                  RingConfig, StoreConfig, TransportConfig)
+from neighbor_ckpt.config import (JOB_ID_ENV, STORE_DIR_ENV, DetectorConfig, InprocessConfig, InsuranceConfig,
+                                  LazyBackupConfig, NeighborCkptConfig, RingConfig, StoreConfig, TransportConfig)
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 
 
@@ -37,6 +37,10 @@ def test_defaults():
                                           rate_limit_mb_per_s=0.0)
     assert c.lazy_backup == LazyBackupConfig(enabled=True)
     assert c.insurance == InsuranceConfig(every_n_steps=0, dirpath=None)
+    assert c.detector == DetectorConfig(enabled=True, interval_s=1.0, timeout_s=5.0, hang_timeout_s=900.0,
+                                        kill_local=True)
+    assert c.inprocess == InprocessConfig(enabled=False, spares=0, max_restarts=10, barrier_timeout_s=300.0,
+                                          abort_timeout_s=60.0, hygiene_rss_growth_mib=50.0)
     assert c.resolved_store_dir() == Path("/dev/shm/neighbor_ckpt")
     assert c.resolved_job_id() == "default"
 

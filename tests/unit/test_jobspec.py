@@ -64,6 +64,9 @@ BAD = {
     "EP does not divide the experts": (["model.num_moe_experts=3", "parallelism.expert=2"], "config.parallelism.expert: 2 does not divide model.num_moe_experts = 3"),
     "expert layout does not divide the world": (["model.num_moe_experts=8", "parallelism.expert=8"], "config.parallelism.expert: expert_tensor x expert x pipeline = 1 x 8 x 1 = 8 does not divide the world size 4"),
     "MoE with TP and no sequence parallelism": (["model.num_moe_experts=4", "parallelism.expert=2", "parallelism.tensor=2"], "config.parallelism.sequence_parallel: mixture of experts with tensor > 1 needs sequence_parallel: true"),
+    "in process without the detector": (["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.detector.enabled=false"], "config.neighbor_ckpt.detector.enabled: false is refused with in-process recovery (inprocess.enabled: true): the detector is what notices failures in process"),
+    "in process without the hang clock": (["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.detector.hang_timeout_s=null"], "config.neighbor_ckpt.detector.hang_timeout_s: null (off) is refused with in-process recovery"),
+    "in-process barrier below the abort watchdog": (["neighbor_ckpt.inprocess.barrier_timeout_s=5"], "config.neighbor_ckpt.inprocess.barrier_timeout_s: 5.0 must exceed inprocess.abort_timeout_s (10.0)"),
     "top-k above the experts": (["model.num_moe_experts=2", "model.moe_router_topk=3"], "config.model.moe_router_topk: 3 is more than num_moe_experts = 2"),
 }
 
