@@ -1,0 +1,160 @@
+"""Is a process clean enough to take part in the next generation after a failed one?
+
+In-process recovery keeps a survivor's process alive through failures; what a failed generation leaves behind
+(threads still running its code, memory its frames still hold, CUDA tensors) would otherwise pile up with every
+failure, and a leaked thread may go on touching the old model or groups. So after the engine has finalised a failed
+generation (aborted, unwound the training thread, destroyed the groups), it compares the process with the state it
+had before generation 0; a process that is not clean exits with :data:`~neighbor_ckpt.inprocess.protocol.
+EXIT_HYGIENE` and its launcher starts a fresh process in its place (which joins as a spare).
+
+The checks (:func:`compare`, a pure function of two :class:`ProcessState` and the generation count):
+
+* **Python threads**: the names of ``threading.enumerate()`` must equal the baseline's as a multiset, ignoring
+  names that start with one of ``allowed_prefixes`` (the engine's own monitor and watchdog threads). Native threads
+  (gloo's loops, OpenMP, NCCL's watchdog) are not compared: pools created lazily by the first step would always
+  differ from a baseline taken before generation 0.
+* **Resident memory** ("grows at most 50 MiB over five generations"): ``rss - baseline.rss <= rss_limit *
+  max(1, generations_done / rss_window)``, with 50 MiB and 5 by default. Up to five failed generations the growth
+  may reach 50 MiB in total, whenever it happens (allocator arenas, lazily imported modules and caches grow once,
+  usually in the first generation); beyond, the allowance rises by ``rss_limit / rss_window`` (10 MiB) per
+  generation, i.e. a steady leak of more than 10 MiB per failed generation fails after at most five of them.
+* **CUDA memory** (where torch has initialised CUDA): ``torch.cuda.memory_allocated()`` of the current device back
+  to at most the baseline's plus ``cuda_slack_bytes`` (0): tensors of a failed generation must all be freed.
+
+Usage::
+
+    baseline = HygieneBaseline.capture()                       # before generation 0
+    ...a generation fails, is aborted and finalised (groups destroyed)...
+    result = check(baseline, generations_done=failed_so_far, allowed_prefixes=("neighbor_ckpt-",))
+    if not result.ok:
+        logger.error("%s", result.summary()); sys.exit(EXIT_HYGIENE)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable
+
+__all__ = ["ProcessState", "HygieneBaseline", "HygieneResult", "compare", "check", "RSS_LIMIT_BYTES",
+           "RSS_WINDOW_GENERATIONS", "rss_allowance"]
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+RSS_LIMIT_BYTES = 50 * MiB
+"""How much resident memory may grow over :data:`RSS_WINDOW_GENERATIONS` failed generations."""
+RSS_WINDOW_GENERATIONS = 5
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _cuda_allocated() -> int | None:
+    """Bytes allocated by torch's caching allocator on the current device, or None where no CUDA is initialised
+    (torch not imported, no device, or nothing touched it yet: then nothing can have leaked there either, and the
+    check must not initialise a CUDA context)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.memory_allocated())
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """What the checks compare: Python thread names (sorted, repeated names repeated), resident memory, CUDA memory
+    allocated by torch (None without an initialised device)."""
+
+    thread_names: tuple[str, ...]
+    rss_bytes: int
+    cuda_allocated_bytes: int | None
+
+    @classmethod
+    def capture(cls) -> ProcessState:
+        return cls(tuple(sorted(t.name for t in threading.enumerate())), _rss_bytes(), _cuda_allocated())
+
+
+HygieneBaseline = ProcessState
+"""The state before generation 0: ``HygieneBaseline.capture()``."""
+
+
+@dataclass(frozen=True)
+class HygieneResult:
+    """The verdict, with what differs (``problems``: one readable line each)."""
+
+    extra_threads: tuple[str, ...]
+    missing_threads: tuple[str, ...]
+    rss_growth_bytes: int
+    rss_allowed_bytes: int
+    cuda_growth_bytes: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        """One line for the log."""
+        if self.ok:
+            return (f"process clean (RSS +{self.rss_growth_bytes / MiB:.1f} MiB of "
+                    f"{self.rss_allowed_bytes / MiB:.1f} MiB allowed)")
+        return "process not clean after the failed generation: " + "; ".join(self.problems)
+
+
+def _threads(names: Iterable[str], allowed_prefixes: tuple[str, ...]) -> Counter[str]:
+    return Counter(n for n in names if not n.startswith(allowed_prefixes))
+
+
+def rss_allowance(generations_done: int, *, rss_limit_bytes: int = RSS_LIMIT_BYTES,
+                  rss_window: int = RSS_WINDOW_GENERATIONS) -> int:
+    """How far resident memory may be above the baseline after ``generations_done`` failed generations (see the
+    module docstring)."""
+    return int(rss_limit_bytes * max(1.0, generations_done / rss_window))
+
+
+def compare(baseline: ProcessState, now: ProcessState, *, generations_done: int,
+            allowed_prefixes: Iterable[str] = (), rss_limit_bytes: int = RSS_LIMIT_BYTES,
+            rss_window: int = RSS_WINDOW_GENERATIONS, cuda_slack_bytes: int = 0) -> HygieneResult:
+    """The checks of the module docstring, on two captured states; pure."""
+    if generations_done < 0 or rss_window < 1 or rss_limit_bytes < 0 or cuda_slack_bytes < 0:
+        raise ValueError(f"generations_done, rss_limit_bytes, cuda_slack_bytes must be >= 0 and rss_window >= 1 "
+                         f"(got {generations_done}, {rss_limit_bytes}, {cuda_slack_bytes}, {rss_window})")
+    prefixes = tuple(allowed_prefixes)
+    before, after = _threads(baseline.thread_names, prefixes), _threads(now.thread_names, prefixes)
+    extra = tuple(sorted((after - before).elements()))
+    missing = tuple(sorted((before - after).elements()))
+    growth = now.rss_bytes - baseline.rss_bytes
+    allowed = rss_allowance(generations_done, rss_limit_bytes=rss_limit_bytes, rss_window=rss_window)
+    cuda_growth = (now.cuda_allocated_bytes or 0) - (baseline.cuda_allocated_bytes or 0)
+    problems = []
+    if extra:
+        problems.append(f"threads left running: {', '.join(extra)}")
+    if missing:
+        problems.append(f"threads gone since the start: {', '.join(missing)}")
+    if growth > allowed:
+        problems.append(f"resident memory grew {growth / MiB:.1f} MiB, more than the {allowed / MiB:.1f} MiB "
+                        f"allowed after {generations_done} failed generation(s)")
+    if cuda_growth > cuda_slack_bytes:
+        problems.append(f"CUDA memory still allocated: {cuda_growth / MiB:.1f} MiB above the start")
+    return HygieneResult(extra, missing, growth, allowed, cuda_growth, tuple(problems))
+
+
+def check(baseline: ProcessState, generations_done: int, *, allowed_prefixes: Iterable[str] = (),
+          rss_limit_bytes: int = RSS_LIMIT_BYTES, rss_window: int = RSS_WINDOW_GENERATIONS,
+          cuda_slack_bytes: int = 0, collect: bool = True) -> HygieneResult:
+    """Capture the process now and :func:`compare` it with ``baseline``. ``collect``: run the garbage collector
+    first (the failed generation's traceback holds its frames, and they its tensors, in reference cycles)."""
+    if collect:
+        gc.collect()
+    result = compare(baseline, ProcessState.capture(), generations_done=generations_done,
+                     allowed_prefixes=allowed_prefixes, rss_limit_bytes=rss_limit_bytes, rss_window=rss_window,
+                     cuda_slack_bytes=cuda_slack_bytes)
+    (logger.info if result.ok else logger.error)("%s", result.summary())
+    return result
