@@ -41,13 +41,24 @@ types): nothing read from the store is unpickled.
     Why in-process recovery gave up (first ``compare_set`` wins): every process exits with
     :data:`EXIT_FALLBACK`; the launchers restart the job (launcher-level restart count + 1).
 ``launcher/<node>``
-    JSON ``{"pid", "processes": [...]}`` of node ``node``'s launcher.
+    JSON ``{"pid", "processes": [...]}`` of node ``node``'s launcher (rewritten when it starts a replacement).
+``processes``
+    How many process indices the launch has handed out (indices ``0..processes-1``): every launcher, before it
+    starts anything, does ``compare_set("processes", "", str(N))`` (the first one sets ``N``, the others find it
+    set), and a launcher starting a replacement (:data:`EXIT_HYGIENE`) takes index ``add("processes", 1) - 1``.
+``exited``
+    Counter: processes that exited (any status), added by their launchers. When it reaches ``processes`` and
+    ``complete`` is not set, no process of the launch is left: a launcher that sees it sets ``giveup``.
+``launchers``
+    Counter: launchers that started this launcher-level attempt (each adds 1). A launcher restarting the job waits,
+    under the next attempt's prefix, until it equals the number of nodes (the restart's rendezvous).
 """
 
 from __future__ import annotations
 
 __all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
-           "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "launch_prefix", "key"]
+           "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
+           "launch_prefix", "key"]
 
 EXIT_FALLBACK = 75
 """Every process, when in-process recovery gives up (EX_TEMPFAIL): the launchers restart the job."""
@@ -78,6 +89,9 @@ ENV_PROCESSES = "WORLD_SIZE"
 """Processes of the launch, spares included (the engine rewrites ``RANK``/``WORLD_SIZE`` per generation)."""
 ENV_SPARES = "NEIGHBOR_CKPT_INPROCESS_SPARES"
 """How many of the processes are hot spares (the last ones)."""
+ENV_REPLACES = "NEIGHBOR_CKPT_INPROCESS_REPLACES"
+"""Set by a launcher in a replacement process only (one started after an :data:`EXIT_HYGIENE`): the index of the
+process it replaces. Its own index (``RANK``) is new, ``>= WORLD_SIZE``; it joins as a spare."""
 
 
 def launch_prefix(run_id: str, launch: int) -> str:
