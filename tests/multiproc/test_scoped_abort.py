@@ -172,10 +172,13 @@ def _run(tmp: Path, scenario: str) -> dict[int, dict[str, object]]:
 def test_scoped_abort_frees_survivors_of_a_silent_peer_and_keeps_other_connections(tmp_path: Path,
                                                                                    scenario: str) -> None:
     results = _run(tmp_path, scenario)
-    print(scenario, {r: (round(float(res["freed_after_s"]) * 1e3, 1), res["accepted"], res["to_peers"])  # type: ignore[arg-type]
-                     for r, res in results.items()}, "(ms from abort to raise, accepted, outgoing)")
+    freed_ms = {r: float(res["freed_after_s"]) * 1e3 for r, res in results.items()  # type: ignore[arg-type]
+                if res["freed_after_s"] is not None}
+    print(scenario, "ms from the rank's own abort to its collective's error:",
+          {r: round(ms, 1) for r, ms in freed_ms.items()},
+          "shut down (accepted, outgoing):", {r: (res["accepted"], res["to_peers"]) for r, res in results.items()})
+    assert sorted(freed_ms) == sorted(results) and max(freed_ms.values()) < 1000, results
     for r, res in results.items():
-        assert res["freed_after_s"] is not None and float(res["freed_after_s"]) < 1.0, (r, res)  # type: ignore[arg-type]
         assert res.get("unwound") is True, (r, res)
         assert res["before_ok"] and res["during_ok"] and res["store_ok"], (r, res)
-    assert sum(int(res["to_peers"]) for res in results.values()) > 0  # type: ignore[call-overload]
+    assert sum(int(str(res["to_peers"])) for res in results.values()) > 0

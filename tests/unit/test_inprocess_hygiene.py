@@ -31,7 +31,8 @@ def test_a_leaked_or_vanished_thread_fails_unless_its_prefix_is_allowed() -> Non
     assert res.extra_threads == ("Thread-7 (gloo_ring)",) and res.missing_threads == ("Thread-1 (feeder)",)
     assert "threads left running: Thread-7 (gloo_ring)" in res.summary()
     # names are a multiset: a second thread of the same name is a leak too
-    assert compare(_state("MainThread", "w"), _state("MainThread", "w", "w"), generations_done=1).extra_threads == ("w",)
+    twice = compare(_state("MainThread", "w"), _state("MainThread", "w", "w"), generations_done=1)
+    assert twice.extra_threads == ("w",)
 
 
 def test_resident_memory_may_grow_50_mib_over_five_generations() -> None:
