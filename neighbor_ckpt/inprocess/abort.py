@@ -41,9 +41,10 @@ Usage (the engine; ``store`` is the long-lived store, its port kept)::
 
     baseline = SocketBaseline.capture()                   # before init_process_group
     ...init_process_group, new_group, megatron's groups...
-    store.set(f"listen/{p}", format_endpoints(new_listeners(baseline)))   # refresh if groups are added
-    # on a failure, from the monitor thread:
-    peers = [parse_endpoints(store.get(f"listen/{q}").decode()) for q in others]
+    # a per-generation store key (not in protocol.py yet), refreshed if groups are added later:
+    store.set(f"gen/{g}/listen/{p}", format_endpoints(new_listeners(baseline)))
+    # on a failure, from the monitor thread (a peer that never published: skip it, see above):
+    peers = [parse_endpoints(store.get(f"gen/{g}/listen/{q}").decode()) for q in members if q != p]
     result = abort_gloo(baseline, keep_ports={store_port}, peer_listeners=set().union(*peers))
     abort_nccl(timeout_s=30.0)                            # GPU: torch's abort, or os._exit(EXIT_ABORT_HUNG)
     if training_thread_inside_the_training_function:
