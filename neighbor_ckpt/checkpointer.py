@@ -145,7 +145,7 @@ def elastic_cannot_shrink(config: NeighborCkptConfig, env: Mapping[str, str]) ->
         return ""
     return ("nothing can shrink this job: one torchrun agent restarts every rank with the same world size, no rank "
             "is kept alive after a failure, and its job id is made for this launch only, so no later launch on fewer "
-            "ranks reads its snapshots. Set neighbor_ckpt.inprocess.enabled: true and launch under ft_launcher "
+            "ranks reads its snapshots. Set neighbor_ckpt.inprocess.enabled: true and launch with our launcher "
             "(`neighbor-ckpt launch` arranges it) for the survivors to go on with fewer ranks; or name the job "
             "(neighbor_ckpt.job_id, NEIGHBOR_CKPT_JOB_ID or torchrun --rdzv-id) so that a launch on fewer ranks "
             "reshards these snapshots; or turn elastic off")
@@ -343,10 +343,10 @@ class NeighborCheckpointer:
         if not cfg.enabled or dist.get_world_size() < 2:
             return None
         if self.config.inprocess.enabled:
-            # NVRx's monitor process and thread are the detector under in-process recovery (neighbor_ckpt.inprocess
-            # says why): ours would exit the process, and its store would go away with rank 0.
-            logger.info("neighbor_ckpt: failure detector off: in-process recovery is on; NVRx's wrapper detects "
-                        "failures (hard/soft timeouts, heartbeats) and aborts in place")
+            # In process the engine's monitor thread is the detector (same decisions and timers, for the process's
+            # whole life, acting by aborting in place instead of exiting): it gets this checkpointer's progress tag.
+            if self.attempt.progress_sink is not None:
+                self.attempt.progress_sink(lambda: self._tag)
             return None
         try:
             store = connect_store(cfg.timeout_s)

@@ -66,7 +66,7 @@ LAYERS: tuple[Layer, ...] = (
     # -- the facade: wiring and the per-step work; no framework
     _layer("neighbor_ckpt.checkpointer", "NeighborCheckpointer", *_CORE),
     # -- framework glue
-    _layer("neighbor_ckpt.inprocess", "in-place recovery: NVRx wrapper, store host, rank assignment",
+    _layer("neighbor_ckpt.inprocess", "in-place recovery: our engine, launcher, store host, rank assignment",
            *_CORE, "neighbor_ckpt.checkpointer", "megatron_patches"),
     _layer("neighbor_ckpt.glue", "insurance, resume and data-position policy shared by every framework callback "
            "(no framework, so no megatron_patches)", *_CORE, "neighbor_ckpt.checkpointer"),

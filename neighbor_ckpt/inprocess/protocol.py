@@ -31,6 +31,10 @@ types): nothing read from the store is unpickled.
 ``gen/<g>/failed``
     Why generation ``g`` failed (first ``compare_set`` wins): JSON ``{"by", "kind", "ranks", "reason", "unix"}``;
     ``kind`` in :data:`FAILURE_KINDS`. Every process's monitor waits on this key (the push of a failure).
+``gen/<g>/listen/<p>``
+    The gloo listeners of process ``p``'s groups in generation ``g`` (``"host:port,..."``, published once its groups
+    exist): a survivor's abort shuts down its own side of connections to them too (a peer that is stopped or stuck
+    never closes its side, :mod:`neighbor_ckpt.inprocess.abort`).
 ``gen/<g>/finished``
     Counter: active ranks whose training function returned in generation ``g``.
 ``progress/<g>``

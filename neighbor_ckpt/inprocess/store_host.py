@@ -1,8 +1,8 @@
 """A TCP store in a process of its own, for in-process recovery.
 
-NVRx's wrapper store and the application's store (per-attempt process groups) are hosted by rank 0 by default:
-killing rank 0 would take them down with it, and the survivors could not re-form. This process hosts one
-``torch.distributed.TCPStore`` (both users share it, under different key prefixes) and lives until it is
+The engine's generations, the per-generation process groups and the launchers' reports live in one
+``torch.distributed.TCPStore``: hosted by rank 0, killing rank 0 would take it down with it, and the survivors could
+not re-form. This process hosts it (every user under its own key prefix) and lives until it is
 terminated, or until the process given with ``--parent`` is gone (so a launch script that dies does not leave it
 behind)::
 

@@ -6,7 +6,7 @@ slots stay). Usage::
 
     inproc = InprocessRecovery(spares=1, store_host=host, store_port=port)
     prepare_process()                         # once, before the first attempt
-    wait_for_all_processes(inproc)            # every process imported (the wrapper's barriers are short)
+    wait_for_all_processes(inproc)            # every process imported (generation 0's barrier waits inprocess.barrier_timeout_s)
 
     def make(attempt):                        # -> (trainer, entry point), built anew for every attempt
         fn = fdl.build(recipe)                # e.g. NeMo's llm.pretrain partial
@@ -17,20 +17,20 @@ slots stay). Usage::
 What :func:`attach` does to an attempt's trainer:
 
 * **Process group.** Lightning's strategy creates the default group itself (``init_process_group`` with ``env://``
-  at ``MASTER_ADDR:MASTER_PORT``, under ``ft_launcher`` a rendezvous store of an agent that may be gone, with keys
-  the previous attempt already used). NeMo's ``MegatronStrategy`` takes the store to create it on as its public
-  ``store`` attribute: it gets a prefix of the external store, new for each attempt, and then does everything else
+  at ``MASTER_ADDR:MASTER_PORT``, which in process nobody serves, with keys the previous attempt already used).
+  NeMo's ``MegatronStrategy`` takes the store to create it on as its public ``store`` attribute: it gets this
+  generation's prefix of the launch's store, and then does everything else
   as always (megatron-core parallel state, the data sampler). A plain Lightning strategy has no such attribute: the
   group is created before ``fit`` (:meth:`InprocessRecovery.init_process_group`) and Lightning skips its own.
-  Ranks and world size come from ``RANK`` / ``WORLD_SIZE``, which the wrapper rewrites for every attempt (Lightning's
+  Ranks and world size come from ``RANK`` / ``WORLD_SIZE``, which the engine rewrites for every generation (Lightning's
   ``TorchElasticEnvironment`` reads them).
 * **Clean-up after the abort.** A failed attempt's :class:`~neighbor_ckpt.NeighborCheckpoint` is closed with
-  ``close(success=False)`` (host slots kept) by the wrapper's Finalize, after the abort freed its threads, and
-  megatron-core's parallel state and the process group are dropped there (:mod:`megatron_patches.nvrx_gloo`).
+  ``close(success=False)`` (host slots kept) by the engine's clean-ups, after the abort freed its threads, and
+  megatron-core's parallel state and the process group are dropped there (:mod:`megatron_patches.parallel_reset`).
 * **NeMo's telemetry.** The spans a failed attempt left open are stopped after the abort
   (:mod:`megatron_patches.nemo_telemetry`).
 * **Progress.** :class:`InprocessProgress` marks the attempt's first completed step (after the snapshot), which the
-  wrapper's fallback rules read, and records timeline events (``pg_ready``, ``recovered``).
+  engine's fallback rules read, and records timeline events (``pg_ready``, ``recovered``).
 
 ``prepare_process`` turns off :func:`~neighbor_ckpt.runtime.torchrun.prepare_torchrun_restart` (the callback calls
 it at construction): that fix re-hosts torchrun's rendezvous store on rank 0 for launcher restarts; in process the
@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.inprocess import InprocessRecovery
-from neighbor_ckpt.inprocess.wrapper import Attempt
+from neighbor_ckpt.inprocess import Attempt
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy
 from neighbor_ckpt.lightning.callback import NeighborCheckpoint
@@ -68,7 +68,7 @@ def prepare_process() -> None:
 def wait_for_all_processes(inproc: InprocessRecovery, *, timeout_s: float = 900.0) -> None:
     """Once per process, before :func:`run_trainer`: wait until every process of the launch (spares included) got
     here, i.e. finished its imports. NeMo's imports take tens of seconds on a loaded machine and start at different
-    times; the wrapper's first store barrier allows ``barrier_timeout`` (seconds) for the slowest one."""
+    times; generation 0's barrier allows ``inprocess.barrier_timeout_s`` for the slowest one."""
     store = inproc.app_store()
     key = f"imported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store.add(key, 1)
@@ -111,7 +111,7 @@ def attach(inproc: InprocessRecovery, attempt: Attempt, trainer: Any) -> None:
     """Make ``trainer`` (built for ``attempt``, not yet fitted) run as one in-process attempt."""
     strategy = trainer.strategy
     if hasattr(strategy, "store"):  # NeMo's MegatronStrategy: init_process_group(..., store=strategy.store)
-        strategy.store = dist.PrefixStore(f"pg_{attempt.iteration}/", inproc.app_store())
+        strategy.store = inproc.process_group_store()
     else:
         inproc.init_process_group()
     for cb in trainer.callbacks:

@@ -11,7 +11,7 @@ Phases (a rank is lost; its replacement is a re-launched process in the restart 
 ==============  ===========================================  ==============================================
 phase           restart                                      in-process
 ==============  ===========================================  ==============================================
-detect          heartbeat timeout + one interval             NVRx monitor notices the dead process
+detect          heartbeat timeout + one interval             the launcher's exit report, pushed by the store
 relaunch        every process re-executed: imports, CUDA     none (the spare is idle with its imports done)
                 context, rendezvous, process groups, model
 regroup         (inside relaunch)                            abort + re-form every process group, rebuild
@@ -49,8 +49,9 @@ class MttrAssumptions:
     found by ``hang_timeout_s`` takes that long instead."""
 
     inprocess_detect_s: float = 1.0
-    """In-process: NVRx's monitor process notices its rank's death within its polling interval (1 s by default;
-    0.1-0.3 s measured on the CPU test machine with 0.05 s intervals). A hang: the soft timeout instead."""
+    """In-process: a dead process's launcher reports its exit through the store, which wakes every survivor's
+    monitor at once (its supervision loop polls every 50 ms; 0.05-0.1 s measured on the CPU test machine). A stopped
+    rank: ``detector.timeout_s`` + one interval; a stuck one: ``detector.hang_timeout_s`` instead."""
 
     relaunch_floor_s: float = 60.0
     """Restart mode, per launch whatever its size: stop the worker group, re-execute every process, import

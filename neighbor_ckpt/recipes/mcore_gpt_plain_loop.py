@@ -24,12 +24,11 @@ restored state (needs ``--max-restarts 2``). ``--nodes N`` lays the ranks out as
 (``NEIGHBOR_CKPT_NODE_ID``), so the ring puts every replica on another node. See :mod:`neighbor_ckpt.runtime.failpoints` and :mod:`neighbor_ckpt.snapshot.damage`.
 
 **In-process recovery** (``neighbor_ckpt.inprocess.enabled: true`` in the ``--config`` file, ``spares: N``): the loop
-runs under :class:`neighbor_ckpt.inprocess.InprocessRecovery` (NVRx's wrapper); after a failure the surviving
+runs under :class:`neighbor_ckpt.inprocess.InprocessRecovery` (our engine); after a failure the surviving
 processes call :func:`train` again (a new process group, parallel state, model and optimizer; the host slots stay), a
-hot spare takes a lost rank's place. Launch ``active + spares`` processes, one ``ft_launcher`` agent per node with
-``--ft-restart-policy min-healthy``, and a store host (``python -m neighbor_ckpt.inprocess.store_host``) given as
-``--inprocess-store HOST:PORT`` or ``NEIGHBOR_CKPT_INPROCESS_STORE``; ``--kill`` then injects its fault in the first
-in-process attempt only.
+hot spare takes a lost rank's place. Launch ``active + spares`` processes with our launcher, one per node
+(:mod:`neighbor_ckpt.inprocess.launcher`, which also tells the processes where the store host is; or pass
+``--inprocess-store HOST:PORT``); ``--kill`` then injects its fault in the first in-process attempt only.
 
 :func:`build_gpt` is the model, DDP, optimizer and scheduler of this recipe (the test workers and the benchmark
 comparison, ``tools/bench/compare``, build theirs with it).
@@ -279,11 +278,13 @@ def main(argv: list[str] | None = None) -> None:
     if nc_config.inprocess.enabled:  # neighbor_ckpt: in-process recovery (see the module docstring)
         from neighbor_ckpt.inprocess import InprocessRecovery
 
-        host, sep, port = (args.inprocess_store or "").rpartition(":")
-        if not sep or not port.isdigit():
-            raise SystemExit("neighbor_ckpt.inprocess.enabled needs the store host: --inprocess-store HOST:PORT or "
-                             "NEIGHBOR_CKPT_INPROCESS_STORE (python -m neighbor_ckpt.inprocess.store_host)")
-        inproc = InprocessRecovery.from_config(nc_config, store_host=host, store_port=int(port),
+        store: dict[str, Any] = {}
+        if args.inprocess_store:
+            host, sep, port = args.inprocess_store.rpartition(":")
+            if not sep or not port.isdigit():
+                raise SystemExit(f"--inprocess-store {args.inprocess_store!r}: expected HOST:PORT")
+            store = {"store_host": host, "store_port": int(port)}
+        inproc = InprocessRecovery.from_config(nc_config, **store,
                                                model_parallel=args.tp * args.pp,
                                                batch_micro_batches=global_batch // args.micro_batch_size)
 
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             os.environ["NEIGHBOR_CKPT_NODE_ID"] = f"node{RANK * args.nodes // world}"
         if inproc is not None:
-            RANK = att.rank  # the wrapper's: a hot spare takes the lost rank's number
+            RANK = att.rank  # the engine's: a hot spare takes the lost rank's number
             inproc.init_process_group()  # neighbor_ckpt: a new group per in-process attempt
         else:
             prepare_torchrun_restart()  # neighbor_ckpt: a fresh rendezvous store per torchrun attempt
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                     inproc.mark_progress()  # neighbor_ckpt: this in-process attempt completed a step
                 if insurance is not None:
                     insurance.maybe_save(step, {"scheduler": scheduler.state_dict(), "consumed_samples": consumed})
-        except BaseException as e:  # an in-process restart arrives as a BaseException (NVRx's RankShouldRestart)
+        except BaseException as e:  # an in-process abort arrives as a BaseException (GenerationAborted)
             ckpt.on_failure(f"{type(e).__name__}: {e}")
             raise
         hooks.remove()

@@ -7,11 +7,11 @@ Launch it through the command, which validates the file first and runs torchrun 
 
 or directly under torchrun: ``torchrun ... recipes/nemo_pretrain.py --config CONFIG --run-dir DIR``.
 
-With ``neighbor_ckpt.inprocess.enabled`` (``neighbor-ckpt launch`` then starts ``ft_launcher`` agents and a store host
-and passes ``--inprocess-store HOST:PORT``) ``llm.pretrain`` runs under NVRx's in-process wrapper
-(:mod:`neighbor_ckpt.lightning.inprocess`): after a failure the surviving processes build the trainer, strategy
+With ``neighbor_ckpt.inprocess.enabled`` (``neighbor-ckpt launch`` then starts our launcher on every node and a store
+host) ``llm.pretrain`` runs under our in-process engine (:mod:`neighbor_ckpt.inprocess`, through
+:mod:`neighbor_ckpt.lightning.inprocess`): after a failure the surviving processes build the trainer, strategy
 and model again in place and restore from their host slots; a hot spare takes a lost rank's place. Imports happen
-once per process, before the wrapper (spares included).
+once per process, before the first generation (spares included).
 
 :func:`build_recipe` returns a ``nemo_run.Partial`` of ``llm.pretrain``. The full-size models start from NeMo's
 own recipe factories (``llm.llama3_8b``, ``llm.llama3_70b``, ``llm.gpt3_175b``) and get the job's parallelism,
@@ -51,10 +51,6 @@ def _neighbor_callbacks(job: JobSpec, *, inject_faults: bool = True) -> list[Any
     from neighbor_ckpt.lightning.faults import FaultInjector
 
     d = job.neighbor_ckpt.to_dict()
-    if job.neighbor_ckpt.inprocess.enabled:
-        # NVRx's monitor process and thread detect failures in process; ours would exit the process, and it dials
-        # MASTER_PORT, a store of the ft_launcher agents that no attempt owns.
-        d["detector"] = {**d.get("detector", {}), "enabled": False}
     cfg = run.Config(NeighborCkptConfig.from_dict, d)
     cbs = [run.Config(NeighborCheckpoint, config=cfg)]
     if job.neighbor_ckpt.fault_injection.enabled and inject_faults:
@@ -320,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run-dir", type=Path, required=True, help="logs, reports and NeMo checkpoints go here")
     ap.add_argument("--record", action="store_true", help="write per-step losses and final fingerprints")
     ap.add_argument("--inprocess-store", metavar="HOST:PORT", default=None,
-                    help="in-process recovery: the store host (`neighbor-ckpt launch` starts it and passes this)")
+                    help="in-process recovery: the store host (default: what our launcher sets)")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(name)s %(levelname)s %(message)s")
@@ -351,8 +347,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
     """``llm.pretrain`` under in-process recovery: each attempt builds the trainer, strategy and model anew
-    (:func:`neighbor_ckpt.lightning.inprocess.run_trainer`); exits with the wrapper's fallback status when in-process
-    recovery gives up (the launcher then restarts the job)."""
+    (:func:`neighbor_ckpt.lightning.inprocess.run_trainer`); exits with the engine's fallback status when in-process
+    recovery gives up (the launchers then restart the job)."""
     import fiddle as fdl
     import torch
 
@@ -360,15 +356,16 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
     from neighbor_ckpt.inprocess import InprocessRecovery
     from neighbor_ckpt.lightning import inprocess as lip
 
-    if not args.inprocess_store or ":" not in args.inprocess_store:
-        raise ConfigError("neighbor_ckpt.inprocess.enabled: the recipe needs --inprocess-store HOST:PORT (the store "
-                          "host process); start the job with `neighbor-ckpt launch`, which starts it")
-    host, port = args.inprocess_store.rsplit(":", 1)
+    store: dict[str, Any] = {}
+    if args.inprocess_store:
+        host, sep, port = args.inprocess_store.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"--inprocess-store {args.inprocess_store!r}: expected HOST:PORT")
+        store = {"store_host": host, "store_port": int(port)}
     t_start = time.time()
     build_recipe(job, args.run_dir)  # every import the attempts need, now: a spare must be hot when it is activated
     p, t = job.parallelism, job.trainer
-    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store_host=host, store_port=int(port),
-                                           monitor_log_dir=args.run_dir / "nvrx",
+    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, **store,
                                            model_parallel=p.tensor * p.pipeline * p.context,
                                            batch_micro_batches=t.global_batch_size // t.micro_batch_size)
     if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:

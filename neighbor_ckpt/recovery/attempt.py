@@ -1,6 +1,6 @@
 """Which attempt of a job a checkpointer belongs to: the launcher's restart count and the in-process restart.
 
-A launcher restart (torchrun, ft_launcher, Slurm) starts new processes and bumps ``TORCHELASTIC_RESTART_COUNT``; an
+A launcher restart (torchrun, our in-process launcher's job restart, Slurm) starts new processes and bumps ``TORCHELASTIC_RESTART_COUNT``; an
 in-process restart (:mod:`neighbor_ckpt.inprocess`) calls the training function again in the same processes and the
 count stays. Every record that names an attempt (the failure detector's key prefix, the failure event, the restore
 journal, the recovery timeline's file) takes :class:`AttemptInfo`, so in-process attempts do not repeat each other's
@@ -12,7 +12,8 @@ May import: nothing of neighbor_ckpt.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 __all__ = ["AttemptInfo", "launcher_restart_count"]
 
@@ -35,10 +36,14 @@ class AttemptInfo:
     """This process was started as an idle hot spare and becomes active in this attempt (it holds no state of the
     rank it now is)."""
     failure_noticed_unix: float | None = None
-    """In-process restarts: when this process noticed the failure of the previous in-process attempt (the wrapper
+    """In-process restarts: when this process noticed the failure of the previous in-process attempt (the engine
     began its abort; None: not known, or this process was not part of it)."""
     abort_end_unix: float | None = None
     """In-process restarts: when this process's abort of the previous attempt ended (its process groups freed)."""
+    progress_sink: Callable[[Callable[[], tuple[int, int | None, str]]], None] | None = \
+        field(default=None, compare=False, repr=False)
+    """In process: where the checkpointer hands its progress tag (the engine's monitor thread is the failure
+    detector there, for the process's whole life)."""
 
     @classmethod
     def from_env(cls) -> AttemptInfo:

@@ -19,7 +19,7 @@ An in-process recovery (:mod:`neighbor_ckpt.inprocess`: the surviving processes 
 rank's place) has no new processes; its *restart* and *rendezvous* are replaced by (:data:`PHASES_INPROCESS`):
 
 =============  =====================================  ======================================================
-abort          failure noticed (the wrapper began     every survivor's process groups aborted (blocked
+abort          failure noticed (the engine began      every survivor's process groups aborted (blocked
                its abort on the earliest survivor)    collectives freed; latest survivor)
 reform         abort done                             recovery began on every rank (clean-ups, rank
                                                       re-assignment, new process group, megatron-core parallel
@@ -40,7 +40,7 @@ Where each time comes from:
 * process start: the kernel's start time of each worker (``/proc/self/stat``), latest over all ranks; a rank
   whose process started after the newest committed snapshot (or, without one, after the failure was noticed) is
   a restarted rank;
-* in process: the abort's start and end on every survivor (the wrapper's monitor thread), given to the checkpointer
+* in process: the abort's start and end on every survivor (the engine's monitor thread), given to the checkpointer
   with :class:`~neighbor_ckpt.recovery.attempt.AttemptInfo`, as is whether this process is a hot spare activated now;
 * process group ready: the first framework hook after ``init_process_group`` (a marker inside *rendezvous*);
 * recovery phases: :class:`~neighbor_ckpt.recovery.flow.RecoveryReport` timings (inventory + exchange ->
@@ -334,7 +334,7 @@ _DEFINITIONS = {
 }
 
 _DEFINITIONS_INPROCESS = {
-    "detect": "the in-process wrapper's abort began on the earliest survivor (or its failure event) - newest "
+    "detect": "the in-process engine's abort began on the earliest survivor (or its failure event) - newest "
               "committed snapshot on any rank",
     "abort": "every survivor's process groups aborted (latest survivor) - failure noticed",
     "reform": "latest recovery start - abort done (clean-ups, rank re-assignment, process group, parallel state, "

@@ -63,7 +63,7 @@ def kill_self(sig: int = signal.SIGKILL) -> Callable[[], None]:
 
 def lose_node() -> None:
     """Fault injection of a node that is gone for good (``fault_injection.permanent``): SIGKILL this worker's launcher
-    agent (its parent process: a torchrun / ft_launcher agent), so no restart brings this rank back; the caller then
+    agent (its parent process: a torchrun agent or our in-process launcher), so no restart brings this rank back; the caller then
     kills itself. Under in-process recovery every simulated node has an agent of its own; under one torchrun agent for
     all local workers this takes the whole node down, as losing it would."""
     parent = os.getppid()

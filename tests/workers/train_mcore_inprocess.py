@@ -1,24 +1,24 @@
 """Test worker: the plain megatron-core loop (``recipes/mcore_gpt_plain_loop.py``'s tiny GPT, DistributedOptimizer)
 under in-process recovery with hot spares (:mod:`neighbor_ckpt.inprocess`).
 
-One process per rank, ``active + SPARES`` processes (NVRx ``ft_launcher``, one agent per simulated node). Heavy
+One process per rank, ``active + SPARES`` processes (our launcher, one per simulated node). Heavy
 imports happen once, at process start (spares included); everything that holds a process group is built again in
 each attempt of the wrapped function: the gloo group, megatron-core's parallel state, model, DDP,
 DistributedOptimizer, scheduler (all by the recipe's ``build_gpt``) and NeighborCheckpointer. Survivors find their own
 host slots; the spare (its own store root, like a fresh node) pulls the lost rank's state from the ring successor.
 
-On a failure the checkpointer is closed with ``close(success=False)`` (host slots kept) by the wrapper's Finalize,
+On a failure the checkpointer is closed with ``close(success=False)`` (host slots kept) by the engine's clean-ups,
 i.e. *after* the abort: closed from the exception handler, before the abort, its transport would send a close
 message to the successor and wait up to 30 s for its receiver thread, blocked on a predecessor that is still
 training (an exception on one rank) until the abort frees it.
 
 Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<NODE_NAME>``), NODE_NAME (the
-simulated node: one per agent), STORE_HOST/STORE_PORT (the external store), SPARES, STEPS, NEIGHBOR_CKPT_JOB_ID
+simulated node: one per launcher), SPARES, STEPS, NEIGHBOR_CKPT_JOB_ID
 (fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|stop|none), KILL_RANK (a rank, or
 ranks separated by commas), KILL_STEP (first attempt only: SIGKILL, a RuntimeError, or SIGSTOP inside the optimizer
 step of KILL_STEP), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the
 restored state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's
-node is gone, its ft_launcher agent is killed too), NEIGHBOR_CKPT_INPROCESS_TIMERS (NVRx timer overrides), TP (tensor
+node is gone, its launcher is killed too), TP (tensor
 parallel size, default 1), GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the
 initial DP), DROPOUT (default 0.1), ELASTIC (1: ``neighbor_ckpt.elastic.enabled``: without a spare the survivors
 continue on a smaller data-parallel size), KEEP_OLD (1: after an elastic reshard each survivor copies the previous
@@ -55,8 +55,8 @@ MBS, N_MB = 2, 2
 
 logging.basicConfig(level=logging.INFO, format=f"[init{INITIAL_RANK}] %(asctime)s %(name)s %(levelname)s %(message)s")
 T_START = time.time()
-if os.environ.get("NVRX_DEBUG"):
-    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.DEBUG)
+if os.environ.get("INPROCESS_DEBUG"):
+    logging.getLogger("neighbor_ckpt.inprocess").setLevel(logging.DEBUG)
 
 # -- heavy imports, once per process ------------------------------------------------------------------------------
 import torch  # noqa: E402
@@ -74,7 +74,7 @@ from neighbor_ckpt import NeighborCkptConfig  # noqa: E402
 from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter  # noqa: E402
 from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
 from neighbor_ckpt.inprocess import InprocessRecovery  # noqa: E402
-from neighbor_ckpt.inprocess.wrapper import Attempt  # noqa: E402
+from neighbor_ckpt.inprocess import Attempt  # noqa: E402
 from neighbor_ckpt.runtime import failpoints  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
@@ -113,15 +113,19 @@ def write_json(name: str, obj: Any) -> None:
 
 def make_config() -> NeighborCkptConfig:
     cfg = NeighborCkptConfig()  # job id and store root from NEIGHBOR_CKPT_JOB_ID / NEIGHBOR_CKPT_STORE_DIR
-    cfg.inprocess.enabled = True  # the checkpointer turns its own failure detector off: NVRx's monitors detect
+    cfg.inprocess.enabled = True  # the engine's monitor is the failure detector, on the detector's timers
     cfg.inprocess.spares = int(os.environ.get("SPARES", "1"))
     cfg.elastic.enabled = os.environ.get("ELASTIC") == "1"
     cfg.report.dir = str(OUT / "reports")
+    # the CPU job files' detector timers (a tiny GPT step is ~0.1 s; a loaded 2-core machine stalls for ~1 s)
+    cfg.detector.interval_s, cfg.detector.timeout_s = 0.2, 2.0
+    cfg.detector.hang_timeout_s = float(os.environ.get("HANG_TIMEOUT", "3.0"))
+    if hasattr(cfg.inprocess, "barrier_timeout_s"):
+        cfg.inprocess.barrier_timeout_s = 120.0
     return cfg
 
 
-inproc = InprocessRecovery.from_config(make_config(), store_host=os.environ["STORE_HOST"],
-                                       store_port=int(os.environ["STORE_PORT"]), monitor_log_dir=OUT / "nvrx",
+inproc = InprocessRecovery.from_config(make_config(),
                                        model_parallel=TP, batch_micro_batches=GLOBAL_BATCH // MBS)
 
 
@@ -142,8 +146,17 @@ def inject_fault(rank: int, att: Attempt) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULT == "stop":
         log.warning("fault injection: SIGSTOP of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
-        os.kill(os.getpid(), signal.SIGSTOP)  # NVRx's monitor process kills it after hard_timeout
+        os.kill(os.getpid(), signal.SIGSTOP)  # its watcher finds it silent; its launcher kills it
         time.sleep(3600)
+    if FAULT == "block":
+        # The training thread stuck in a C call (no Python, the GIL released) while the monitor thread beats on.
+        log.warning("fault injection: rank %d's training thread blocked in a C call inside the optimizer step of "
+                    "step %d", rank, KILL_STEP)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        import ctypes
+
+        ctypes.CDLL(None).sleep(3600)
     log.warning("fault injection: RuntimeError on rank %d inside the optimizer step of step %d", rank, KILL_STEP)
     raise RuntimeError(f"injected fault on rank {rank} at step {KILL_STEP}")
 
@@ -168,7 +181,7 @@ def train(att: Attempt) -> dict[str, Any]:
                                 attempt=inproc.attempt_info(), global_batch=GLOBAL_BATCH, micro_batch_size=MBS)
     # Closed after the abort if this attempt fails (the abort frees its streaming threads first); slots stay.
     inproc.on_restart(lambda: ckpt.close(success=False))
-    armed = FAULT in ("kill", "raise", "stop") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
+    armed = FAULT in ("kill", "raise", "stop", "block") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
 
     def maybe_fault() -> None:
         if armed and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == KILL_STEP:
@@ -185,6 +198,12 @@ def train(att: Attempt) -> dict[str, Any]:
         failpoints.arm("recovery.load", failpoints.kill_self())
     result = ckpt.recover()
     times["recovered"] = time.time()
+    echo_check(att)
+    if att.iteration == 0 and rank == int(os.environ.get("LEAK_THREAD_RANK", "-1")):
+        import threading
+
+        log.warning("fault injection: rank %d leaks a thread (the hygiene check must catch it)", rank)
+        threading.Thread(target=time.sleep, args=(3600,), name="leaked-by-the-test", daemon=True).start()
     consumed = 0
     if result.restored:
         scheduler.load_state_dict(result.user_state["scheduler"])
@@ -267,8 +286,33 @@ def dump_resharded(ckpt: NeighborCheckpointer, rank: int) -> None:
                         dirs_exist_ok=True)
 
 
+ECHO: Any = None
+"""ECHO_PORT: a TCP connection to the test's echo server, opened before the first attempt (the scoped abort must
+leave it alone)."""
+
+
+def echo_check(att: Attempt) -> None:
+    """Send one line through the connection opened before the first attempt; record that it came back."""
+    if ECHO is None:
+        return
+    msg = f"process {INITIAL_RANK} generation {att.iteration}\n".encode()
+    ECHO.sendall(msg)
+    got = b""
+    while not got.endswith(b"\n"):
+        chunk = ECHO.recv(256)
+        if not chunk:
+            break
+        got += chunk
+    write_json(f"echo.initial{INITIAL_RANK}.iter{att.iteration}.json", {"sent": msg.decode(), "got": got.decode()})
+
+
 def main() -> int:
+    global ECHO
     OUT.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("ECHO_PORT"):
+        import socket
+
+        ECHO = socket.create_connection(("127.0.0.1", int(os.environ["ECHO_PORT"])))
     log.info("process %d started as rank %d on %s; imports took %.2fs", os.getpid(), INITIAL_RANK, NODE,
              T_IMPORTED - T_START)
     code = 0
