@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from neighbor_ckpt.inprocess.generation import GenerationFailure, GenerationStore
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
