@@ -1,0 +1,772 @@
+"""The per-node launcher of in-process recovery: starts this node's share of a launch's processes and supervises them.
+
+One launcher per (simulated) node::
+
+    python -m neighbor_ckpt.inprocess.launcher --store HOST:PORT --run-id ID --node NODE \\
+        --first P --count K --processes N --spares S --max-restarts R [--nodes M] [--store-root DIR] \\
+        [--no-python] -- PROGRAM ARGS...
+
+It starts processes ``P..P+K-1`` of the launch's ``N`` (the last ``S`` of the ``N`` are hot spares) as
+``python -u PROGRAM ARGS`` (``--no-python``: ``PROGRAM ARGS`` is the whole command, e.g. a profiler or the test
+suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``WORLD_SIZE=N``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE=K``, the store, run id, launcher pid and spare count of :mod:`~neighbor_ckpt.inprocess.protocol`,
+``TORCHELASTIC_RESTART_COUNT`` (the launcher-level attempt), ``TORCHELASTIC_RUN_ID`` (the run id),
+``NEIGHBOR_CKPT_NODE_ID=NODE``, ``NEIGHBOR_CKPT_STORE_DIR=DIR/NODE`` (with ``--store-root``) and
+``TORCH_CPP_LOG_LEVEL=error`` (:func:`child_env`).
+
+**What it does with an exit** (:func:`classify_exit`), polling every ``--poll`` seconds:
+
+* 0: nothing (the process is waited for; the job ends with ``complete``);
+* :data:`~protocol.EXIT_FENCED`, or a process already listed in ``dead`` (this launcher killed it because a detector
+  listed it, or it exited after being listed): nothing more, it is declared already;
+* :data:`~protocol.EXIT_FALLBACK`: the job gives up in-process recovery: the launcher-level restart below;
+* anything else (a signal, an error, :data:`~protocol.EXIT_HYGIENE`, :data:`~protocol.EXIT_ABORT_HUNG`): the
+  launcher declares the process dead: it appends ``"<p>:exited: <how>;"`` to ``dead`` and records the current
+  generation's failure (``gen/<g>/failed``, kind ``exited``, first ``compare_set`` wins), the push every survivor
+  waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*: a new process index
+  (``add("processes", 1) - 1``), the same local rank, :data:`~protocol.ENV_REPLACES` set; it joins as a spare.
+
+It also reads ``dead`` every tick and SIGKILLs any process of its own listed there (a detector found it silent or
+hung; SIGKILL ends a SIGSTOPped process too), and the process whose pid the engine wrote under ``proc/<p>`` when that
+is another one on this node (the test suite's warm fork), identified by its start time.
+
+**Restart** (the fallback): when ``giveup`` is set or a process exits 75, the launcher waits ``--fallback-grace``
+seconds for its processes to exit, SIGKILLs what is left, and, below ``--max-restarts``, meets the other launchers
+under the next attempt's prefix (``launchers``: each adds 1 and waits until it equals ``--nodes``, at most
+``--rendezvous-timeout`` seconds) and starts its ``K`` processes again (the original indices) with
+``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (``exited`` reached ``processes``) without
+``complete``, the launcher that sees it sets ``giveup`` itself.
+
+**Exit status**: 0 once ``complete`` is set and its processes have exited (they get ``--complete-grace`` seconds,
+then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
+:data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (the launcher keeps reaping its
+processes meanwhile, queues what it has to write, and tries to reconnect every few seconds; a store that comes back
+in time changes nothing); 1 when the store cannot be reached at the start or the restart's rendezvous times out;
+``128 + signal`` when it was stopped by SIGTERM/SIGINT/SIGHUP. Every one of them comes with one log line.
+
+**No process outlives it.** Each process starts in a session of its own (its process group is what the launcher
+signals, so what the process started goes with it) with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: SIGKILL of the launcher
+kills its processes, which is how a test loses a node. On its own way out the launcher SIGTERMs what is left and
+SIGKILLs it after ``--grace`` seconds. (What a process started in a session of its own is not reached when the
+launcher is SIGKILLed; torchrun does no better.)
+
+**Why plain** :class:`subprocess.Popen` **and not torch.distributed.elastic's pieces.** ``start_processes`` returns a
+``PContext`` that runs a fixed set of processes as one group: ``wait()`` reports the group failed when any one fails
+and ``close()`` stops them all, with no way to start one process into a running group (a replacement) or to let the
+others run on after one died, which is the whole point here; its log redirection and ``tee`` are built around that
+context. ``SubprocessHandler`` is a thin ``Popen(start_new_session=True)`` whose constructor gives no way to pass the
+``preexec_fn`` that sets the parent-death signal short of overriding its private ``_popen``. So: ``Popen`` with
+``start_new_session=True`` (as ``SubprocessHandler``) and that ``preexec_fn``; the processes write to the launcher's
+stdout and stderr (the launch log), as ``ft_launcher``'s workers did.
+
+The pure decisions (:class:`LauncherPlan` from argv, :func:`child_env`, :func:`classify_exit`,
+:func:`parse_dead`, :func:`failure_record`) are apart from the loop (:class:`Launcher`) and tested in one process
+(``tests/unit/test_inprocess_launcher.py``); the loop with toy programs and a real store host
+(``tests/multiproc/test_inprocess_launcher.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import enum
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from neighbor_ckpt.inprocess import protocol
+from neighbor_ckpt.inprocess.protocol import key
+
+__all__ = ["LauncherPlan", "Action", "classify_exit", "parse_dead", "describe_exit", "exit_status", "dead_entry",
+           "failure_record", "child_env", "child_command", "parse_args", "Launcher", "main", "EXIT_STORE_LOST",
+           "EXIT_LAUNCHER_ERROR"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_STORE_LOST = 69
+"""The launcher's status when the store stopped answering for ``--store-grace`` seconds (EX_UNAVAILABLE)."""
+EXIT_LAUNCHER_ERROR = 1
+"""The launcher's status when it could not start (store unreachable) or the restart's rendezvous timed out."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl``, resolved here in the parent (the child between fork and exec only calls it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+# --- the plan: argv -> frozen data -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LauncherPlan:
+    """What one launcher runs (pure data, from :func:`parse_args`)."""
+
+    store_host: str
+    store_port: int
+    run_id: str
+    node: str
+    first: int
+    """The first process index this launcher starts."""
+    count: int
+    """How many (``first..first+count-1``)."""
+    processes: int
+    """``N``: processes of the launch, spares included."""
+    spares: int
+    """The last ``spares`` of the ``N`` are hot spares."""
+    max_restarts: int
+    """Launcher-level restarts (when in-process recovery gives up)."""
+    nodes: int
+    """Launchers of the launch (the restart rendezvous waits for all of them)."""
+    program: tuple[str, ...]
+    store_root: Optional[str] = None
+    no_python: bool = False
+    poll_s: float = 0.05
+    grace_s: float = 10.0
+    """SIGTERM, then SIGKILL after this (the launcher's own exit)."""
+    fallback_grace_s: float = 30.0
+    """On a give-up: how long the processes get to exit on their own before SIGKILL."""
+    complete_grace_s: float = 60.0
+    """Once ``complete`` is set: how long the processes get to exit before they are stopped."""
+    store_grace_s: float = 60.0
+    """How long the store may not answer before the launcher gives up (:data:`EXIT_STORE_LOST`)."""
+    connect_timeout_s: float = 120.0
+    rendezvous_timeout_s: float = 300.0
+    max_replacements: int = 16
+    """Replacements (after :data:`~protocol.EXIT_HYGIENE`) this launcher starts per attempt, at most."""
+
+    def __post_init__(self) -> None:
+        if not self.program:
+            raise ValueError("no program: give it after `--`")
+        if self.processes < 1 or self.count < 1 or self.first < 0 or self.first + self.count > self.processes:
+            raise ValueError(f"--first {self.first} --count {self.count}: not a range of the {self.processes} "
+                             f"processes of the launch")
+        if not 0 <= self.spares < self.processes:
+            raise ValueError(f"--spares {self.spares}: needs 0 <= spares < processes ({self.processes})")
+        if self.max_restarts < 0 or self.nodes < 1:
+            raise ValueError("--max-restarts must be >= 0 and --nodes >= 1")
+
+    @property
+    def indices(self) -> range:
+        """This launcher's process indices."""
+        return range(self.first, self.first + self.count)
+
+    @property
+    def store_address(self) -> str:
+        return f"{self.store_host}:{self.store_port}"
+
+    @property
+    def name(self) -> str:
+        """``launcher:<node>``: the ``by`` of the failures it records."""
+        return f"launcher:{self.node}"
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return v
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m neighbor_ckpt.inprocess.launcher",
+                                 description="Start and supervise one node's processes of an in-process launch.")
+    ap.add_argument("--store", required=True, metavar="HOST:PORT", help="the launch's store (store_host)")
+    ap.add_argument("--run-id", required=True, help="the launch's run id (the store namespace)")
+    ap.add_argument("--node", required=True, help="this node's id (NEIGHBOR_CKPT_NODE_ID of its processes)")
+    ap.add_argument("--first", type=int, required=True, help="the first process index started here")
+    ap.add_argument("--count", type=int, required=True, help="how many processes are started here")
+    ap.add_argument("--processes", type=int, required=True, help="N: processes of the launch, spares included")
+    ap.add_argument("--spares", type=int, default=0, help="the last SPARES of the N are hot spares")
+    ap.add_argument("--max-restarts", type=int, default=0, help="launcher-level restarts when recovery gives up")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="launchers of the launch (default: ceil(processes / count))")
+    ap.add_argument("--store-root", default=None,
+                    help="host store root: each process gets NEIGHBOR_CKPT_STORE_DIR=STORE_ROOT/NODE")
+    ap.add_argument("--no-python", action="store_true", help="PROGRAM is a whole command, not a Python script")
+    ap.add_argument("--poll", type=_positive, default=0.05, help="seconds between two looks (default 0.05)")
+    ap.add_argument("--grace", type=_positive, default=10.0, help="SIGTERM, then SIGKILL after this (default 10)")
+    ap.add_argument("--fallback-grace", type=_positive, default=30.0,
+                    help="on a give-up, seconds the processes get to exit before SIGKILL (default 30)")
+    ap.add_argument("--complete-grace", type=_positive, default=60.0,
+                    help="once complete, seconds the processes get to exit before they are stopped (default 60)")
+    ap.add_argument("--store-grace", type=_positive, default=60.0,
+                    help="seconds the store may not answer before the launcher stops (default 60)")
+    ap.add_argument("--connect-timeout", type=_positive, default=120.0,
+                    help="seconds to reach the store at the start (default 120)")
+    ap.add_argument("--rendezvous-timeout", type=_positive, default=300.0,
+                    help="seconds the restart waits for every launcher (default 300)")
+    ap.add_argument("--max-replacements", type=int, default=16,
+                    help="replacement processes per attempt at most (default 16)")
+    ap.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
+    return ap
+
+
+def parse_args(argv: Sequence[str]) -> LauncherPlan:
+    """The plan of ``argv`` (exits with a usage error, as argparse does, when it is not one)."""
+    ap = _parser()
+    a = ap.parse_args(list(argv))
+    program = list(a.program)
+    if program[:1] == ["--"]:
+        program = program[1:]
+    host, sep, port = a.store.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        ap.error(f"--store {a.store!r}: expected HOST:PORT")
+    nodes = a.nodes if a.nodes is not None else -(-a.processes // max(1, a.count))
+    try:
+        return LauncherPlan(store_host=host, store_port=int(port), run_id=a.run_id, node=a.node, first=a.first,
+                            count=a.count, processes=a.processes, spares=a.spares, max_restarts=a.max_restarts,
+                            nodes=nodes, program=tuple(program), store_root=a.store_root, no_python=a.no_python,
+                            poll_s=a.poll, grace_s=a.grace, fallback_grace_s=a.fallback_grace,
+                            complete_grace_s=a.complete_grace, store_grace_s=a.store_grace,
+                            connect_timeout_s=a.connect_timeout, rendezvous_timeout_s=a.rendezvous_timeout,
+                            max_replacements=a.max_replacements)
+    except ValueError as e:
+        ap.error(str(e))
+        raise  # unreachable: ap.error exits
+
+
+def child_command(plan: LauncherPlan) -> list[str]:
+    """What each process runs: ``python -u PROGRAM ARGS`` (this interpreter), or ``PROGRAM ARGS`` with
+    ``--no-python``."""
+    return list(plan.program) if plan.no_python else [sys.executable, "-u", *plan.program]
+
+
+def child_env(plan: LauncherPlan, *, index: int, local_rank: int, attempt: int, launcher_pid: int,
+              replaces: Optional[int] = None) -> dict[str, str]:
+    """The environment a process gets on top of the launcher's (pure)."""
+    env = {protocol.ENV_PROCESS: str(index), protocol.ENV_PROCESSES: str(plan.processes),
+           "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(plan.count),
+           protocol.ENV_STORE: plan.store_address, protocol.ENV_RUN_ID: plan.run_id,
+           protocol.ENV_LAUNCHER: str(launcher_pid), protocol.ENV_SPARES: str(plan.spares),
+           "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": plan.run_id,
+           "NEIGHBOR_CKPT_NODE_ID": plan.node, "TORCH_CPP_LOG_LEVEL": "error"}
+    if plan.store_root is not None:
+        env["NEIGHBOR_CKPT_STORE_DIR"] = str(Path(plan.store_root) / plan.node)
+    if replaces is not None:
+        env[protocol.ENV_REPLACES] = str(replaces)
+    return env
+
+
+# --- pure decisions --------------------------------------------------------------------------------------------
+
+
+class Action(enum.Enum):
+    """What the launcher does about a process that exited."""
+
+    NOTHING = "nothing"
+    """Exit 0: waited for."""
+    DECLARED = "declared"
+    """Fenced, or already listed in ``dead``: nothing more."""
+    FALLBACK = "fallback"
+    """Exit 75: the job-level restart."""
+    DECLARE = "declare"
+    """Declare it dead (``dead`` + ``gen/<g>/failed``)."""
+    REPLACE = "replace"
+    """Declare it dead and start a replacement (:data:`~protocol.EXIT_HYGIENE`)."""
+
+
+def classify_exit(code: int, declared: bool) -> Action:
+    """What to do about a process that exited with ``code`` (``Popen.returncode``: negative for a signal);
+    ``declared``: it is listed in ``dead`` already (a detector listed it, or this launcher killed it for that)."""
+    if code == 0:
+        return Action.NOTHING
+    if code == protocol.EXIT_FALLBACK:
+        return Action.FALLBACK
+    if code == protocol.EXIT_FENCED or declared:
+        return Action.DECLARED
+    if code == protocol.EXIT_HYGIENE:
+        return Action.REPLACE
+    return Action.DECLARE
+
+
+def describe_exit(code: int) -> str:
+    """``"exited with status 3"``, ``"killed by signal 9 (SIGKILL)"``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "?"
+        return f"killed by signal {-code} ({name})"
+    known = {protocol.EXIT_HYGIENE: " (hygiene: replaced)", protocol.EXIT_ABORT_HUNG: " (its abort hung)",
+             protocol.EXIT_FENCED: " (fenced)", protocol.EXIT_FALLBACK: " (in-process recovery gave up)"}
+    return f"exited with status {code}{known.get(code, '')}"
+
+
+def exit_status(code: int) -> int:
+    """A ``Popen.returncode`` as a shell reports it (a signal ``s``: ``128 + s``)."""
+    return 128 - code if code < 0 else code
+
+
+def parse_dead(value: bytes | str | None) -> dict[int, str]:
+    """``dead``'s value, ``"3:exited: killed by signal 9;5:silent for 2.1 s;"``, as ``{3: "exited: ...", 5: ...}``
+    (the first reason of each process; malformed entries are skipped)."""
+    if not value:
+        return {}
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    out: dict[int, str] = {}
+    for entry in text.split(";"):
+        p, sep, why = entry.partition(":")
+        p = p.strip()
+        if sep and p.isdigit():
+            out.setdefault(int(p), why.strip())
+    return out
+
+
+def dead_entry(index: int, reason: str) -> str:
+    """One ``dead`` entry (``;`` in the reason would end it early: replaced)."""
+    return f"{index}:{reason.replace(';', ',')};"
+
+
+def failure_record(plan: LauncherPlan, index: int, reason: str, unix: float) -> str:
+    """``gen/<g>/failed``'s JSON for a process this launcher saw exit."""
+    return json.dumps({"by": plan.name, "kind": "exited", "ranks": [index], "reason": reason[:400], "unix": unix})
+
+
+# --- the loop --------------------------------------------------------------------------------------------------
+
+
+class StoreDown(Exception):
+    """The store did not answer."""
+
+
+class _Outcome(enum.Enum):
+    COMPLETE = "complete"
+    GIVEUP = "giveup"
+    STORE_LOST = "store lost"
+    SIGNALED = "signaled"
+
+
+@dataclass
+class _Child:
+    index: int
+    local_rank: int
+    proc: subprocess.Popen
+    replaces: Optional[int] = None
+    killed: Optional[str] = None
+    """Why this launcher SIGKILLed it (listed in ``dead``), if it did."""
+
+
+@dataclass
+class _Attempt:
+    number: int
+    children: dict[int, _Child] = field(default_factory=dict)
+    dead: dict[int, str] = field(default_factory=dict)
+    giveup: Optional[str] = None
+    complete_at: Optional[float] = None
+    replacements: int = 0
+    worst: int = 0
+    """The worst status of a process that exited on its own (not stopped by this launcher)."""
+
+
+def _child_setup(parent: int) -> None:
+    """In the child, between fork and exec: die with the launcher (SIGKILL when it is gone)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before prctl: the signal will never come
+        os._exit(1)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``proc``'s process group (its own session), or to ``proc`` if the group is gone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+class Launcher:
+    """One node's launcher (:func:`main` runs it)."""
+
+    def __init__(self, plan: LauncherPlan, *, env: Optional[Mapping[str, str]] = None) -> None:
+        self.plan = plan
+        self.env = dict(os.environ if env is None else env)
+        self.pid = os.getpid()
+        self._base: Any = None
+        self._stores: dict[int, Any] = {}
+        self._down_since: Optional[float] = None
+        self._next_connect = 0.0
+        self._outbox: list[tuple[int, Callable[[Any], Any]]] = []
+        self._signal: Optional[int] = None
+        self._att: Optional[_Attempt] = None
+
+    # -- store ------------------------------------------------------------------------------------------------
+
+    def _connect(self, timeout_s: float) -> Any:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.plan.store_host, self.plan.store_port, is_master=False, wait_for_workers=False,
+                              use_libuv=True, timeout=timedelta(seconds=timeout_s))
+        store.set_timeout(timedelta(seconds=10))
+        return store
+
+    def _store(self, attempt: int) -> Any:
+        """The store under ``attempt``'s prefix; raises :class:`StoreDown` while it cannot be reached."""
+        import torch.distributed as dist
+
+        if self._base is None:
+            now = time.monotonic()
+            if now < self._next_connect:
+                raise StoreDown("reconnecting")
+            self._next_connect = now + 3.0
+            try:
+                self._base = self._connect(2.0)
+            except Exception as e:  # noqa: BLE001 - any failure to reach the store is the same here
+                raise StoreDown(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            self._stores.clear()
+            if self._down_since is not None:
+                logger.warning("the store %s answers again", self.plan.store_address)
+        if attempt not in self._stores:
+            self._stores[attempt] = dist.PrefixStore(protocol.launch_prefix(self.plan.run_id, attempt), self._base)
+        return self._stores[attempt]
+
+    def _call(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
+        """``fn(store)`` under ``attempt``'s prefix; :class:`StoreDown` when the store does not answer (the first
+        failure is logged, and the connection is dropped so a later call reconnects)."""
+        try:
+            value = fn(self._store(attempt))
+        except StoreDown:
+            self._mark_down("reconnecting")
+            raise
+        except RuntimeError as e:  # torch's DistNetworkError, DistStoreError (a timeout) are RuntimeErrors
+            self._base = None
+            self._stores.clear()
+            self._mark_down(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise StoreDown(str(e)) from None
+        self._down_since = None
+        return value
+
+    def _mark_down(self, why: str) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            logger.warning("the store %s does not answer (%s): supervising the processes without it for up to "
+                           "%.0f s", self.plan.store_address, why, self.plan.store_grace_s)
+
+    def _try(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
+        """:meth:`_call`, None when the store does not answer."""
+        try:
+            return self._call(attempt, fn)
+        except StoreDown:
+            return None
+
+    def _later(self, attempt: int, fn: Callable[[Any], Any]) -> None:
+        """A write that must reach the store: now, or from the outbox once it answers again."""
+        self._outbox.append((attempt, fn))
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._outbox:
+            attempt, fn = self._outbox[0]
+            try:
+                self._call(attempt, fn)
+            except StoreDown:
+                return
+            self._outbox.pop(0)
+
+    def _store_lost(self) -> bool:
+        return self._down_since is not None and time.monotonic() - self._down_since > self.plan.store_grace_s
+
+    # -- processes --------------------------------------------------------------------------------------------
+
+    def _start(self, att: _Attempt, index: int, local_rank: int, replaces: Optional[int] = None) -> _Child:
+        env = {**self.env, **child_env(self.plan, index=index, local_rank=local_rank, attempt=att.number,
+                                       launcher_pid=self.pid, replaces=replaces)}
+        parent = self.pid
+        proc = subprocess.Popen(child_command(self.plan), env=env, start_new_session=True,
+                                preexec_fn=lambda: _child_setup(parent))
+        child = _Child(index=index, local_rank=local_rank, proc=proc, replaces=replaces)
+        att.children[index] = child
+        return child
+
+    def _report(self, att: _Attempt) -> None:
+        info = json.dumps({"pid": self.pid, "processes": sorted(att.children)})
+        self._later(att.number, lambda s: s.set(key("launcher", self.plan.node), info))
+
+    def _kill_listed(self, att: _Attempt) -> None:
+        """SIGKILL every live process of this node listed in ``dead``."""
+        for index, child in att.children.items():
+            why = att.dead.get(index)
+            if why is None or child.killed is not None or child.proc.poll() is not None:
+                continue
+            child.killed = why
+            logger.warning("process %d (pid %d) is listed dead (%s): SIGKILL", index, child.proc.pid, why)
+            _signal_group(child.proc, signal.SIGKILL)
+            self._kill_recorded_pid(att, index, child.proc.pid)
+
+    def _kill_recorded_pid(self, att: _Attempt, index: int, pid: int) -> None:
+        """The pid the engine wrote under ``proc/<index>``, when it is not the child itself but runs on this node
+        (a fork of the test suite's warm zygote): SIGKILL it too, if its start time is the one recorded."""
+        raw = self._try(att.number, lambda s: s.get(key("proc", index)) if s.check([key("proc", index)]) else None)
+        if not raw:
+            return
+        try:
+            rec = json.loads(raw)
+            other, start = int(rec["pid"]), rec.get("start")
+        except (ValueError, KeyError, TypeError):
+            return
+        if other == pid or rec.get("node") != self.plan.node or start is None:
+            return
+        from neighbor_ckpt.runtime.procs import process_start
+
+        if process_start(other) == start:
+            try:
+                os.kill(other, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _declare(self, att: _Attempt, index: int, reason: str) -> None:
+        """``dead`` + the current generation's failure: the push every survivor waits for."""
+        entry = dead_entry(index, f"exited: {reason}")
+        record = failure_record(self.plan, index, reason, time.time())
+
+        def write(s: Any) -> None:
+            s.append("dead", entry)
+            raw = s.get("gen") if s.check(["gen"]) else b"0"
+            g = int(raw or 0)
+            s.compare_set(key("gen", g, "failed"), "", record)
+
+        att.dead.setdefault(index, f"exited: {reason}")
+        self._later(att.number, write)
+
+    def _reap(self, att: _Attempt) -> None:
+        for index, child in list(att.children.items()):
+            code = child.proc.poll()
+            if code is None:
+                continue
+            del att.children[index]
+            _signal_group(child.proc, signal.SIGKILL)  # what it started in its session goes with it
+            self._later(att.number, lambda s: s.add("exited", 1))
+            how = describe_exit(code)
+            if att.complete_at is not None:  # the job is over: a late death fails no generation
+                logger.info("process %d (pid %d) %s after the job completed", index, child.proc.pid, how)
+                continue
+            if child.killed is None and index not in att.dead and code not in (0, protocol.EXIT_FENCED):
+                fresh = self._try(att.number, lambda s: parse_dead(s.get("dead")) if s.check(["dead"]) else {})
+                att.dead.update(fresh or {})
+            action = classify_exit(code, child.killed is not None or index in att.dead)
+            if child.killed is None and code != protocol.EXIT_FALLBACK:
+                att.worst = max(att.worst, exit_status(code))
+            if action is Action.NOTHING:
+                logger.info("process %d (pid %d) %s", index, child.proc.pid, how)
+            elif action is Action.DECLARED:
+                logger.info("process %d (pid %d) %s; declared dead already (%s)", index, child.proc.pid, how,
+                            child.killed or att.dead.get(index, "fenced"))
+            elif action is Action.FALLBACK:
+                logger.warning("process %d (pid %d) %s: the job falls back to the launcher's restart", index,
+                               child.proc.pid, how)
+                self._give_up(att, f"process {index} exited with status {code}")
+            else:
+                self._declare(att, index, how)
+                if action is Action.REPLACE:
+                    self._replace(att, child, how)
+                else:
+                    logger.warning("process %d (pid %d) %s: declared dead", index, child.proc.pid, how)
+
+    def _give_up(self, att: _Attempt, reason: str) -> None:
+        """Set ``giveup`` (first ``compare_set`` wins); ``att.giveup``: the reason that stands."""
+        stood = self._try(att.number, lambda s: s.compare_set("giveup", "", reason))
+        if stood is None:
+            self._later(att.number, lambda s: s.compare_set("giveup", "", reason))
+        att.giveup = att.giveup or (reason if stood is None else stood.decode(errors="replace"))
+
+    def _replace(self, att: _Attempt, child: _Child, how: str) -> None:
+        if att.replacements >= self.plan.max_replacements:
+            logger.error("process %d %s: declared dead, NOT replaced (%d replacements on this node already, "
+                         "--max-replacements)", child.index, how, att.replacements)
+            return
+        new = self._try(att.number, lambda s: int(s.add("processes", 1)) - 1)
+        if new is None:
+            logger.error("process %d %s: declared dead, NOT replaced (the store does not answer: no new index)",
+                         child.index, how)
+            return
+        att.replacements += 1
+        started = self._start(att, new, child.local_rank, replaces=child.index)
+        logger.warning("process %d (pid %d) %s: declared dead; replacement process %d (pid %d) started, joins as a "
+                       "spare", child.index, child.proc.pid, how, new, started.proc.pid)
+        self._report(att)
+
+    def _watch_store(self, att: _Attempt) -> None:
+        """One look at ``dead``, ``giveup``, ``complete`` (nothing when the store does not answer)."""
+        def look(s: Any) -> tuple[Optional[bytes], Optional[bytes], bool]:
+            dead = s.get("dead") if s.check(["dead"]) else None
+            giveup = s.get("giveup") if s.check(["giveup"]) else None
+            return dead, giveup, s.check(["complete"])
+
+        got = self._try(att.number, look)
+        if got is None:
+            return
+        dead, giveup, complete = got
+        att.dead.update(parse_dead(dead))
+        if giveup is not None and att.giveup is None:
+            att.giveup = giveup.decode(errors="replace")
+        if complete and att.complete_at is None:
+            att.complete_at = time.monotonic()
+            logger.info("the job is complete: waiting for %d process(es) of this node to exit", len(att.children))
+
+    def _everyone_exited(self, att: _Attempt) -> bool:
+        """No process of the launch is left (``exited`` reached ``processes``)."""
+        got = self._try(att.number, lambda s: (int(s.add("exited", 0)), int(s.get("processes"))))
+        return got is not None and got[0] >= got[1]
+
+    def _stop(self, att: _Attempt, grace_s: float, *, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to every live process (nothing when ``sig`` is 0), SIGKILL after ``grace_s``, reap them all."""
+        live = [c for c in att.children.values() if c.proc.poll() is None]
+        if sig:
+            for c in live:
+                _signal_group(c.proc, sig)
+        deadline = time.monotonic() + grace_s
+        while any(c.proc.poll() is None for c in live) and time.monotonic() < deadline:
+            if not sig and self._signal is not None:  # stopped while waiting for the processes to exit
+                break
+            time.sleep(min(self.plan.poll_s, 0.05))
+        for c in live:
+            if c.proc.poll() is None:
+                logger.warning("process %d (pid %d) still running after %.0f s: SIGKILL", c.index, c.proc.pid,
+                               grace_s)
+                c.killed = c.killed or "stopped by its launcher"
+                _signal_group(c.proc, signal.SIGKILL)
+        for c in list(att.children.values()):
+            c.proc.wait()
+            _signal_group(c.proc, signal.SIGKILL)
+        att.children.clear()
+
+    def _run_attempt(self, number: int) -> _Outcome:
+        att = self._att = _Attempt(number=number)
+        n = self.plan.processes
+        self._later(number, lambda s: s.compare_set("processes", "", str(n)))
+        for local_rank, index in enumerate(self.plan.indices):
+            self._start(att, index, local_rank)
+        self._report(att)
+        logger.info("attempt %d: started process(es) %s (pids %s) of %d", number, list(self.plan.indices),
+                    [c.proc.pid for c in att.children.values()], n)
+        while True:
+            if self._signal is not None:
+                return _Outcome.SIGNALED
+            self._reap(att)
+            self._flush()
+            self._watch_store(att)
+            self._kill_listed(att)
+            if att.giveup is not None:
+                logger.warning("in-process recovery gave up (%s): waiting up to %.0f s for %d process(es) of this "
+                               "node to exit", att.giveup, self.plan.fallback_grace_s, len(att.children))
+                self._stop(att, self.plan.fallback_grace_s, sig=0)
+                self._flush()
+                return _Outcome.GIVEUP
+            if att.complete_at is not None:
+                if not att.children:
+                    return _Outcome.COMPLETE
+                if time.monotonic() - att.complete_at > self.plan.complete_grace_s:
+                    logger.warning("the job is complete but %d process(es) still run after %.0f s: stopping them",
+                                   len(att.children), self.plan.complete_grace_s)
+                    self._stop(att, self.plan.grace_s)
+                    return _Outcome.COMPLETE
+            elif not att.children and not self._outbox and self._everyone_exited(att):
+                reason = "every process of the launch exited before the job completed"
+                logger.warning("%s: giving up in-process recovery", reason)
+                self._give_up(att, reason)
+                continue
+            if self._store_lost():
+                logger.error("the store %s has not answered for %.0f s: stopping this node's %d process(es)",
+                             self.plan.store_address, self.plan.store_grace_s, len(att.children))
+                self._stop(att, self.plan.grace_s)
+                return _Outcome.STORE_LOST
+            time.sleep(self.plan.poll_s)
+
+    def _rendezvous(self, number: int) -> bool:
+        """Meet every launcher under attempt ``number``'s prefix (``launchers`` reaches ``--nodes``)."""
+        nodes = self.plan.nodes
+        self._later(number, lambda s: s.add("launchers", 1))
+        deadline = time.monotonic() + self.plan.rendezvous_timeout_s
+        joined = 0
+        while self._signal is None:
+            self._flush()
+            if not self._outbox:
+                joined = self._try(number, lambda s: int(s.add("launchers", 0))) or joined
+                if joined >= nodes:
+                    return True
+            if time.monotonic() > deadline or self._store_lost():
+                logger.error("restart %d: only %d of %d launcher(s) joined within %.0f s: not restarting", number,
+                             joined, nodes, self.plan.rendezvous_timeout_s)
+                return False
+            time.sleep(max(self.plan.poll_s, 0.1))
+        return False
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signal = signum
+
+    def run(self) -> int:
+        """Supervise until the job completes, gives up for good, the store is lost or a signal stops it; returns
+        the launcher's exit status."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        try:
+            self._base = self._connect(self.plan.connect_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            logger.error("cannot reach the store %s within %.0f s (%s): nothing started", self.plan.store_address,
+                         self.plan.connect_timeout_s, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return EXIT_LAUNCHER_ERROR
+        number = 0
+        self._later(number, lambda s: s.add("launchers", 1))
+        try:
+            while True:
+                outcome = self._run_attempt(number)
+                att = self._att
+                assert att is not None
+                if outcome is _Outcome.COMPLETE:
+                    logger.info("the job completed: exiting 0")
+                    return 0
+                if outcome is _Outcome.SIGNALED:
+                    sig = self._signal or signal.SIGTERM
+                    logger.warning("stopped by %s: stopping this node's processes", signal.Signals(sig).name)
+                    return 128 + sig
+                if outcome is _Outcome.STORE_LOST:
+                    logger.error("exiting %d: the store was lost (worst status of a process: %d)", EXIT_STORE_LOST,
+                                 att.worst)
+                    return EXIT_STORE_LOST
+                if number >= self.plan.max_restarts:
+                    logger.error("in-process recovery gave up (%s) and the launcher-level restarts are used up "
+                                 "(%d of %d): exiting %d", att.giveup, number, self.plan.max_restarts,
+                                 protocol.EXIT_FALLBACK)
+                    return protocol.EXIT_FALLBACK
+                number += 1
+                logger.warning("restart %d of %d: waiting for the %d launcher(s) of the launch", number,
+                               self.plan.max_restarts, self.plan.nodes)
+                if not self._rendezvous(number):
+                    if self._signal is not None:
+                        return 128 + self._signal
+                    return EXIT_LAUNCHER_ERROR
+        finally:
+            if self._att is not None and self._att.children:
+                self._stop(self._att, self.plan.grace_s)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    plan = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # before torch: the store client's retries are noisy
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s neighbor_ckpt launcher {plan.node} (pid {os.getpid()}): %(message)s")
+    return Launcher(plan).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Tier 2: the per-node launcher (neighbor_ckpt.inprocess.launcher) with toy processes and a real store host.
+
+Two or three launchers (one per simulated node) run a toy program written to the test's directory (no torch, no
+engine): it records its environment, then exits with the status the test planned for it, or waits until the test
+writes ``stop.<attempt>`` and exits with the status written there. The test plays the engine's part in the store
+(``complete``, ``dead``) and checks what the launchers write there and what they do with their processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import psutil
+import pytest
+
+from neighbor_ckpt.inprocess import protocol
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.multiproc
+
+RUN = "toy"
+TOY = r'''
+import json, os, sys, time
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+        "NEIGHBOR_CKPT_NODE_ID", "NEIGHBOR_CKPT_STORE_DIR", "TORCH_CPP_LOG_LEVEL")
+env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("NEIGHBOR_CKPT_INPROCESS_")}
+tmp = out / f"env.{rank}.{attempt}.json.tmp"
+start = open("/proc/self/stat").read().rpartition(")")[2].split()[19]  # pids are reused: (pid, start) is one
+tmp.write_text(json.dumps({"env": env, "pid": os.getpid(), "ppid": os.getppid(), "start": start}))
+os.replace(tmp, out / f"env.{rank}.{attempt}.json")
+plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").exists() else {}
+code = plan.get(f"{rank}.{attempt}")
+if code is not None:
+    sys.exit(code)
+stop = out / f"stop.{attempt}"
+while not stop.exists():
+    time.sleep(0.02)
+sys.exit(int(stop.read_text() or 0))
+'''
+
+
+def _wait(what: str, cond: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _gone(pid: int, start: Optional[str] = None) -> bool:
+    """``pid`` has exited (a zombie counts), or is another process now (``start``: its recorded start time)."""
+    try:
+        if start is not None and Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19] != start:
+            return True
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, OSError):
+        return True
+
+
+@dataclass
+class Launch:
+    """A store host, the launchers of one launch, the toy's directory; a client of the store for the test."""
+
+    tmp: Path
+    port: int
+    store_host: subprocess.Popen
+    launchers: dict[str, subprocess.Popen]
+    client: Any
+
+    def store(self, attempt: int = 0) -> Any:
+        import torch.distributed as dist
+
+        return dist.PrefixStore(protocol.launch_prefix(RUN, attempt), self.client)
+
+    def get(self, k: str, attempt: int = 0) -> Optional[str]:
+        s = self.store(attempt)
+        return s.get(k).decode() if s.check([k]) else None
+
+    def env(self, rank: int, attempt: int = 0, timeout: float = 60.0) -> dict[str, Any]:
+        p = self.tmp / f"env.{rank}.{attempt}.json"
+        _wait(f"process {rank} of attempt {attempt} to start", p.exists, timeout)
+        return json.loads(p.read_text())
+
+    def stop(self, attempt: int, code: int) -> None:
+        (self.tmp / f"stop.{attempt}").write_text(str(code))
+
+    def complete(self, attempt: int = 0) -> None:
+        self.store(attempt).set("complete", "0")
+        self.stop(attempt, 0)
+
+    def wait(self, node: str, timeout: float = 60.0) -> int:
+        try:
+            return self.launchers[node].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launcher {node} still runs after {timeout:.0f} s:\n{self.logs()}") from None
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+                         for p in sorted(self.tmp.glob("launcher.*.log")))
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., Launch]]:
+    """``launch({"node0": (first, count), ...}, processes=N, ...)``: a store host and one launcher per node."""
+    started: list[Launch] = []
+
+    def start(nodes: dict[str, tuple[int, int]], *, processes: int, spares: int = 1, max_restarts: int = 0,
+              plan: Optional[dict[str, int]] = None, extra: tuple[str, ...] = ()) -> Launch:
+        import torch.distributed as dist
+
+        (tmp_path / "toy.py").write_text(TOY)
+        if plan:
+            (tmp_path / "plan.json").write_text(json.dumps(plan))
+        port, ready = free_port(), tmp_path / "store.ready"
+        host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host", "127.0.0.1",
+                                 "--port", str(port), "--ready", str(ready), "--parent", str(os.getpid())],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait("the store host", ready.exists)
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, use_libuv=True)
+        launchers = {}
+        for node, (first, count) in nodes.items():
+            cmd = [sys.executable, "-m", "neighbor_ckpt.inprocess.launcher", "--store", f"127.0.0.1:{port}",
+                   "--run-id", RUN, "--node", node, "--first", str(first), "--count", str(count),
+                   "--processes", str(processes), "--spares", str(spares), "--max-restarts", str(max_restarts),
+                   "--nodes", str(len(nodes)), "--store-root", str(tmp_path / "shm"), "--grace", "3",
+                   "--fallback-grace", "10", "--complete-grace", "10", "--rendezvous-timeout", "60", *extra,
+                   "--", str(tmp_path / "toy.py"), str(tmp_path)]
+            with open(tmp_path / f"launcher.{node}.log", "w") as log:
+                launchers[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        started.append(Launch(tmp_path, port, host, launchers, client))
+        return started[-1]
+
+    yield start
+    for run in started:
+        for p in run.launchers.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in run.tmp.glob("env.*.json"):  # no toy process may outlive its launcher
+            rec = json.loads(f.read_text())
+            pid = rec["pid"]
+            if not _gone(pid, rec["start"]):
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"toy process {pid} ({f.name}) outlived its launcher")
+        run.store_host.terminate()
+        run.store_host.wait()
+
+
+def test_each_process_gets_its_environment_and_every_launcher_exits_0_once_complete(launch) -> None:
+    run = launch({"node0": (0, 2), "node1": (2, 1)}, processes=3, spares=1)
+    pids = {n: p.pid for n, p in run.launchers.items()}
+    for rank, (node, local) in {0: ("node0", 0), 1: ("node0", 1), 2: ("node1", 0)}.items():
+        got = run.env(rank)
+        env = got["env"]
+        assert got["ppid"] == pids[node]
+        assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
+            "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": "2" if node == "node0" else "1"}
+        assert env[protocol.ENV_STORE] == f"127.0.0.1:{run.port}" and env[protocol.ENV_RUN_ID] == RUN
+        assert env[protocol.ENV_LAUNCHER] == str(pids[node]) and env[protocol.ENV_SPARES] == "1"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["NEIGHBOR_CKPT_NODE_ID"] == node
+        assert env["NEIGHBOR_CKPT_STORE_DIR"] == str(run.tmp / "shm" / node)
+        assert env["TORCH_CPP_LOG_LEVEL"] == "error" and protocol.ENV_REPLACES not in env
+    _wait("both launchers' reports", lambda: run.get("launcher/node0") and run.get("launcher/node1"))
+    assert json.loads(run.get("launcher/node0")) == {"pid": pids["node0"], "processes": [0, 1]}
+    assert run.get("processes") == "3" and run.get("launchers") == "2"
+    run.complete()
+    assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
+    assert run.get("exited") == "3" and run.get("dead") is None
+
+
+def test_a_killed_process_is_declared_dead_and_fails_the_current_generation(launch) -> None:
+    run = launch({"node0": (0, 1), "node1": (1, 1), "node2": (2, 1)}, processes=3)
+    victim = run.env(1)["pid"]
+    run.env(0), run.env(2)
+    run.store().set("gen", "2")  # the engine's current generation
+    os.kill(victim, signal.SIGKILL)
+    dead = _wait("the dead entry", lambda: run.get("dead"))
+    assert dead == "1:exited: killed by signal 9 (SIGKILL);"
+    failed = json.loads(_wait("gen/2/failed", lambda: run.get("gen/2/failed")))
+    assert failed["by"] == "launcher:node1" and failed["kind"] == "exited" and failed["ranks"] == [1]
+    assert failed["reason"] == "killed by signal 9 (SIGKILL)" and abs(failed["unix"] - time.time()) < 30
+    assert run.launchers["node1"].poll() is None, "a launcher whose process died waits for the job to complete"
+    run.complete()
+    assert [run.wait(n) for n in ("node0", "node1", "node2")] == [0, 0, 0], run.logs()
+
+
+def test_a_process_listed_dead_is_sigkilled_by_its_launcher_even_when_stopped(launch) -> None:
+    run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2)
+    victim = run.env(1)
+    run.env(0)
+    os.kill(victim["pid"], signal.SIGSTOP)  # a detector found it silent
+    run.store().append("dead", "1:silent: no heartbeat for 2.0 s;")
+    _wait("the stopped process to be killed", lambda: _gone(victim["pid"], victim["start"]), timeout=10)
+    time.sleep(0.5)  # its launcher saw it exit: declared already, nothing more written
+    assert run.get("dead") == "1:silent: no heartbeat for 2.0 s;" and run.get("gen/0/failed") is None
+    assert "listed dead (silent: no heartbeat for 2.0 s): SIGKILL" in (run.tmp / "launcher.node1.log").read_text()
+    run.complete()
+    assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
+
+
+def test_sigkill_of_a_launcher_takes_its_processes_with_it_and_sigterm_stops_them(launch) -> None:
+    run = launch({"node0": (0, 2), "node1": (2, 1)}, processes=3)
+    lost = [run.env(r) for r in (0, 1)]
+    other = run.env(2)
+    run.launchers["node0"].kill()  # the node is lost
+    assert run.wait("node0") == -signal.SIGKILL
+    _wait("node0's processes to die with it", lambda: all(_gone(p["pid"], p["start"]) for p in lost), timeout=10)
+    run.launchers["node1"].terminate()
+    assert run.wait("node1") == 128 + signal.SIGTERM, run.logs()
+    assert _gone(other["pid"], other["start"])
+    assert "stopped by SIGTERM" in (run.tmp / "launcher.node1.log").read_text()
+
+
+def test_a_process_that_exits_77_is_replaced_by_a_new_process_index(launch) -> None:
+    run = launch({"node0": (0, 1), "node1": (1, 2)}, processes=3, plan={"2.0": protocol.EXIT_HYGIENE})
+    run.env(0), run.env(1)
+    new = run.env(3)  # index N + 0: the first index handed out beyond the launch's
+    assert new["env"]["RANK"] == "3" and new["env"][protocol.ENV_REPLACES] == "2"
+    assert new["env"]["LOCAL_RANK"] == "1" and new["env"]["WORLD_SIZE"] == "3"
+    assert new["ppid"] == run.launchers["node1"].pid
+    assert run.get("processes") == "4"
+    assert run.get("dead") == "2:exited: exited with status 77 (hygiene: replaced);"
+    _wait("the report with the replacement",
+          lambda: json.loads(run.get("launcher/node1") or "{}").get("processes") == [1, 3])
+    run.complete()
+    assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
+    assert run.get("exited") == "4"
+
+
+def test_when_every_process_exits_75_the_launchers_restart_the_job_once(launch) -> None:
+    run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2, max_restarts=1)
+    first = {r: run.env(r)["pid"] for r in (0, 1)}
+    run.stop(0, protocol.EXIT_FALLBACK)
+    for r in (0, 1):
+        again = run.env(r, attempt=1)
+        assert again["env"]["TORCHELASTIC_RESTART_COUNT"] == "1" and again["pid"] != first[r]
+    assert run.get("giveup").startswith("process ") and run.get("launchers", attempt=1) == "2"
+    assert run.get("processes", attempt=1) == "2"
+    run.complete(attempt=1)
+    assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
+
+
+def test_a_give_up_with_no_restart_left_ends_every_launcher_with_75(launch) -> None:
+    run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2, max_restarts=0)
+    run.env(0), run.env(1)
+    run.store().compare_set("giveup", "", "no spare left")  # the engine gave up; its processes exit 75
+    run.stop(0, protocol.EXIT_FALLBACK)
+    assert [run.wait(n) for n in ("node0", "node1")] == [75, 75], run.logs()
+    assert "gave up (no spare left) and the launcher-level restarts are used up" in run.logs()
+
+
+def test_when_no_process_is_left_before_complete_the_launchers_give_up(launch) -> None:
+    run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2, plan={"0.0": 3, "1.0": 4})
+    assert [run.wait(n) for n in ("node0", "node1")] == [75, 75], run.logs()
+    assert run.get("giveup") == "every process of the launch exited before the job completed"
+    assert run.get("dead") in ("0:exited: exited with status 3;1:exited: exited with status 4;",
+                               "1:exited: exited with status 4;0:exited: exited with status 3;")
+
+
+def test_a_launcher_whose_store_is_gone_stops_its_processes_and_says_so(launch) -> None:
+    run = launch({"node0": (0, 1)}, processes=2, extra=("--store-grace", "2"))
+    toy = run.env(0)
+    run.store_host.kill()
+    assert run.wait("node0") == 69, run.logs()
+    assert _gone(toy["pid"], toy["start"])
+    assert "has not answered for 2 s: stopping this node's 1 process(es)" in run.logs()
