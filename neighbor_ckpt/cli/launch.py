@@ -1,14 +1,14 @@
 """``neighbor-ckpt launch``: run a job file's recipe under torchrun with restarts, or write a Slurm script.
 
-With ``neighbor_ckpt.inprocess.enabled`` the job runs ``devices x nodes + spares`` processes under NVIDIA
-resiliency-ext's ``ft_launcher`` instead: one agent per (simulated) node with one worker each and
-``--ft-restart-policy min-healthy`` (when one worker dies, the other agents' workers keep running: plain torchrun
-stops its whole local worker group), plus the TCP store in a process of its own
-(``python -m neighbor_ckpt.inprocess.store_host``), which every rank's in-process wrapper and per-attempt process
-group use. Each simulated node gets its own host store directory (``<store dir>/node<i>``) and node id, as on a
-cluster, so a spare that replaces a lost rank starts with an empty store and pulls that rank's state from its ring
-successor. When in-process recovery gives up, every rank exits and ``ft_launcher`` restarts the job
-(``launch.max_restarts``): the restart path.
+With ``neighbor_ckpt.inprocess.enabled`` the job runs ``devices x nodes + spares`` processes under our own per-node
+launcher instead (``python -m neighbor_ckpt.inprocess.launcher``, :mod:`neighbor_ckpt.inprocess.launcher`): one
+launcher per (simulated) node, which keeps its processes running when another one dies (plain torchrun stops its
+whole local worker group), declares a dead process to the survivors through the store and kills the processes a
+detector lists as dead; plus the TCP store in a process of its own (``python -m neighbor_ckpt.inprocess.store_host``),
+which every process's engine, the per-generation process groups and the launchers use. Each simulated node gets its
+own host store directory (``<store dir>/node<i>``) and node id, as on a cluster, so a spare that replaces a lost rank
+starts with an empty store and pulls that rank's state from its ring successor. When in-process recovery gives up,
+every process exits 75 and the launchers restart the job together (``launch.max_restarts``): the restart path.
 
 The job file is a path, or the name of one shipped with the package (``gpt_tiny_cpu``; ``configs/gpt_tiny_cpu.yaml``
 also outside a checkout: :func:`resolve_config`); the recipe is the one inside this installed package
@@ -42,17 +42,15 @@ from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
-           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "NVRX_LAUNCHER",
-           "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
+           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "LAUNCHER",
+           "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
 
 RECIPE = RECIPES_DIR / "nemo_pretrain.py"
 """The recipe ``launch`` runs: the one inside this installed package (``neighbor_ckpt/recipes``)."""
 BRIDGE_RECIPE = RECIPES_DIR / "bridge_pretrain.py"
 """The recipe of a job file with ``framework: bridge`` (Megatron-Bridge)."""
-RDZV_LAST_CALL_S = 300
-"""In-process launch: how long the agents' rendezvous waits for the last agents once the minimum has joined."""
-NVRX_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
-"""NVRx's ``ft_launcher`` as a module (``python -m``), so it is the one of this interpreter's environment."""
+LAUNCHER = "neighbor_ckpt.inprocess.launcher"
+"""The per-node launcher of an in-process launch, as a module (``python -m``) of this interpreter's environment."""
 WORKER_PREFIX_ENV = "NEIGHBOR_CKPT_WORKER_PREFIX"
 """A command every worker runs under (shell words), e.g. ``nsys profile -o /tmp/rank`` or ``numactl -N 0``: the
 launcher then runs ``PREFIX PYTHON -u SCRIPT ARGS`` for each worker (``--no-python``). The test suite starts its
@@ -61,8 +59,8 @@ workers warm through it (tests/warm)."""
 
 def worker_program(program: Sequence[str], *, env: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
     """The launcher options and worker command line for ``program`` (a script and its arguments) under torchrun or
-    ``ft_launcher``: unchanged without ``NEIGHBOR_CKPT_WORKER_PREFIX`` (in ``env``, default this process's), else
-    ``--no-python`` and the prefixed interpreter command.
+    the in-process launcher: unchanged without ``NEIGHBOR_CKPT_WORKER_PREFIX`` (in ``env``, default this
+    process's), else ``--no-python`` and the prefixed interpreter command.
 
     Raises:
         ConfigError: the variable is not a command line (unbalanced quotes)."""
@@ -98,7 +96,7 @@ class LaunchPlan:
 
     @property
     def inprocess(self) -> bool:
-        """In-process recovery (``neighbor_ckpt.inprocess.enabled``): ``ft_launcher`` instead of torchrun."""
+        """In-process recovery (``neighbor_ckpt.inprocess.enabled``): our per-node launchers instead of torchrun."""
         return self.job.neighbor_ckpt.inprocess.enabled
 
     @property
@@ -165,35 +163,30 @@ def describe(plan: LaunchPlan) -> str:
     if not plan.inprocess:
         return f"{job.name}: {job.world_size} ranks under torchrun (restarts: {job.launch.max_restarts})"
     return (f"{job.name}: {job.world_size} ranks + {plan.spares} hot spare(s) = {plan.processes} processes, "
-            f"in-process recovery (ft_launcher, one agent per simulated node, --ft-restart-policy min-healthy, "
-            f"a store host process; restarts when it gives up: {job.launch.max_restarts})")
+            f"in-process recovery (one launcher per simulated node, a store host process; restarts when it gives "
+            f"up: {job.launch.max_restarts})")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InprocessProcesses:
-    """The processes of an in-process launch on this machine (pure data): the store host, then one
-    ``ft_launcher`` agent per simulated node, each with its own environment additions."""
+    """The processes of an in-process launch on this machine (pure data): the store host, then one launcher
+    (``python -m neighbor_ckpt.inprocess.launcher``) per simulated node, each with its own environment additions."""
 
     store: tuple[str, ...]
     """The store host's command line."""
 
     agents: tuple[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], ...]
-    """Per simulated node ``i``: (command line, environment additions)."""
+    """Per simulated node ``i``, its launcher: (command line, environment additions)."""
 
 
 def inprocess_processes(plan: LaunchPlan, *, store_port: int, store_root: Path,
                         store_ready: Path | None = None, parent: int | None = None,
                         host: str = "127.0.0.1") -> InprocessProcesses:
-    """Store host + ``plan.processes`` agents for a single-machine in-process launch.
-
-    The agents rendezvous with ``--nnodes=<active - 1>:<processes>``: one below the active ranks, so a failure
-    that in-process recovery cannot absorb (no spare left) leaves enough healthy agents for the wrapper to
-    announce its give-up, after which every worker exits and ``ft_launcher`` restarts them all (the restart path).
-    Once the minimum has joined, the rendezvous waits up to ``RDZV_LAST_CALL_S`` for the others (torch's default,
-    30 s, closed it without the slowest agents on a loaded machine: fewer processes than the job has ranks); it
-    closes at once when all have joined. The rendezvous store is the store host's (``is_host=false``: no agent hosts
-    it): by default the first agent to start hosts it, and losing that agent's node for good hung every other agent
-    in its next store call, after training had finished.
+    """Store host + one launcher per process for a single-machine in-process launch: ``plan.processes`` simulated
+    nodes ``node<i>`` with one process each (process ``i``, its own host store ``<store_root>/node<i>``), as on a
+    cluster where a lost node takes its host store with it. The launchers keep their processes running when another
+    dies and restart the job together when in-process recovery gives up (``launch.max_restarts``), see
+    :mod:`neighbor_ckpt.inprocess.launcher`.
     """
     if not plan.inprocess:
         raise ConfigError("inprocess_processes: the job does not enable neighbor_ckpt.inprocess")
@@ -216,18 +209,29 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
     if store_ready is not None:
         store += ["--ready", str(store_ready)]
     processes = active + spares
-    lo = max(1, active - 1)
     options, worker = worker_program(program)
-    agent = (sys.executable, "-m", NVRX_LAUNCHER, f"--nnodes={lo}:{processes}", "--nproc-per-node=1",
-             f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint={host}:{store_port}", f"--rdzv-id={run_id}",
-             f"--rdzv-conf=is_host=false,last_call_timeout={RDZV_LAST_CALL_S}", "--monitor-interval=0.2",
-             "--ft-restart-policy=min-healthy", *options, *worker)
-    agents = tuple((agent, (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
-                            ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
-                            ("TORCH_CPP_LOG_LEVEL", "error")))
+    agents = tuple((tuple(launcher_command(worker, options=options, store=f"{host}:{store_port}", run_id=run_id,
+                                           node=f"node{i}", first=str(i), count="1", processes=processes,
+                                           spares=spares, max_restarts=max_restarts, nodes=processes,
+                                           store_root=str(store_root))),
+                    (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
+                     ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
+                     ("TORCH_CPP_LOG_LEVEL", "error")))
                    for i in range(processes))
     return InprocessProcesses(store=tuple(store), agents=agents)
+
+
+def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), store: str, run_id: str, node: str,
+                     first: str, count: str, processes: int, spares: int, max_restarts: int, nodes: int,
+                     store_root: str | None) -> list[str]:
+    """One node's launcher command line (``first``/``count``/``node``/``store_root`` are text: the Slurm script
+    passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
+    cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
+           "--count", count, "--processes", str(processes), "--spares", str(spares),
+           "--max-restarts", str(max_restarts), "--nodes", str(nodes)]
+    if store_root is not None:
+        cmd += ["--store-root", store_root]
+    return [*cmd, *options, "--", *worker]
 
 
 def torchrun_command(plan: LaunchPlan, *, endpoint: str | None = None) -> list[str]:
@@ -283,37 +287,52 @@ _HEAD = "@HEAD_NODE@"
 
 
 def _slurm_script_inprocess(plan: LaunchPlan) -> str:
-    """In-process recovery under Slurm: ``devices x nodes + spares`` tasks, each one NVRx ``ft_launcher`` agent with
-    one worker and ``--ft-restart-policy min-healthy`` (the agent command of :func:`inprocess_processes`), started
-    by one ``srun --kill-on-bad-exit=0``: a task whose worker dies does not end the step, the other ranks keep their
-    processes and the wrapper re-forms the groups around a spare. The store host runs in the batch script on the
-    first node (``launch.rdzv_port + 1``, the agents' rendezvous store too) and exits with it.
-    On one node every task is a simulated node (node id ``node<task>``, host store ``<store dir>/node<task>``), as
-    ``neighbor-ckpt launch`` does on one machine, so a spare starts with an empty store; on several nodes the
-    node id is the host name and the node's ranks share its store directory. GPU jobs get one GPU per task and
-    ``ceil(spares / devices)`` more nodes for the spares; CPU jobs (the tiny presets) may run more tasks than
-    cores (``--overcommit``)."""
+    """In-process recovery under Slurm: one ``srun --kill-on-bad-exit=0`` task per node, each running our
+    launcher (:mod:`neighbor_ckpt.inprocess.launcher`) with that node's processes: ``--first
+    $((SLURM_NODEID * devices)) --count devices`` (fewer on the last node). A task whose process dies does not end
+    the step; the launchers keep their other processes running, declare the dead one to the survivors, and restart
+    the job together when in-process recovery gives up. GPU jobs get ``ceil(spares / devices)`` more nodes for the
+    spares and all of a node's GPUs per task (``LOCAL_RANK`` picks one); the node id is the host name and the
+    node's processes share its host store directory. On a one-node CPU job (the tiny presets) every process is a
+    simulated node, as ``neighbor-ckpt launch`` does on one machine: one task per process (``--overcommit``), node
+    id ``node<task>``, host store ``<store dir>/node<task>``, so a spare starts with an empty store. The store host
+    runs in the batch script on the first node (``launch.rdzv_port + 1``) and exits with it."""
     job, lc = plan.job, plan.job.launch
     t = job.trainer
-    spare_nodes = -(-plan.spares // t.devices) if t.accelerator == "gpu" else 0
-    opts = [f"--job-name={job.name}", f"--nodes={t.num_nodes + spare_nodes}", f"--ntasks={plan.processes}"]
-    if t.accelerator == "gpu":
-        opts += [f"--ntasks-per-node={t.devices}", "--gpus-per-task=1"]
+    n = plan.processes
+    simulated = t.accelerator != "gpu" and t.num_nodes == 1
+    if simulated:
+        nodes = n
+        opts = [f"--job-name={job.name}", "--nodes=1", f"--ntasks={n}", "--overcommit"]
+        where = ['NODE="node$SLURM_PROCID" FIRST=$SLURM_PROCID COUNT=1']
+        store_root: str | None = "@STORE_ROOT@"
     else:
-        opts.append("--overcommit")
+        nodes = t.num_nodes + -(-plan.spares // t.devices)
+        opts = [f"--job-name={job.name}", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
+        if t.accelerator == "gpu":
+            opts.append(f"--gpus-per-node={t.devices}")
+        where = [f'NODE="$(hostname)" FIRST=$((SLURM_NODEID * {t.devices}))',
+                 f"COUNT=$(( {n} - FIRST < {t.devices} ? {n} - FIRST : {t.devices} ))",
+                 'export NEIGHBOR_CKPT_STORE_DIR="$STORE_ROOT"   # the node\'s processes share its host store']
+        store_root = None
     store_port = lc.rdzv_port + 1
-    procs = inprocess_processes(plan, store_port=store_port, store_root=Path("/"), host=_HEAD)
-    agent = shlex.join(procs.agents[0][0]).replace(_HEAD, "${HEAD_NODE}")
-    env = {k: v for k, v in procs.agents[0][1] if k not in ("NEIGHBOR_CKPT_NODE_ID", "NEIGHBOR_CKPT_STORE_DIR")}
+    options, worker = worker_program(_recipe_args(plan, inprocess_store=f"{_HEAD}:{store_port}"))
+    cmd = launcher_command(worker, options=options, store=f"{_HEAD}:{store_port}", run_id=plan.run_id,
+                           node="@NODE@", first="@FIRST@", count="@COUNT@", processes=n, spares=plan.spares,
+                           max_restarts=lc.max_restarts, nodes=nodes, store_root=store_root)
+    launcher = shlex.join(cmd).replace(_HEAD, "${HEAD_NODE}")
+    for token, var in (("@NODE@", '"$NODE"'), ("@FIRST@", '"$FIRST"'), ("@COUNT@", '"$COUNT"'),
+                       ("@STORE_ROOT@", '"$STORE_ROOT"')):
+        launcher = launcher.replace(token, var)
     ready = shlex.quote(str(plan.run_dir / "store_host.ready"))
     task = shlex.quote(str(plan.run_dir / "inprocess_task.sh"))
     py = shlex.quote(sys.executable)
-    store_root = shlex.quote(job.neighbor_ckpt.store.dir)
+    default_root = shlex.quote(job.neighbor_ckpt.store.dir)
     lines = [*_sbatch_header(plan, opts),
-             f"# In-process recovery: {job.world_size} ranks + {plan.spares} hot spare(s) = {plan.processes} "
-             "processes, one ft_launcher agent each.",
+             f"# In-process recovery: {job.world_size} ranks + {plan.spares} hot spare(s) = {n} processes, "
+             f"{nodes} launcher(s) (python -m {LAUNCHER}).",
              'export HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-             f'export STORE_ROOT="${{NEIGHBOR_CKPT_STORE_DIR:-{store_root}}}"',
+             f'export STORE_ROOT="${{NEIGHBOR_CKPT_STORE_DIR:-{default_root}}}"',
              f"rm -f {ready}",
              f"{py} -m neighbor_ckpt.inprocess.store_host --port {store_port} --parent $$ --ready {ready} &",
              "STORE_PID=$!",
@@ -322,14 +341,10 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
              f"[ -f {ready} ] || {{ echo 'store host did not listen within 60 s' >&2; exit 1; }}",
              f"cat > {task} <<'TASK'",
              "#!/bin/bash",
-             "# one task = one agent; on one node every task is a simulated node",
-             'if [ "$SLURM_JOB_NUM_NODES" = 1 ]; then',
-             '    export NEIGHBOR_CKPT_NODE_ID="node$SLURM_PROCID" NEIGHBOR_CKPT_STORE_DIR="$STORE_ROOT/node$SLURM_PROCID"',
-             "else",
-             '    export NEIGHBOR_CKPT_NODE_ID="$(hostname)" NEIGHBOR_CKPT_STORE_DIR="$STORE_ROOT"',
-             "fi",
-             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
-             f"exec {agent}",
+             "# one task = one node's launcher" + (" (one simulated node per process)" if simulated else ""),
+             *where,
+             "export TORCH_CPP_LOG_LEVEL=error",
+             f"exec {launcher}",
              "TASK",
              f"chmod +x {task}",
              "rc=0",
@@ -348,16 +363,12 @@ def write_run_dir(plan: LaunchPlan) -> Path:
 
 
 def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
-    """Run the job on this node under torchrun (in process: ``ft_launcher`` agents and the store host); returns
-    the launcher's exit code (in process: the worst agent's). Output goes to ``log`` if given (the run directory's
-    ``torchrun.log`` is the usual choice), else to this terminal."""
+    """Run the job on this node under torchrun (in process: the store host and one of our launchers per simulated
+    node); returns the launcher's exit code (in process: :func:`launch_status` of the launchers'). Output goes to
+    ``log`` if given (the run directory's ``torchrun.log`` is the usual choice), else to this terminal."""
     if plan.job.trainer.num_nodes != 1:
         raise ConfigError(f"config.trainer.num_nodes: {plan.job.trainer.num_nodes} nodes cannot run from one shell; "
                           "use `neighbor-ckpt launch CONFIG --slurm FILE` (or run torchrun on every node)")
-    if plan.inprocess:
-        from megatron_patches.nvrx_gloo import check_nvrx_version
-
-        check_nvrx_version()  # before anything starts: min-healthy exists in the release we pin only
     write_run_dir(plan)
     with contextlib.ExitStack() as stack:
         out = None if log is None else stack.enter_context(open(log, "w"))
@@ -368,9 +379,7 @@ def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
 
 
 def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
-    """Start the store host, wait until it listens, start one agent per simulated node, wait for all of them."""
-    import os
-
+    """Start the store host, wait until it listens, start one launcher per simulated node, wait for all of them."""
     ready = plan.run_dir / "store_host.ready"
     ready.unlink(missing_ok=True)
     root = Path(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
@@ -380,10 +389,12 @@ def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
 
 
 def launch_status(codes: Sequence[int]) -> int:
-    """The exit status of an in-process launch from its agents' (pure): 0 when every agent succeeded, or when the only
-    failures are agents killed by SIGKILL (a node lost for good: ``fault_injection.permanent``) and more than half of
-    the agents succeeded (min-healthy: the survivors finished the job); else the worst status (a signal's negative
-    status is not lost behind a 0)."""
+    """The exit status of an in-process launch from its launchers' (pure): 0 when every launcher succeeded (the job
+    completed), or when the only failures are launchers killed by SIGKILL (a node lost on purpose:
+    ``fault_injection.permanent`` kills the node's launcher, its processes die with it) and more than half of them
+    succeeded (the survivors finished the job); else the worst status (a signal's negative status is not lost behind
+    a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process recovery gave up and the
+    restarts are used up)."""
     ok = sum(c == 0 for c in codes)
     lost = [c for c in codes if c != 0]
     if all(c == -signal.SIGKILL for c in lost) and ok > len(codes) // 2:
@@ -393,12 +404,11 @@ def launch_status(codes: Sequence[int]) -> int:
 
 def run_inprocess(procs: InprocessProcesses, *, ready: Path, env: dict[str, str] | None = None,
                   timeout: float | None = None, **kw: Any) -> int:
-    """Start the store host of ``procs``, wait until it listens (``ready`` exists), start the agents (environment:
-    ``env`` or this process's, plus each agent's additions), wait for all of them; returns the worst agent's exit
-    status. ``timeout``: seconds for the agents, then :class:`subprocess.TimeoutExpired`; every process still
-    running is stopped on the way out."""
-    import os
-
+    """Start the store host of ``procs``, wait until it listens (``ready`` exists), start the launchers
+    (environment: ``env`` or this process's, plus each one's additions), wait for all of them; returns
+    :func:`launch_status` of their exit statuses. ``timeout``: seconds for the launchers, then
+    :class:`subprocess.TimeoutExpired`; every process still running is stopped on the way out (a launcher stops its
+    own processes when it is terminated)."""
     ready.unlink(missing_ok=True)
     base = dict(os.environ if env is None else env)
     store = subprocess.Popen(list(procs.store), env=base, **kw)

@@ -1,7 +1,8 @@
 """End to end under a real Slurm: the script ``neighbor-ckpt launch --slurm`` writes is submitted with ``sbatch``
 to a single-node Slurm on this machine (munged, slurmctld and slurmd started by the ``slurm_cluster`` fixture,
 tests/e2e/slurm_cluster.py). The tiny GPT recipe (``configs/gpt_tiny_cpu.yaml``, 4 CPU ranks + 1 hot spare, 10
-steps, in-process recovery: one Slurm task per rank and spare) has rank 1 SIGKILLed inside the optimizer step of
+steps, in-process recovery: one Slurm task per rank and spare, each our per-node launcher with one process, a
+simulated node) has rank 1 SIGKILLed inside the optimizer step of
 step 5; the spare takes its place inside the same Slurm job, and every per-step loss, the final weights and the
 optimizer state equal the failure-free ``neighbor-ckpt launch`` run bit for bit. The restart-mode script (torchrun
 under srun, restarting the worker group in the allocation; it ran live here until CI time ran short, commit
@@ -67,10 +68,9 @@ def _attempts(res: RunResult) -> dict[int, list[dict[str, Any]]]:
 @e2e
 def test_slurm_script_inprocess_hot_spare_replaces_a_killed_rank_bit_exactly(
         slurm_cluster: SlurmCluster, baseline: Baselines, tmp_path: Path) -> None:
-    """One Slurm task per rank and per spare (``srun --kill-on-bad-exit=0``, an ft_launcher agent each): rank 1's
-    task loses its worker, the other tasks keep their processes, the spare becomes rank 1 and pulls its state."""
+    """One Slurm task per rank and per spare (``srun --kill-on-bad-exit=0``, our launcher with one process each):
+    rank 1's task loses its process, the other tasks keep theirs, the spare becomes rank 1 and pulls its state."""
     pytest.importorskip("nemo.collections.llm")
-    pytest.importorskip("nvidia_resiliency_ext.inprocess")
     # the same training as the restart-mode failure-free run; its workers forked warm (the job's own start cold under
     # srun, so warm and cold workers are compared bit for bit)
     base = baseline.launch(CONFIG, STEPS, warm=True)
@@ -78,7 +78,7 @@ def test_slurm_script_inprocess_hot_spare_replaces_a_killed_rank_bit_exactly(
                                         NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
     assert res.returncode == 0, f"Slurm job {job_id} failed (sbatch --wait exit {res.returncode}):\n{res.log[-8000:]}"
     assert "#SBATCH --ntasks=5" in script and "srun --kill-on-bad-exit=0" in script
-    assert "--ft-restart-policy=min-healthy" in script
+    assert "-m neighbor_ckpt.inprocess.launcher" in script and '--first "$FIRST" --count "$COUNT"' in script
     assert_same_training(base, res)
     procs = _attempts(res)
     for initial in (0, 2, 3):  # the survivors: same process, same rank, through the recovery
@@ -94,9 +94,76 @@ def test_slurm_script_inprocess_hot_spare_replaces_a_killed_rank_bit_exactly(
         assert res.report(r, 1)["iteration"] == 5, res.report(r, 1)
 
 
+SLURM_TOY = r'''
+import json, os, signal, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from neighbor_ckpt.inprocess import protocol
+
+out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NEIGHBOR_CKPT_NODE_ID", "NEIGHBOR_CKPT_STORE_DIR", protocol.ENV_STORE)
+(out / f"env.{rank}.json").write_text(json.dumps({k: os.environ.get(k) for k in keep}))
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # a lost process: its launcher declares it to the others
+host, port = os.environ[protocol.ENV_STORE].rsplit(":", 1)
+store = dist.PrefixStore(protocol.launch_prefix(os.environ[protocol.ENV_RUN_ID], 0),
+                         dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, use_libuv=True))
+while rank == 0 and not store.check(["gen/0/failed"]):
+    time.sleep(0.05)
+if rank == 0:
+    (out / "seen.json").write_text(json.dumps({"dead": store.get("dead").decode(),
+                                               "failed": json.loads(store.get("gen/0/failed"))}))
+    store.set("complete", "0")
+while not store.check(["complete"]):
+    time.sleep(0.05)
+'''
+
+
+@e2e
+def test_slurm_script_inprocess_plumbing_with_a_toy_program(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The in-process script's plumbing without NeMo or the engine: the generated script, its worker command
+    replaced by a toy, under the real single-node Slurm: 5 tasks, each a launcher with one process (a simulated
+    node: its node id and host store), the store host in the batch script; process 1 dies, its launcher declares it
+    (``dead``, ``gen/0/failed``), process 0 marks the job complete, every launcher exits 0 and so does the job."""
+    from neighbor_ckpt.cli import launch
+
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir(parents=True)
+    (tmp_path / "toy.py").write_text(SLURM_TOY)
+    plan = launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS, f"launch.rdzv_port={free_port()}"],
+                              run_dir=run_dir)
+    launch.write_run_dir(plan)
+    lines = launch.slurm_script(plan).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("exec ") and "inprocess.launcher" in line)
+    lines[at] = lines[at].split(" -- ")[0].replace(" --no-python", "") + f" -- {tmp_path / 'toy.py'} {out}"
+    script = tmp_path / "toy.sbatch"
+    script.write_text("\n".join(lines))
+    env = job_env(tmp_path, out, {"NEIGHBOR_CKPT_STORE_DIR": tmp_path / "store", "NEIGHBOR_CKPT_WORKER_PREFIX": ""})
+    try:
+        sub = run_logged(["sbatch", "--wait", "--parsable", str(script)], tmp_path, out, timeout=300,
+                         env=slurm_cluster.env(env))
+    finally:
+        slurm_cluster.cancel_all()
+    job_id = sub.log.strip().splitlines()[0].split(";")[0] if sub.log.strip() else ""
+    assert job_id.isdigit(), f"sbatch did not submit: {sub.log}\n{slurm_cluster.logs()}"
+    slurm_out = run_dir / f"slurm-{job_id}.out"
+    log = slurm_out.read_text() if slurm_out.exists() else f"(no {slurm_out})\n{slurm_cluster.logs()}"
+    assert sub.returncode == 0, f"Slurm job {job_id} failed (sbatch --wait exit {sub.returncode}):\n{log[-8000:]}"
+    for rank in range(5):
+        env_of = json.loads((out / f"env.{rank}.json").read_text())
+        assert (env_of["RANK"], env_of["WORLD_SIZE"], env_of["LOCAL_RANK"]) == (str(rank), "5", "0")
+        assert env_of["NEIGHBOR_CKPT_NODE_ID"] == f"node{rank}"
+        assert env_of["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "store" / f"node{rank}")
+    seen = json.loads((out / "seen.json").read_text())
+    assert seen["dead"] == "1:exited: killed by signal 9 (SIGKILL);"
+    assert (seen["failed"]["by"], seen["failed"]["kind"], seen["failed"]["ranks"]) == ("launcher:node1", "exited", [1])
+    assert log.count("the job completed: exiting 0") == 5, log[-8000:]
+
+
 def test_slurm_scripts_of_both_modes_for_a_gpu_cluster_and_this_cpu_machine(tmp_path: Path) -> None:
     """Quick tier, no Slurm needed: the in-process script of a multi-node GPU job (Llama 3 70B, 16 nodes x 8 GPUs,
-    8 spares: one more node, one GPU per task) and of the CPU job above (5 tasks on one node, overcommitted); the
+    8 spares: one more node; one launcher task per node with the node's 8 processes, the last node's 8 the spares)
+    and of the CPU job above (5 tasks on one node, overcommitted, each a simulated node with one process); the
     restart-mode script of the CPU job: one torchrun per node under ``srun --kill-on-bad-exit=0`` (torchrun restarts
     the worker group inside the allocation; the in-process job above runs the same sbatch/srun plumbing live), no
     GPUs asked of a CPU cluster."""
@@ -105,13 +172,20 @@ def test_slurm_scripts_of_both_modes_for_a_gpu_cluster_and_this_cpu_machine(tmp_
     plan = launch.plan_launch(REPO / "configs/llama3_70b.yaml", INPROCESS[:1] + ["neighbor_ckpt.inprocess.spares=8"],
                               run_dir=tmp_path / "run")
     script = launch.slurm_script(plan)
-    for line in ("#SBATCH --nodes=17", "#SBATCH --ntasks=136", "#SBATCH --ntasks-per-node=8",
-                 "#SBATCH --gpus-per-task=1", "srun --kill-on-bad-exit=0 "):
+    for line in ("#SBATCH --nodes=17", "#SBATCH --ntasks=17", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --gpus-per-node=8", "srun --kill-on-bad-exit=0 ", 'NODE="$(hostname)"',
+                 "FIRST=$((SLURM_NODEID * 8))", "COUNT=$(( 136 - FIRST < 8 ? 136 - FIRST : 8 ))",
+                 'export NEIGHBOR_CKPT_STORE_DIR="$STORE_ROOT"'):
         assert line in script, line
-    assert "--nnodes=127:136 --nproc-per-node=1" in script and "--ft-restart-policy=min-healthy" in script
-    assert f"--inprocess-store ${{HEAD_NODE}}:{plan.job.launch.rdzv_port + 1}" in script
+    port = plan.job.launch.rdzv_port + 1
+    assert (f"-m neighbor_ckpt.inprocess.launcher --store ${{HEAD_NODE}}:{port} --run-id {plan.run_id} "
+            '--node "$NODE" --first "$FIRST" --count "$COUNT" --processes 136 --spares 8 --max-restarts 10 '
+            "--nodes 17 -- ") in script and "--store-root" not in script
+    assert f"--inprocess-store ${{HEAD_NODE}}:{port}" in script and "ft-restart" not in script
     cpu = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS], run_dir=tmp_path))
     assert "#SBATCH --ntasks=5" in cpu and "#SBATCH --overcommit" in cpu and "--gpus" not in cpu
+    assert 'NODE="node$SLURM_PROCID" FIRST=$SLURM_PROCID COUNT=1' in cpu
+    assert '--processes 5 --spares 1 --max-restarts 2 --nodes 5 --store-root "$STORE_ROOT" -- ' in cpu
     restart = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS], run_dir=tmp_path))
     assert "srun --kill-on-bad-exit=0" in restart and "-m torch.distributed.run" in restart
     assert "--max-restarts=2" in restart and "ft_launcher" not in restart

@@ -62,8 +62,9 @@ REPO = Path(__file__).resolve().parents[2]
 INPROC = ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=1"]
 
 
-def test_inprocess_launch_starts_devices_x_nodes_plus_spares_agents_under_min_healthy(tmp_path: Path) -> None:
+def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(tmp_path: Path) -> None:
     from neighbor_ckpt.cli import launch
+    from neighbor_ckpt.inprocess.launcher import parse_args
 
     plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", INPROC, run_dir=tmp_path / "run")
     assert (plan.inprocess, plan.spares, plan.processes) == (True, 1, 5)
@@ -73,16 +74,32 @@ def test_inprocess_launch_starts_devices_x_nodes_plus_spares_agents_under_min_he
     assert procs.store[1:] == ("-m", "neighbor_ckpt.inprocess.store_host", "--host", "127.0.0.1", "--port", "29650")
     assert len(procs.agents) == 5
     for i, (cmd, env) in enumerate(procs.agents):
-        assert cmd[1:3] == ("-m", launch.NVRX_LAUNCHER)
-        assert {"--nnodes=3:5", "--nproc-per-node=1", "--ft-restart-policy=min-healthy", "--max-restarts=2",
-                f"--rdzv-id={plan.run_id}", "--rdzv-endpoint=127.0.0.1:29650"} <= set(cmd)
-        # the rendezvous store is the store host's: no agent hosts it, so no lost node takes it down
-        assert next(a for a in cmd if a.startswith("--rdzv-conf=")).startswith("--rdzv-conf=is_host=false,")
-        assert cmd[cmd.index("--inprocess-store") + 1] == "127.0.0.1:29650"
-        assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"  # one simulated node per agent, its own store
+        assert cmd[1:3] == ("-m", launch.LAUNCHER)
+        own = parse_args(cmd[3:])  # the launcher reads its own command line as planned
+        assert (own.node, own.first, own.count, own.processes, own.spares, own.nodes) == (f"node{i}", i, 1, 5, 1, 5)
+        assert (own.store_address, own.run_id, own.max_restarts) == ("127.0.0.1:29650", plan.run_id, 2)
+        assert own.store_root == str(tmp_path / "shm") and not own.no_python
+        assert own.program[own.program.index("--inprocess-store") + 1] == "127.0.0.1:29650"
+        assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"  # one simulated node per launcher, its own store
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}")
+        assert not any("nvidia_resiliency_ext" in a or "ft-restart" in a for a in cmd)
     with pytest.raises(AttributeError):
         plan.run_id = "other"  # type: ignore[misc]  # the plan stays frozen data
+
+
+def test_inprocess_launchers_run_the_warm_prefixed_command_as_a_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    import sys
+
+    from neighbor_ckpt.cli import launch
+    from neighbor_ckpt.inprocess.launcher import child_command, parse_args
+
+    monkeypatch.setenv(launch.WORKER_PREFIX_ENV, "python3 /x/client.py")
+    procs = launch.inprocess_commands(["train.py", "--steps", "3"], active=2, spares=0, max_restarts=0,
+                                      run_id="r", store_port=1, store_root=tmp_path)
+    own = parse_args(procs.agents[1][0][3:])
+    assert own.no_python and child_command(own) == ["python3", "/x/client.py", sys.executable, "-u", "train.py",
+                                                    "--steps", "3"]
 
 
 def test_restart_path_launch_is_unchanged_when_inprocess_is_off(tmp_path: Path) -> None:
@@ -107,13 +124,14 @@ def test_inprocess_without_neighbor_snapshots_is_refused(tmp_path: Path) -> None
                            run_dir=tmp_path)
 
 
-def test_launch_dry_run_prints_the_store_host_and_one_agent_per_process(tmp_path: Path,
-                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_launch_dry_run_prints_the_store_host_and_one_launcher_per_process(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", str(REPO / "configs/gpt_tiny_cpu.yaml"), *INPROC, "--run-dir", str(tmp_path),
                  "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "neighbor_ckpt.inprocess.store_host" in lines[0]
-    assert len(lines) == 6 and all("--ft-restart-policy=min-healthy" in line for line in lines[1:])
+    assert len(lines) == 6 and all("-m neighbor_ckpt.inprocess.launcher" in line for line in lines[1:])
+    assert [line.split("--node ")[1].split()[0] for line in lines[1:]] == [f"node{i}" for i in range(5)]
 
 
 def test_demo_inprocess_plans_the_restart_and_the_inprocess_runs_of_the_same_kill(tmp_path: Path) -> None:
@@ -130,12 +148,12 @@ def test_demo_inprocess_plans_the_restart_and_the_inprocess_runs_of_the_same_kil
     assert sorted(demo.demo_plans(demo.parse_args(["--out", str(tmp_path)]))) == ["baseline", "faulted"]
 
 
-def test_an_inprocess_launch_succeeds_when_only_a_lost_nodes_agent_died() -> None:
+def test_an_inprocess_launch_succeeds_when_only_a_lost_nodes_launcher_died() -> None:
     from neighbor_ckpt.cli.launch import launch_status
 
     assert launch_status([0, 0, 0, 0]) == 0
-    assert launch_status([0, -9, 0, 0]) == 0  # a node gone for good (SIGKILL of its agent), the survivors finished
-    assert launch_status([0, -9, -9, 0]) == -9  # half the agents lost: not a finished job
+    assert launch_status([0, -9, 0, 0]) == 0  # a node gone for good (SIGKILL of its launcher), the survivors finished
+    assert launch_status([0, -9, -9, 0]) == -9  # half the launchers lost: not a finished job
     assert launch_status([0, 1, 0, 0]) == 1 and launch_status([0, -15, 0, 0]) == -15
 
 
