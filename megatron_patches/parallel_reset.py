@@ -5,16 +5,21 @@ sampler refuses a second num-microbatches calculator, and an elastic shrink need
 rank: after a failed generation's groups were aborted, :func:`reset_parallel_state` destroys both (measured safe after
 the abort on megatron-core 0.15 and 0.16, ``../shared/notes/cpu-stack.md``). Nothing is patched: these are
 megatron-core's own public destroy functions, called where a process outlives its groups. Without megatron-core
-installed it does nothing.
+imported it does nothing.
 """
 
 from __future__ import annotations
+
+import sys
 
 __all__ = ["reset_parallel_state"]
 
 
 def reset_parallel_state() -> bool:
-    """Destroy megatron-core's parallel state and num-microbatches calculator; False when megatron-core is absent."""
+    """Destroy megatron-core's parallel state and num-microbatches calculator; False when megatron-core was never
+    imported (nothing to reset, and importing it here would cost seconds)."""
+    if "megatron.core.parallel_state" not in sys.modules:
+        return False
     try:
         from megatron.core import num_microbatches_calculator, parallel_state
     except ImportError:

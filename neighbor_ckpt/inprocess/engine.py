@@ -47,6 +47,7 @@ its progress tag to the monitor.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -63,7 +64,7 @@ from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
 from neighbor_ckpt.inprocess.generation import BarrierTimeout, Fenced, GenerationFailure, GenerationStore, Members
-from neighbor_ckpt.inprocess.monitor import IDLE_TAG, Monitor, Tag
+from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
 from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
 
@@ -77,7 +78,8 @@ FALLBACK_EXIT_CODE = protocol.EXIT_FALLBACK
 HYGIENE_TRIES = 4
 """Looks at the process's threads after a failed generation, 0.5 s apart, before it is declared not clean."""
 
-LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-abort-watchdog", "TMonitor")
+LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener",
+                    "neighbor_ckpt-abort-watchdog", "TMonitor")
 """Threads that may outlive a generation: the engine's own, tqdm's progress-bar monitor (one per process, started by
 the first progress bar)."""
 
@@ -183,6 +185,8 @@ class InprocessRecovery:
         self._was_active = False
         self._hygiene: Any = None
         self._monitor_gens: Optional[GenerationStore] = None
+        self._rss_reference: Optional[tuple[int, int]] = None
+        self._listener: Any = None
 
     @classmethod
     def from_config(cls, config: "NeighborCkptConfig | InprocessConfig", *, model_parallel: int = 1,
@@ -277,7 +281,7 @@ class InprocessRecovery:
         """The gloo listeners the other members published for ``generation`` (monitor thread's store)."""
         from neighbor_ckpt.inprocess.abort import parse_endpoints
 
-        store = self._store("main" if threading.get_ident() == self._main_tid else "monitor")
+        store = self._store("main" if threading.get_ident() == self._main_tid else "listener")
         keys = [protocol.key("gen", generation, "listen", q) for q in sorted(self._members) if q != self.process]
         present = [k for k in keys if store.check([k])]
         out: set[Any] = set()
@@ -319,7 +323,7 @@ class InprocessRecovery:
             return IDLE_TAG
 
     def _on_failure(self, failed: GenerationFailure) -> None:
-        """Monitor thread: the current generation failed. An active process aborts its groups and, if the training
+        """Listener thread: the current generation failed. An active process aborts its groups and, if the training
         thread does not leave the training function on its own, raises into it."""
         with self._lock:
             self.failures.append(failed)
@@ -352,8 +356,7 @@ class InprocessRecovery:
                   f"{max(2 * REINTERRUPT_S, self.detector.timeout_s):g} s after generation {generation}'s abort "
                   "(stuck in a C call)")
         logger.error("%s: declaring this process dead; its launcher replaces it", reason)
-        assert self._monitor_gens is not None  # noqa: S101 - set by run() before the monitor starts
-        self._monitor_gens.report_death((self.process,), kind="hung", reason=reason)
+        self._listener.gens.report_death((self.process,), kind="hung", reason=reason)  # on the listener's thread
 
     def _abort(self, generation: int) -> None:
         """Shut down the sockets of this generation's process groups (once per generation)."""
@@ -393,8 +396,11 @@ class InprocessRecovery:
         self._main_tid = threading.get_ident()
         main = GenerationStore(self._store("main"), process=self.process)
         self._monitor_gens = GenerationStore(self._store("monitor"), process=self.process)
+        first = main.current() if self.process >= self.world_size else 0
+        self._listener = FailureListener(GenerationStore(self._store("listener"), process=self.process),
+                                         on_failure=self._on_failure, first=first)
         monitor = Monitor(self._monitor_gens, state=self._state,
-                          progress=self._progress, on_failure=self._on_failure,
+                          progress=self._progress, listener=self._listener,
                           interval_s=self.detector.interval_s, timeout_s=self.detector.timeout_s,
                           hang_timeout_s=self.detector.hang_timeout_s)
         main.store.set(protocol.key("proc", self.process), _proc_info())
@@ -404,6 +410,7 @@ class InprocessRecovery:
         gc.freeze()
         self._hygiene = ProcessState.capture()
         main.announce_ready()
+        self._listener.start()
         monitor.start()
         try:
             return self._loop(fn, main)
@@ -465,7 +472,7 @@ class InprocessRecovery:
                 continue
             self._generation, self._members = g, members.members | {self.process}
             logger.info("%s: started during generation %d: a spare from generation %d on", self._name(), g, g + 1)
-            if main.wait_outcome(g) is None:
+            if main.wait_outcome(g, self._listener.event(g)) is None:
                 return -1, assignment, set()
             return g + 1, assignment, (set(members.members) | set(main.ready())) - main.dead().keys()
 
@@ -492,7 +499,7 @@ class InprocessRecovery:
     def _idle(self, main: GenerationStore, generation: int) -> Any:
         """An idle spare: wait for the job to complete (None) or the generation to fail (:data:`_FAILED`)."""
         self.event("idle")
-        failed = main.wait_outcome(generation)
+        failed = main.wait_outcome(generation, self._listener.event(generation))
         return None if failed is None else _FAILED
 
     def _attempt(self, fn: Callable[[Attempt], Any], main: GenerationStore, generation: int,
@@ -531,7 +538,7 @@ class InprocessRecovery:
             self.current = None
         if ok:
             main.finished(generation, assignment.world_size)
-            failed = main.wait_outcome(generation)
+            failed = main.wait_outcome(generation, self._listener.event(generation))
             if failed is None:
                 self._close_success()
                 return result
@@ -589,13 +596,24 @@ class InprocessRecovery:
 
     def _check_hygiene(self, generation: int) -> None:
         """Off the training path (between the finalisation and the next barrier): a process that leaks threads or
-        memory across generations exits and is replaced. Threads that finish on their own (a timeline picture being
-        drawn) get a moment to do so."""
+        memory across generations exits and is replaced. Thread names are compared with those before generation 0;
+        resident memory with the process after the first failed generation (the growth over the next five at most
+        ``inprocess.hygiene_rss_growth_mib``). Threads that finish on their own (a timeline picture being drawn)
+        get a moment to do so."""
         from neighbor_ckpt.inprocess.hygiene import check
 
+        from neighbor_ckpt.inprocess.hygiene import ProcessState
+
         limit = int(float(getattr(self.config, "hygiene_rss_growth_mib", 50.0)) * 2**20)
+        if self._rss_reference is None:
+            # Resident memory is measured from the first failed generation on: generation 0 builds what stays for
+            # the process's life (the host slots' mappings, allocator arenas, lazily imported modules).
+            self._rss_reference = (generation, ProcessState.capture().rss_bytes)
+        first, rss = self._rss_reference
+        baseline = dataclasses.replace(self._hygiene, rss_bytes=rss)
         for attempt in range(HYGIENE_TRIES):
-            result = check(self._hygiene, generation + 1, allowed_prefixes=LIFETIME_THREADS, rss_limit_bytes=limit)
+            result = check(baseline, max(1, generation - first), allowed_prefixes=LIFETIME_THREADS,
+                           rss_limit_bytes=limit)
             if result.ok or not result.extra_threads or attempt == HYGIENE_TRIES - 1:
                 break
             time.sleep(0.5)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Iterable, Optional
 
 from neighbor_ckpt.errors import NeighborCkptError
@@ -110,7 +110,7 @@ def parse_dead(raw: bytes | str | None) -> dict[int, str]:
     for entry in _text(raw).split(";"):
         p, sep, why = entry.partition(":")
         if sep and p.strip().lstrip("-").isdigit():
-            out.setdefault(int(p), why)
+            out.setdefault(int(p), why.strip())
     return out
 
 
@@ -223,19 +223,18 @@ class GenerationStore:
 
     # -- waiting ------------------------------------------------------------------------------------------------
 
-    def wait_outcome(self, generation: int, *, poll_s: float = 0.02) -> Optional[GenerationFailure]:
-        """Block until the job is complete (None) or ``generation`` failed (its record)."""
-        keys = ["complete", key("gen", generation, "failed")]
+    def wait_outcome(self, generation: int, failed: "threading.Event", *, poll_s: float = 0.1) -> \
+            Optional[GenerationFailure]:
+        """Block until the job is complete (None) or ``generation`` failed (its record). ``failed`` is set by the
+        process's :class:`~neighbor_ckpt.inprocess.monitor.FailureListener` (the store's push); the completion,
+        which nothing waits for urgently, and this process's fencing are looked at every ``poll_s``."""
         while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=max(poll_s, 1.0)))
-            except Exception:  # noqa: BLE001 - the store's wait timeout: look again
-                pass
+            if failed.wait(poll_s):
+                record = self.failure(generation)
+                if record is not None:
+                    return record
             if self.complete():
                 return None
-            failed = self.failure(generation)
-            if failed is not None:
-                return failed
             self.check_fenced()
 
     def join(self, generation: int, *, expected: Iterable[int], timeout_s: float,

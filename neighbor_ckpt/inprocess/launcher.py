@@ -60,7 +60,7 @@ context. ``SubprocessHandler`` is a thin ``Popen(start_new_session=True)`` whose
 stdout and stderr (the launch log), as ``ft_launcher``'s workers did.
 
 The pure decisions (:class:`LauncherPlan` from argv, :func:`child_env`, :func:`classify_exit`,
-:func:`parse_dead`, :func:`failure_record`) are apart from the loop (:class:`Launcher`) and tested in one process
+:func:`parse_dead` from :mod:`~neighbor_ckpt.inprocess.generation`) are apart from the loop (:class:`Launcher`) and tested in one process
 (``tests/unit/test_inprocess_launcher.py``); the loop with toy programs and a real store host
 (``tests/multiproc/test_inprocess_launcher.py``).
 """
@@ -83,10 +83,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from neighbor_ckpt.inprocess import protocol
+from neighbor_ckpt.inprocess.generation import GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.protocol import key
 
-__all__ = ["LauncherPlan", "Action", "classify_exit", "parse_dead", "describe_exit", "exit_status", "dead_entry",
-           "failure_record", "child_env", "child_command", "parse_args", "Launcher", "main", "EXIT_STORE_LOST",
+__all__ = ["LauncherPlan", "Action", "classify_exit", "parse_dead", "describe_exit", "exit_status",
+           "child_env", "child_command", "parse_args", "Launcher", "main", "EXIT_STORE_LOST",
            "EXIT_LAUNCHER_ERROR"]
 
 logger = logging.getLogger(__name__)
@@ -315,31 +316,6 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def parse_dead(value: bytes | str | None) -> dict[int, str]:
-    """``dead``'s value, ``"3:exited: killed by signal 9;5:silent for 2.1 s;"``, as ``{3: "exited: ...", 5: ...}``
-    (the first reason of each process; malformed entries are skipped)."""
-    if not value:
-        return {}
-    text = value.decode(errors="replace") if isinstance(value, bytes) else value
-    out: dict[int, str] = {}
-    for entry in text.split(";"):
-        p, sep, why = entry.partition(":")
-        p = p.strip()
-        if sep and p.isdigit():
-            out.setdefault(int(p), why.strip())
-    return out
-
-
-def dead_entry(index: int, reason: str) -> str:
-    """One ``dead`` entry (``;`` in the reason would end it early: replaced)."""
-    return f"{index}:{reason.replace(';', ',')};"
-
-
-def failure_record(plan: LauncherPlan, index: int, reason: str, unix: float) -> str:
-    """``gen/<g>/failed``'s JSON for a process this launcher saw exit."""
-    return json.dumps({"by": plan.name, "kind": "exited", "ranks": [index], "reason": reason[:400], "unix": unix})
-
-
 # --- the loop --------------------------------------------------------------------------------------------------
 
 
@@ -536,14 +512,10 @@ class Launcher:
 
     def _declare(self, att: _Attempt, index: int, reason: str) -> None:
         """``dead`` + the current generation's failure: the push every survivor waits for."""
-        entry = dead_entry(index, f"exited: {reason}")
-        record = failure_record(self.plan, index, reason, time.time())
-
         def write(s: Any) -> None:
-            s.append("dead", entry)
-            raw = s.get("gen") if s.check(["gen"]) else b"0"
-            g = int(raw or 0)
-            s.compare_set(key("gen", g, "failed"), "", record)
+            # an idle spare's death fails no generation (GenerationStore.report_death): the job goes on without it
+            GenerationStore(s, process=-1, name=self.plan.name).report_death(
+                (index,), kind="exited", reason=f"process {index} {reason}", by=self.plan.name)
 
         att.dead.setdefault(index, f"exited: {reason}")
         self._later(att.number, write)

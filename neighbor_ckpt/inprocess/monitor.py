@@ -8,9 +8,10 @@ current generation in the store, where every process waits for it, and the engin
 ``detector.interval_s`` it:
 
 * publishes this process's heartbeat and the training thread's progress tag (``hb/<p>``);
-* waits on the current generation's ``failed`` key (the store wakes it when any process or launcher records a
-  failure: a dead rank is pushed, not polled for) and hands a failure to the engine (:meth:`Engine-callback
-  <Monitor.__init__>` ``on_failure``);
+* hands the current generation's failure to the engine; the store pushes it: a :class:`FailureListener` thread
+  blocks on ``gen/<g>/failed`` (no timeout: a store ``wait`` that timed out left the next ones hanging, measured on
+  torch 2.13's TCPStore) and is woken when any process or launcher records a failure, so a dead rank is pushed, not
+  polled for;
 * reads the heartbeat of its predecessor in the ring of the generation's members (spares included, so an idle spare
   that dies is noticed too): silent for more than ``detector.timeout_s`` -> that process is declared dead (its
   launcher SIGKILLs it: a SIGSTOPped process ignores everything else) and the generation failed (``silent``);
@@ -37,7 +38,7 @@ from neighbor_ckpt.inprocess.generation import GenerationFailure, GenerationStor
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
 from neighbor_ckpt.runtime.detector import PAUSED, ProgressClock, Watch
 
-__all__ = ["Monitor", "laggards", "ring_predecessor", "Tag", "parse_heartbeat"]
+__all__ = ["Monitor", "FailureListener", "laggards", "ring_predecessor", "Tag", "parse_heartbeat"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,57 @@ def ring_predecessor(process: int, members: frozenset[int] | set[int]) -> Option
     return ring[ring.index(process) - 1]
 
 
+class FailureListener:
+    """The push of failures: one daemon thread blocked on ``gen/<g>/failed`` for ``g = first, first + 1, ...`` on a
+    store connection of its own. Every generation but the job's last ends with a failure, so each wait returns; the
+    last one is abandoned with the process. For each record it sets :meth:`event` and calls ``on_failure`` (on this
+    thread: the engine's abort runs here, off the monitor's heartbeat)."""
+
+    WAIT = timedelta(days=7)
+
+    def __init__(self, gens: GenerationStore, *, on_failure: Callable[[GenerationFailure], None],
+                 first: int = 0) -> None:
+        self.gens, self.on_failure, self._next = gens, on_failure, first
+        self._lock = threading.Lock()
+        self._events: dict[int, threading.Event] = {}
+        self._records: dict[int, GenerationFailure] = {}
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="neighbor_ckpt-inprocess-listener", daemon=True)
+        self._thread.start()
+
+    def event(self, generation: int) -> threading.Event:
+        """Set once ``generation``'s failure is recorded."""
+        with self._lock:
+            return self._events.setdefault(generation, threading.Event())
+
+    def record(self, generation: int) -> Optional[GenerationFailure]:
+        with self._lock:
+            return self._records.get(generation)
+
+    def _run(self) -> None:
+        g = self._next
+        while True:
+            try:
+                self.gens.store.wait([key("gen", g, "failed")], self.WAIT)
+                record = self.gens.failure(g)
+            except Exception as e:  # noqa: BLE001 - the store went away: try again (the monitor says it too)
+                logger.warning("%s: failure listener: %s: %s", self.gens.name, type(e).__name__, e)
+                time.sleep(1.0)
+                continue
+            if record is None:
+                continue
+            with self._lock:
+                self._records[g] = record
+            self.event(g).set()
+            try:
+                self.on_failure(record)
+            except Exception:  # noqa: BLE001 - the engine's abort must not stop the listening
+                logger.exception("%s: handling the failure of generation %d", self.gens.name, g)
+            g += 1
+
+
 class Monitor:
     """The detector thread of one process (see the module docstring).
 
@@ -91,23 +143,21 @@ class Monitor:
         state: returns ``(generation, members, active ranks {process: rank} or None between generations, whether
             the training thread is inside the training function)``.
         progress: returns the training thread's current tag (:data:`IDLE_TAG` outside an attempt).
-        on_failure: called (from this thread) once per failed generation this process was part of.
+        listener: the failure push (its records wake this thread too).
         interval_s, timeout_s, hang_timeout_s: ``neighbor_ckpt.detector``.
         exit: how to leave when fenced (``os._exit``; tests pass a recorder).
     """
 
     def __init__(self, gens: GenerationStore, *,
                  state: Callable[[], tuple[int, frozenset[int], Optional[Mapping[int, int]], bool]],
-                 progress: Callable[[], Tag], on_failure: Callable[[GenerationFailure], None],
-                 interval_s: float, timeout_s: float, hang_timeout_s: Optional[float],
+                 progress: Callable[[], Tag], listener: FailureListener, interval_s: float, timeout_s: float, hang_timeout_s: Optional[float],
                  exit: Callable[[int], None] = os._exit) -> None:  # noqa: A002
-        self.gens, self.state, self.progress, self.on_failure = gens, state, progress, on_failure
+        self.gens, self.state, self.progress, self.listener = gens, state, progress, listener
         self.interval_s, self.timeout_s, self.hang_timeout_s = interval_s, timeout_s, hang_timeout_s
         self._exit = exit
         self._beat = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._handled: set[int] = set()
         self._watch: Optional[tuple[int, Optional[int], Watch]] = None
         self._clock: tuple[int, ProgressClock] = (-1, ProgressClock(hang_timeout_s))
         self.decisions: list[GenerationFailure] = []
@@ -144,37 +194,26 @@ class Monitor:
                 self._stop.wait(self.interval_s)
 
     def round(self) -> None:
-        """Wait up to one interval for the current generation to fail, then beat and look (one detector round)."""
-        gen, members, active, inside = self.state()
-        failed_key = key("gen", gen, "failed")
-        try:
-            self.gens.store.wait([failed_key], timedelta(seconds=self.interval_s))
-        except Exception:  # noqa: BLE001 - the wait timed out: nothing failed in this interval
-            pass
+        """Wait one interval (less when a failure is recorded), then beat and look (one detector round)."""
+        gen, _, _, _ = self.state()
+        self.listener.event(gen).wait(self.interval_s)
         if self._stop.is_set():
             return
         gen2, members, active, inside = self.state()
         if gen2 != gen:
             return  # a new generation formed meanwhile: look at it next round
+        if self.listener.record(gen) is not None:
+            self._stop.wait(self.interval_s)  # the event stays set: do not spin
         dead = self.gens.dead()
         self._fenced(dead)
         self.beat()
         failed = self.gens.failure(gen)
-        if failed is not None:
-            self._hand_over(failed)
-            return
         now = time.monotonic()
-        failure = self._silent_peer(gen, members - dead.keys(), now)
-        if failure is None and active is not None and inside and self.gens.process in active:
-            failure = self._hang(gen, active, now)
-        if failure is not None:
-            self._hand_over(failure)
-
-    def _hand_over(self, failed: GenerationFailure) -> None:
-        if failed.generation in self._handled:
-            return
-        self._handled.add(failed.generation)
-        self.on_failure(failed)
+        # Silent peers are looked for after a failure too: the next generation's barrier waits for every process
+        # not declared dead, and a process killed without a launcher to report it is found only this way.
+        self._silent_peer(gen, members - dead.keys(), now)
+        if failed is None and active is not None and inside and self.gens.process in active:
+            self._hang(gen, active, now)
 
     def _fenced(self, dead: Mapping[int, str]) -> None:
         why = dead.get(self.gens.process)

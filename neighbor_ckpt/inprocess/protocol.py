@@ -99,8 +99,9 @@ process it replaces. Its own index (``RANK``) is new, ``>= WORLD_SIZE``; it join
 
 
 def launch_prefix(run_id: str, launch: int) -> str:
-    """Every key of one launcher-level attempt of a launch lives under this prefix."""
-    return f"neighbor_ckpt/inprocess/{run_id}/{launch}/"
+    """Every key of one launcher-level attempt of a launch lives under this prefix (a ``PrefixStore`` adds the
+    ``/``)."""
+    return f"neighbor_ckpt/inprocess/{run_id}/{launch}"
 
 
 def key(*parts: object) -> str:

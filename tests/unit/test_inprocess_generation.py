@@ -100,7 +100,7 @@ def test_the_last_active_rank_to_finish_completes_the_job(store: Any) -> None:
     a.finished(2, world_size=2)
     assert not a.complete()
     GenerationStore(store(), process=1).finished(2, world_size=2)
-    assert a.complete() and a.wait_outcome(2) is None
+    assert a.complete() and a.wait_outcome(2, threading.Event()) is None
 
 
 def test_a_hang_on_equal_tags_is_counted_into_the_next_generation(store: Any) -> None:

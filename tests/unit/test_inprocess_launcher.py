@@ -1,18 +1,16 @@
 """The per-node launcher's pure decisions (neighbor_ckpt.inprocess.launcher), in one process: its plan from argv,
-its processes' environment and command, what it does with an exit status, the ``dead`` list and failure records.
+its processes' environment and command, what it does with an exit status, the ``dead`` list.
 The loop itself: tests/multiproc/test_inprocess_launcher.py."""
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 
 from neighbor_ckpt.inprocess import protocol
-from neighbor_ckpt.inprocess.launcher import (Action, LauncherPlan, child_command, child_env, classify_exit,
-                                              dead_entry, describe_exit, exit_status, failure_record, parse_args,
-                                              parse_dead)
+from neighbor_ckpt.inprocess.launcher import (Action, child_command, child_env, classify_exit,
+                                              describe_exit, exit_status, parse_args, parse_dead)
 
 BASE = ["--store", "10.0.0.1:29650", "--run-id", "job-1", "--node", "node3", "--first", "3", "--count", "2",
         "--processes", "6", "--spares", "1", "--max-restarts", "2"]
@@ -92,13 +90,3 @@ def test_the_dead_list_parses_to_the_first_reason_of_each_process() -> None:
     assert parse_dead(None) == {} and parse_dead(b"") == {}
     raw = b"3:exited: killed by signal 9 (SIGKILL);5:silent: no heartbeat for 2.1 s;3:hung;garbage;x:y;"
     assert parse_dead(raw) == {3: "exited: killed by signal 9 (SIGKILL)", 5: "silent: no heartbeat for 2.1 s"}
-    entry = dead_entry(7, "exited: a;b")
-    assert entry == "7:exited: a,b;" and parse_dead(entry) == {7: "exited: a,b"}  # one entry, whatever the reason
-
-
-def test_a_failure_record_names_the_launcher_the_kind_and_the_process() -> None:
-    plan: LauncherPlan = parse_args([*BASE, "t.py"])
-    rec = json.loads(failure_record(plan, 4, "killed by signal 9 (SIGKILL)", 12.5))
-    assert rec == {"by": "launcher:node3", "kind": "exited", "ranks": [4],
-                   "reason": "killed by signal 9 (SIGKILL)", "unix": 12.5}
-    assert rec["kind"] in protocol.FAILURE_KINDS
