@@ -1,14 +1,13 @@
 """``scripts/demo`` / ``neighbor-ckpt demo``: the tiny GPT recipe (NeMo 2, megatron-core distributed optimizer) on 4
-CPU ranks, once without faults and once with rank 1 SIGKILLed inside an optimizer step and restarted on a
-"replaced node" (empty host store); torchrun restarts the job and it continues bit-for-bit.
+CPU ranks, once without faults, then with rank 1 SIGKILLed inside an optimizer step twice: recovered in process
+(``neighbor_ckpt.inprocess``, one hot spare: the survivors keep their processes, the spare takes the killed rank's
+place and pulls its state from the ring successor), and by the restart path (torchrun restarts the job on a
+"replaced node", an empty host store). Both continue bit-for-bit.
 
-Prints the recovery report of every rank, the per-step loss comparison, and where the recovery timeline is.
+Prints the recovery reports, the per-step loss comparison and both MTTRs side by side, each measured the same way:
+from the kill to the end of the first training step completed after it (the slowest rank), read from the
+``--record`` files. ``--restart-only`` runs the restart path alone (the short form).
 Usage: ``neighbor-ckpt demo [--config configs/gpt_tiny_cpu.yaml] [--kill-rank 1] [--kill-step 5] [overrides]``.
-
-``--inprocess`` runs the faulted job a second time with in-process recovery (``neighbor_ckpt.inprocess``, one hot
-spare: the survivors keep their processes, the spare takes the killed rank's place) and prints both MTTRs side by
-side, each measured the same way: from the kill to the end of the first training step completed after it (the
-slowest rank), read from the ``--record`` files.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ def measured_mttr(record: Path) -> float | None:
 INPROCESS_PHASES = ("abort_end", "finalize_end", "initialize", "enter", "built", "pg_ready", "recovered",
                     "first_step_end")
 """In-process recovery events, in order (``events.initial<i>.json`` of the recipe's ``--record``): the survivors'
-abort and clean-up of the failed attempt, the wrapper's rank assignment (``initialize``), then the new attempt's
+abort and clean-up of the failed attempt, the engine's barrier and rank assignment (``initialize``), then the new attempt's
 entry, trainer built, process group, neighbor_ckpt restore, first completed step."""
 
 
@@ -155,8 +154,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--kill-step", type=int, default=5)
     ap.add_argument("--phase", default="optimizer", choices=["forward", "backward", "optimizer"])
-    ap.add_argument("--inprocess", action="store_true",
-                    help="also run the faulted job with in-process recovery and a hot spare; both MTTRs side by side")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--restart-only", action="store_true",
+                      help="the restart path alone (no in-process run)")
+    mode.add_argument("--inprocess", action="store_true",
+                      help="(the default) the in-process run with a hot spare beside the restart path")
     ap.add_argument("--spares", type=int, default=1, help="hot spares of the in-process run (default 1)")
     ap.add_argument("--out", type=Path, default=Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     ap.add_argument("overrides", nargs="*", help="key.path=value applied to every run")
@@ -168,13 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     plans = demo_plans(args)
     base, fault = plans["baseline"], plans["faulted"]
     n, steps = base.job.world_size, base.job.trainer.max_steps
+    kill = f"rank {args.kill_rank} SIGKILLed in the {args.phase} phase of step {args.kill_step}"
     _run(base, f"failure-free run: {base.job.name}, {n} CPU ranks, {steps} steps")
-    _run(fault, f"same run, rank {args.kill_rank} SIGKILLed in the {args.phase} phase of step {args.kill_step} and "
-                "restarted with an empty host store (a replaced node); torchrun restarts the job")
-    ok = _compare(base, fault, n)
     inproc = plans.get("inprocess")
+    ok_ip = True
     if inproc is not None:
-        _run(inproc, f"same kill with in-process recovery: {launch.describe(inproc)}")
+        _run(inproc, f"same run, {kill}, recovered in process: {launch.describe(inproc)}")
         ok_ip = _compare(base, inproc, n)
         rec = inproc.run_dir / "record"
         by = survivors(rec)
@@ -184,11 +185,15 @@ def main(argv: list[str] | None = None) -> int:
               + (", ".join(f"the spare started as rank {i} became rank {r}" for i, r in spare) or "no spare used"))
         if (rec / "fault.json").exists():
             print(f"in-process phases after the kill: {format_phases(inprocess_phases(rec))}")
-        m_restart, m_ip = measured_mttr(fault.run_dir / "record"), measured_mttr(rec)
-        print(f"\n{'MTTR (kill -> first completed step)':<38} | {'restart path':>12} | {'in-process':>12}")
-        print(f"{'':<38} | {_fmt(m_restart):>12} | {_fmt(m_ip):>12}")
-        print(f"{'bit-identical to the failure-free run':<38} | {'yes' if ok else 'NO':>12} | "
-              f"{'yes' if ok_ip else 'NO':>12}")
+    _run(fault, f"same run, {kill} and restarted with an empty host store (a replaced node); torchrun restarts the "
+                "job")
+    ok = _compare(base, fault, n)
+    if inproc is not None:
+        m_restart, m_ip = measured_mttr(fault.run_dir / "record"), measured_mttr(inproc.run_dir / "record")
+        print(f"\n{'MTTR (kill -> first completed step)':<38} | {'in-process':>12} | {'restart path':>12}")
+        print(f"{'':<38} | {_fmt(m_ip):>12} | {_fmt(m_restart):>12}")
+        print(f"{'bit-identical to the failure-free run':<38} | {'yes' if ok_ip else 'NO':>12} | "
+              f"{'yes' if ok else 'NO':>12}")
         ok = ok and ok_ip
     print("\ndemo: the run with a kill and a recovery is bit-identical to the failure-free run" if ok else
           "\ndemo: MISMATCH between the runs")
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def demo_plans(args: argparse.Namespace) -> dict[str, launch.LaunchPlan]:
-    """The launches of the demo (nothing runs): ``baseline``, ``faulted`` and, with ``--inprocess``, ``inprocess``."""
+    """The launches of the demo (nothing runs): ``baseline``, ``faulted`` and, unless ``--restart-only``,
+    ``inprocess``."""
     fault_overrides = [*args.overrides, "neighbor_ckpt.fault_injection.enabled=true",
                        f"neighbor_ckpt.fault_injection.rank={args.kill_rank}",
                        f"neighbor_ckpt.fault_injection.step={args.kill_step}",
@@ -204,7 +210,7 @@ def demo_plans(args: argparse.Namespace) -> dict[str, launch.LaunchPlan]:
                        "neighbor_ckpt.fault_injection.replace_store=true"]
     plans = {"baseline": launch.plan_launch(args.config, args.overrides, run_dir=args.out / "baseline", record=True),
              "faulted": launch.plan_launch(args.config, fault_overrides, run_dir=args.out / "faulted", record=True)}
-    if args.inprocess:
+    if not args.restart_only:
         plans["inprocess"] = launch.plan_launch(
             args.config, [*fault_overrides, "neighbor_ckpt.inprocess.enabled=true",
                           f"neighbor_ckpt.inprocess.spares={args.spares}"], run_dir=args.out / "inprocess", record=True)
