@@ -14,7 +14,6 @@
   ``no_grad`` (NeMo's disk resume, our insurance fallback);
 * :mod:`megatron_patches.nemo_telemetry` — NeMo's OneLogger telemetry spans a failed in-process attempt left open,
   stopped before the next attempt (else its ``on_train_start`` refuses to start);
-* :mod:`megatron_patches.nvrx_gloo` — what NVIDIA resiliency-ext's in-process restart needs on CPU / gloo;
 * :mod:`megatron_patches.bridge` — Megatron-Bridge 0.3.1: its CPU patches (applied by ``enable_cpu(nemo=False)``
   before ``import megatron.bridge``) and ``on_data_init``, the event before Bridge builds its data iterators that
   :class:`neighbor_ckpt.bridge.NeighborCheckpoint` restores in;
