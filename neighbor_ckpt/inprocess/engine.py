@@ -531,7 +531,9 @@ class InprocessRecovery:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - every failure of an attempt is handled here
-            error = e
+            # Only its text is kept: the exception's traceback holds the failed generation's frames, and they its
+            # model, optimizer and tensors, which the clean-up must free (the hygiene check measures it).
+            error = f"{type(e).__name__}: {e}"
         finally:
             self._inside = False
             clear_pending(self._main_tid)
@@ -544,10 +546,9 @@ class InprocessRecovery:
                 return result
         else:
             record = main.fail(generation, kind="exception", ranks=(self.process,),
-                               reason=f"{self._name()}: {type(error).__name__}: {error}")
+                               reason=f"{self._name()}: {error}")
             if record.kind == "exception" and main.won(record):
-                logger.error("%s: generation %d failed here: %s: %s", self._name(), generation,
-                             type(error).__name__, error)
+                logger.error("%s: generation %d failed here: %s", self._name(), generation, error)
         self._abort(generation)  # free the peers (if the monitor has not yet)
         self._finalize()
         self._check_hygiene(generation)

@@ -52,9 +52,22 @@ RSS_WINDOW_GENERATIONS = 5
 
 
 def _rss_bytes() -> int:
+    """Resident memory after handing freed heap memory back to the system (glibc's ``malloc_trim``): freed tensors of
+    a failed generation can stay resident in malloc's arenas (its mmap threshold rises after large frees), which
+    would read as a leak the size of the model although the next generation reuses it."""
     import psutil
 
+    _malloc_trim()
     return int(psutil.Process().memory_info().rss)
+
+
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the RSS is read as it is
+        pass
 
 
 def _cuda_allocated() -> int | None:

@@ -1,5 +1,6 @@
-"""``python -m tools.bench [--compare | --nemo-step] [...]``: the micro-benchmark, or with ``--compare`` the
-side-by-side comparison, or with ``--nemo-step`` the NeMo step-time benchmark (the rest goes to that one)."""
+"""``python -m tools.bench [--compare | --nemo-step | --generations] [...]``: the micro-benchmark, or with
+``--compare`` the side-by-side comparison, with ``--nemo-step`` the NeMo step-time benchmark, with ``--generations``
+the in-process engine's cost per generation on one process (the rest goes to that one)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.bench import nemo_step
 
         return nemo_step.main([a for a in args if a != "--nemo-step"])
+    if "--generations" in args:
+        from tools.bench import generations
+
+        return generations.main([a for a in args if a != "--generations"])
     from tools.bench import micro
 
     return micro.main(args)
