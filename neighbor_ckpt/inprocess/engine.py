@@ -63,7 +63,8 @@ from neighbor_ckpt.config import DetectorConfig, InprocessConfig, NeighborCkptCo
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
-from neighbor_ckpt.inprocess.generation import BarrierTimeout, Fenced, GenerationFailure, GenerationStore, Members
+from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationFailure, GenerationStore, Members,
+                                                gate)
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
 from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
@@ -479,14 +480,9 @@ class InprocessRecovery:
     def _next(self, prev: Assignment, members: Members) -> Assignment:
         """The gate (identical on every process: the same canonical members, the same rules), then the ranks."""
         g = members.generation
-        max_restarts = getattr(self.config, "max_restarts", None)
-        if max_restarts is not None and g > max_restarts:
-            raise _GiveUp(f"more than {max_restarts} in-process restarts (inprocess.max_restarts)")
-        if g >= 2 and not members.progressed:
-            raise _GiveUp(f"in-process restart {g - 1} failed before completing a step (a failure during recovery, "
-                          "or a second failure in its window)")
-        if members.hangs >= 2:
-            raise _GiveUp("a second hang with every rank's progress tag equal: no rank to blame")
+        why = gate(members, max_restarts=getattr(self.config, "max_restarts", None))
+        if why is not None:
+            raise _GiveUp(why)
         nxt = next_assignment(prev, members.members, elastic=self.elastic)
         if isinstance(nxt, GiveUp):
             raise _GiveUp(nxt.reason)

@@ -31,7 +31,7 @@ from neighbor_ckpt.inprocess.assignment import Assignment
 from neighbor_ckpt.inprocess.protocol import FAILURE_KINDS, key
 
 __all__ = ["GenerationStore", "Members", "GenerationFailure", "Fenced", "BarrierTimeout", "parse_list",
-           "parse_dead"]
+           "parse_dead", "gate"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,25 @@ class GenerationFailure:
         return cls(generation=generation, by=str(d.get("by", "?")), kind=str(d.get("kind", "?")),
                    ranks=tuple(int(r) for r in d.get("ranks", ())), reason=str(d.get("reason", "")),
                    unix=float(d.get("unix", 0.0)))
+
+
+def gate(members: Members, *, max_restarts: Optional[int]) -> Optional[str]:
+    """Why the generation ``members`` formed must not go on in process (None: it may), before ranks are assigned;
+    every process decides alike (the same canonical outcome, the same rules):
+
+    * more than ``max_restarts`` generations after the first (``inprocess.max_restarts``; None: unbounded);
+    * the previous generation failed before completing a step, from generation 2 on (a failure during recovery, or a
+      second failure in its window: such a state is not tried again in process);
+    * a second generation failed on a hang with every rank's progress tag equal (no rank to blame twice)."""
+    g = members.generation
+    if max_restarts is not None and g > max_restarts:
+        return f"more than {max_restarts} in-process restarts (inprocess.max_restarts)"
+    if g >= 2 and not members.progressed:
+        return (f"in-process restart {g - 1} failed before completing a step (a failure during recovery, or a second "
+                "failure in its window)")
+    if members.hangs >= 2:
+        return "a second hang with every rank's progress tag equal: no rank to blame"
+    return None
 
 
 def _text(raw: bytes | str) -> str:

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from neighbor_ckpt.inprocess.assignment import initial_assignment
-from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, parse_dead,
+from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, gate, parse_dead,
                                                 parse_list)
 from neighbor_ckpt.inprocess.monitor import laggards, parse_heartbeat, ring_predecessor
 from tests.conftest import free_port
@@ -129,3 +129,17 @@ def test_heartbeats_parse_and_garbage_is_ignored() -> None:
 def test_each_member_is_watched_by_its_ring_predecessor() -> None:
     assert ring_predecessor(0, {0, 2, 5}) == 5 and ring_predecessor(5, {0, 2, 5}) == 2
     assert ring_predecessor(3, {3}) is None and ring_predecessor(1, {0, 2}) is None
+
+
+def _members(g: int, *, progressed: bool = True, hangs: int = 0) -> Members:
+    return Members(generation=g, members=frozenset({0, 1}), progressed=progressed, hangs=hangs)
+
+
+def test_the_gate_lets_a_generation_go_on_unless_a_fallback_rule_says_why_not() -> None:
+    assert gate(_members(1), max_restarts=3) is None
+    assert gate(_members(1, progressed=False), max_restarts=3) is None, "generation 0 may fail before its first step"
+    assert "failed before completing a step" in gate(_members(2, progressed=False), max_restarts=3)
+    assert "more than 3 in-process restarts" in gate(_members(4), max_restarts=3)
+    assert gate(_members(40), max_restarts=None) is None
+    assert gate(_members(2, hangs=1), max_restarts=None) is None
+    assert "second hang" in gate(_members(3, hangs=2), max_restarts=None)
