@@ -5,8 +5,7 @@ contained failure; each attempt builds its own trainer, strategy and model (impo
 slots stay). Usage::
 
     inproc = InprocessRecovery(spares=1, store_host=host, store_port=port)
-    prepare_process()                         # once, before the first attempt
-    wait_for_all_processes(inproc)            # every process imported (generation 0's barrier waits inprocess.barrier_timeout_s)
+    prepare_process()                         # once, before the first attempt (after the imports)
 
     def make(attempt):                        # -> (trainer, entry point), built anew for every attempt
         fn = fdl.build(recipe)                # e.g. NeMo's llm.pretrain partial
@@ -32,6 +31,11 @@ What :func:`attach` does to an attempt's trainer:
 * **Progress.** :class:`InprocessProgress` marks the attempt's first completed step (after the snapshot), which the
   engine's fallback rules read, and records timeline events (``pg_ready``, ``recovered``).
 
+**Start.** Every process (spares included) imports everything its attempts need before :func:`run_trainer` (a spare
+must be hot when it is activated). There is no wait of its own for the slowest process's imports: generation 0's
+barrier is that wait (``inprocess.barrier_timeout_s``, in the job file), and unlike a count of arrivals it stops
+waiting for a process its launcher declared dead (one that died while importing).
+
 ``prepare_process`` turns off :func:`~neighbor_ckpt.runtime.torchrun.prepare_torchrun_restart` (the callback calls
 it at construction): that fix re-hosts torchrun's rendezvous store on rank 0 for launcher restarts; in process the
 group lives on the external store, and rank 0 must not host anything the survivors need.
@@ -43,19 +47,15 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Callable
 
-import torch.distributed as dist
-
-from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.inprocess import InprocessRecovery
 from neighbor_ckpt.inprocess import Attempt
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy
 from neighbor_ckpt.lightning.callback import NeighborCheckpoint
 
-__all__ = ["prepare_process", "wait_for_all_processes", "attach", "run_trainer", "InprocessProgress"]
+__all__ = ["prepare_process", "attach", "run_trainer", "InprocessProgress"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,21 +63,6 @@ logger = logging.getLogger(__name__)
 def prepare_process() -> None:
     """Once per process, before the first attempt (see the module docstring)."""
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-
-
-def wait_for_all_processes(inproc: InprocessRecovery, *, timeout_s: float = 900.0) -> None:
-    """Once per process, before :func:`run_trainer`: wait until every process of the launch (spares included) got
-    here, i.e. finished its imports. NeMo's imports take tens of seconds on a loaded machine and start at different
-    times; generation 0's barrier allows ``inprocess.barrier_timeout_s`` for the slowest one."""
-    store = inproc.app_store()
-    key = f"imported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < inproc.world_size:
-        if time.monotonic() > deadline:
-            raise NeighborCkptError(f"in-process start: only {store.add(key, 0)} of {inproc.world_size} processes "
-                                    f"finished their imports within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 class InprocessProgress(*callback_bases()):  # type: ignore[misc]
@@ -116,8 +101,9 @@ def attach(inproc: InprocessRecovery, attempt: Attempt, trainer: Any) -> None:
         inproc.init_process_group()
     for cb in trainer.callbacks:
         if isinstance(cb, NeighborCheckpoint):
-            if hasattr(inproc, "attempt_info"):
-                cb.attempt = inproc.attempt_info()  # in-process attempts: their own records, timeline mode
+            # Before fit: the callback's on_fit_start builds the checkpointer with it, which hands its progress tag
+            # to the engine's monitor (AttemptInfo.progress_sink) instead of starting a detector of its own.
+            cb.attempt = inproc.attempt_info()  # in-process attempts: their own records, timeline mode
             inproc.on_restart(_close_failed(cb))
     if is_megatron_strategy(strategy):
         from megatron_patches.nemo_telemetry import end_open_spans

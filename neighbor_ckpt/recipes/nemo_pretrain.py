@@ -372,8 +372,7 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
         raise ConfigError(f"in-process recovery: {inproc.world_size} processes were started, the job needs "
                           f"{job.world_size} ranks + {job.neighbor_ckpt.inprocess.spares} spare(s); start it with "
                           f"`neighbor-ckpt launch`")
-    lip.prepare_process()
-    lip.wait_for_all_processes(inproc)
+    lip.prepare_process()  # the slowest process's imports: generation 0's barrier waits inprocess.barrier_timeout_s
     launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = args.run_dir / "record"
     if args.record:

@@ -1,11 +1,11 @@
-"""End to end through the user's commands: ``neighbor-ckpt demo --inprocess`` (the tiny GPT recipe: a failure-free
-run, then rank 1 SIGKILLed inside optimizer step 5 and restarted on an empty host store, then the same kill with
-in-process recovery and a hot spare, i.e. ``neighbor-ckpt launch configs/gpt_tiny_cpu.yaml
-neighbor_ckpt.inprocess.enabled=true neighbor_ckpt.inprocess.spares=1``: the survivors keep their processes and
-ranks, the spare takes rank 1's place and pulls its state from the ring successor, no launcher restart; both MTTRs
-side by side) and ``neighbor-ckpt launch`` of
-the tiny Llama recipe (RMSNorm, SwiGLU, RoPE, GQA; TP2 x DP2; rank 1 SIGKILLed in the backward pass of step 5).
-Every per-step loss, the final weights and the optimizer state must equal the failure-free run exactly."""
+"""End to end through the user's commands: ``neighbor-ckpt demo`` (the tiny GPT recipe: a failure-free run, then
+rank 1 SIGKILLed inside optimizer step 5 and recovered in process with a hot spare (the default), i.e.
+``neighbor-ckpt launch configs/gpt_tiny_cpu.yaml neighbor_ckpt.inprocess.enabled=true
+neighbor_ckpt.inprocess.spares=1``: the survivors keep their processes and ranks, the spare takes rank 1's place and
+pulls its state from the ring successor, no launcher restart; then the same kill restarted by the launcher on an
+empty host store; both MTTRs side by side) and ``neighbor-ckpt launch`` of the tiny Llama recipe (RMSNorm, SwiGLU,
+RoPE, GQA; TP2 x DP2; rank 1 SIGKILLed in the backward pass of step 5). Every per-step loss, the final weights and
+the optimizer state must equal the failure-free run exactly."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _assert_rank1_restored_from_its_successor(res: RunResult, *, iterations: tup
 def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly_by_restart_and_in_process(
         tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "neighbor_ckpt.cli", "demo", "--inprocess", "--out", str(out), STEPS]
+    cmd = [sys.executable, "-m", "neighbor_ckpt.cli", "demo", "--out", str(out), STEPS]  # in process by default
     res = run_logged(cmd, tmp_path, out, timeout=1800, env=job_env(tmp_path, out, {
         "NEIGHBOR_CKPT_STORE_DIR": tmp_path / "store"}))
     assert res.returncode == 0, res.log[-6000:]

@@ -137,15 +137,22 @@ def test_launch_dry_run_prints_the_store_host_and_one_launcher_per_process(tmp_p
 def test_demo_inprocess_plans_the_restart_and_the_inprocess_runs_of_the_same_kill(tmp_path: Path) -> None:
     from neighbor_ckpt.cli import demo
 
-    plans = demo.demo_plans(demo.parse_args(["--inprocess", "--out", str(tmp_path), "trainer.max_steps=8"]))
-    assert sorted(plans) == ["baseline", "faulted", "inprocess"]
-    assert [plans[k].inprocess for k in ("baseline", "faulted", "inprocess")] == [False, False, True]
-    assert plans["inprocess"].processes == 5 and plans["inprocess"].record
-    for k in ("faulted", "inprocess"):
-        fi = plans[k].job.neighbor_ckpt.fault_injection
-        assert (fi.enabled, fi.rank, fi.step, fi.phase) == (True, 1, 5, "optimizer")
-    assert not plans["baseline"].job.neighbor_ckpt.fault_injection.enabled
-    assert sorted(demo.demo_plans(demo.parse_args(["--out", str(tmp_path)]))) == ["baseline", "faulted"]
+    # the in-process run with a hot spare is the default; --inprocess (the old switch) still means the same
+    for extra in ([], ["--inprocess"]):
+        plans = demo.demo_plans(demo.parse_args([*extra, "--out", str(tmp_path), "trainer.max_steps=8"]))
+        assert sorted(plans) == ["baseline", "faulted", "inprocess"]
+        assert [plans[k].inprocess for k in ("baseline", "faulted", "inprocess")] == [False, False, True]
+        assert plans["inprocess"].processes == 5 and plans["inprocess"].record
+        for k in ("faulted", "inprocess"):
+            fi = plans[k].job.neighbor_ckpt.fault_injection
+            assert (fi.enabled, fi.rank, fi.step, fi.phase) == (True, 1, 5, "optimizer")
+        assert not plans["baseline"].job.neighbor_ckpt.fault_injection.enabled
+        assert all(plans[k].job.trainer.max_steps == 8 for k in plans)
+    # the short form: the restart path alone
+    assert sorted(demo.demo_plans(demo.parse_args(["--restart-only", "--out", str(tmp_path)]))) == \
+        ["baseline", "faulted"]
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--restart-only", "--inprocess"])
 
 
 def test_an_inprocess_launch_succeeds_when_only_a_lost_nodes_launcher_died() -> None:
