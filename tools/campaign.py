@@ -9,10 +9,11 @@ two ranks of a node, a rank and its ring successor, a whole DP group or every ra
 a random bit flip, a truncation or a malformed header in the victim's newest snapshot. Its per-step losses and final
 parameters / optimizer state are compared (``==``) with a failure-free run of the same configuration.
 
-The in-process kinds (``inproc-kill``: SIGKILL of a rank in its optimizer step; ``inproc-hang``: SIGSTOP there, NVRx's
-hard timeout kills it) run the recipe in its in-process mode instead: 4 active ranks + 1 hot spare, the store host
-and one NVRx ``ft_launcher`` agent per simulated node (the commands of ``neighbor-ckpt launch``,
-:func:`neighbor_ckpt.cli.launch.inprocess_commands`); the spare takes the victim's place, no process restarts.
+The in-process kinds (``inproc-kill``: SIGKILL of a rank in its optimizer step; ``inproc-hang``: SIGSTOP there, our
+detector finds it silent and its launcher kills it) run the recipe in its in-process mode instead: 4 active ranks + 1
+hot spare, the store host and one of our launchers (:mod:`neighbor_ckpt.inprocess.launcher`) per simulated node (the
+commands of ``neighbor-ckpt launch``, :func:`neighbor_ckpt.cli.launch.inprocess_commands`); the spare takes the
+victim's place, no process restarts.
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic).
 
@@ -88,10 +89,10 @@ class Kind:
     tp: int | None = None
     """Tensor parallelism (None: drawn, 1 or 2)."""
     inprocess: bool = False
-    """In-process recovery with a hot spare (the recipe's in-process mode under ``ft_launcher`` agents); always the
-    distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path, which restores from
-    the host stores. NVRx detects the hang (its hard timeout), so the table gives no detection time for it; the
-    MTTR (fault to the first completed step) includes it."""
+    """In-process recovery with a hot spare (the recipe's in-process mode under our per-node launchers); always the
+    distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path (the launchers restart
+    the job), which restores from the host stores. The hang's detection time is the recovery timeline's ``detect``
+    phase (our detector's, in process); the MTTR (fault to the first completed step) includes it."""
 
 
 KIND_SPECS: dict[str, Kind] = {
@@ -190,7 +191,7 @@ class Case:
 
     @property
     def max_restarts(self) -> int:
-        """torchrun's (in process: each ``ft_launcher`` agent's, the restart path a give-up falls back to)."""
+        """torchrun's (in process: each launcher's ``--max-restarts``, the restart path a give-up falls back to)."""
         return 2 if self.recovery_rank is not None else 1
 
     @property
@@ -200,7 +201,7 @@ class Case:
     def recipe_args(self) -> list[str]:
         args = ["--kill", f"{','.join(map(str, self.victims))}:{self.step}", "--kill-phase", self.phase,
                 "--kill-signal", self.signal]
-        if not self.inprocess:  # in process, every agent is a simulated node of its own (NEIGHBOR_CKPT_NODE_ID)
+        if not self.inprocess:  # in process, every launcher is a simulated node of its own (NEIGHBOR_CKPT_NODE_ID)
             args += ["--nodes", str(NODES)]
         if self.tp != 1:
             args += ["--tp", str(self.tp)]
@@ -295,7 +296,7 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                   store_port: int, max_restarts: int, insurance_every: int = 0):  # noqa: ANN201
-    """The store host and ``ft_launcher`` agent commands of an in-process case (nothing runs): ``WORLD`` active
+    """The store host and per-node launcher commands of an in-process case (nothing runs): ``WORLD`` active
     ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store root per
     simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
     ``neighbor-ckpt launch`` builds its own."""
@@ -310,8 +311,9 @@ def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, confi
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                    timeout: float, max_restarts: int) -> tuple[int, str]:
-    """Run an in-process case (:func:`inprocess_job`); the agents' and the store host's output in ``launch.log``.
-    Returns (the worst agent's exit status, -999 past ``timeout``; the log)."""
+    """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
+    in ``launch.log``. Returns (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses,
+    -999 past ``timeout``; the log)."""
     from neighbor_ckpt.cli.launch import run_inprocess
     from neighbor_ckpt.errors import ConfigError
 
@@ -331,7 +333,7 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
         except ConfigError as e:  # the store host never listened: this case failed, the campaign goes on
             f.write(f"\ncampaign: {e}\n")
             rc = -998
-    kill_tagged(tag)  # a stopped victim nobody killed, or a worker its agent left behind
+    kill_tagged(tag)  # a stopped victim nobody killed, or a process its launcher left behind
     return rc, log.read_text(errors="replace")
 
 
@@ -339,6 +341,15 @@ def _timeline_mttr(out: Path) -> float | None:
     """The MTTR of the recovery timeline rank 0 wrote (in process: fault to the first completed step)."""
     for path in sorted((out / "reports").glob("recovery_timeline.*.json")):
         value = json.loads(path.read_text()).get("mttr_s")
+        if value is not None:
+            return float(value)
+    return None
+
+
+def _timeline_detect(out: Path) -> float | None:
+    """The ``detect`` phase of the recovery timeline rank 0 wrote (in process: fault to the failure's record)."""
+    for path in sorted((out / "reports").glob("recovery_timeline.*.json")):
+        value = (json.loads(path.read_text()).get("phases_s") or {}).get("detect")
         if value is not None:
             return float(value)
     return None
@@ -412,6 +423,8 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     detection = None
     if case.signal == "SIGSTOP" and detected and (out / "fault.json").exists():
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
+    elif case.signal == "SIGSTOP" and case.inprocess:
+        detection = _timeline_detect(out)
     mttr = [float(m.group(1)) for m in _MTTR_RE.finditer(log)] or [x for x in [_timeline_mttr(out)] if x is not None]
     common = dict(detection_s=detection, mttr_s=mttr[0] if mttr else None, wall_s=wall)
     if not (out / "fault.json").exists():

@@ -168,7 +168,7 @@ def test_in_process_kinds_strike_a_distributed_optimizer_rank_in_its_optimizer_s
         assert c.signal == ("SIGSTOP" if c.kind == "inproc-hang" else "SIGKILL")
         assert 0 <= c.rank < 4 and c.max_restarts == 1
     kill = Case(index=0, kind="inproc-kill", rank=2, step=4, dist_opt=True, phase="optimizer")
-    # no --nodes: in process every ft_launcher agent is a simulated node of its own (NEIGHBOR_CKPT_NODE_ID)
+    # no --nodes: in process every launcher is a simulated node of its own (NEIGHBOR_CKPT_NODE_ID)
     assert kill.recipe_args() == ["--kill", "2:4", "--kill-phase", "optimizer", "--kill-signal", "SIGKILL"]
     assert dataclasses.replace(kill, kind="inproc-hang").recipe_args()[-1] == "SIGSTOP"
 
@@ -181,10 +181,11 @@ def test_adding_the_in_process_kinds_left_the_restart_path_draws_of_a_seed_as_th
             :len(restart)]
 
 
-def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_ft_launcher_agent_per_node(
+def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_of_our_launchers_per_node(
         tmp_path: Path) -> None:
-    from neighbor_ckpt.cli.launch import NVRX_LAUNCHER
+    from neighbor_ckpt.cli.launch import LAUNCHER
     from neighbor_ckpt.config import NeighborCkptConfig
+    from neighbor_ckpt.inprocess.launcher import parse_args
 
     base = write_config(tmp_path / "campaign.yaml", interval_s=0.5, timeout_s=3.0)
     own = write_config(tmp_path / "case" / "nckpt.yaml", base=base, inprocess_spares=SPARES,
@@ -200,11 +201,15 @@ def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_ft_launche
     assert procs.store[1:3] == ("-m", "neighbor_ckpt.inprocess.store_host") and "4001" in procs.store
     assert len(procs.agents) == WORLD + SPARES
     for i, (cmd, env) in enumerate(procs.agents):
-        assert cmd[1:3] == ("-m", NVRX_LAUNCHER)
-        assert {"--nnodes=3:5", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-endpoint=127.0.0.1:4001",
-                "--rdzv-id=campaign-3", "--ft-restart-policy=min-healthy"} <= set(cmd)
-        assert next(a for a in cmd if a.startswith("--rdzv-conf=")).startswith("--rdzv-conf=is_host=false,")
-        program = list(cmd[cmd.index(str(RECIPE)):])
+        assert cmd[1:3] == ("-m", LAUNCHER)
+        plan = parse_args(cmd[3:])
+        # one simulated node per process: its own launcher, node id and host store
+        assert (plan.store_address, plan.run_id, plan.node) == ("127.0.0.1:4001", "campaign-3", f"node{i}")
+        assert (plan.first, plan.count, plan.processes, plan.spares, plan.nodes) == (i, 1, WORLD + SPARES, SPARES,
+                                                                                     WORLD + SPARES)
+        assert plan.max_restarts == case.max_restarts == 1
+        assert plan.store_root == str(tmp_path / "store")
+        program = list(plan.program[plan.program.index(str(RECIPE)):])
         assert program[program.index("--config") + 1] == str(own)
         assert program[program.index("--inprocess-store") + 1] == "127.0.0.1:4001"
         assert program[-len(case.recipe_args()):] == case.recipe_args()
