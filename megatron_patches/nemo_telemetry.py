@@ -3,7 +3,7 @@
 NeMo 2.7.3 attaches a process-wide ``OneLoggerNeMoCallback`` (``nemo.lightning.callback_group.CallbackGroup``, on
 global rank 0) to every trainer ``llm.pretrain`` builds. It opens a ``training_loop`` span at ``on_train_start``
 and one span per training iteration, in a process-wide recorder (``nv_one_logger``'s ``TrainingTelemetryProvider``).
-A training attempt that fails (its process group aborted by the in-process wrapper) never reaches
+A training attempt that fails (its process groups aborted by the in-process engine) never reaches
 ``on_train_end``: its spans stay open, and the next attempt's ``on_train_start`` raises ``OneLoggerError: Cannot
 start span training_loop while 1 span(s) with the same name is already active``, which fails the restart.
 

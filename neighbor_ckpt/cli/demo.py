@@ -40,7 +40,7 @@ def _run(plan: launch.LaunchPlan, what: str) -> None:
     with status:
         rc = launch.run_local(plan, log=plan.run_dir / "torchrun.log")
     if rc != 0:
-        raise SystemExit(f"demo: torchrun failed (exit {rc}); see {plan.run_dir / 'torchrun.log'}")
+        raise SystemExit(f"demo: the launch failed (exit {rc}); see {plan.run_dir / 'torchrun.log'}")
     print(f"demo: done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -46,11 +46,16 @@ def test_demo_kills_a_rank_of_the_tiny_gpt_recipe_and_recovers_bit_exactly_by_re
     assert "bit-identical to the failure-free run" in res.log
     assert "recovery report (attempt 1):" in res.log and "rank 1: restored iteration 5 from the replica" in res.log
     # what a user sees: the timeline PNG, the status line, the metrics in the trainer's logger (CSV here)
-    png = [line.split("recovery timeline: ", 1)[1].strip() for line in res.log.splitlines()
-           if line.startswith("recovery timeline: ")]
-    assert png and Path(png[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", res.log[-3000:]
-    timeline = json.loads(Path(png[0]).with_suffix(".json").read_text())
+    pngs = [Path(line.split("recovery timeline: ", 1)[1].strip()) for line in res.log.splitlines()
+            if line.startswith("recovery timeline: ")]
+    by_run = {p.relative_to(out).parts[0]: p for p in pngs if p.is_relative_to(out)}
+    assert sorted(by_run) == ["faulted", "inprocess"], res.log[-3000:]  # the in-process run is printed first
+    for p in by_run.values():
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
+    timeline = json.loads(by_run["faulted"].with_suffix(".json").read_text())
     assert set(timeline["phases_s"]) >= {"detect", "restart", "rendezvous", "reconcile", "transfer", "restore"}
+    timeline = json.loads(by_run["inprocess"].with_suffix(".json").read_text())
+    assert set(timeline["phases_s"]) >= {"detect", "abort", "reform", "reconcile", "transfer", "restore"}, timeline
     assert "neighbor_ckpt: step 2 | snapshot" in (out / "faulted" / "torchrun.log").read_text()
     csvs = list((out / "faulted").rglob("metrics.csv"))
     assert any("neighbor_ckpt/snapshot_ms" in c.read_text().splitlines()[0] for c in csvs), csvs

@@ -60,10 +60,6 @@ def main() -> None:
     unsupported = [f for f in flags if f != "-u"]
     if not path or unsupported:
         _cold(python, flags, program, f"{SOCKET_ENV} unset" if not path else f"interpreter flags {unsupported}")
-    if "--inprocess-store" in program or os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE"):
-        # NVRx in-process workers start cold: forked warm, NVRx's idle ranks (a hot spare, a survivor left out of a
-        # smaller world) ran into its soft timeout in 3 of ~15 runs, which cold ones never did here (not understood)
-        os.execv(python, [python, *flags, *program])
     sock = _connect(path)
     if sock is None:
         _cold(python, flags, program, f"no zygote at {path} after {CONNECT_TIMEOUT_S:.0f} s")

@@ -38,7 +38,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NoReturn
 
 import psutil
@@ -48,7 +47,7 @@ logger = logging.getLogger("tests.warm.zygote")
 PRELOAD = ("torch", "torch.distributed", "numpy", "yaml", "xxhash", "megatron.core",
            "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
            "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer", "lightning.pytorch",
-           "nemo.lightning", "nemo.collections.llm", "nvidia_resiliency_ext.inprocess")
+           "nemo.lightning", "nemo.collections.llm")
 """What the workers of the test suite import (the library's own modules are not: each fork imports them fresh)."""
 
 RUN_TAG_ENV = "NEIGHBOR_CKPT_HARNESS_RUN"  # neighbor_ckpt.runtime.procs.RUN_TAG_ENV (not imported here: see PRELOAD)
@@ -253,9 +252,10 @@ def _run_worker(request: dict) -> int:
 def _exit(code: int) -> NoReturn:
     """End the fork as the interpreter ends a cold worker: ``sys.exit`` from here unwinds to the interpreter's own
     shutdown (non-daemon threads joined, atexit handlers, module teardown, finalizers). Ending with ``os._exit`` after
-    the atexit handlers would save ~3-4 s of CPU per NeMo process; the one full run that tried it hung an NVRx idle
-    rank in its soft timeout, which later also happened with this exit (NVRx workers now start cold: client.py), so
-    it may be worth trying again. What runs at teardown stays part of the behaviour under test meanwhile."""
+    the atexit handlers would save ~3-4 s of CPU per NeMo process; the one full run that tried it hung an idle rank
+    of NVRx's in-process wrapper (since replaced by our own engine) in its soft timeout, which later also happened
+    with this exit, so it may be worth trying again. What runs at teardown stays part of the behaviour under test
+    meanwhile."""
     sys.exit(code)
 
 
