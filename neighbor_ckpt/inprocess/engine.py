@@ -80,9 +80,10 @@ HYGIENE_TRIES = 4
 """Looks at the process's threads after a failed generation, 0.5 s apart, before it is declared not clean."""
 
 LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener",
-                    "neighbor_ckpt-abort-watchdog", "TMonitor")
+                    "neighbor_ckpt-abort-watchdog", "TMonitor", "tqdm_monitor")
 """Threads that may outlive a generation: the engine's own, tqdm's progress-bar monitor (one per process, started by
-the first progress bar)."""
+the first progress bar; tqdm 4.70 names it ``tqdm_monitor``, older releases ``TMonitor``: a Megatron-Bridge survivor
+failed the hygiene check on it)."""
 
 REINTERRUPT_S = 1.0
 """How long the exception raised into the training thread may take to get it out of the training function before
