@@ -467,6 +467,9 @@ class InprocessRecovery:
         ends; returns the next generation, the current one's assignment and who the next one waits for
         (generation -1: the job completed)."""
         while True:
+            reason = main.gave_up()  # a give-up at a generation's gate publishes no assignment: do not wait for it
+            if reason is not None:
+                raise _GiveUp(f"another process gave up: {reason}")
             g = main.current()
             members, assignment = main.members(g), main.assignment(g)
             if members is None or assignment is None:
