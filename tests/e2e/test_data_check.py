@@ -141,7 +141,6 @@ def test_the_data_check_runs_across_an_elastic_reshard(tmp_path: Path) -> None:
     4 nodes (one new, empty) with elastic on: the DP-3 snapshots are resharded to DP 4, and the replayed step's
     global batch, dealt to 4 ranks in other micro-batches, is checked against the previous layout's input records
     by its order-independent sample sum, on every rank, instead of being skipped."""
-    pytest.importorskip("nvidia_resiliency_ext")
     cfg = tmp_path / "elastic.yaml"
     cfg.write_text("neighbor_ckpt:\n  elastic:\n    enabled: true\n")
     common = dict(STEPS=7, NCKPT_CONFIG=cfg, EXTRA_ARGS="--global-batch 24 --dropout 0",

@@ -12,24 +12,29 @@ i.e. *after* the abort: closed from the exception handler, before the abort, its
 message to the successor and wait up to 30 s for its receiver thread, blocked on a predecessor that is still
 training (an exception on one rank) until the abort frees it.
 
-Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<NODE_NAME>``), NODE_NAME (the
-simulated node: one per launcher), SPARES, STEPS, NEIGHBOR_CKPT_JOB_ID
-(fixed for the launch: every attempt shares the host stores), FAULT (kill|raise|stop|none), KILL_RANK (a rank, or
-ranks separated by commas), KILL_STEP (first attempt only: SIGKILL, a RuntimeError, or SIGSTOP inside the optimizer
-step of KILL_STEP), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the
-restored state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's
-node is gone, its launcher is killed too), TP (tensor
-parallel size, default 1), GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the
-initial DP), DROPOUT (default 0.1), ELASTIC (1: ``neighbor_ckpt.elastic.enabled``: without a spare the survivors
-continue on a smaller data-parallel size), KEEP_OLD (1: after an elastic reshard each survivor copies the previous
-layout's store to ``OUT/oldstore/<node>`` before training on, for the test's reference resharding).
+Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<node>``, the node being the
+launcher's ``NEIGHBOR_CKPT_NODE_ID``: a replacement process gets a new index but runs on its launcher's node), SPARES,
+STEPS, NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT
+(kill|raise|stop|block|none), KILL_RANK (a rank, or ranks separated by commas), KILL_STEP (first attempt only, inside
+the optimizer step of KILL_STEP: SIGKILL, a RuntimeError, SIGSTOP, or the training thread blocked in a C call while
+the heartbeat goes on), HANG_TIMEOUT (``detector.hang_timeout_s``, default 3 s; interval 0.2 s and timeout 2 s as the
+CPU job files), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the restored
+state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is
+gone, its launcher is killed too), LEAK_THREAD_RANK (that rank leaks a thread in generation 0: the hygiene check
+after the failed generation must catch it), ECHO_PORT (a TCP connection to the test's echo server opened before the
+first attempt, used in every attempt: ``echo.initial<i>.iter<k>.json``), TP (tensor parallel size, default 1),
+GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the initial DP), DROPOUT
+(default 0.1), ELASTIC (1: ``neighbor_ckpt.elastic.enabled``: without a spare the survivors continue on a smaller
+data-parallel size), KEEP_OLD (1: after an elastic reshard each survivor copies the previous layout's store to
+``OUT/oldstore/<node>`` before training on, for the test's reference resharding).
 
 Outputs under OUT_DIR (``rank`` is the attempt's rank, ``initial`` the rank the process started as):
 ``losses.rank<r>.jsonl`` (step, loss over the global batch as hex, attempt = restart iteration, pid, consumed samples
 before the step, data-parallel size), ``resharded.rank<r>.npz`` + ``resharded.rank<r>.json`` (after an elastic
 reshard: this rank's optimizer shards as loaded, and their spans), ``final.rank<r>.json``
 (fingerprints, as tests/workers/train_mcore.py's recipe writes them), ``attempt.initial<i>.iter<k>.json``
-(pid, rank, times of this attempt's phases), ``events.initial<i>.json`` (every event of the process),
+(pid and its start time, rank, node, times of this attempt's phases), ``events.initial<i>.json`` (every event of
+the process, its exit status, the process it replaces),
 ``fault.json`` (when the fault was injected; ``fault.rank<r>.json`` per faulty rank), ``report.rank<r>.attempt<k>.json``
 (recovery report), ``reports/recovery_timeline.attempt<launch>[.<k>].json`` (rank 0's recovery timeline).
 """
@@ -46,8 +51,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-INITIAL_RANK = int(os.environ["RANK"])
-NODE = os.environ.get("NODE_NAME", f"node{INITIAL_RANK}")
+INITIAL_RANK = int(os.environ["RANK"])  # the process index: a replacement's is new (>= WORLD_SIZE)
+# The simulated node is the launcher's (a replacement process runs on its launcher's node, under a new index).
+NODE = os.environ.get("NEIGHBOR_CKPT_NODE_ID") or f"node{INITIAL_RANK}"
 os.environ["NEIGHBOR_CKPT_STORE_DIR"] = str(Path(os.environ["TEST_STORE_BASE"]) / NODE)
 os.environ["NEIGHBOR_CKPT_NODE_ID"] = NODE
 OUT = Path(os.environ["OUT_DIR"])
@@ -76,6 +82,10 @@ from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
 from neighbor_ckpt.inprocess import InprocessRecovery  # noqa: E402
 from neighbor_ckpt.inprocess import Attempt  # noqa: E402
 from neighbor_ckpt.runtime import failpoints  # noqa: E402
+from neighbor_ckpt.runtime.procs import process_start  # noqa: E402
+
+PID_START = process_start()
+"""This process's start time (with the pid, its identity: the harness checks that no process outlives the launch)."""
 
 _spec = importlib.util.spec_from_file_location(
     "mcore_gpt_plain_loop", Path(__file__).resolve().parents[2] / "recipes" / "mcore_gpt_plain_loop.py")
@@ -131,7 +141,7 @@ inproc = InprocessRecovery.from_config(make_config(),
 
 def inject_fault(rank: int, att: Attempt) -> None:
     rec = {"launch_attempt": LAUNCH_ATTEMPT, "rank": rank, "initial_rank": INITIAL_RANK, "step": KILL_STEP,
-           "kind": FAULT, "unix": time.time(), "pid": os.getpid()}
+           "kind": FAULT, "unix": time.time(), "pid": os.getpid(), "pid_start": PID_START}
     write_json(f"fault.rank{rank}.json", rec)
     if rank == min(KILL_RANKS):
         write_json("fault.json", rec)
@@ -165,8 +175,8 @@ def train(att: Attempt) -> dict[str, Any]:
     rank, world = att.rank, att.world_size
     times: dict[str, float] = {"enter": time.time()}
     write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}{_launch_suffix()}.json",
-               {"pid": os.getpid(), "rank": rank, "world_size": world, "initial_rank": INITIAL_RANK,
-                "iteration": att.iteration, "node": NODE, "times": times})
+               {"pid": os.getpid(), "pid_start": PID_START, "rank": rank, "world_size": world,
+                "initial_rank": INITIAL_RANK, "node": NODE, "iteration": att.iteration, "times": times})
     inproc.init_process_group()
     times["pg_ready"] = time.time()
     gpt = recipe.build_gpt(tp=TP, steps=STEPS, micro_batch_size=MBS,  # parallel state, model, optimizer
@@ -250,8 +260,8 @@ def train(att: Attempt) -> dict[str, Any]:
                 inproc.mark_progress()
                 times["first_step_end"] = time.time()
                 write_json(f"attempt.initial{INITIAL_RANK}.iter{att.iteration}{_launch_suffix()}.json",
-                           {"pid": os.getpid(), "rank": rank, "world_size": world, "initial_rank": INITIAL_RANK,
-                            "iteration": att.iteration, "node": NODE, "times": times,
+                           {"pid": os.getpid(), "pid_start": PID_START, "rank": rank, "world_size": world,
+                            "initial_rank": INITIAL_RANK, "node": NODE, "iteration": att.iteration, "times": times,
                             "recovery": result.report.to_dict()})
     except BaseException as e:
         ckpt.on_failure(f"{type(e).__name__}: {e}")  # the failure event for the timeline; never raises
@@ -322,8 +332,11 @@ def main() -> int:
     except SystemExit as e:
         code = int(e.code or 0)
     finally:
-        write_json(f"events.initial{INITIAL_RANK}{_launch_suffix()}.json", {"pid": os.getpid(), "start": T_START,
-                                                          "imported": T_IMPORTED, "events": inproc.events})
+        write_json(f"events.initial{INITIAL_RANK}{_launch_suffix()}.json",
+                   {"pid": os.getpid(), "pid_start": PID_START, "start": T_START, "imported": T_IMPORTED,
+                    "process": INITIAL_RANK, "launch": LAUNCH_ATTEMPT, "node": NODE, "replaces": os.environ.get("NEIGHBOR_CKPT_INPROCESS_REPLACES"),
+                    "code": code, "events": inproc.events})
+        log.info("process %d leaves with status %d", INITIAL_RANK, code)
     return code
 
 
