@@ -35,6 +35,10 @@ Not a CPU patch, used on GPUs too: ``data_init_event`` (:func:`on_data_init`), t
 scheduler and Bridge's own checkpoint load, before the data iterators are built (where the restore must happen so the
 loop and the iterators start at the restored step and sample). Installed while a listener is registered, version
 checked (0.3.1), undone by identity when the last listener is removed.
+
+Not a patch either: :func:`reset_global_state`, between in-process generations, drops what a ``pretrain`` that failed
+mid-training left in Bridge's global state (Bridge's own ``destroy_global_state``, which only a ``pretrain`` that
+returns calls), version-checked (0.3.1).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from typing import Any, Callable, Sequence
 from neighbor_ckpt.errors import UnsupportedVersionError
 
 __all__ = ["BridgePatch", "PATCHES", "TE_IMPORTERS", "TE_STAND_IN", "apply", "is_installed", "DataInit", "DataInitHook",
-           "on_data_init", "data_init_installed"]
+           "on_data_init", "data_init_installed", "reset_global_state", "RESET_VERSIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -488,3 +492,45 @@ def on_data_init(listener: Callable[[DataInit], None]) -> DataInitHook:
                 setattr(setup, name, wrapper)
         _di_listeners.append(listener)
     return DataInitHook(listener)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reset_global_state: what a failed pretrain leaves behind, dropped between in-process generations
+# --------------------------------------------------------------------------------------------------------------
+
+RESET_VERSIONS = ("0.3.1",)
+"""The megatron-bridge releases :func:`reset_global_state` was written against."""
+
+
+def reset_global_state() -> bool:
+    """Drop the process-wide state a ``pretrain`` that failed mid-training leaves behind, so that the next in-process
+    generation's ``pretrain`` starts as the first did (called after the abort, by
+    :func:`neighbor_ckpt.bridge.inprocess.attach`'s clean-up). False when Megatron-Bridge's training code was never
+    imported (nothing to reset).
+
+    A ``pretrain`` that returns cleans up in ``_finish_train`` with ``initialize.destroy_global_state()``: the
+    num-microbatches calculator (``init_num_microbatches_calculator`` refuses a second one: "num microbatches
+    calculator is already initialized"), megatron-core's global memory buffer and model-parallel groups
+    (``initialize_model_parallel`` refuses to run twice), and the rerun state machine. A failed one never gets
+    there: the same function is called here (Bridge's in-process wrapper does the same after its abort), plus this
+    module's data-init context (the failed ``setup()``'s model and optimizer, held otherwise until the next one).
+    Everything else ``pretrain`` uses lives on its ``GlobalState``, made anew by every call.
+
+    Raises:
+        UnsupportedVersionError: megatron-bridge is not one of :data:`RESET_VERSIONS`, or lacks the function.
+    """
+    _di_ctx.clear()
+    if "megatron.bridge.training.initialize" not in sys.modules:
+        return False
+    version = importlib.metadata.version(BRIDGE)
+    if version not in RESET_VERSIONS:
+        raise UnsupportedVersionError(
+            f"megatron_patches.bridge.reset_global_state: written for megatron-bridge {', '.join(RESET_VERSIONS)}, "
+            f"found {version}")
+    initialize = sys.modules["megatron.bridge.training.initialize"]
+    destroy = getattr(initialize, "destroy_global_state", None)
+    if not callable(destroy):
+        raise UnsupportedVersionError(f"megatron_patches.bridge.reset_global_state: {_INITIALIZE} has no "
+                                      f"destroy_global_state in megatron-bridge {version}")
+    destroy()
+    return True

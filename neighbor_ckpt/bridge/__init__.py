@@ -5,6 +5,9 @@
     from neighbor_ckpt.bridge import NeighborCheckpoint
     pretrain(cfg, forward_step, callbacks=[NeighborCheckpoint()])   # under torchrun --max-restarts N
 
+In process (hot spares, ``pretrain`` called again in the surviving processes with the same callbacks):
+:mod:`neighbor_ckpt.bridge.inprocess` (``run_pretrain``, ``attach``).
+
 :func:`check_bridge_config` holds the refusals (pure; it reads the ``ConfigContainer`` only). Importing this package
 imports no Megatron-Bridge; ``NeighborCheckpoint`` imports it on first use.
 

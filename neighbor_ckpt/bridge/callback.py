@@ -32,6 +32,10 @@ What happens where (Megatron-Bridge 0.3.1):
   the recovery timeline in ``report.dir`` (default: ``<checkpoint.save>/neighbor_ckpt_reports``, else the store's
   report directory).
 
+**In process** (:mod:`neighbor_ckpt.bridge.inprocess`): the instance built once is handed to every generation's
+``pretrain``; at the start of each it drops the previous attempt's state (:meth:`NeighborCheckpoint.begin_attempt`, or
+at the data-init event of a ``pretrain`` called again) and builds its checkpointer with the generation's attempt.
+
 Not covered: a survivor's exception has no Bridge event; the checkpointer's SIGTERM handler (torchrun stops the
 survivors) and the failure detector handle it. Our own insurance checkpoints (``insurance.every_n_steps``) are refused:
 Bridge's ``checkpoint.save`` / ``save_interval`` is the insurance.
@@ -113,21 +117,48 @@ class NeighborCheckpoint(Callback):
                               "neighbor_ckpt.insurance.every_n_steps at 0 and dirpath unset")
         if bridge_config is not None:
             check_bridge_config(bridge_config)
-        self.session = Session(self.config, name="NeighborCheckpoint", framework=FRAMEWORK)
-        """Insurance, resume and data-position policy (:mod:`neighbor_ckpt.glue`); owns the checkpointer."""
         self.attempt: Any = None
-        """Which attempt this is, for the checkpointer (None: the launcher's restart count)."""
-        self.winner: str | None = None
-        """After the recovery: ``"in-memory"``, ``"bridge-checkpoint"`` or None (a fresh start)."""
+        """Which attempt this is, for the checkpointer (None: the launcher's restart count); in process, the
+        generation's ``AttemptInfo`` (:meth:`begin_attempt`)."""
         self._hooks: Any = None
         self._event: Any = None
-        self._pending_rng: dict[str, Any] | None = None
-        self._dp_size = 1
+        self._new_attempt_state()
         if self.config.enabled:
             from megatron_patches.bridge import on_data_init
 
             prepare_torchrun_restart()  # before pretrain creates the process group
             self._event = on_data_init(self._on_data_init)
+
+    def _new_attempt_state(self) -> None:
+        """What belongs to one ``pretrain`` call (the rest of the instance lives as long as the process)."""
+        self.session = Session(self.config, name="NeighborCheckpoint", framework=FRAMEWORK)
+        """Insurance, resume and data-position policy (:mod:`neighbor_ckpt.glue`); owns the checkpointer."""
+        self.winner: str | None = None
+        """After the recovery: ``"in-memory"``, ``"bridge-checkpoint"`` or None (a fresh start)."""
+        self._pending_rng: dict[str, Any] | None = None
+        self._dp_size = 1
+
+    def begin_attempt(self, attempt: Any = None) -> None:
+        """Before each ``pretrain`` call of an in-process generation (:func:`neighbor_ckpt.bridge.inprocess.attach`
+        calls it): the previous call's state is dropped (its checkpointer closed, host slots kept) and ``attempt``
+        (the generation's ``AttemptInfo``) is what the next checkpointer is built with. A ``pretrain`` called again
+        without it starts over the same way, at its data-init event, with the attempt it had."""
+        self._reset_attempt()
+        self.attempt = attempt
+
+    def close_failed(self) -> None:
+        """Close after a failed in-process attempt (the engine's clean-ups call it after the abort freed the
+        snapshot threads): hooks removed, host slots kept for the next generation's recovery."""
+        self._remove_hooks()
+        ckpt = self.session.checkpointer
+        if ckpt is not None:
+            ckpt.close(success=False)
+
+    def _reset_attempt(self) -> None:
+        if self.session.checkpointer is not None:
+            self.close_failed()  # a no-op when on_train_end or the engine's clean-up closed it
+        self._remove_hooks()
+        self._new_attempt_state()
 
     @property
     def checkpointer(self) -> NeighborCheckpointer | None:
@@ -142,8 +173,10 @@ class NeighborCheckpoint(Callback):
     # -- set-up and recovery (the data-init event) ----------------------------------------------------------
 
     def _on_data_init(self, ev: Any) -> None:
-        if not self.config.enabled or self.session.checkpointer is not None:
+        if not self.config.enabled:
             return
+        if self.session.checkpointer is not None:
+            self._reset_attempt()  # pretrain called again (in process: the next generation): a new attempt
         check_bridge_config(ev.cfg)
         if not dist.is_available() or not dist.is_initialized():
             logger.warning("NeighborCheckpoint: torch.distributed is not initialized (single-process run); disabled")

@@ -19,7 +19,8 @@ def check_bridge_config(cfg: Any) -> None:
 
     Raises:
         ConfigError: naming the option, for: Bridge's in-process restart (``inprocess_restart.enabled``: it aborts and
-            re-enters ``pretrain`` with its own store, beside our recovery), a full CUDA graph around
+            re-enters ``pretrain`` with its own store, beside our recovery; ours is
+            :mod:`neighbor_ckpt.bridge.inprocess`, and the two cannot both run), a full CUDA graph around
             ``forward_backward`` (``model.cuda_graph_impl: local`` with ``full_iteration`` in ``cuda_graph_scope``:
             the step tags and the wait point cannot run inside a captured graph), Megatron FSDP or torch FSDP2
             (``dist.use_megatron_fsdp`` / ``dist.use_torch_fsdp2``: parameters are not in megatron-core's DDP buffers
@@ -29,8 +30,11 @@ def check_bridge_config(cfg: Any) -> None:
     inproc = getattr(cfg, "inprocess_restart", None)
     if inproc is not None and getattr(inproc, "enabled", False):
         problems.append("inprocess_restart.enabled: Megatron-Bridge's in-process restart (nvidia-resiliency-ext's "
-                        "wrapper around _pretrain, with its own store) cannot run beside neighbor checkpointing's "
-                        "recovery; turn it off (torchrun --max-restarts restarts the job, the snapshots restore it)")
+                        "deprecated wrapper around _pretrain, with its own store and process groups) cannot run beside "
+                        "neighbor checkpointing's recovery; turn it off and use ours: neighbor_ckpt.inprocess.enabled "
+                        "under `neighbor-ckpt launch` (hot spares, pretrain called again in the surviving processes: "
+                        "neighbor_ckpt.bridge.inprocess), or the restart path (torchrun --max-restarts; the snapshots "
+                        "restore it)")
     model = getattr(cfg, "model", None)
     impl = getattr(model, "cuda_graph_impl", "none")
     scope = getattr(model, "cuda_graph_scope", None)

@@ -12,8 +12,8 @@ every process exits 75 and the launchers restart the job together (``launch.max_
 
 The job file is a path, or the name of one shipped with the package (``gpt_tiny_cpu``; ``configs/gpt_tiny_cpu.yaml``
 also outside a checkout: :func:`resolve_config`); the recipe is the one inside this installed package
-(``neighbor_ckpt/recipes/nemo_pretrain.py``; ``bridge_pretrain.py`` for a job file with ``framework: bridge``, restart
-path only). The job file is validated (with the overrides applied) before
+(``neighbor_ckpt/recipes/nemo_pretrain.py``; ``bridge_pretrain.py`` for a job file with ``framework: bridge``, both
+paths). The job file is validated (with the overrides applied) before
 anything starts; the resolved file is written to the run directory
 ``<launch.log_dir>/<name>-<timestamp>/config.yaml`` and the recipe reads only that, so a restarted worker group sees
 exactly what the first one saw. The torchrun rendezvous id is unique per launch and stable across its restarts: it is
@@ -132,9 +132,6 @@ def plan_launch(config: str | Path, overrides: Sequence[str] = (), *, run_dir: P
     if job.neighbor_ckpt.inprocess.enabled and not job.neighbor_ckpt.enabled:
         raise ConfigError("config.neighbor_ckpt.inprocess.enabled: in-process recovery restores from the neighbor "
                           "snapshots, but neighbor_ckpt.enabled is false; enable both, or neither")
-    if job.framework == "bridge" and job.neighbor_ckpt.inprocess.enabled:
-        raise ConfigError("config.neighbor_ckpt.inprocess.enabled: in-process recovery under Megatron-Bridge "
-                          "(framework: bridge) is not supported yet; use the restart path (launch.max_restarts)")
     recipe = recipe_path((BRIDGE_RECIPE if job.framework == "bridge" else RECIPE).name)  # raises when it is missing
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_id = job.neighbor_ckpt.job_id or f"{job.name}-{stamp}-{secrets.token_hex(2)}"  # unique per launch

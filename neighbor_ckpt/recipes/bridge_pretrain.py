@@ -13,12 +13,17 @@ What it runs is Megatron-Bridge 0.3.1's own ``pretrain(cfg, forward_step, callba
 layer spec), parallelism, batch, steps and learning rate; mock data; on ``trainer.accelerator: cpu``,
 ``megatron_patches.enable_cpu(nemo=False)`` first (gloo). ``checkpoint.every_n_train_steps`` > 0 turns on Bridge's own
 checkpoint (``<run-dir>/bridge_checkpoints``, saved every N steps, loaded on a restart): the insurance. The full-size
-presets feed ``neighbor-ckpt plan`` only here. In-process recovery under Bridge is not supported yet (``launch``
-refuses it).
+presets feed ``neighbor-ckpt plan`` only here.
 
-``neighbor_ckpt.fault_injection`` (demos, tests): rank ``rank`` SIGKILLed / SIGSTOPped once, on the first attempt, at
-the start of step ``step`` (``forward``) or inside its optimizer step (``optimizer``); ``replace_store`` gives it an
-empty host store on the restart.
+With ``neighbor_ckpt.inprocess.enabled`` (``neighbor-ckpt launch`` starts the ranks, the spares, one launcher per
+simulated node and the store host): every process imports Bridge first (a spare is hot), then
+:func:`neighbor_ckpt.bridge.inprocess.run_pretrain` calls ``pretrain`` again in each generation, with a new
+``ConfigContainer`` and the same callback instances, on the generation's process group.
+
+``neighbor_ckpt.fault_injection`` (demos, tests): the planned faults (the one-fault keys or a ``faults`` list), each
+SIGKILL / SIGSTOP of its rank once, in the first launch attempt, at the start of its step (``forward``) or inside its
+optimizer step (``optimizer``); in process in whichever generation first runs that step (a rank number of that
+generation); ``replace_store`` gives the victim an empty host store on a launcher restart.
 
 ``--record`` writes, per rank, every step's loss (hex, exact) and consumed samples, the recovery report of each
 attempt and fingerprints of the final weights, optimizer shards and Bridge's counters under ``<run-dir>/record/``.
@@ -42,13 +47,22 @@ from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 
 logger = logging.getLogger("recipes.bridge_pretrain")
 
-RANK = int(os.environ.get("RANK", "0"))
 TINY = ("gpt_tiny", "llama_tiny")
 _TINY_VOCAB = 128
 
 
 def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _rank() -> int:
+    """This process's rank now (in process the engine sets ``RANK`` for every generation)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _generation(neighbor: Any) -> int:
+    """The in-process generation of the current ``pretrain`` call (0 without in-process recovery)."""
+    return int(getattr(neighbor.attempt, "inprocess", 0) or 0)
 
 
 def build_config(job: JobSpec, run_dir: Path) -> Any:
@@ -120,73 +134,98 @@ def build_config(job: JobSpec, run_dir: Path) -> Any:
 
 
 def callbacks(job: JobSpec, run_dir: Path, *, record: bool) -> list[Any]:
-    """``NeighborCheckpoint`` (what a Bridge user adds), plus the fault injector and the recorder when asked."""
+    """``NeighborCheckpoint`` (what a Bridge user adds), plus the fault injector and the recorder when asked. Built
+    once per process: in process the same instances serve every generation's ``pretrain``."""
     from megatron.bridge.training.callbacks import Callback
 
     from neighbor_ckpt import NeighborCkptConfig
     from neighbor_ckpt.bridge import NeighborCheckpoint
 
     nc_config = NeighborCkptConfig.from_dict(job.neighbor_ckpt.to_dict())
-    f = nc_config.fault_injection
-    if f.enabled and f.replace_store and _attempt() > 0 and RANK == f.rank:
+    fi = nc_config.fault_injection
+    planned = fi.refuse_unsupported(phases=("forward", "optimizer"), where=" under framework: bridge (the Bridge "
+                                    "recipe injects forward and optimizer)")
+    if planned and _attempt() > 0 and _rank() in fi.replaced_ranks():
         from neighbor_ckpt.snapshot.store import rank_dir
 
-        d = rank_dir(nc_config.resolved_store_dir(), nc_config.resolved_job_id(), RANK)
+        d = rank_dir(nc_config.resolved_store_dir(), nc_config.resolved_job_id(), _rank())
         shutil.rmtree(d, ignore_errors=True)
-        logger.warning("fault injection: rank %d restarts on a 'replaced node': its host store %s was emptied", RANK, d)
+        logger.warning("fault injection: rank %d restarts on a 'replaced node': its host store %s was emptied",
+                       _rank(), d)
     neighbor = NeighborCheckpoint(nc_config)
     out = run_dir / "record"
     if record:
         out.mkdir(parents=True, exist_ok=True)
 
     class Faults(Callback):
-        """Fault injection (first attempt only), and with ``--record`` when it fired (``fault.json``)."""
+        """Fault injection: each planned fault once, in the first launch attempt, in the generation that first runs
+        its step (:meth:`neighbor_ckpt.config.FaultSpec.fires`); with ``--record`` when each fired
+        (``faults.jsonl``; the first also as ``fault.json``)."""
 
-        armed = f.enabled and _attempt() == 0 and RANK == f.rank
+        def __init__(self) -> None:
+            super().__init__()
+            self.fired: set[int] = set()  # in this process, across its generations
+            self.start_step = 0
 
-        def _fire(self, phase: str) -> None:
-            self.armed = False
+        def _due(self, ts: Any, phase: str) -> list[int]:
+            return [i for i, f in enumerate(planned) if i not in self.fired and f.fires(
+                rank=_rank(), step=ts.step, phase=phase, launch=_attempt(), generation=_generation(neighbor),
+                start_step=self.start_step)]
+
+        def _fire(self, i: int, phase: str) -> None:
+            self.fired.add(i)
+            f = planned[i]
             if record:
-                (out / "fault.json").write_text(json.dumps({"unix": time.time(), "rank": RANK, "step": f.step,
-                                                            "phase": phase}))
-            logger.warning("fault injection: %s of rank %d in the %s phase of step %d", f.signal, RANK, phase, f.step)
+                rec = json.dumps({"unix": time.time(), "rank": _rank(), "step": f.step, "phase": phase,
+                                  "generation": _generation(neighbor), "fault": i, "pid": os.getpid()})
+                with open(out / "faults.jsonl", "a") as fh:
+                    fh.write(rec + "\n")
+                if not (out / "fault.json").exists():
+                    (out / "fault.json").write_text(rec)
+            # at INFO: Megatron-Bridge's logging drops WARNING records by default (logger.filter_warnings)
+            logger.info("fault injection: %s of rank %d in the %s phase of step %d (fault %d, generation %d)",
+                        f.signal, _rank(), phase, f.step, i, _generation(neighbor))
             for h in logging.getLogger().handlers:
                 h.flush()
+            if f.permanent and f.signal == "SIGKILL":
+                from neighbor_ckpt.runtime.failpoints import lose_node
+
+                lose_node()
             os.kill(os.getpid(), getattr(signal, f.signal))
 
         def on_train_start(self, context: Any) -> None:
-            if self.armed and f.phase == "optimizer":
+            ts = context.state.train_state
+            self.start_step = ts.step  # where this generation resumed
+            if any(f.phase == "optimizer" for f in planned) and _attempt() == 0:
                 from megatron_patches import tag_optimizer_steps
 
-                ts = context.state.train_state
-                tag_optimizer_steps(context.optimizer, on_enter=lambda: self._fire("optimizer")
-                                    if self.armed and ts.step == f.step else None, on_exit=lambda: None)
+                def enter() -> None:
+                    for i in self._due(ts, "optimizer"):
+                        self._fire(i, "optimizer")
+
+                tag_optimizer_steps(context.optimizer, on_enter=enter, on_exit=lambda: None)
 
         def on_train_step_start(self, context: Any) -> None:
-            if self.armed and f.phase == "forward" and context.state.train_state.step == f.step:
-                self._fire("forward")
-
-    if f.enabled and f.phase not in ("forward", "optimizer"):
-        raise ConfigError(f"config.neighbor_ckpt.fault_injection.phase: {f.phase!r} under framework: bridge "
-                          "(the Bridge recipe injects forward and optimizer)")
+            for i in self._due(context.state.train_state, "forward"):
+                self._fire(i, "forward")
 
     class Record(Callback):
         """``--record``: losses (on_train_step_end: step i done, Bridge adds the batch to consumed samples after it),
-        the recovery report, the final state."""
+        the recovery report, the final state; per rank of the current generation."""
 
         def on_train_start(self, context: Any) -> None:
             ckpt, rec = neighbor.checkpointer, neighbor.last_recovery
             if ckpt is not None and rec is not None:
                 ts = context.state.train_state
-                (out / f"report.rank{RANK}.attempt{ckpt.attempt.label}.json").write_text(json.dumps(
+                (out / f"report.rank{_rank()}.attempt{_label(ckpt.attempt)}.json").write_text(json.dumps(
                     {**rec.report.to_dict(), "winner": neighbor.winner, "train_state_step": ts.step,
                      "consumed_train_samples": ts.consumed_train_samples}, indent=1, sort_keys=True))
 
         def on_train_step_end(self, context: Any) -> None:
             ts = context.state.train_state
             loss = context.loss_dict.get("lm loss") if context.loss_dict else None
-            with open(out / f"losses.rank{RANK}.jsonl", "a") as fh:
-                fh.write(json.dumps({"step": ts.step, "attempt": _attempt(),
+            with open(out / f"losses.rank{_rank()}.jsonl", "a") as fh:
+                fh.write(json.dumps({"step": ts.step, "attempt": _attempt() + _generation(neighbor),
                                      "loss": None if loss is None else float(loss).hex(),
                                      "consumed_samples": ts.consumed_train_samples + job.trainer.global_batch_size})
                          + "\n")
@@ -208,7 +247,7 @@ def callbacks(job: JobSpec, run_dir: Path, *, record: bool) -> list[Any]:
                         for name, v in opt.optimizer.state.get(p, {}).items():
                             if isinstance(v, torch.Tensor):
                                 shards[f"{k}/{gi}/{pi}/{name}"] = sha(v)
-            (out / f"final.rank{RANK}.json").write_text(json.dumps(
+            (out / f"final.rank{_rank()}.json").write_text(json.dumps(
                 {"step": ts.step, "consumed_samples": ts.consumed_train_samples,
                  "flops": float(ts.floating_point_operations_so_far).hex(), "params": params, "optimizer": shards},
                 indent=1, sort_keys=True))
@@ -216,17 +255,23 @@ def callbacks(job: JobSpec, run_dir: Path, *, record: bool) -> list[Any]:
     return [neighbor, Faults(), *([Record()] if record else [])]
 
 
+def _label(attempt: Any) -> str:
+    """The attempt in record file names: the launcher's restart count, plus the generation in process
+    (``report.rank1.attempt1.json``: restart 1, or generation 1 of the first launch; ``1.2``: both)."""
+    launch, gen = int(getattr(attempt, "launch", 0)), int(getattr(attempt, "inprocess", 0))
+    return str(launch + gen) if not (launch and gen) else f"{launch}.{gen}"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, required=True, help="job file (configs/*.yaml), already resolved")
     ap.add_argument("--run-dir", type=Path, required=True, help="logs, reports and Bridge checkpoints go here")
     ap.add_argument("--record", action="store_true", help="write per-step losses, reports and final fingerprints")
-    ap.add_argument("--inprocess-store", metavar="HOST:PORT", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--inprocess-store", metavar="HOST:PORT", default=None,
+                    help="in-process recovery: the store host (default: what our launcher sets)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[rank{RANK}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"[rank{_rank()}] %(levelname)s %(name)s: %(message)s")
     job = load_job(args.config)
-    if job.neighbor_ckpt.inprocess.enabled or args.inprocess_store:
-        raise ConfigError("config.neighbor_ckpt.inprocess.enabled: not supported under framework: bridge yet")
     if job.trainer.accelerator == "cpu":
         from megatron_patches import enable_cpu
 
@@ -234,8 +279,57 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
+    if job.neighbor_ckpt.inprocess.enabled:
+        main_inprocess(job, args, forward_step)
+        return
+    if args.inprocess_store:
+        raise ConfigError("--inprocess-store without config.neighbor_ckpt.inprocess.enabled")
     cfg = build_config(job, args.run_dir)
     pretrain(cfg, forward_step, callbacks=callbacks(job, args.run_dir, record=args.record))
+
+
+def main_inprocess(job: JobSpec, args: argparse.Namespace, forward_step: Any) -> None:
+    """Bridge's ``pretrain`` under in-process recovery (:func:`neighbor_ckpt.bridge.inprocess.run_pretrain`): a new
+    ``ConfigContainer`` per generation, the callbacks built once; exits with the engine's fallback status when
+    in-process recovery gives up (the launchers then restart the job)."""
+    from neighbor_ckpt.bridge.inprocess import run_pretrain
+    from neighbor_ckpt.inprocess import InprocessRecovery
+
+    store: dict[str, Any] = {}
+    if args.inprocess_store:
+        host, sep, port = args.inprocess_store.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"--inprocess-store {args.inprocess_store!r}: expected HOST:PORT")
+        store = {"store_host": host, "store_port": int(port)}
+    t_start = time.time()
+    p, t = job.parallelism, job.trainer
+    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, **store, model_parallel=p.tensor * p.pipeline * p.context,
+                                           batch_micro_batches=t.global_batch_size // t.micro_batch_size)
+    if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:
+        raise ConfigError(f"in-process recovery: {inproc.world_size} processes were started, the job needs "
+                          f"{job.world_size} ranks + {job.neighbor_ckpt.inprocess.spares} spare(s); start it with "
+                          f"`neighbor-ckpt launch`")
+    if job.neighbor_ckpt.elastic.enabled:
+        raise ConfigError("config.neighbor_ckpt.elastic.enabled under framework: bridge: the Bridge recipe keeps its "
+                          "world size in process (a hot spare fills a lost rank); turn elastic off")
+    cbs = callbacks(job, args.run_dir, record=args.record)  # once: the same instances in every generation
+    launch = _attempt()
+    out = args.run_dir / "record"
+    suffix = f".launch{launch}" if launch else ""
+
+    def make(attempt: Any) -> Any:
+        if args.record:
+            (out / f"attempt.initial{inproc.initial_rank}.iter{attempt.iteration}{suffix}.json").write_text(
+                json.dumps({"pid": os.getpid(), "rank": attempt.rank, "world_size": attempt.world_size,
+                            "initial_rank": inproc.initial_rank, "iteration": attempt.iteration, "launch": launch}))
+        return build_config(job, args.run_dir)
+
+    try:
+        run_pretrain(inproc, make, forward_step, cbs)
+    finally:
+        if args.record:
+            (out / f"events.initial{inproc.initial_rank}{suffix}.json").write_text(json.dumps(
+                {"pid": os.getpid(), "start": t_start, "events": inproc.events}, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from neighbor_ckpt.cli.launch import BRIDGE_RECIPE, RECIPE, plan_launch
-from neighbor_ckpt.errors import ConfigError
 from tests.conftest import Baselines, assert_same_training, recomputed_steps, run_launch
 
 CONFIG = "gpt_tiny_bridge_cpu.yaml"
@@ -23,8 +22,9 @@ def test_framework_picks_the_recipe(tmp_path: Path) -> None:
     assert bridge.job.framework == "bridge" and bridge.recipe.name == BRIDGE_RECIPE.name
     nemo = plan_launch("gpt_tiny_cpu.yaml", run_dir=tmp_path / "n")  # no framework key: NeMo, as before
     assert nemo.job.framework == "nemo" and nemo.recipe.name == RECIPE.name
-    with pytest.raises(ConfigError, match="in-process recovery under Megatron-Bridge"):
-        plan_launch(CONFIG, ["neighbor_ckpt.inprocess.enabled=true"], run_dir=tmp_path / "i")
+    inproc = plan_launch(CONFIG, ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=1"],
+                         run_dir=tmp_path / "i")  # in process too (test_bridge_inprocess.py)
+    assert inproc.recipe.name == BRIDGE_RECIPE.name and inproc.processes == 5
 
 
 @pytest.mark.e2e
