@@ -174,7 +174,7 @@ def _nemo_factory_recipe(job: JobSpec, run_dir: Path) -> Any:
 def build_recipe(job: JobSpec, run_dir: Path, *, inject_faults: bool = True) -> Any:
     """The ``nemo_run.Partial`` of ``llm.pretrain`` for ``job``, with the neighbor-checkpoint callback attached
     (and the fault injector when ``neighbor_ckpt.fault_injection`` is enabled, unless ``inject_faults`` is false:
-    an in-process restart, where the fault already happened)."""
+    an in-process generation after the one fault already fired)."""
     import nemo_run as run
     from nemo import lightning as nl
 
@@ -270,19 +270,35 @@ class _Record:
         return Record()
 
     @staticmethod
-    def fault_clock(out: Path, job: JobSpec) -> Any:
-        """When the injected fault fires (``fault.json``, unix time): placed before the fault injector, on the
-        rank and step it targets, in its phase's hook (``backward``: the start of that step's batch)."""
+    def fault_clock(out: Path, job: JobSpec, *, generation: int = 0) -> Any:
+        """When the injected faults fire (unix time): ``fault.json`` for the first one, a line of ``faults.jsonl``
+        for each. Placed before the fault injector; a fault is stamped where the injector fires it (the same rule,
+        :meth:`~neighbor_ckpt.config.FaultSpec.fires`, in in-process generation ``generation``), in its phase's hook
+        (``backward``: the start of that step's batch)."""
         import lightning.pytorch as pl
 
-        f = job.neighbor_ckpt.fault_injection
+        faults = job.neighbor_ckpt.fault_injection.planned()
         rank = int(os.environ.get("RANK", "0"))
+        launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        start: list[int] = []
+        stamped: set[int] = set()
 
-        def stamp(trainer: Any, phase: str) -> None:
-            if rank == f.rank and trainer.global_step == f.step and (phase == f.phase or (
-                    phase == "forward" and f.phase == "backward")):
-                (out / "fault.json").write_text(json.dumps({"unix": time.time(), "rank": rank, "step": f.step,
-                                                            "phase": f.phase, "pid": os.getpid()}))
+        def stamp(trainer: Any, hook: str) -> None:
+            if not start:
+                start.append(trainer.global_step)  # where this generation resumed
+            for i, f in enumerate(faults):
+                phase = "forward" if f.phase == "backward" else f.phase
+                if i in stamped or hook != phase or not f.fires(rank=rank, step=trainer.global_step, phase=f.phase,
+                                                                launch=launch, generation=generation,
+                                                                start_step=start[0]):
+                    continue
+                stamped.add(i)
+                rec = {"unix": time.time(), "rank": rank, "step": f.step, "phase": f.phase, "signal": f.signal,
+                       "pid": os.getpid(), "generation": generation, "fault": i}
+                if not (out / "fault.json").exists():
+                    (out / "fault.json").write_text(json.dumps(rec))
+                with open(out / "faults.jsonl", "a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
 
         class FaultClock(pl.Callback):
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
@@ -379,9 +395,15 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
         out.mkdir(parents=True, exist_ok=True)
     suffix = f".launch{launch}" if launch else ""
 
+    # One planned fault fires in generation 0 and is not injected again: a later generation that resumed before its
+    # step (a kill in the backward phase may restore the iteration before) would otherwise fire it once more on the
+    # rank's new process. Several: the injector of every generation, which fires each where its step first runs.
+    several_faults = len(job.neighbor_ckpt.fault_injection.planned()) > 1
+
     def make(attempt: Any) -> tuple[Any, Any]:
         torch.manual_seed(job.trainer.seed)  # as main() does before building: the first attempt is the plain run
-        recipe = build_recipe(job, args.run_dir, inject_faults=attempt.iteration == 0)
+        inject = attempt.iteration == 0 or several_faults
+        recipe = build_recipe(job, args.run_dir, inject_faults=inject)
         if attempt.world_size != job.world_size:  # an elastic shrink: Lightning wants devices x nodes = world size
             nodes = t.num_nodes if attempt.world_size % t.num_nodes == 0 else 1
             recipe.trainer.devices, recipe.trainer.num_nodes = attempt.world_size // nodes, nodes
@@ -390,8 +412,8 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
         if args.record:
             label = str(attempt.iteration) if not launch else f"{launch}.{attempt.iteration}"
             trainer.callbacks.append(_Record.callback(out, attempt=launch + attempt.iteration, label=label))
-            if job.neighbor_ckpt.fault_injection.enabled and attempt.iteration == 0 and launch == 0:
-                trainer.callbacks.insert(0, _Record.fault_clock(out, job))
+            if job.neighbor_ckpt.fault_injection.enabled and inject and launch == 0:
+                trainer.callbacks.insert(0, _Record.fault_clock(out, job, generation=attempt.iteration))
             (out / f"attempt.initial{inproc.initial_rank}.iter{attempt.iteration}{suffix}.json").write_text(
                 json.dumps({"pid": os.getpid(), "rank": attempt.rank, "world_size": attempt.world_size,
                             "initial_rank": inproc.initial_rank, "iteration": attempt.iteration,
