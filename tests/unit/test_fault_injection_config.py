@@ -76,8 +76,12 @@ def test_job_file_override_and_round_trip(tmp_path: Path) -> None:
     assert [(f.rank, f.step) for f in section.planned()] == [(1, 3), (2, 7)]
     again = NeighborCkptConfig.from_dict(job.neighbor_ckpt.to_dict()).fault_injection
     assert again.planned() == section.planned()
-    with pytest.raises(ConfigError, match="use one form"):  # the NeMo job files set the one-fault keys
-        load_job(REPO / "configs" / "gpt_tiny_cpu.yaml", ["neighbor_ckpt.fault_injection.faults=[{rank: 2}]"])
+    nemo = load_job(REPO / "configs" / "gpt_tiny_cpu.yaml", ["neighbor_ckpt.fault_injection.enabled=true",
+                                                              "neighbor_ckpt.fault_injection.faults=[{rank: 2}]"])
+    assert [f.rank for f in nemo.neighbor_ckpt.fault_injection.planned()] == [2]  # the job files leave both open
+    with pytest.raises(ConfigError, match="use one form"):
+        load_job(REPO / "configs" / "gpt_tiny_cpu.yaml", ["neighbor_ckpt.fault_injection.rank=1",
+                                                           "neighbor_ckpt.fault_injection.faults=[{rank: 2}]"])
 
 
 def test_store_node_is_accepted_by_the_config_and_refused_by_the_injectors() -> None:
