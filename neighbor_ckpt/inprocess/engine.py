@@ -51,6 +51,7 @@ import dataclasses
 import gc
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,10 @@ logger = logging.getLogger(__name__)
 
 FALLBACK_EXIT_CODE = protocol.EXIT_FALLBACK
 """Exit status of every process when in-process recovery gives up (EX_TEMPFAIL): the launchers restart the job."""
+
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+                       r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
+"""What a collective raises when a peer process died (gloo's, NCCL's words)."""
 
 HYGIENE_TRIES = 4
 """Looks at the process's threads after a failed generation, 0.5 s apart, before it is declared not clean."""
@@ -545,8 +550,11 @@ class InprocessRecovery:
                 self._close_success()
                 return result
         else:
-            record = main.fail(generation, kind="exception", ranks=(self.process,),
-                               reason=f"{self._name()}: {error}")
+            # A collective that lost its peer (a killed process: its launcher's report is on its way) does not make
+            # this process the one at fault: the record then names nobody.
+            lost_peer = PEER_LOST.search(error) is not None
+            record = main.fail(generation, kind="exception", ranks=() if lost_peer else (self.process,),
+                               reason=f"{self._name()}: " + ("a collective lost a peer: " if lost_peer else "") + error)
             if record.kind == "exception" and main.won(record):
                 logger.error("%s: generation %d failed here: %s", self._name(), generation, error)
         self._abort(generation)  # free the peers (if the monitor has not yet)
