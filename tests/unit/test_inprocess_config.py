@@ -30,7 +30,7 @@ NEW_KEYS = ("neighbor_ckpt.detector.interval_s", "neighbor_ckpt.detector.timeout
 OLD_WRAPPER_TIMERS = ("monitor_thread_interval", "monitor_process_interval", "progress_watchdog_interval",
                       "heartbeat_interval", "heartbeat_timeout", "soft_timeout", "hard_timeout", "barrier_timeout",
                       "completion_timeout", "last_call_wait", "termination_grace_time")
-"""The fields of the NVRx wrapper's ``InprocessTimers`` (``neighbor_ckpt/inprocess/wrapper.py``, being retired)."""
+"""The fields of the NVRx wrapper's ``InprocessTimers`` (``neighbor_ckpt/inprocess/wrapper.py`` before our engine replaced it)."""
 
 
 @pytest.fixture(autouse=True)
