@@ -58,13 +58,13 @@ import ctypes
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from neighbor_ckpt.inprocess.protocol import EXIT_ABORT_HUNG
+from neighbor_ckpt.runtime.procs import flush_logs
 
 __all__ = ["GenerationAborted", "Endpoint", "SocketBaseline", "GlooAbortResult", "new_listeners",
            "format_endpoints", "parse_endpoints", "abort_gloo", "call_with_watchdog", "abort_nccl",
@@ -238,19 +238,6 @@ def abort_gloo(baseline: SocketBaseline, *, keep_ports: Iterable[int] = (),
     return result
 
 
-def _flush_logs() -> None:
-    for handler in logging.getLogger().handlers:
-        try:
-            handler.flush()
-        except Exception:  # noqa: BLE001 - a broken handler must not stop the exit
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def call_with_watchdog(fn: Callable[[], Any], *, timeout_s: float, what: str,
                        exit_fn: Callable[[int], None] = os._exit) -> Any:
     """``fn()`` in the calling thread, watched: if it has not returned after ``timeout_s``, log one line, flush and
@@ -265,7 +252,7 @@ def call_with_watchdog(fn: Callable[[], Any], *, timeout_s: float, what: str,
             return
         logger.critical("%s did not return within %.1f s: exiting with status %d (abort hung)", what, timeout_s,
                         EXIT_ABORT_HUNG)
-        _flush_logs()
+        flush_logs()
         exit_fn(EXIT_ABORT_HUNG)
 
     watchdog = threading.Thread(target=watch, name="neighbor_ckpt-abort-watchdog", daemon=True)

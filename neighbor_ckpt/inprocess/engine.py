@@ -69,6 +69,7 @@ from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, Generati
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
 from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
+from neighbor_ckpt.runtime.procs import flush_logs
 
 __all__ = ["InprocessRecovery", "Attempt", "FALLBACK_EXIT_CODE"]
 
@@ -117,7 +118,8 @@ class InprocessRecovery:
 
     Args:
         spares: hot spare processes of the launch (the launcher's ``NEIGHBOR_CKPT_INPROCESS_SPARES`` when None).
-        store_host, store_port: the launch's store (the launcher's ``NEIGHBOR_CKPT_INPROCESS_STORE`` when None).
+        store: the launch's store as ``HOST:PORT`` (a recipe's ``--inprocess-store``), or
+        store_host, store_port: the same apart (the launcher's ``NEIGHBOR_CKPT_INPROCESS_STORE`` when neither).
         world_size: processes of the launch (``WORLD_SIZE`` as the launcher set it when None).
         run_id: the launch's store namespace (the launcher's ``NEIGHBOR_CKPT_INPROCESS_RUN`` when None).
         detector: the ``neighbor_ckpt.detector`` section (its timers drive the monitor).
@@ -129,7 +131,7 @@ class InprocessRecovery:
             is off.
     """
 
-    def __init__(self, *, spares: Optional[int] = None, store_host: Optional[str] = None,
+    def __init__(self, *, spares: Optional[int] = None, store: Optional[str] = None, store_host: Optional[str] = None,
                  store_port: Optional[int] = None, world_size: Optional[int] = None, run_id: Optional[str] = None,
                  detector: Optional[DetectorConfig] = None, inprocess: Optional[InprocessConfig] = None,
                  elastic: Optional[ElasticPolicy] = None) -> None:
@@ -146,12 +148,11 @@ class InprocessRecovery:
         if not self.detector.enabled:
             raise ConfigError("neighbor_ckpt.detector.enabled: false with neighbor_ckpt.inprocess.enabled: the "
                               "detector is what notices a dead, stopped or stuck rank in process; turn it on")
+        if store is not None:
+            store_host, store_port = parse_store_address(store, "--inprocess-store")
         if store_host is None or store_port is None:
-            host, sep, port = env.get(protocol.ENV_STORE, "").rpartition(":")
-            if not sep or not port.isdigit():
-                raise ConfigError(f"in-process recovery: {protocol.ENV_STORE} ({env.get(protocol.ENV_STORE)!r}) is not "
-                                  "HOST:PORT; our launcher sets it")
-            store_host, store_port = store_host or host, store_port or int(port)
+            host, port = parse_store_address(env.get(protocol.ENV_STORE, ""), f"{protocol.ENV_STORE} (our launcher sets it)")
+            store_host, store_port = store_host or host, store_port or port
         self.store_host, self.store_port = store_host, int(store_port)
         self.world_size = int(world_size if world_size is not None else env.get(protocol.ENV_PROCESSES, "1"))
         if spares is None:
@@ -630,8 +631,7 @@ class InprocessRecovery:
             logger.error("%s: not clean after generation %d (%s): exiting with status %d; the launcher starts a new "
                          "process in its place, which joins as a spare", self._name(), generation, result.summary(),
                          protocol.EXIT_HYGIENE)
-            for h in logging.getLogger().handlers:
-                h.flush()
+            flush_logs()
             os._exit(protocol.EXIT_HYGIENE)
 
 
@@ -643,6 +643,14 @@ class _GiveUp(Exception):
 
 _FAILED = object()
 """An attempt (or a spare's wait) ended with its generation's failure: go to the next generation."""
+
+
+def parse_store_address(text: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 hosts in brackets or bare, the port after the last colon); ConfigError naming ``what``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"in-process recovery: {what} is {text!r}, not HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def _proc_info() -> str:

@@ -515,7 +515,7 @@ class Launcher:
         def write(s: Any) -> None:
             # an idle spare's death fails no generation (GenerationStore.report_death): the job goes on without it
             GenerationStore(s, process=-1, name=self.plan.name).report_death(
-                (index,), kind="exited", reason=f"process {index} {reason}", by=self.plan.name)
+                (index,), kind="exited", reason=reason, by=self.plan.name)
 
         att.dead.setdefault(index, f"exited: {reason}")
         self._later(att.number, write)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -37,6 +36,7 @@ from typing import Callable, Mapping, Optional
 from neighbor_ckpt.inprocess.generation import GenerationFailure, GenerationStore
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
 from neighbor_ckpt.runtime.detector import PAUSED, ProgressClock, Watch
+from neighbor_ckpt.runtime.procs import flush_logs
 
 __all__ = ["Monitor", "FailureListener", "laggards", "ring_predecessor", "Tag", "parse_heartbeat"]
 
@@ -221,13 +221,7 @@ class Monitor:
             return
         logger.error("%s: declared dead by the others (%s): a newer generation goes on without this process; "
                      "exiting with status %d", self.gens.name, why, EXIT_FENCED)
-        for h in logging.getLogger().handlers:
-            try:
-                h.flush()
-            except Exception:  # noqa: BLE001, S110 - leaving anyway
-                pass
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_logs()
         self._exit(EXIT_FENCED)
 
     def _silent_peer(self, gen: int, members: frozenset[int], now: float) -> Optional[GenerationFailure]:

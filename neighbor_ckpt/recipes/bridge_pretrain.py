@@ -295,15 +295,9 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace, forward_step: Any) ->
     from neighbor_ckpt.bridge.inprocess import run_pretrain
     from neighbor_ckpt.inprocess import InprocessRecovery
 
-    store: dict[str, Any] = {}
-    if args.inprocess_store:
-        host, sep, port = args.inprocess_store.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"--inprocess-store {args.inprocess_store!r}: expected HOST:PORT")
-        store = {"store_host": host, "store_port": int(port)}
     t_start = time.time()
     p, t = job.parallelism, job.trainer
-    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, **store, model_parallel=p.tensor * p.pipeline * p.context,
+    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store=args.inprocess_store, model_parallel=p.tensor * p.pipeline * p.context,
                                            batch_micro_batches=t.global_batch_size // t.micro_batch_size)
     if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:
         raise ConfigError(f"in-process recovery: {inproc.world_size} processes were started, the job needs "

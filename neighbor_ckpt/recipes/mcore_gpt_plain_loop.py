@@ -278,13 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if nc_config.inprocess.enabled:  # neighbor_ckpt: in-process recovery (see the module docstring)
         from neighbor_ckpt.inprocess import InprocessRecovery
 
-        store: dict[str, Any] = {}
-        if args.inprocess_store:
-            host, sep, port = args.inprocess_store.rpartition(":")
-            if not sep or not port.isdigit():
-                raise SystemExit(f"--inprocess-store {args.inprocess_store!r}: expected HOST:PORT")
-            store = {"store_host": host, "store_port": int(port)}
-        inproc = InprocessRecovery.from_config(nc_config, **store,
+        inproc = InprocessRecovery.from_config(nc_config, store=args.inprocess_store,
                                                model_parallel=args.tp * args.pp,
                                                batch_micro_batches=global_batch // args.micro_batch_size)
 

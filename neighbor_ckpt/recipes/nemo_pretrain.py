@@ -372,16 +372,10 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
     from neighbor_ckpt.inprocess import InprocessRecovery
     from neighbor_ckpt.lightning import inprocess as lip
 
-    store: dict[str, Any] = {}
-    if args.inprocess_store:
-        host, sep, port = args.inprocess_store.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"--inprocess-store {args.inprocess_store!r}: expected HOST:PORT")
-        store = {"store_host": host, "store_port": int(port)}
     t_start = time.time()
     build_recipe(job, args.run_dir)  # every import the attempts need, now: a spare must be hot when it is activated
     p, t = job.parallelism, job.trainer
-    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, **store,
+    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store=args.inprocess_store,
                                            model_parallel=p.tensor * p.pipeline * p.context,
                                            batch_micro_batches=t.global_batch_size // t.micro_batch_size)
     if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:

@@ -32,14 +32,13 @@ import os
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal
 
-from neighbor_ckpt.runtime.procs import boot_id, process_start
+from neighbor_ckpt.runtime.procs import boot_id, flush_logs, process_start
 
 logger = logging.getLogger(__name__)
 
@@ -354,13 +353,7 @@ class FailureDetector:
             return
         code = EXIT_FAILURE_DETECTED
         logger.error("rank %d: leaving with exit status %d so the launcher restarts the job", self.rank, code)
-        for h in logging.getLogger().handlers:
-            try:
-                h.flush()
-            except Exception:  # noqa: BLE001, S110 - leaving anyway
-                pass
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_logs()
         self._exit(code)
 
     def _kill_if_local(self, rank: int) -> None:

@@ -15,16 +15,34 @@ those running, ~200 MB each. A harness marks a run with an environment variable 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
 import psutil
 
-__all__ = ["boot_id", "process_start", "group_members", "mem_available_bytes", "dir_bytes", "RUN_TAG_ENV",
+__all__ = ["flush_logs", "boot_id", "process_start", "group_members", "mem_available_bytes", "dir_bytes", "RUN_TAG_ENV",
            "new_run_tag", "kill_tagged"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 """The kernel's unit of process start times (psutil divides by the same)."""
+
+
+def flush_logs() -> None:
+    """Flush every root logging handler and stdout/stderr, before a process leaves with ``os._exit`` (which flushes
+    nothing): its last line is the one that says why."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001, S110 - a broken handler must not stop the exit
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
 
 def boot_id() -> str:

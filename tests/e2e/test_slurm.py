@@ -41,16 +41,23 @@ def sbatch_launch(cluster: SlurmCluster, tmp: Path, *overrides: str, timeout: fl
                             *overrides, f"launch.rdzv_port={free_port()}", "--run-dir", str(run_dir), "--record",
                             "--slurm", str(script)], capture_output=True, text=True, cwd=tmp, timeout=300)
     assert write.returncode == 0, write.stdout + write.stderr
+    res, job_id = sbatch_wait(cluster, script, tmp, out, run_dir, timeout=timeout, env=job_env(tmp, out, env))
+    return res, job_id, script.read_text()
+
+
+def sbatch_wait(cluster: SlurmCluster, script: Path, tmp: Path, out: Path, run_dir: Path, *, timeout: float,
+                env: dict[str, str]) -> tuple[RunResult, str]:
+    """``sbatch --wait`` of ``script``; the job's result (log: its ``run_dir/slurm-<id>.out``) and its id."""
     try:
         sub = run_logged(["sbatch", "--wait", "--parsable", str(script)], tmp, out, timeout=timeout,
-                         env=cluster.env(job_env(tmp, out, env)))
+                         env=cluster.env(env))
     finally:
         cluster.cancel_all()
     job_id = sub.log.strip().splitlines()[0].split(";")[0] if sub.log.strip() else ""
     assert job_id.isdigit(), f"sbatch did not submit: {sub.log}\n{cluster.logs()}"
     slurm_out = run_dir / f"slurm-{job_id}.out"
     log = slurm_out.read_text() if slurm_out.exists() else f"(no {slurm_out})\n{cluster.logs()}"
-    return RunResult(sub.returncode, out, log), job_id, script.read_text()
+    return RunResult(sub.returncode, out, log), job_id
 
 
 INPROCESS = ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=1"]
@@ -139,15 +146,8 @@ def test_slurm_script_inprocess_plumbing_with_a_toy_program(slurm_cluster: Slurm
     script = tmp_path / "toy.sbatch"
     script.write_text("\n".join(lines))
     env = job_env(tmp_path, out, {"NEIGHBOR_CKPT_STORE_DIR": tmp_path / "store", "NEIGHBOR_CKPT_WORKER_PREFIX": ""})
-    try:
-        sub = run_logged(["sbatch", "--wait", "--parsable", str(script)], tmp_path, out, timeout=300,
-                         env=slurm_cluster.env(env))
-    finally:
-        slurm_cluster.cancel_all()
-    job_id = sub.log.strip().splitlines()[0].split(";")[0] if sub.log.strip() else ""
-    assert job_id.isdigit(), f"sbatch did not submit: {sub.log}\n{slurm_cluster.logs()}"
-    slurm_out = run_dir / f"slurm-{job_id}.out"
-    log = slurm_out.read_text() if slurm_out.exists() else f"(no {slurm_out})\n{slurm_cluster.logs()}"
+    sub, job_id = sbatch_wait(slurm_cluster, script, tmp_path, out, run_dir, timeout=300, env=env)
+    log = sub.log
     assert sub.returncode == 0, f"Slurm job {job_id} failed (sbatch --wait exit {sub.returncode}):\n{log[-8000:]}"
     for rank in range(5):
         env_of = json.loads((out / f"env.{rank}.json").read_text())
