@@ -194,7 +194,6 @@ class InprocessRecovery:
         self._hygiene: Any = None
         self._monitor_gens: Optional[GenerationStore] = None
         self._rss_reference: Optional[tuple[int, int]] = None
-        self._republish: Optional[int] = None
         self._listener: Any = None
 
     @classmethod
@@ -274,26 +273,17 @@ class InprocessRecovery:
         self._progress_source = source
         self._publish_listeners()
 
-    def _publish_listeners(self, generation: Optional[int] = None, store: str = "main") -> None:
+    def _publish_listeners(self) -> None:
         """This generation's gloo listeners, for the peers' aborts (``gen/<g>/listen/<p>``)."""
         from neighbor_ckpt.inprocess.abort import format_endpoints, new_listeners
 
-        if generation is None:
-            generation = None if self.current is None else self.current.iteration
-        if self._sockets is None or generation is None:
+        if self._sockets is None or self.current is None:
             return
         try:
-            self._store(store).set(protocol.key("gen", generation, "listen", self.process),
-                                   format_endpoints(new_listeners(self._sockets)))
+            self._store("main").set(protocol.key("gen", self.current.iteration, "listen", self.process),
+                                    format_endpoints(new_listeners(self._sockets)))
         except Exception as e:  # noqa: BLE001 - the peers then free this process's connections later (the kill)
             logger.warning("%s: could not publish this generation's gloo listeners: %s", self._name(), e)
-
-    def _publish_again(self) -> None:
-        """Monitor thread, once per generation after its first step: the listeners again (groups made during the
-        step), off the training thread."""
-        g, self._republish = self._republish, None
-        if g is not None and g == self._generation and self._inside:
-            self._publish_listeners(g, store="monitor")
 
     def _peer_listeners(self, generation: int) -> frozenset[Any]:
         """The gloo listeners the other members published for ``generation`` (monitor thread's store)."""
@@ -311,7 +301,7 @@ class InprocessRecovery:
         """This attempt completed a training step (call once, after its first completed step)."""
         att = self._need_attempt()
         GenerationStore(self._store("main"), process=self.process).mark_progress(att.iteration)
-        self._republish = att.iteration  # every group of the step exists now: the monitor thread publishes them
+        self._publish_listeners()  # every group of the step exists now
         self.event("first_step_end")
 
     def attempt_info(self) -> AttemptInfo:
@@ -418,7 +408,7 @@ class InprocessRecovery:
         self._listener = FailureListener(GenerationStore(self._store("listener"), process=self.process),
                                          on_failure=self._on_failure, first=first)
         monitor = Monitor(self._monitor_gens, state=self._state,
-                          progress=self._progress, listener=self._listener, after_beat=self._publish_again,
+                          progress=self._progress, listener=self._listener,
                           interval_s=self.detector.interval_s, timeout_s=self.detector.timeout_s,
                           hang_timeout_s=self.detector.hang_timeout_s)
         main.store.set(protocol.key("proc", self.process), _proc_info())

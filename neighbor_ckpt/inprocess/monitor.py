@@ -144,18 +144,15 @@ class Monitor:
             the training thread is inside the training function)``.
         progress: returns the training thread's current tag (:data:`IDLE_TAG` outside an attempt).
         listener: the failure push (its records wake this thread too).
-        after_beat: the engine's own work for this thread, after each heartbeat (on this thread's connection).
         interval_s, timeout_s, hang_timeout_s: ``neighbor_ckpt.detector``.
         exit: how to leave when fenced (``os._exit``; tests pass a recorder).
     """
 
     def __init__(self, gens: GenerationStore, *,
                  state: Callable[[], tuple[int, frozenset[int], Optional[Mapping[int, int]], bool]],
-                 progress: Callable[[], Tag], listener: FailureListener, interval_s: float,
-                 after_beat: Optional[Callable[[], None]] = None, timeout_s: float, hang_timeout_s: Optional[float],
+                 progress: Callable[[], Tag], listener: FailureListener, interval_s: float, timeout_s: float, hang_timeout_s: Optional[float],
                  exit: Callable[[int], None] = os._exit) -> None:  # noqa: A002
         self.gens, self.state, self.progress, self.listener = gens, state, progress, listener
-        self.after_beat = after_beat
         self.interval_s, self.timeout_s, self.hang_timeout_s = interval_s, timeout_s, hang_timeout_s
         self._exit = exit
         self._beat = 0
@@ -210,8 +207,6 @@ class Monitor:
         dead = self.gens.dead()
         self._fenced(dead)
         self.beat()
-        if self.after_beat is not None:
-            self.after_beat()
         failed = self.gens.failure(gen)
         now = time.monotonic()
         # Silent peers are looked for after a failure too: the next generation's barrier waits for every process
