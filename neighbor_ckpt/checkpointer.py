@@ -679,7 +679,7 @@ class NeighborCheckpointer:
         if self.engine is not None:
             self.engine.close()
         if self.transport is not None:
-            self.transport.close()
+            self.transport.close(graceful=success)
         self.datacheck.close()
         if success and (self.config.store.cleanup_on_success or self.detector is not None):
             # Every rank is done: nobody reads a replica any more, and no detector mistakes a finished rank (or

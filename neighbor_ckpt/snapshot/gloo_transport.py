@@ -248,19 +248,23 @@ class GlooTransport(NeighborTransport):
             return False
         return True
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0, *, graceful: bool = True) -> None:
         if self._thread is None:
             return  # never streamed: the successor has no receiver waiting for a CLOSE
-        if self._healthy:
+        if graceful and self._healthy:
             try:
-                dist.send(_meta(MSG_CLOSE, None, None), dst=self.topology.successor, group=self.stream_group,
-                          tag=TAG_META)
+                work = dist.isend(_meta(MSG_CLOSE, None, None), dst=self.topology.successor,
+                                  group=self.stream_group, tag=TAG_META)
+                work.wait(timeout=timedelta(seconds=timeout))
             except Exception as e:  # noqa: BLE001
                 self._mark_stale("closing", e)
-        self._thread.join(timeout)
+        # After a failure nothing is sent: the generation's groups are being torn down, and a send on them can wait
+        # for the whole group timeout (measured: a CLOSE sent after an in-process abort waited 120 s for the
+        # successor). The receiver thread was freed by the same failure; it is a daemon if it was not.
+        self._thread.join(timeout if graceful else min(timeout, 2.0))
         if self._thread.is_alive():
             logger.warning("rank %d: receiver thread did not stop within %.0fs (predecessor gone?)",
-                           self.topology.rank, timeout)
+                           self.topology.rank, timeout if graceful else min(timeout, 2.0))
 
     # -- recovery ---------------------------------------------------------------------------------------
 

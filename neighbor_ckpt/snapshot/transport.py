@@ -130,8 +130,9 @@ class NeighborTransport(ABC):
         """Send a committed image to the successor; True once the successor has committed its replica."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Stop streaming (collective in spirit: every rank calls it at the end of training)."""
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop streaming (collective in spirit: every rank calls it at the end of training). ``graceful=False``
+        after a failure: stop without a word to the successor (its groups are being torn down)."""
 
     @property
     @abstractmethod

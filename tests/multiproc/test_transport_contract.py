@@ -247,8 +247,8 @@ class BrokenTransport(NeighborTransport):
             slot = self._broken_copy(slot, header, drop=False)
         return self.inner.send(slot, header)
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self, *, graceful: bool = True) -> None:
+        self.inner.close(graceful=graceful)
 
     @property
     def healthy(self) -> bool:
