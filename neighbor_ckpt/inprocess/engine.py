@@ -69,7 +69,7 @@ from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, Generati
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
 from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
-from neighbor_ckpt.runtime.procs import flush_logs
+from neighbor_ckpt.runtime.procs import flush_logs, stall_report
 
 __all__ = ["InprocessRecovery", "Attempt", "FALLBACK_EXIT_CODE"]
 
@@ -366,6 +366,24 @@ class InprocessRecovery:
         logger.error("%s: declaring this process dead; its launcher replaces it", reason)
         self._listener.gens.report_death((self.process,), kind="hung", reason=reason)  # on the listener's thread
 
+    def _abort_timeout(self) -> float:
+        return float(getattr(self.config, "abort_timeout_s", 60.0))
+
+    def _cleanup_stuck(self, generation: int) -> None:
+        """The failed attempt's abort and clean-up have not returned after ``inprocess.abort_timeout_s`` (a thread
+        that blocks the clean-up on a connection the abort did not reach): this process declares itself dead, so the
+        next generation forms without it (a spare takes its rank) instead of waiting for it until
+        ``inprocess.barrier_timeout_s`` ends the job. Its launcher kills it. On the watching thread, with a store
+        connection of its own (the others may be inside a blocking wait)."""
+        reason = (f"{self._name()}: the clean-up of generation {generation} has not returned after "
+                  f"{self._abort_timeout():g} s (inprocess.abort_timeout_s)")
+        logger.error("%s: declaring this process dead; its launcher replaces it", reason)
+        try:
+            GenerationStore(self._store("stall"), process=self.process).report_death(
+                (self.process,), kind="hung", reason=reason)
+        except Exception as e:  # noqa: BLE001 - the barrier timeout then ends the job, as before
+            logger.error("%s: could not declare this process dead: %s", self._name(), e)
+
     def _abort(self, generation: int) -> None:
         """Shut down the sockets of this generation's process groups (once per generation)."""
         with self._lock:
@@ -383,7 +401,7 @@ class InprocessRecovery:
                     logger.warning("%s: peers' listeners unreadable: %s", self._name(), e)
                     peers = frozenset()
                 abort_gloo(self._sockets, keep_ports={self.store_port}, peer_listeners=peers)
-            abort_nccl(timeout_s=float(getattr(self.config, "abort_timeout_s", 60.0)))
+            abort_nccl(timeout_s=self._abort_timeout())
         except Exception as e:  # noqa: BLE001 - the finalisation destroys the groups anyway
             logger.warning("%s: abort of generation %d: %s: %s", self._name(), generation, type(e).__name__, e)
         self.event("abort_end")
@@ -558,8 +576,10 @@ class InprocessRecovery:
                                reason=f"{self._name()}: " + ("a collective lost a peer: " if lost_peer else "") + error)
             if record.kind == "exception" and main.won(record):
                 logger.error("%s: generation %d failed here: %s", self._name(), generation, error)
-        self._abort(generation)  # free the peers (if the monitor has not yet)
-        self._finalize()
+        with stall_report(f"{self._name()}: the clean-up of generation {generation}", self._abort_timeout(), logger,
+                          then=lambda: self._cleanup_stuck(generation)):
+            self._abort(generation)  # free the peers (if the monitor has not yet)
+            self._finalize()
         self._check_hygiene(generation)
         return _FAILED
 

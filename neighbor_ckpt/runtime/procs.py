@@ -14,14 +14,17 @@ those running, ~200 MB each. A harness marks a run with an environment variable 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Callable, Iterator
 
 import psutil
 
-__all__ = ["flush_logs", "boot_id", "process_start", "group_members", "mem_available_bytes", "dir_bytes", "RUN_TAG_ENV",
+__all__ = ["flush_logs", "stall_report", "boot_id", "process_start", "group_members", "mem_available_bytes", "dir_bytes", "RUN_TAG_ENV",
            "new_run_tag", "kill_tagged"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -31,8 +34,6 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 def flush_logs() -> None:
     """Flush every root logging handler and stdout/stderr, before a process leaves with ``os._exit`` (which flushes
     nothing): its last line is the one that says why."""
-    import logging
-
     for handler in logging.getLogger().handlers:
         try:
             handler.flush()
@@ -43,6 +44,37 @@ def flush_logs() -> None:
             stream.flush()
         except Exception:  # noqa: BLE001, S110
             pass
+
+
+@contextlib.contextmanager
+def stall_report(what: str, after_s: float, log: logging.Logger,
+                 then: Callable[[], None] | None = None) -> Iterator[None]:
+    """If the block takes longer than ``after_s``, log every thread's Python stack once (WARNING), then go on waiting:
+    a clean-up that blocks (a store read whose key never comes, a join of a thread stuck in a socket) names where.
+    ``then`` runs after the report, on the watching thread (the caller's way out: declare the process dead)."""
+    import threading
+    import traceback
+
+    done = threading.Event()
+
+    def report() -> None:
+        if done.wait(after_s):
+            return
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = [f"{what} has taken more than {after_s:g} s; the stacks of this process's threads:"]
+        for tid, frame in sys._current_frames().items():  # noqa: SLF001 - the documented way to read other threads
+            parts.append(f"--- thread {names.get(tid, tid)}:\n" + "".join(traceback.format_stack(frame)))
+        log.warning("\n".join(parts))
+        if then is not None:
+            then()
+
+    watcher = threading.Thread(target=report, name="neighbor_ckpt-stall-report", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def boot_id() -> str:

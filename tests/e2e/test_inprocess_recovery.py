@@ -356,6 +356,26 @@ def test_a_process_that_leaks_a_thread_is_replaced_by_a_new_spare(inprocess_base
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
 
 
+def test_a_process_whose_clean_up_blocks_declares_itself_dead_and_the_spare_takes_its_rank(
+        inprocess_baseline: RunResult, tmp_path: Path) -> None:
+    """Rank 1 raises in step 5 and its clean-up then blocks (a C call that never returns). After
+    ``inprocess.abort_timeout_s`` the engine logs every thread's stack, declares the process dead, its launcher kills
+    it, and the spare takes rank 1 from its ring successor: the next generation does not wait for it until the barrier
+    timeout ends the job. Bit for bit."""
+    res = launch_inprocess(tmp_path, STEPS=10, FAULT="raise", KILL_RANK=1, KILL_STEP=5, BLOCK_CLEANUP_RANK=1)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
+    assert "the clean-up of process 1 blocks in a C call" in res.log
+    assert "process 1 (rank 1): the clean-up of generation 0 has taken more than" in res.log, res.log[-8000:]
+    assert "in block_in_cleanup" in res.log, "the stack report names the blocked function"
+    assert "has not returned after" in res.log and "declaring this process dead" in res.log
+    assert_survivors_kept(res, (0, 2, 3))
+    assert_spare_took(res, spare=ACTIVE, rank=1)
+    assert "in-process recovery gives up" not in res.log
+    assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
+
+
 # --- the MTTR tool ---------------------------------------------------------------------------------------------------
 
 

@@ -21,7 +21,8 @@ the heartbeat goes on), HANG_TIMEOUT (``detector.hang_timeout_s``, default 3 s; 
 CPU job files), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the restored
 state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is
 gone, its launcher is killed too), LEAK_THREAD_RANK (that rank leaks a thread in generation 0: the hygiene check
-after the failed generation must catch it), ECHO_PORT (a TCP connection to the test's echo server opened before the
+after the failed generation must catch it), BLOCK_CLEANUP_RANK (that rank's clean-up after the failed generation 0
+blocks in a C call), ECHO_PORT (a TCP connection to the test's echo server opened before the
 first attempt, used in every attempt: ``echo.initial<i>.iter<k>.json``), TP (tensor parallel size, default 1),
 GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the initial DP), DROPOUT
 (default 0.1), ELASTIC (1: ``neighbor_ckpt.elastic.enabled``: without a spare the survivors continue on a smaller
@@ -130,8 +131,7 @@ def make_config() -> NeighborCkptConfig:
     # the CPU job files' detector timers (a tiny GPT step is ~0.1 s; a loaded 2-core machine stalls for ~1 s)
     cfg.detector.interval_s, cfg.detector.timeout_s = 0.2, 2.0
     cfg.detector.hang_timeout_s = float(os.environ.get("HANG_TIMEOUT", "3.0"))
-    if hasattr(cfg.inprocess, "barrier_timeout_s"):
-        cfg.inprocess.barrier_timeout_s = 120.0
+    cfg.inprocess.barrier_timeout_s, cfg.inprocess.abort_timeout_s = 120.0, 10.0  # the CPU job files'
     return cfg
 
 
@@ -171,6 +171,16 @@ def inject_fault(rank: int, att: Attempt) -> None:
     raise RuntimeError(f"injected fault on rank {rank} at step {KILL_STEP}")
 
 
+def block_in_cleanup() -> None:
+    """A clean-up that never returns (blocked in a C call): the engine must declare this process dead."""
+    import ctypes
+
+    log.warning("fault injection: the clean-up of process %d blocks in a C call", INITIAL_RANK)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    ctypes.CDLL(None).sleep(3600)
+
+
 def train(att: Attempt) -> dict[str, Any]:
     rank, world = att.rank, att.world_size
     times: dict[str, float] = {"enter": time.time()}
@@ -201,6 +211,8 @@ def train(att: Attempt) -> dict[str, Any]:
     inproc.on_restart(fault_tag.remove)
     hooks = install_hooks(ckpt, optimizer)
     inproc.on_restart(hooks.remove)
+    if att.iteration == 0 and rank == int(os.environ.get("BLOCK_CLEANUP_RANK", "-1")):
+        inproc.on_restart(block_in_cleanup)
     times["ckpt_ready"] = time.time()
     if att.iteration == 1 and LAUNCH_ATTEMPT == 0 and rank == RECOVERY_KILL_RANK:
         log.warning("fault injection: SIGKILL of rank %d while it loads the restored state (in-process attempt 1)",
