@@ -72,10 +72,6 @@ __all__ = ["GenerationAborted", "Endpoint", "SocketBaseline", "GlooAbortResult",
 
 logger = logging.getLogger(__name__)
 
-_OPEN_STATES = ("ESTABLISHED", "CLOSE_WAIT")
-"""Connection states worth a shutdown: CLOSE_WAIT is a connection whose peer closed while gloo may still write."""
-
-
 class GenerationAborted(BaseException):
     """Raised into the training thread when its generation was aborted. A ``BaseException`` so that the user's
     ``except Exception`` (a retry loop, a logging wrapper) does not swallow it; the engine catches it."""
@@ -91,7 +87,7 @@ class Endpoint:
 
     @classmethod
     def of(cls, addr: Any) -> Endpoint:
-        """From a psutil ``addr`` / ``getsockname()`` tuple."""
+        """From a ``getsockname()`` / ``getpeername()`` tuple."""
         host = str(addr[0])
         return cls(host.removeprefix("::ffff:"), int(addr[1]))
 
@@ -103,9 +99,11 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class _Sock:
+    """A TCP socket of this process: ``listening`` (a LISTEN socket), else connected when ``raddr`` is set."""
+
     fd: int
     inode: int
-    status: str
+    listening: bool
     laddr: Endpoint | None
     raddr: Endpoint | None
 
@@ -120,20 +118,42 @@ def _inode(fd: int) -> int | None:
     return int(link[len("socket:["):-1])
 
 
-def _tcp_sockets() -> list[_Sock]:
-    """This process's TCP sockets, each with the inode that identifies it for its life (fd numbers and ports are
-    reused)."""
-    import psutil  # a dependency of megatron-core's dist_checkpointing, and of ours
+def _describe(fd: int, inode: int) -> _Sock | None:
+    """The TCP socket behind ``fd``, asked through a duplicate of it (the owner's fd is untouched); None: not a TCP
+    socket, or closed meanwhile."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if dup.type != socket.SOCK_STREAM or dup.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        listening = bool(dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        laddr = Endpoint.of(dup.getsockname())
+        try:
+            raddr: Endpoint | None = Endpoint.of(dup.getpeername())
+        except OSError:
+            raddr = None  # not connected (any more)
+        return _Sock(fd, inode, listening, laddr, raddr)
+    except OSError:
+        return None
+    finally:
+        dup.close()
 
+
+def _tcp_sockets(skip: frozenset[int] = frozenset()) -> list[_Sock]:
+    """This process's TCP sockets but those whose inode is in ``skip``, each with the inode that identifies it for
+    its life (fd numbers and ports are reused). Read from the process's own fds, never from ``/proc/net/tcp``
+    (every socket of the machine: thousands on a busy node, parsed in Python while the training thread waits)."""
     out = []
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.fd is None or conn.fd < 0:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        inode = _inode(fd)
+        if inode is None or inode in skip:
             continue
-        inode = _inode(conn.fd)
-        if inode is None:
-            continue
-        out.append(_Sock(conn.fd, inode, str(conn.status), Endpoint.of(conn.laddr) if conn.laddr else None,
-                         Endpoint.of(conn.raddr) if conn.raddr else None))
+        sock = _describe(fd, inode)
+        if sock is not None:
+            out.append(sock)
     return out
 
 
@@ -155,14 +175,15 @@ class SocketBaseline:
                 inodes.add(inode)
         return cls(frozenset(inodes))
 
-    def new(self, socks: Iterable[_Sock]) -> list[_Sock]:
-        return [s for s in socks if s.inode not in self.inodes]
+    def new(self) -> list[_Sock]:
+        """The TCP sockets opened since."""
+        return _tcp_sockets(skip=self.inodes)
 
 
 def new_listeners(baseline: SocketBaseline) -> frozenset[Endpoint]:
     """The LISTEN sockets opened since ``baseline``: this attempt's gloo listeners (one per gloo process group), to
     publish to the peers for their :func:`abort_gloo`."""
-    return frozenset(s.laddr for s in baseline.new(_tcp_sockets()) if s.status == "LISTEN" and s.laddr)
+    return frozenset(s.laddr for s in baseline.new() if s.listening and s.laddr)
 
 
 def format_endpoints(endpoints: Iterable[Endpoint]) -> str:
@@ -220,11 +241,11 @@ def abort_gloo(baseline: SocketBaseline, *, keep_ports: Iterable[int] = (),
     t0 = time.monotonic()
     keep = {int(p) for p in keep_ports}
     peers = tuple(peer_listeners)
-    new = baseline.new(_tcp_sockets())
-    ours = [s.laddr for s in new if s.status == "LISTEN" and s.laddr]
+    new = baseline.new()
+    ours = [s.laddr for s in new if s.listening and s.laddr]
     accepted = to_peers = 0
     for s in new:
-        if s.status not in _OPEN_STATES or s.laddr is None or s.raddr is None:
+        if s.listening or s.laddr is None or s.raddr is None:
             continue
         if s.laddr.port in keep or s.raddr.port in keep:
             continue
