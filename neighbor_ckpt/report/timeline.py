@@ -61,6 +61,8 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -432,41 +434,44 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
 # -- files ---------------------------------------------------------------------------------------------------
 
 
-_renders: list[threading.Thread] = []
+_renders: list[subprocess.Popen] = []
 _renders_lock = threading.Lock()
 
 
 def _have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether matplotlib is installed, without importing it here (0.1-0.5 s on the training thread: the drawing
+    process imports it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def wait_for_renders(timeout: float | None = 30.0) -> None:
-    """Wait for the PNGs being drawn in the background (:func:`write_timeline`)."""
+    """Wait for the PNGs being drawn in the background (:func:`write_timeline`), ``timeout`` seconds each."""
     with _renders_lock:
-        pending = list(_renders)
-    for t in pending:
-        t.join(timeout)
-
-
-def _render_in_background(timeline: RecoveryTimeline, path: Path) -> None:
-    def run() -> None:
+        pending, _renders[:] = list(_renders), []
+    for proc in pending:
         try:
-            _render_png(timeline, path)
-        except Exception as e:  # noqa: BLE001 - reporting never stops training
-            logger.warning("neighbor_ckpt: could not draw the recovery timeline %s: %s", path, e)
-        finally:
-            with _renders_lock:
-                _renders.remove(threading.current_thread())
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("neighbor_ckpt: the recovery timeline's picture is still being drawn (pid %d)", proc.pid)
 
-    # Not a daemon: an exiting interpreter finishes the picture (a killed process does not; the JSON is there).
-    t = threading.Thread(target=run, name="neighbor_ckpt-timeline-png", daemon=False)
+
+def _render_in_background(path_json: Path, path_png: Path) -> None:
+    """Draw ``path_png`` from ``path_json`` in a process of its own (:mod:`neighbor_ckpt.report.timeline_png`):
+    matplotlib then shares no GIL with the training thread. Its one error line goes to this process's stderr."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.report.timeline_png", str(path_json),
+                                 str(path_png)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
+                                close_fds=True)
+    except OSError as e:  # reporting never stops training
+        logger.warning("neighbor_ckpt: could not start drawing the recovery timeline %s: %s", path_png, e)
+        return
     with _renders_lock:
-        _renders.append(t)
-    t.start()
+        _renders[:] = [p for p in _renders if p.poll() is None] + [proc]
 
 
 def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = True,
@@ -474,8 +479,8 @@ def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = T
     """Write ``recovery_timeline.attempt<N>.json`` (and ``.png``) to ``directory``; returns the timeline with
     its paths. Without matplotlib only the JSON is written (one warning line says so and how to get the PNG).
 
-    ``background``: draw the PNG on a thread of its own (:func:`wait_for_renders` waits for it); the JSON is
-    written before this returns either way."""
+    ``background``: draw the PNG in a process of its own (:mod:`neighbor_ckpt.report.timeline_png`;
+    :func:`wait_for_renders` waits for it), from the JSON, which is written before this returns either way."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"recovery_timeline.attempt{timeline.attempt}"
     path_json = directory / f"{stem}.json"
@@ -487,90 +492,19 @@ def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = T
                            path_json)
         else:
             path_png = directory / f"{stem}.png"
-            if background:
-                _render_in_background(timeline, path_png)
-            else:
-                _render_png(timeline, path_png)
     result = dataclasses.replace(timeline, path_png=path_png, path_json=path_json)
+    data = dict(result.to_json(), png=str(path_png) if path_png else None)
     tmp = path_json.with_name(path_json.name + ".tmp")
-    tmp.write_text(json.dumps(dict(result.to_json(), png=str(path_png) if path_png else None), indent=1))
+    tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path_json)
+    if path_png is not None:
+        if background:
+            _render_in_background(path_json, path_png)
+        else:
+            from neighbor_ckpt.report.timeline_png import render_png
+
+            try:
+                render_png(data, path_png)
+            except Exception as e:  # noqa: BLE001 - reporting never stops training
+                logger.warning("neighbor_ckpt: could not draw the recovery timeline %s: %s", path_png, e)
     return result
-
-
-_COLORS = {"detect": "#d62728", "restart": "#ff7f0e", "rendezvous": "#bcbd22", "reconcile": "#17becf",
-           "transfer": "#1f77b4", "restore": "#2ca02c", "first_step": "#9467bd", "abort": "#e377c2",
-           "reform": "#8c564b"}
-_LABELS = {"reform": "re-form groups"}
-
-
-def _segments(timeline: RecoveryTimeline) -> list[tuple[str, str, float, float]]:
-    """(phase, label, start, duration) of every known phase, start in unix seconds."""
-    out: list[tuple[str, str, float, float]] = []
-    known = timeline.origin or 0.0
-    for name, end_event in zip(timeline.phase_names, timeline.event_names[1:]):
-        dur = timeline.phases.get(name)
-        end = timeline.events.get(end_event)
-        if end is None:
-            continue  # folded into the next phase
-        if dur is None:
-            known = end  # start unknown: the bars start at the first known event
-            continue
-        label = _LABELS.get(name, name.replace("_", " "))
-        if name == "restart" and timeline.phases.get("detect") is None and timeline.events.get("last_snapshot"):
-            label = "restart (incl. detect)"
-        out.append((name, label, known, dur))
-        known += dur
-    return out
-
-
-def _draw_bars(ax: Any, segments: list[tuple[str, str, float, float]], origin: float, span: float,
-               *, legend: bool) -> None:
-    for name, label, start, dur in segments:
-        ax.barh(0, dur, left=start - origin, height=0.5, color=_COLORS[name], edgecolor="white",
-                label=f"{label}: {dur:.2f} s" if legend else None)
-        if dur > 0.08 * span:
-            ax.text(start - origin + dur / 2, 0, f"{label}\n{dur:.2f} s", ha="center", va="center", fontsize=8,
-                    color="white")
-    ax.set_yticks([])
-    ax.set_ylim(-0.5, 0.6)
-    ax.set_xlim(0, span * 1.02)
-
-
-def _render_png(timeline: RecoveryTimeline, path: Path) -> None:
-    """Gantt bars of the phases: the whole recovery, and a zoom on the phases once the new processes are up
-    (object API and Agg canvas: pyplot's global backend is left alone)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    origin = timeline.origin or 0.0
-    total = max(timeline.total_s, 1e-6)
-    segments = _segments(timeline)
-    tail = [seg for seg in segments if seg[0] in ("reconcile", "transfer", "restore", "first_step")]
-    zoom = bool(tail) and sum(d for *_, d in tail) < 0.2 * total
-    fig = Figure(figsize=(11, 4.6 if zoom else 3.4), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(2 if zoom else 1, 1, 1)
-    _draw_bars(ax, segments, origin, total, legend=True)
-    for label, t in (("failure noticed", timeline.events.get("failure_noticed")),
-                     ("process group ready", timeline.process_group_ready)):
-        if t is not None:
-            x = t - origin
-            ax.axvline(x, color="black", linestyle="--", linewidth=0.8)
-            ax.text(x, 0.33, f" {label} ", fontsize=7, va="bottom", ha="right" if x > 0.7 * total else "left")
-    start_label = "last snapshot" if timeline.events.get("last_snapshot") is not None else "first known event"
-    ax.set_xlabel(f"seconds since the {start_label}", fontsize=8)
-    what = f"iteration {timeline.iteration}" if timeline.iteration is not None else "-"
-    spare = f", hot spare for rank(s) {list(timeline.spare_ranks)}" if timeline.spare_ranks else ""
-    ax.set_title(f"neighbor_ckpt recovery ({timeline.mode}{spare}), attempt {timeline.attempt}: {timeline.outcome} "
-                 f"{what}, MTTR {timeline.total_s:.2f} s", fontsize=10)
-    if zoom:
-        zx = fig.add_subplot(2, 1, 2)
-        z0 = tail[0][2]
-        _draw_bars(zx, tail, z0, max(sum(d for *_, d in tail), 1e-6), legend=False)
-        zx.set_xlabel("zoom: seconds since recovery began on every rank", fontsize=8)
-    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8, frameon=False)
-    if timeline.notes:
-        fig.text(0.01, 0.995, "; ".join(timeline.notes)[:220], fontsize=6, color="dimgray", va="top")
-    fig.tight_layout(rect=(0, 0.12 if zoom else 0.18, 1, 0.97))
-    fig.savefig(path, format="png")

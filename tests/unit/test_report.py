@@ -206,34 +206,47 @@ def test_timeline_mode_from_the_data_without_attempt_info() -> None:
 def test_inprocess_timeline_png_draws_the_inprocess_phases(tmp_path: Path) -> None:
     tl = compute_timeline([inproc_events(), inproc_events(survivor=False, spare=True)], first_step_end=T0 + 1.6,
                           attempt=AttemptInfo(inprocess=1), outcome="restored", iteration=4)
-    from neighbor_ckpt.report import timeline as timeline_mod
+    from neighbor_ckpt.report import timeline_png
 
-    assert [seg[1] for seg in timeline_mod._segments(tl)] == ["detect", "abort", "re-form groups", "reconcile",
-                                                               "transfer", "restore", "first step"]
+    data = tl.to_json()
+    segments = timeline_png._segments(data["phases_s"], data["events_unix"], tl.origin)
+    assert [seg[1] for seg in segments] == ["detect", "abort", "re-form groups", "reconcile", "transfer", "restore",
+                                            "first step"]
     out = write_timeline(tl, tmp_path, background=False)
     assert out.path_png == tmp_path / "recovery_timeline.attempt0.1.png"
     assert out.path_png.read_bytes()[:8] == PNG_MAGIC
     assert json.loads(out.path_json.read_text())["mode"] == "in-process"
 
 
-def test_write_timeline_draws_the_png_off_the_calling_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The JSON is there when write_timeline returns; the PNG is drawn by another thread (wait_for_renders)."""
+def test_write_timeline_draws_the_png_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """The JSON is there when write_timeline returns; the PNG is drawn from it by another process (no GIL shared
+    with training; wait_for_renders waits for it), which does not import torch."""
     from neighbor_ckpt.report import timeline as timeline_mod
 
-    drawn_on: list[str] = []
-    real = timeline_mod._render_png
-
-    def spy(tl, path):  # noqa: ANN001, ANN202
-        drawn_on.append(threading.current_thread().name)
-        real(tl, path)
-
-    monkeypatch.setattr(timeline_mod, "_render_png", spy)
     tl = compute_timeline([rank_events()], first_step_end=T0 + 7.0, attempt=4, outcome="restored", iteration=2)
     out = write_timeline(tl, tmp_path)
     assert out.path_json is not None and json.loads(out.path_json.read_text())["png"] == str(out.path_png)
+    (proc,) = timeline_mod._renders
+    assert proc.args[1:3] == ["-m", "neighbor_ckpt.report.timeline_png"] and proc.pid != os.getpid()
     wait_for_renders()
-    assert drawn_on == ["neighbor_ckpt-timeline-png"]
+    assert proc.returncode == 0 and not timeline_mod._renders
     assert out.path_png is not None and out.path_png.read_bytes()[:8] == PNG_MAGIC
+    assert not list(tmp_path.glob("*.tmp")), "the picture is renamed into place"
+
+
+def test_the_picture_process_imports_no_torch_and_reports_a_bad_json_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "t.json"
+    bad.write_text("{}")
+    code = ("import sys, runpy; sys.argv = ['x', %r, %r]\n"
+            "try:\n    runpy.run_module('neighbor_ckpt.report.timeline_png', run_name='__main__')\n"
+            "except SystemExit as e:\n    print('torch' in sys.modules, e.code)") % (str(bad), str(tmp_path / "t.png"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "1"], done
+    assert done.stderr.strip().startswith("neighbor_ckpt: could not draw the recovery timeline"), done.stderr
+    assert not (tmp_path / "t.png").exists()
 
 
 # -- timeline files ------------------------------------------------------------------------------------------
