@@ -22,7 +22,7 @@ CPU job files), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process
 state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is
 gone, its launcher is killed too), LEAK_THREAD_RANK (that rank leaks a thread in generation 0: the hygiene check
 after the failed generation must catch it), BLOCK_CLEANUP_RANK (that rank's clean-up after the failed generation 0
-blocks in a C call), ECHO_PORT (a TCP connection to the test's echo server opened before the
+blocks in a C call), KILL_IDLE_SPARE_AT_STEP (every idle spare SIGKILLs itself once rank 0 logged that step), ECHO_PORT (a TCP connection to the test's echo server opened before the
 first attempt, used in every attempt: ``echo.initial<i>.iter<k>.json``), TP (tensor parallel size, default 1),
 GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the initial DP), DROPOUT
 (default 0.1), ELASTIC (1: ``neighbor_ckpt.elastic.enabled``: without a spare the survivors continue on a smaller
@@ -328,6 +328,29 @@ def echo_check(att: Attempt) -> None:
     write_json(f"echo.initial{INITIAL_RANK}.iter{att.iteration}.json", {"sent": msg.decode(), "got": got.decode()})
 
 
+def kill_idle_spare_at(step: int) -> None:
+    """This idle spare SIGKILLs itself once rank 0 has logged ``step`` (first launch, generation 0 only)."""
+    import threading
+
+    def watch() -> None:
+        losses = OUT / "losses.rank0.jsonl"
+        while True:
+            lines = losses.read_text().splitlines() if losses.exists() else []
+            if any(line.endswith("}") and json.loads(line)["step"] >= step for line in lines):
+                break
+            time.sleep(0.05)
+        if inproc.current is None and LAUNCH_ATTEMPT == 0:
+            write_json(f"fault.spare{INITIAL_RANK}.json", {"initial_rank": INITIAL_RANK, "step": step,
+                                                           "unix": time.time(), "pid": os.getpid()})
+            log.warning("fault injection: SIGKILL of idle spare process %d after rank 0's step %d", INITIAL_RANK,
+                        step)
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="test-kill-idle-spare", daemon=True).start()
+
+
 def main() -> int:
     global ECHO
     OUT.mkdir(parents=True, exist_ok=True)
@@ -337,6 +360,8 @@ def main() -> int:
         ECHO = socket.create_connection(("127.0.0.1", int(os.environ["ECHO_PORT"])))
     log.info("process %d started as rank %d on %s; imports took %.2fs", os.getpid(), INITIAL_RANK, NODE,
              T_IMPORTED - T_START)
+    if os.environ.get("KILL_IDLE_SPARE_AT_STEP") and INITIAL_RANK >= inproc.active_world_size:
+        kill_idle_spare_at(int(os.environ["KILL_IDLE_SPARE_AT_STEP"]))
     code = 0
     try:
         ret = inproc.run(train)
