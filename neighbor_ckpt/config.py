@@ -485,9 +485,17 @@ class InprocessConfig:
     abort_timeout_s: float = 60.0
     """NCCL abort watchdog: when aborting this process's process groups after a failure takes longer than this, the
     process exits with ``EXIT_ABORT_HUNG`` (:mod:`neighbor_ckpt.inprocess.protocol`) and its launcher starts a new
-    one in its place, which joins as a spare. 60 s: an NCCL communicator abort normally takes well under a second,
-    even with kernels pending; one that runs for a minute is stuck in the driver or the network and will not come
-    back."""
+    one in its place, which joins as a spare. It also bounds a failed attempt's abort and clean-ups (the ``on_restart``
+    functions, the process groups' teardown): past it the process logs every thread's stack and declares itself
+    dead, and a spare takes its rank. 60 s: an NCCL communicator abort normally takes well under a second, even with
+    kernels pending; one that runs for a minute is stuck in the driver or the network and will not come back."""
+
+    grow_back: bool = False
+    """Replace every process that dies on a node whose launcher lives (killed, crashed, declared dead), not only
+    those the hygiene check or a hung abort retire: the replacement joins as a hot spare and can take the next lost
+    rank, so the job keeps ``spares`` spares through repeated failures. It starts once a generation formed after the
+    death has completed a step (its start-up, the imports included, stays off that recovery's path). Off by default:
+    a process that dies of its node (a bad GPU, a full disk) dies again, up to the launcher's replacement limit."""
 
     hygiene_rss_growth_mib: float = 50.0
     """The hygiene check between generations: when this process's resident memory grew by more than this many MiB

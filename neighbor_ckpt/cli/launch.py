@@ -191,12 +191,13 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int, store_root: Path,
                               active=plan.job.world_size, spares=plan.spares,
                               max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
                               store_root=store_root, store_ready=store_ready,
-                              parent=parent, host=host)
+                              parent=parent, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back)
 
 
 def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
                        store_port: int, store_root: Path, store_ready: Path | None = None,
-                       parent: int | None = None, host: str = "127.0.0.1") -> InprocessProcesses:
+                       parent: int | None = None, host: str = "127.0.0.1",
+                       grow_back: bool = False) -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments, the store
     host's ``--inprocess-store`` included): ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault
     campaign the plain megatron-core loop."""
@@ -210,7 +211,7 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
     agents = tuple((tuple(launcher_command(worker, options=options, store=f"{host}:{store_port}", run_id=run_id,
                                            node=f"node{i}", first=str(i), count="1", processes=processes,
                                            spares=spares, max_restarts=max_restarts, nodes=processes,
-                                           store_root=str(store_root))),
+                                           store_root=str(store_root), grow_back=grow_back)),
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                      ("TORCH_CPP_LOG_LEVEL", "error")))
@@ -220,7 +221,7 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
 
 def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), store: str, run_id: str, node: str,
                      first: str, count: str, processes: int, spares: int, max_restarts: int, nodes: int,
-                     store_root: str | None) -> list[str]:
+                     store_root: str | None, grow_back: bool = False) -> list[str]:
     """One node's launcher command line (``first``/``count``/``node``/``store_root`` are text: the Slurm script
     passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
     cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
@@ -228,6 +229,8 @@ def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), stor
            "--max-restarts", str(max_restarts), "--nodes", str(nodes)]
     if store_root is not None:
         cmd += ["--store-root", store_root]
+    if grow_back:
+        cmd.append("--grow-back")
     return [*cmd, *options, "--", *worker]
 
 
@@ -316,7 +319,8 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
     options, worker = worker_program(_recipe_args(plan, inprocess_store=f"{_HEAD}:{store_port}"))
     cmd = launcher_command(worker, options=options, store=f"{_HEAD}:{store_port}", run_id=plan.run_id,
                            node="@NODE@", first="@FIRST@", count="@COUNT@", processes=n, spares=plan.spares,
-                           max_restarts=lc.max_restarts, nodes=nodes, store_root=store_root)
+                           max_restarts=lc.max_restarts, nodes=nodes, store_root=store_root,
+                           grow_back=plan.job.neighbor_ckpt.inprocess.grow_back)
     launcher = shlex.join(cmd).replace(_HEAD, "${HEAD_NODE}")
     for token, var in (("@NODE@", '"$NODE"'), ("@FIRST@", '"$FIRST"'), ("@COUNT@", '"$COUNT"'),
                        ("@STORE_ROOT@", '"$STORE_ROOT"')):

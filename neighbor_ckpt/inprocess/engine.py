@@ -243,6 +243,15 @@ class InprocessRecovery:
             self.events.append({"iteration": self._generation, "name": name, "unix": t})
         return t
 
+    def idle_spares(self) -> list[int]:
+        """The processes up now and given no rank in the current generation (hot spares, replacements that joined
+        late included), as the store says: who can take the next lost rank. Any thread; one store round trip."""
+        gens = GenerationStore(self._store("main"), process=self.process)
+        g = gens.current()
+        assigned = gens.assignment(g)
+        busy = set(assigned.ranks) if assigned is not None else set()
+        return sorted(set(gens.ready()) - set(gens.dead()) - busy)
+
     # -- inside an attempt -------------------------------------------------------------------------------------
 
     def init_process_group(self, *, backend: str = "gloo", timeout: timedelta = timedelta(seconds=120)) -> None:

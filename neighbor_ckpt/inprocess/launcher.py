@@ -151,7 +151,12 @@ class LauncherPlan:
     connect_timeout_s: float = 120.0
     rendezvous_timeout_s: float = 300.0
     max_replacements: int = 16
-    """Replacements (after :data:`~protocol.EXIT_HYGIENE`) this launcher starts per attempt, at most."""
+    """Replacements (after :data:`~protocol.EXIT_HYGIENE`, and with ``grow_back``) this launcher starts per attempt,
+    at most."""
+    grow_back: bool = False
+    """Also replace a process of this node that died otherwise (killed, crashed, declared dead): the replacement
+    joins as a spare and can take the next lost rank. It starts once a generation formed after the death has
+    completed a step, so that its start-up (imports, one CPU core for seconds) stays off that recovery's path."""
 
     def __post_init__(self) -> None:
         if not self.program:
@@ -216,6 +221,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds the restart waits for every launcher (default 300)")
     ap.add_argument("--max-replacements", type=int, default=16,
                     help="replacement processes per attempt at most (default 16)")
+    ap.add_argument("--grow-back", action="store_true",
+                    help="replace every process of this node that dies (it joins as a spare), once the next "
+                         "generation has completed a step")
     ap.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
     return ap
 
@@ -238,7 +246,7 @@ def parse_args(argv: Sequence[str]) -> LauncherPlan:
                             poll_s=a.poll, grace_s=a.grace, fallback_grace_s=a.fallback_grace,
                             complete_grace_s=a.complete_grace, store_grace_s=a.store_grace,
                             connect_timeout_s=a.connect_timeout, rendezvous_timeout_s=a.rendezvous_timeout,
-                            max_replacements=a.max_replacements)
+                            max_replacements=a.max_replacements, grow_back=a.grow_back)
     except ValueError as e:
         ap.error(str(e))
         raise  # unreachable: ap.error exits
@@ -348,6 +356,8 @@ class _Attempt:
     giveup: Optional[str] = None
     complete_at: Optional[float] = None
     replacements: int = 0
+    regrow: list[tuple[_Child, str, int]] = field(default_factory=list)
+    """Dead processes to replace (``grow_back``): the child, how it exited, the generation current at its death."""
     worst: int = 0
     """The worst status of a process that exited on its own (not stopped by this launcher)."""
 
@@ -553,6 +563,11 @@ class Launcher:
                     self._replace(att, child, how)
                 else:
                     logger.warning("process %d (pid %d) %s: declared dead", index, child.proc.pid, how)
+            if self.plan.grow_back and action in (Action.DECLARE, Action.DECLARED):
+                g = self._try(att.number, lambda s: GenerationStore(s, process=-1).current())
+                att.regrow.append((child, how, 0 if g is None else g))
+                logger.info("process %d: a replacement starts once a generation after %d has completed a step "
+                            "(--grow-back)", index, 0 if g is None else g)
 
     def _give_up(self, att: _Attempt, reason: str) -> None:
         """Set ``giveup`` (first ``compare_set`` wins); ``att.giveup``: the reason that stands."""
@@ -560,6 +575,20 @@ class Launcher:
         if stood is None:
             self._later(att.number, lambda s: s.compare_set("giveup", "", reason))
         att.giveup = att.giveup or (reason if stood is None else stood.decode(errors="replace"))
+
+    def _grow_back(self, att: _Attempt) -> None:
+        """Start the replacements ``grow_back`` owes, once a generation formed after each death made progress."""
+        if not att.regrow or att.complete_at is not None or att.giveup is not None:
+            return
+        current = self._try(att.number, lambda s: GenerationStore(s, process=-1).current())
+        if current is None or not any(g < current for _, _, g in att.regrow):
+            return
+        if not self._try(att.number, lambda s: s.check([key("progress", current)])):
+            return
+        due = [r for r in att.regrow if r[2] < current]
+        att.regrow = [r for r in att.regrow if r[2] >= current]
+        for child, how, _ in due:
+            self._replace(att, child, how)
 
     def _replace(self, att: _Attempt, child: _Child, how: str) -> None:
         if att.replacements >= self.plan.max_replacements:
@@ -638,6 +667,7 @@ class Launcher:
             self._flush()
             self._watch_store(att)
             self._kill_listed(att)
+            self._grow_back(att)
             if att.giveup is not None:
                 logger.warning("in-process recovery gave up (%s): waiting up to %.0f s for %d process(es) of this "
                                "node to exit", att.giveup, self.plan.fallback_grace_s, len(att.children))

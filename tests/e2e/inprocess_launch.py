@@ -43,11 +43,11 @@ WORKER = WORKERS / "train_mcore_inprocess.py"
 
 
 def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: float = 600, max_restarts: int = 0,
-                     program: str | list[str] | None = None, **env: Any) -> RunResult:
+                     program: str | list[str] | None = None, grow_back: bool = False, **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
-    gives up. ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
+    gives up, ``grow_back``: the launchers' ``--grow-back``. ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
     fixed for the launch are set here). The workers start warm or cold as ``tests/conftest.py`` decided for this
     test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
     out = tmp / "out"
@@ -58,7 +58,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
         argv = [str(WORKER)]
     else:
         argv = shlex.split(program) if isinstance(program, str) else list(program)
-    spec = {"program": argv, "active": active, "spares": spares, "max_restarts": max_restarts,
+    spec = {"program": argv, "active": active, "spares": spares, "max_restarts": max_restarts, "grow_back": grow_back,
             "run_id": f"inproc-{tmp.name}", "store_root": str(tmp / "store"), "ready": str(tmp / "store_host.ready"),
             "out": str(out), "timeout": timeout}
     spec_path = tmp / "launch.json"
@@ -272,7 +272,7 @@ def _run(spec: dict[str, Any]) -> int:
         procs = inprocess_commands(spec["program"], active=spec["active"], spares=spec["spares"],
                                    max_restarts=spec["max_restarts"], run_id=spec["run_id"], store_port=free_port(),
                                    store_root=Path(spec["store_root"]), store_ready=Path(spec["ready"]),
-                                   parent=os.getpid())
+                                   parent=os.getpid(), grow_back=bool(spec.get("grow_back")))
     out.mkdir(parents=True, exist_ok=True)
     tracker.start()
     subprocess.Popen = _Recorded  # type: ignore[misc] - this process runs nothing else

@@ -396,6 +396,31 @@ def test_an_idle_spare_killed_is_reported_and_the_job_goes_on_untouched(inproces
     assert all(code == 0 for node, code in exits.items()), exits
 
 
+def test_grow_back_a_replacement_takes_the_second_lost_rank(inprocess_baseline: RunResult, tmp_path: Path) -> None:
+    """Launchers with ``--grow-back``, one hot spare. Rank 1 is SIGKILLed in step 3: the spare (process 4) takes it.
+    Once generation 1 has completed a step, node1's launcher starts a replacement (process 5), which joins as a
+    spare. Rank 2 is SIGKILLed in step 7 of generation 1, with no original spare left: the replacement takes rank 2
+    and pulls its state from rank 3. Bit for bit; nobody restarted the job."""
+    res = launch_inprocess(tmp_path, STEPS=10, FAULT="kill", KILL_RANK=1, KILL_STEP=3, KILL2_RANK=2, KILL2_STEP=7,
+                           grow_back=True)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
+    assert re.search(r"process 1 \(pid \d+\) .*declared dead; replacement process 5 \(pid \d+\) started, joins as a "
+                     r"spare", res.log), res.log[-8000:]
+    assert (res.out / "fault2.rank2.json").exists(), res.log[-8000:]
+    procs = by_process(res)
+    assert [(a["iteration"], a["rank"]) for a in procs[ACTIVE]] == [(1, 1), (2, 1)], procs.get(ACTIVE)
+    assert [(a["iteration"], a["rank"]) for a in procs[5]] == [(2, 2)], procs.get(5)
+    assert [a["iteration"] for a in procs[1]] == [0] and [a["iteration"] for a in procs[2]] == [0, 1]
+    for p in (0, 3):
+        assert [a["iteration"] for a in procs[p]] == [0, 1, 2] and len({a["pid"] for a in procs[p]}) == 1
+    rep = res.report(2, 2)
+    assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 6, "replica"), rep
+    assert "in-process recovery gives up" not in res.log
+    assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
+
+
 # --- the MTTR tool ---------------------------------------------------------------------------------------------------
 
 

@@ -83,8 +83,14 @@ def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(
         assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"  # one simulated node per launcher, its own store
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}")
         assert not any("nvidia_resiliency_ext" in a or "ft-restart" in a for a in cmd)
+        assert not own.grow_back
     with pytest.raises(AttributeError):
         plan.run_id = "other"  # type: ignore[misc]  # the plan stays frozen data
+    grow = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", [*INPROC, "neighbor_ckpt.inprocess.grow_back=true"],
+                              run_dir=tmp_path / "run2")
+    cmds = [cmd for cmd, _ in launch.inprocess_processes(grow, store_port=29650, store_root=tmp_path / "shm").agents]
+    assert all(parse_args(cmd[3:]).grow_back for cmd in cmds), "inprocess.grow_back reaches every launcher"
+    assert "--grow-back" in launch.slurm_script(grow)
 
 
 def test_inprocess_launchers_run_the_warm_prefixed_command_as_a_whole(monkeypatch: pytest.MonkeyPatch,

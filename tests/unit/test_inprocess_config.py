@@ -112,7 +112,8 @@ def test_inprocess_values_of_the_wrong_type_are_refused_once(key, value, what):
 def test_an_unknown_inprocess_key_lists_the_new_ones():
     lines = problems(lambda: NeighborCkptConfig.from_dict({"inprocess": {"soft_timeout": 5}}))
     assert lines == ["neighbor_ckpt.inprocess.soft_timeout: unknown key (allowed keys of neighbor_ckpt.inprocess: "
-                     "abort_timeout_s, barrier_timeout_s, enabled, hygiene_rss_growth_mib, max_restarts, spares)"]
+                     "abort_timeout_s, barrier_timeout_s, enabled, grow_back, hygiene_rss_growth_mib, max_restarts, "
+                     "spares)"]
 
 
 def test_the_barrier_must_outlast_the_abort_watchdog():

@@ -25,6 +25,7 @@ def test_the_plan_of_a_command_line_keeps_the_program_and_its_own_options_apart(
     assert plan.nodes == 3  # default: ceil(processes / count)
     assert parse_args([*BASE, "--nodes", "5", "--", "t.py"]).nodes == 5
     assert parse_args([*BASE, "t.py", "-v"]).program == ("t.py", "-v")  # `--` may be left out
+    assert not plan.grow_back and parse_args([*BASE, "--grow-back", "--", "t.py"]).grow_back
     with pytest.raises(AttributeError):
         plan.node = "other"  # type: ignore[misc]  # frozen
 

@@ -22,7 +22,8 @@ CPU job files), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process
 state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is
 gone, its launcher is killed too), LEAK_THREAD_RANK (that rank leaks a thread in generation 0: the hygiene check
 after the failed generation must catch it), BLOCK_CLEANUP_RANK (that rank's clean-up after the failed generation 0
-blocks in a C call), KILL_IDLE_SPARE_AT_STEP (every idle spare SIGKILLs itself once rank 0 logged that step), ECHO_PORT (a TCP connection to the test's echo server opened before the
+blocks in a C call), KILL_IDLE_SPARE_AT_STEP (every idle spare SIGKILLs itself once rank 0 logged that step), KILL2_RANK and
+KILL2_STEP (a second fault: that rank SIGKILLed in that step of generation 1, once a spare is up), ECHO_PORT (a TCP connection to the test's echo server opened before the
 first attempt, used in every attempt: ``echo.initial<i>.iter<k>.json``), TP (tensor parallel size, default 1),
 GLOBAL_BATCH (samples per step, fixed whatever the data-parallel size; default 2 x 2 x the initial DP), DROPOUT
 (default 0.1), ELASTIC (1: ``neighbor_ckpt.elastic.enabled``: without a spare the survivors continue on a smaller
@@ -203,9 +204,24 @@ def train(att: Attempt) -> dict[str, Any]:
     inproc.on_restart(lambda: ckpt.close(success=False))
     armed = FAULT in ("kill", "raise", "stop", "block") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
 
+    second = (os.environ.get("KILL2_STEP") is not None and att.iteration == 1 and LAUNCH_ATTEMPT == 0
+              and rank == int(os.environ.get("KILL2_RANK", "-1")))
+
     def maybe_fault() -> None:
         if armed and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == KILL_STEP:
             inject_fault(rank, att)
+        if second and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == int(os.environ["KILL2_STEP"]):
+            # the second fault waits for a spare to be up (a replacement that grew back): the test is about it
+            deadline = time.monotonic() + 300
+            while not inproc.idle_spares() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            log.warning("fault injection: second fault, SIGKILL of rank %d in step %s (idle spares: %s)", rank,
+                        os.environ["KILL2_STEP"], inproc.idle_spares())
+            write_json(f"fault2.rank{rank}.json", {"rank": rank, "initial_rank": INITIAL_RANK, "unix": time.time(),
+                                                  "step": int(os.environ["KILL2_STEP"])})
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     fault_tag = tag_optimizer_steps(optimizer, on_enter=maybe_fault, on_exit=lambda: None)  # inside the step tag
     inproc.on_restart(fault_tag.remove)
