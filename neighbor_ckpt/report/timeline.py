@@ -459,14 +459,15 @@ def wait_for_renders(timeout: float | None = 30.0) -> None:
 
 def _render_in_background(path_json: Path, path_png: Path) -> None:
     """Draw ``path_png`` from ``path_json`` in a process of its own (:mod:`neighbor_ckpt.report.timeline_png`):
-    matplotlib then shares no GIL with the training thread. Its one error line goes to this process's stderr."""
+    matplotlib then shares no GIL with the training thread; it dies with this process. Its one error line goes to
+    this process's stderr."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.report.timeline_png", str(path_json),
-                                 str(path_png)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
-                                close_fds=True)
+        proc = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.report.timeline_png", "--parent",
+                                 str(os.getpid()), str(path_json), str(path_png)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, env=env, close_fds=True)
     except OSError as e:  # reporting never stops training
         logger.warning("neighbor_ckpt: could not start drawing the recovery timeline %s: %s", path_png, e)
         return

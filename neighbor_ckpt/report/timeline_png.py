@@ -1,9 +1,10 @@
 """The recovery timeline's picture, drawn from its JSON in a process of its own.
 
-``python -m neighbor_ckpt.report.timeline_png TIMELINE.json OUT.png``. :func:`~neighbor_ckpt.report.timeline.
-write_timeline` starts it after writing the JSON: matplotlib's import and drawing (~0.6 s of Python) then share
-no GIL with rank 0's training thread, whose first step after a recovery is the one the MTTR ends with (drawn on a
-thread, the picture made that step up to 0.3 s longer here). A process killed meanwhile still gets its picture.
+``python -m neighbor_ckpt.report.timeline_png [--parent PID] TIMELINE.json OUT.png``. :func:`~neighbor_ckpt.report.
+timeline.write_timeline` starts it after writing the JSON: matplotlib's import and drawing (~0.6 s of Python) then
+share no GIL with rank 0's training thread, whose first step after a recovery is the one the MTTR ends with (drawn on
+a thread, the picture made that step up to 0.3 s longer here). With ``--parent`` it dies with that process (Linux:
+``PR_SET_PDEATHSIG``), so that a killed rank leaves no process behind; its JSON is there.
 
 Imports nothing heavy (no torch): the JSON's fields are all it reads.
 """
@@ -103,10 +104,29 @@ def render_png(timeline: Mapping[str, Any], path: Path) -> None:
     tmp.replace(path)  # a reader never sees half a picture
 
 
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when ``parent`` ends (Linux; elsewhere nothing); exit now if it has ended already."""
+    import ctypes
+    import os
+    import signal
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        raise SystemExit(0)  # the parent died before the prctl: nobody waits for the picture
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) == 4 and args[0] == "--parent" and args[1].isdigit():
+        _die_with(int(args[1]))
+        args = args[2:]
     if len(args) != 2:
-        print("usage: python -m neighbor_ckpt.report.timeline_png TIMELINE.json OUT.png", file=sys.stderr)
+        print("usage: python -m neighbor_ckpt.report.timeline_png [--parent PID] TIMELINE.json OUT.png",
+              file=sys.stderr)
         return 2
     try:
         render_png(json.loads(Path(args[0]).read_text()), Path(args[1]))

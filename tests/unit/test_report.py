@@ -227,11 +227,22 @@ def test_write_timeline_draws_the_png_in_a_process_of_its_own(tmp_path: Path) ->
     out = write_timeline(tl, tmp_path)
     assert out.path_json is not None and json.loads(out.path_json.read_text())["png"] == str(out.path_png)
     (proc,) = timeline_mod._renders
-    assert proc.args[1:3] == ["-m", "neighbor_ckpt.report.timeline_png"] and proc.pid != os.getpid()
+    assert proc.args[1:5] == ["-m", "neighbor_ckpt.report.timeline_png", "--parent", str(os.getpid())]
     wait_for_renders()
     assert proc.returncode == 0 and not timeline_mod._renders
     assert out.path_png is not None and out.path_png.read_bytes()[:8] == PNG_MAGIC
     assert not list(tmp_path.glob("*.tmp")), "the picture is renamed into place"
+
+
+def test_the_picture_process_dies_with_its_parent(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # the parent named is not this process's parent (already gone): it leaves at once, drawing nothing
+    done = subprocess.run([sys.executable, "-m", "neighbor_ckpt.report.timeline_png", "--parent", "1",
+                           str(tmp_path / "none.json"), str(tmp_path / "t.png")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and not (tmp_path / "t.png").exists(), done
 
 
 def test_the_picture_process_imports_no_torch_and_reports_a_bad_json_in_one_line(tmp_path: Path) -> None:
