@@ -313,6 +313,11 @@ class NeighborCheckpointer:
         if caps is None:
             return  # a first launch: nothing published yet
         if self.store.prefault(ROLE_OWN, header_cap=caps[0], payload_cap=caps[1], extras_cap=caps[2]):
+            preparing = self.store.preparing
+            if preparing is not None and preparing.staged:
+                logger.info("rank %d: neighbor_ckpt: empty host store; taking the own slot prepared while this hot "
+                            "spare idled (%.1f MiB)", self.topology.rank, caps[1] / 2**20)
+                return
             logger.info("rank %d: neighbor_ckpt: empty host store; preparing its %.1f MiB own slot in the background "
                         "for the recovery's pull", self.topology.rank, caps[1] / 2**20)
 
@@ -426,9 +431,10 @@ class NeighborCheckpointer:
                                             reshard=reshard)
         prepared = self.store.prepared
         if prepared is not None and prepared.used:
+            when = "while this hot spare idled" if prepared.staged else "from this rank's construction on"
             result.report.notes.append(f"pulled into a slot prepared in advance ({prepared.seconds:.3f} s in the "
-                                       "background, from the capacities in the launch's store; the pull waited "
-                                       f"{prepared.waited:.3f} s for it)")
+                                       f"background, {when}, from the capacities in the launch's store; the pull "
+                                       f"waited {prepared.waited:.3f} s for it)")
         if result.report.resharded and self.micro_batches is not None:
             result.report.notes.append(
                 f"global batch {self.global_batch} samples kept: {self.micro_batches} micro-batch(es) of "

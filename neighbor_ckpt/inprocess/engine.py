@@ -86,8 +86,9 @@ HYGIENE_TRIES = 4
 """Looks at the process's threads after a failed generation, 0.5 s apart, before it is declared not clean."""
 
 LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener",
-                    "neighbor_ckpt-abort-watchdog", "TMonitor", "tqdm_monitor")
-"""Threads that may outlive a generation: the engine's own, tqdm's progress-bar monitor (one per process, started by
+                    "neighbor_ckpt-abort-watchdog", "neighbor_ckpt-spare-slot", "neighbor-ckpt-prefault-",
+                    "TMonitor", "tqdm_monitor")
+"""Threads that may outlive a generation: the engine's own (a spare's slot preparation included), tqdm's progress-bar monitor (one per process, started by
 the first progress bar; tqdm 4.70 names it ``tqdm_monitor``, older releases ``TMonitor``: a Megatron-Bridge survivor
 failed the hygiene check on it)."""
 
@@ -125,6 +126,8 @@ class InprocessRecovery:
         detector: the ``neighbor_ckpt.detector`` section (its timers drive the monitor).
         inprocess: the ``neighbor_ckpt.inprocess`` section (max restarts, barrier and abort timeouts, hygiene).
         elastic: the world sizes the job may shrink to when no spare is left (None: give up instead).
+        snapshots: the whole configuration (:meth:`from_config` passes it): with it, a hot spare prepares its own
+            slot while it idles, where the host stores are (None: it does not).
 
     Raises:
         ConfigError: not started by our launcher (plain torchrun), the old timer variable is set, or the detector
@@ -134,7 +137,7 @@ class InprocessRecovery:
     def __init__(self, *, spares: Optional[int] = None, store: Optional[str] = None, store_host: Optional[str] = None,
                  store_port: Optional[int] = None, world_size: Optional[int] = None, run_id: Optional[str] = None,
                  detector: Optional[DetectorConfig] = None, inprocess: Optional[InprocessConfig] = None,
-                 elastic: Optional[ElasticPolicy] = None) -> None:
+                 elastic: Optional[ElasticPolicy] = None, snapshots: Optional[NeighborCkptConfig] = None) -> None:
         env = os.environ
         _refuse_legacy_env(env)
         if protocol.ENV_LAUNCHER not in env:
@@ -195,6 +198,10 @@ class InprocessRecovery:
         self._monitor_gens: Optional[GenerationStore] = None
         self._rss_reference: Optional[tuple[int, int]] = None
         self._listener: Any = None
+        self.snapshots = snapshots
+        """The whole configuration, when given (:meth:`from_config`): where the host stores are, for the slot a hot
+        spare prepares while it idles."""
+        self._spare_slot_started = False
 
     @classmethod
     def from_config(cls, config: "NeighborCkptConfig | InprocessConfig", *, model_parallel: int = 1,
@@ -210,6 +217,7 @@ class InprocessRecovery:
                               "InprocessRecovery (or set neighbor_ckpt.inprocess.enabled=true)")
         if isinstance(config, NeighborCkptConfig):
             kwargs.setdefault("detector", config.detector)
+            kwargs.setdefault("snapshots", config)
             if config.elastic.enabled and "elastic" not in kwargs:
                 kwargs["elastic"] = ElasticPolicy(model_parallel=model_parallel,
                                                   min_data_parallel=config.elastic.min_data_parallel,
@@ -530,10 +538,59 @@ class InprocessRecovery:
         return nxt
 
     def _idle(self, main: GenerationStore, generation: int) -> Any:
-        """An idle spare: wait for the job to complete (None) or the generation to fail (:data:`_FAILED`)."""
+        """An idle spare: wait for the job to complete (None) or the generation to fail (:data:`_FAILED`); meanwhile
+        its own slot is prepared for whichever rank it takes (:meth:`_prepare_spare_slot`)."""
         self.event("idle")
+        self._prepare_spare_slot()
         failed = main.wait_outcome(generation, self._listener.event(generation))
         return None if failed is None else _FAILED
+
+    def _prepare_spare_slot(self) -> None:
+        """Once per process, on a thread of its own: wait until every active rank of the job has published its own
+        slot's capacities (at its first snapshot, :class:`~neighbor_ckpt.runtime.launch_store.SlotCapacities`) and,
+        when they agree (the distributed optimizer's even shards), stage that slot
+        (:func:`~neighbor_ckpt.snapshot.store.stage_own_slot`): an activated spare's pull then lands in memory already
+        there instead of a file made during the recovery. Best effort; nothing when the snapshots are off or the
+        capacities differ between ranks."""
+        cfg = self.snapshots
+        if self._spare_slot_started or cfg is None or not cfg.enabled:
+            return
+        self._spare_slot_started = True
+        threading.Thread(target=self._stage_spare_slot, args=(cfg,), name="neighbor_ckpt-spare-slot",
+                         daemon=True).start()
+
+    def _stage_spare_slot(self, cfg: NeighborCkptConfig) -> None:
+        from neighbor_ckpt.runtime.launch_identity import agent_store_address
+        from neighbor_ckpt.runtime.launch_store import SlotCapacities, recorded_agent_store
+        from neighbor_ckpt.snapshot.store import stage_own_slot
+
+        try:
+            job_id, root = cfg.resolved_job_id(), cfg.resolved_store_dir()
+            # where the ranks publish (runtime.launch_store.open_launch_store): a torchrun agent's store, else the
+            # launch's store below every prefix
+            host, port = recorded_agent_store() or agent_store_address() or (self.store_host, self.store_port)
+            client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, use_libuv=True,
+                                   timeout=timedelta(seconds=30))
+            caps = SlotCapacities(job_id=job_id, generation=0, store=client)
+            found: dict[int, tuple[int, int, int]] = {}
+            while self.current is None:  # idle: an activated spare stops looking (its checkpointer prepares)
+                for r in range(self.active_world_size):
+                    if r not in found:
+                        got = caps.lookup(r)
+                        if got is None:
+                            break  # not every rank has snapshotted yet
+                        found[r] = got
+                if len(found) == self.active_world_size:
+                    if len(set(found.values())) != 1:
+                        logger.info("%s: the ranks' own slots differ in size: no slot prepared while idle",
+                                    self._name())
+                    elif self.current is None:
+                        h, p, e = next(iter(found.values()))
+                        stage_own_slot(root, job_id, header_cap=h, payload_cap=p, extras_cap=e)
+                    return
+                time.sleep(0.2)  # one store read per wait: for the next rank that has not published yet
+        except Exception as e:  # noqa: BLE001 - best effort: the slot is then made at activation
+            logger.info("%s: no slot prepared while idle: %s", self._name(), e)
 
     def _attempt(self, fn: Callable[[Attempt], Any], main: GenerationStore, generation: int,
                  assignment: Assignment, rank: int) -> Any:

@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "MIN_EXTRAS_BYTES",
            "HEADER_ALLOWANCE_BYTES", "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir",
            "generation_dir", "store_generations", "remove_generations", "pick_slot_for_write", "encode_meta",
-           "SegmentChecksums", "PreparedSlot", "checksum", "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE",
-           "PREAMBLE_BYTES", "MARKER_BYTES", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
+           "SegmentChecksums", "PreparedSlot", "stage_own_slot", "take_staged_slot", "discard_staged_slot",
+           "checksum", "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE", "PREAMBLE_BYTES", "MARKER_BYTES", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
 
 COMMIT_TIME_KEY = "committed_unix"
 """Header ``meta`` key of a slot's commit time (wall clock): where a recovery timeline starts."""
@@ -219,11 +219,25 @@ class HostStore:
         if self._prefault is not None or self.has_files(role):
             return False
         caps = (header_cap, payload_cap, extras_cap)
+        staged = take_staged_slot(self.root, self.job_id)
+        if staged is not None:
+            if role == ROLE_OWN and staged.capacities == caps:
+                staged.key, staged.target = (role, 0), self.path(role, 0)
+                self._prefault = staged  # moved into this store's directory by wait_prepared
+                return True
+            logger.info("rank %d: the own slot staged while idle has capacities %s, not %s: discarded", self.rank,
+                        staged.capacities, caps)
+            discard_staged_slot(staged)
         pf = PreparedSlot((role, 0), caps, self.path(role, 0))
         pf.thread = threading.Thread(target=pf.run, name=f"neighbor-ckpt-prefault-{role}", daemon=True)
         self._prefault = pf
         pf.thread.start()
         return True
+
+    @property
+    def preparing(self) -> PreparedSlot | None:
+        """The slot :meth:`prefault` is preparing, until a store user waits for it (:meth:`wait_prepared`)."""
+        return self._prefault
 
     def has_files(self, role: str) -> bool:
         """Whether any slot file of ``role`` exists (committed or not)."""
@@ -241,6 +255,16 @@ class HostStore:
             pf.waited = time.perf_counter() - t0
             self._prefault = None
             self.prepared = pf
+            if pf.slot is not None and pf.target is not None and pf.target != pf.path:
+                try:
+                    os.replace(pf.path, pf.target)  # same filesystem: the mapping stays valid
+                    pf.slot.path, pf.path = pf.target, pf.target
+                except OSError as e:
+                    logger.warning("rank %d: could not move the staged slot into %s (%s); it is made when needed",
+                                   self.rank, pf.target, e)
+                    pf.slot.close()
+                    Path(pf.path).unlink(missing_ok=True)
+                    pf.slot, pf.error = None, e
             if pf.slot is not None:
                 self._slots[pf.key] = pf.slot
                 logger.debug("rank %d: %s slot %d prepared in advance in %.3f s (waited %.3f s for it)", self.rank,
@@ -378,6 +402,10 @@ class PreparedSlot:
     """A write (a pull, the engine's first snapshot) landed in this slot."""
     waited: float = 0.0
     """How long the first one to need the slot (the recovery's pull) waited for the preparation to end (0: ready)."""
+    target: Path | None = None
+    """Where the slot file moves when a store takes it in (a slot staged by :func:`stage_own_slot`), else None."""
+    staged: bool = False
+    """Prepared by :func:`stage_own_slot` before this process knew its rank (a hot spare while it idled)."""
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -390,6 +418,72 @@ class PreparedSlot:
             self.error = exc
             self.path.unlink(missing_ok=True)
         self.seconds = time.perf_counter() - t0
+
+
+_staged_lock = threading.Lock()
+_staged: dict[tuple[str, str], PreparedSlot] = {}
+"""Slots :func:`stage_own_slot` prepared in this process, by (store root, job id), until a store takes one."""
+
+
+def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int, extras_cap: int) -> bool:
+    """Prepare an own slot before this process knows its rank (a hot spare while it idles): create it with these
+    capacities in the job's directory and fault in every page, in a background thread. The first :class:`HostStore`
+    of this root and job whose :meth:`~HostStore.prefault` asks for these capacities takes it (moved into its rank
+    directory); other capacities discard it, and so does this process's exit if nobody took it. Returns whether it
+    started (once per root and job; best effort, as :meth:`HostStore.prefault`)."""
+    import atexit
+
+    root = Path(root)
+    key = (str(root.resolve()), job_id)
+    with _staged_lock:
+        if key in _staged:
+            return False
+        try:
+            private_user_dir(root, _user())
+            job_dir = generation_dir(root, job_id)
+            job_dir.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(job_dir, 0o700)
+            need = slot_file_size(header_cap, payload_cap, extras_cap)
+            st = os.statvfs(job_dir)
+            if need > st.f_bavail * st.f_frsize:
+                logger.info("neighbor_ckpt: no room to stage a %.1f MiB own slot in %s; it is made when needed",
+                            need / 2**20, job_dir)
+                return False
+        except OSError as e:
+            logger.info("neighbor_ckpt: cannot stage an own slot under %s: %s", root, e)
+            return False
+        pf = PreparedSlot((ROLE_OWN, 0), (header_cap, payload_cap, extras_cap),
+                          job_dir / f"staged-{os.getpid()}.{ROLE_OWN}.slot", staged=True)
+        pf.thread = threading.Thread(target=pf.run, name="neighbor-ckpt-prefault-staged", daemon=True)
+        if not _staged:
+            atexit.register(_discard_all_staged)
+        _staged[key] = pf
+        pf.thread.start()
+    logger.info("neighbor_ckpt: preparing a %.1f MiB own slot while idle (for the rank this process may take)",
+                payload_cap / 2**20)
+    return True
+
+
+def take_staged_slot(root: Path, job_id: str) -> PreparedSlot | None:
+    """The slot :func:`stage_own_slot` prepared for this root and job, removed from the registry (None: none)."""
+    with _staged_lock:
+        return _staged.pop((str(Path(root).resolve()), job_id), None)
+
+
+def discard_staged_slot(pf: PreparedSlot) -> None:
+    """Wait for a staged slot's preparation, then close and delete it."""
+    pf.thread.join()
+    if pf.slot is not None:
+        pf.slot.close()
+    Path(pf.path).unlink(missing_ok=True)
+
+
+def _discard_all_staged() -> None:
+    with _staged_lock:
+        pending = list(_staged.values())
+        _staged.clear()
+    for pf in pending:
+        discard_staged_slot(pf)
 
 
 def pick_slot_for_write(iterations: Sequence[int | None], *, role: str = "", keep: set[int] | None = None) -> int:
