@@ -49,6 +49,23 @@ def test_restore_rows_ratio_is_restore_time_over_raw_time() -> None:
     assert len(notes) == 2 and "W=4" in notes[0] and "transfer 1.300" in notes[0] and "(0.250s" in notes[0]
 
 
+def test_restore_rows_judge_todays_order_when_it_was_measured() -> None:
+    """With the slot's preparation started right before the recovery (the checkpointer's constructor: today's
+    order) measured too, the target is that row's; the slot prepared before the clock is the best case."""
+    res = _restore_result([1.2, 1.3, 1.4], [1.0, 1.0, 1.0], [0.2, 0.3], [0.1, 0.1])
+    lost = res["restore"]["lost"]
+    lost["constructed"] = [1.6, 1.7, 1.8]
+    lost["constructed_phases"] = [dict(p, transfer=t) for p, t in zip(lost["phases"], lost["constructed"])]
+    lost["constructed_wait"] = [0.2, 0.25, 0.3]
+    rows, notes = restore_rows(res, 4, 16.0)
+    early, today, unprepared, local = rows
+    assert early.status == "INFO" and "before the recovery" in early.metric
+    assert (today.target, today.op, today.status) == (1.5, "<=", "MISS") and today.ratio == pytest.approx(1.7)
+    assert "construction" in today.metric and today.detail["slot_wait_seconds"] == pytest.approx(0.25)
+    assert "made by the pull" in unprepared.metric and unprepared.ratio == pytest.approx(1.8)
+    assert len(notes) == 3 and "waited 0.250s for the slot" in notes[1] and "transfer 1.800" in notes[0]
+
+
 def test_restore_rows_miss_above_target() -> None:
     rows, _ = restore_rows(_restore_result([2.0], [1.0], [1.0], [1.0]), 2, 16.0)
     assert rows[0].ratio == pytest.approx(2.0) and rows[0].status == "MISS"
