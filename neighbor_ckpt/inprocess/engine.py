@@ -547,11 +547,10 @@ class InprocessRecovery:
 
     def _prepare_spare_slot(self) -> None:
         """Once per process, on a thread of its own: wait until every active rank of the job has published its own
-        slot's capacities (at its first snapshot, :class:`~neighbor_ckpt.runtime.launch_store.SlotCapacities`) and,
-        when they agree (the distributed optimizer's even shards), stage that slot
-        (:func:`~neighbor_ckpt.snapshot.store.stage_own_slot`): an activated spare's pull then lands in memory already
-        there instead of a file made during the recovery. Best effort; nothing when the snapshots are off or the
-        capacities differ between ranks."""
+        slot's capacities (at its first snapshot, :class:`~neighbor_ckpt.runtime.launch_store.SlotCapacities`), then
+        stage a slot as large as the largest (:func:`~neighbor_ckpt.snapshot.store.stage_own_slot`): an activated
+        spare's pull then lands in memory already there instead of a file made during the recovery. Best effort;
+        nothing when the snapshots are off."""
         cfg = self.snapshots
         if self._spare_slot_started or cfg is None or not cfg.enabled:
             return
@@ -581,11 +580,8 @@ class InprocessRecovery:
                             break  # not every rank has snapshotted yet
                         found[r] = got
                 if len(found) == self.active_world_size:
-                    if len(set(found.values())) != 1:
-                        logger.info("%s: the ranks' own slots differ in size: no slot prepared while idle",
-                                    self._name())
-                    elif self.current is None:
-                        h, p, e = next(iter(found.values()))
+                    if self.current is None:  # the largest any rank needs: cut to the rank taken at activation
+                        h, p, e = (max(c[i] for c in found.values()) for i in range(3))
                         stage_own_slot(root, job_id, header_cap=h, payload_cap=p, extras_cap=e)
                     return
                 time.sleep(0.2)  # one store read per wait: for the next rank that has not published yet

@@ -197,6 +197,27 @@ class SlotFile:
         return cls.open(path)
 
     @classmethod
+    def reshape(cls, source: Path, path: Path, *, header_cap: int, payload_cap: int, extras_cap: int) -> SlotFile:
+        """A zeroed slot of these capacities made from ``source``, a slot file nobody wrote to (a staged slot,
+        its pages already faulted in, its mappings closed): moved to ``path``, cut or grown to the new size (the
+        pages it keeps stay in memory), its preamble rewritten. As :meth:`create` otherwise."""
+        size = slot_file_size(header_cap, payload_cap, extras_cap)
+        os.replace(source, path)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            old = os.fstat(fd).st_size
+            os.ftruncate(fd, size)
+            if size > old:
+                _reserve(fd, size, path)
+            os.pwrite(fd, PREAMBLE.pack(MAGIC, FORMAT_VERSION, header_cap, payload_cap, extras_cap), 0)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return cls.open(path)
+
+    @classmethod
     def open(cls, path: Path) -> SlotFile:
         """Map an existing slot file after checking its preamble and size."""
         fd = os.open(path, os.O_RDWR)

@@ -221,12 +221,11 @@ class HostStore:
         caps = (header_cap, payload_cap, extras_cap)
         staged = take_staged_slot(self.root, self.job_id)
         if staged is not None:
-            if role == ROLE_OWN and staged.capacities == caps:
-                staged.key, staged.target = (role, 0), self.path(role, 0)
-                self._prefault = staged  # moved into this store's directory by wait_prepared
+            if role == ROLE_OWN:
+                # moved into this store's directory and cut to these capacities by wait_prepared
+                staged.key, staged.target, staged.capacities = (role, 0), self.path(role, 0), caps
+                self._prefault = staged
                 return True
-            logger.info("rank %d: the own slot staged while idle has capacities %s, not %s: discarded", self.rank,
-                        staged.capacities, caps)
             discard_staged_slot(staged)
         pf = PreparedSlot((role, 0), caps, self.path(role, 0))
         pf.thread = threading.Thread(target=pf.run, name=f"neighbor-ckpt-prefault-{role}", daemon=True)
@@ -256,15 +255,16 @@ class HostStore:
             self._prefault = None
             self.prepared = pf
             if pf.slot is not None and pf.target is not None and pf.target != pf.path:
+                h, p, e = pf.capacities
+                pf.slot.close()  # a staged slot: nobody wrote to it, its pages are in memory
                 try:
-                    os.replace(pf.path, pf.target)  # same filesystem: the mapping stays valid
-                    pf.slot.path, pf.path = pf.target, pf.target
-                except OSError as e:
-                    logger.warning("rank %d: could not move the staged slot into %s (%s); it is made when needed",
-                                   self.rank, pf.target, e)
-                    pf.slot.close()
+                    pf.slot = SlotFile.reshape(pf.path, pf.target, header_cap=h, payload_cap=p, extras_cap=e)
+                    pf.path = pf.target
+                except (OSError, HostMemoryError) as exc:
+                    logger.warning("rank %d: could not take the staged slot into %s (%s); it is made when needed",
+                                   self.rank, pf.target, exc)
                     Path(pf.path).unlink(missing_ok=True)
-                    pf.slot, pf.error = None, e
+                    pf.slot, pf.error = None, exc
             if pf.slot is not None:
                 self._slots[pf.key] = pf.slot
                 logger.debug("rank %d: %s slot %d prepared in advance in %.3f s (waited %.3f s for it)", self.rank,
@@ -427,10 +427,11 @@ _staged: dict[tuple[str, str], PreparedSlot] = {}
 
 def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int, extras_cap: int) -> bool:
     """Prepare an own slot before this process knows its rank (a hot spare while it idles): create it with these
-    capacities in the job's directory and fault in every page, in a background thread. The first :class:`HostStore`
-    of this root and job whose :meth:`~HostStore.prefault` asks for these capacities takes it (moved into its rank
-    directory); other capacities discard it, and so does this process's exit if nobody took it. Returns whether it
-    started (once per root and job; best effort, as :meth:`HostStore.prefault`)."""
+    capacities (the largest any rank needs) in the job's directory and fault in every page, in a background thread.
+    The first :class:`HostStore` of this root and job whose :meth:`~HostStore.prefault` asks for an own slot takes
+    it: moved into its rank directory and cut to the capacities asked (:meth:`SlotFile.reshape`; the pages it keeps
+    stay in memory). This process's exit deletes it if nobody took it. Returns whether it started (once per root and
+    job; best effort, as :meth:`HostStore.prefault`)."""
     import atexit
 
     root = Path(root)
