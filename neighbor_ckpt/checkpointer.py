@@ -66,7 +66,7 @@ from neighbor_ckpt.runtime.preflight import check_host_memory
 from neighbor_ckpt.snapshot.engine import SnapshotEngine
 from neighbor_ckpt.snapshot.razor import ShardPlan, StateKind, plan_shards
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
-from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, generation_dir, store_bytes_per_rank
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, discard_staged_slots, generation_dir, store_bytes_per_rank
 from neighbor_ckpt.snapshot.topology import Topology, discover_topology
 from neighbor_ckpt.snapshot.transport import NeighborTransport, TrafficGate
 from neighbor_ckpt.snapshot.transport_kinds import make_transport
@@ -236,6 +236,7 @@ class NeighborCheckpointer:
         """Own-slot capacities of every rank, in the launch's store (what a replaced rank prepares its slot from)."""
         self._published_capacities: tuple[int, int, int] | None = None
         self._prepare_receive_slot()
+        discard_staged_slots()  # staged under another root or job than this store's: its memory back now
         self.datacheck = DataCheck(self.config.data_check if self.config.enabled else "off",
                                    store_dir=self.store.dir, rank=self.topology.rank)
         """The data-position check (``data_check``): input fingerprints, compared after a recovery."""
@@ -315,8 +316,8 @@ class NeighborCheckpointer:
         if self.store.prefault(ROLE_OWN, header_cap=caps[0], payload_cap=caps[1], extras_cap=caps[2]):
             preparing = self.store.preparing
             if preparing is not None and preparing.staged:
-                logger.info("rank %d: neighbor_ckpt: empty host store; taking the own slot prepared while this hot "
-                            "spare idled (%.1f MiB)", self.topology.rank, caps[1] / 2**20)
+                logger.info("rank %d: neighbor_ckpt: empty host store; taking the own slot prepared %s (%.1f MiB)",
+                            self.topology.rank, preparing.staged_when, caps[1] / 2**20)
                 return
             logger.info("rank %d: neighbor_ckpt: empty host store; preparing its %.1f MiB own slot in the background "
                         "for the recovery's pull", self.topology.rank, caps[1] / 2**20)
@@ -431,7 +432,7 @@ class NeighborCheckpointer:
                                             reshard=reshard)
         prepared = self.store.prepared
         if prepared is not None and prepared.used:
-            when = "while this hot spare idled" if prepared.staged else "from this rank's construction on"
+            when = prepared.staged_when if prepared.staged else "from this rank's construction on"
             result.report.notes.append(f"pulled into a slot prepared in advance ({prepared.seconds:.3f} s in the "
                                        f"background, {when}, from the capacities in the launch's store; the pull "
                                        f"waited {prepared.waited:.3f} s for it)")

@@ -57,6 +57,7 @@ from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.glue import Session, disk_checkpoint_wins
 from neighbor_ckpt.report.status import resolve_status_interval
 from neighbor_ckpt.runtime.detector import PAUSED
+from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
 from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
 from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
 
@@ -127,6 +128,7 @@ class NeighborCheckpoint(Callback):
             from megatron_patches.bridge import on_data_init
 
             prepare_torchrun_restart()  # before pretrain creates the process group
+            prepare_replacement_slot(self.config)  # a replaced node's receive slot, while the model is built
             self._event = on_data_init(self._on_data_init)
 
     def _new_attempt_state(self) -> None:

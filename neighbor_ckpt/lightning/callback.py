@@ -64,6 +64,7 @@ from neighbor_ckpt.lightning._state import adapter_for, apply_training_state, lo
 from neighbor_ckpt.report.status import resolve_status_interval
 from neighbor_ckpt.report.timeline import RecoveryTimeline
 from neighbor_ckpt.runtime.detector import PAUSED
+from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
 from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
 from neighbor_ckpt.snapshot.rng import restore_rng
 
@@ -107,6 +108,7 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         if self.config.enabled:
             # Must happen before the strategy creates its process group (the trainer has not connected yet).
             prepare_torchrun_restart()
+            prepare_replacement_slot(self.config)  # a replaced node's receive slot, while the model is built
 
     @property
     def checkpointer(self) -> NeighborCheckpointer | None:

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_patches import install_hooks, mcore_groups
     from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig, prepare_torchrun_restart
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
+    from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
 
     rec = Recorder(args.out)
     victims, kill_step = _parse_kill(args.kill)
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             inproc.init_process_group()  # neighbor_ckpt: a new group per in-process attempt
         else:
             prepare_torchrun_restart()  # neighbor_ckpt: a fresh rendezvous store per torchrun attempt
+            prepare_replacement_slot(nc_config)  # neighbor_ckpt: a replaced node's receive slot, before the model
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

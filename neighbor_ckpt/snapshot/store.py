@@ -35,6 +35,7 @@ __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "
            "HEADER_ALLOWANCE_BYTES", "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir",
            "generation_dir", "store_generations", "remove_generations", "pick_slot_for_write", "encode_meta",
            "SegmentChecksums", "PreparedSlot", "stage_own_slot", "take_staged_slot", "discard_staged_slot",
+           "discard_staged_slots",
            "checksum", "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE", "PREAMBLE_BYTES", "MARKER_BYTES", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
 
 COMMIT_TIME_KEY = "committed_unix"
@@ -405,7 +406,10 @@ class PreparedSlot:
     target: Path | None = None
     """Where the slot file moves when a store takes it in (a slot staged by :func:`stage_own_slot`), else None."""
     staged: bool = False
-    """Prepared by :func:`stage_own_slot` before this process knew its rank (a hot spare while it idled)."""
+    """Prepared by :func:`stage_own_slot`, before this process had its store (a hot spare while it idled, a replaced
+    rank before it built its model)."""
+    staged_when: str = ""
+    """When it was staged, in words (for the recovery's note)."""
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -425,13 +429,15 @@ _staged: dict[tuple[str, str], PreparedSlot] = {}
 """Slots :func:`stage_own_slot` prepared in this process, by (store root, job id), until a store takes one."""
 
 
-def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int, extras_cap: int) -> bool:
+def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int, extras_cap: int,
+                   when: str = "while this hot spare idled") -> bool:
     """Prepare an own slot before this process knows its rank (a hot spare while it idles): create it with these
     capacities (the largest any rank needs) in the job's directory and fault in every page, in a background thread.
     The first :class:`HostStore` of this root and job whose :meth:`~HostStore.prefault` asks for an own slot takes
     it: moved into its rank directory and cut to the capacities asked (:meth:`SlotFile.reshape`; the pages it keeps
-    stay in memory). This process's exit deletes it if nobody took it. Returns whether it started (once per root and
-    job; best effort, as :meth:`HostStore.prefault`)."""
+    stay in memory). This process's exit deletes it if nobody took it, and so does :func:`discard_staged_slots`.
+    ``when``: for the recovery's note. Returns whether it started (once per root and job; best effort, as
+    :meth:`HostStore.prefault`)."""
     import atexit
 
     root = Path(root)
@@ -454,14 +460,13 @@ def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int
             logger.info("neighbor_ckpt: cannot stage an own slot under %s: %s", root, e)
             return False
         pf = PreparedSlot((ROLE_OWN, 0), (header_cap, payload_cap, extras_cap),
-                          job_dir / f"staged-{os.getpid()}.{ROLE_OWN}.slot", staged=True)
+                          job_dir / f"staged-{os.getpid()}.{ROLE_OWN}.slot", staged=True, staged_when=when)
         pf.thread = threading.Thread(target=pf.run, name="neighbor-ckpt-prefault-staged", daemon=True)
         if not _staged:
             atexit.register(_discard_all_staged)
         _staged[key] = pf
         pf.thread.start()
-    logger.info("neighbor_ckpt: preparing a %.1f MiB own slot while idle (for the rank this process may take)",
-                payload_cap / 2**20)
+    logger.info("neighbor_ckpt: preparing a %.1f MiB own slot %s", payload_cap / 2**20, when)
     return True
 
 
@@ -477,6 +482,18 @@ def discard_staged_slot(pf: PreparedSlot) -> None:
     if pf.slot is not None:
         pf.slot.close()
     Path(pf.path).unlink(missing_ok=True)
+
+
+def discard_staged_slots() -> int:
+    """Delete every slot this process staged that no store took (a store root or job other than the staging
+    guessed); returns how many. The checkpointer calls it once its store has had its chance."""
+    with _staged_lock:
+        pending = list(_staged.values())
+        _staged.clear()
+    for pf in pending:
+        logger.info("neighbor_ckpt: a slot staged %s was not taken (another store root or job): deleted", pf.staged_when)
+        discard_staged_slot(pf)
+    return len(pending)
 
 
 def _discard_all_staged() -> None:

@@ -62,3 +62,54 @@ def test_another_job_does_not_take_it_and_an_untaken_slot_leaves_no_file(tmp_pat
     st.close()
     store_mod._discard_all_staged()  # what the process's exit runs
     assert not list(tmp_path.rglob("staged-*"))
+
+
+# -- a replaced rank, before it builds its model (recovery.replacement_slot) ----------------------------------------
+
+
+@pytest.fixture
+def launch_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A launch store as torchrun's agent keeps it (the address prepare_torchrun_restart records), this process as
+    rank 1 of job ``job-r``, the host stores under ``tmp_path``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from neighbor_ckpt.runtime.launch_store import AGENT_STORE_ENV
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv(AGENT_STORE_ENV, f"127.0.0.1:{server.port}")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("NEIGHBOR_CKPT_JOB_ID", "job-r")
+    monkeypatch.setenv("NEIGHBOR_CKPT_STORE_DIR", str(tmp_path))
+    yield server
+
+
+def test_a_replaced_rank_stages_the_slot_it_published_and_its_store_takes_it(launch_store, tmp_path: Path) -> None:
+    from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
+    from neighbor_ckpt.runtime.launch_store import SlotCapacities
+
+    assert not prepare_replacement_slot(), "nothing published yet: nothing staged"
+    assert SlotCapacities(job_id="job-r", generation=0, store=launch_store).publish(1, CAPS)
+    assert prepare_replacement_slot()
+    st = HostStore(tmp_path, job_id="job-r", rank=1)
+    assert st.prefault(ROLE_OWN, header_cap=CAPS[0], payload_cap=CAPS[1], extras_cap=CAPS[2])
+    st.ensure(ROLE_OWN, 0, header_cap=CAPS[0], payload_cap=CAPS[1], extras_cap=CAPS[2])
+    assert st.prepared is not None and st.prepared.used and st.prepared.staged_when == \
+        "before this process built its model"
+    st.close()
+
+
+def test_a_rank_whose_store_survived_stages_nothing_and_leftovers_are_discarded(launch_store, tmp_path: Path) -> None:
+    from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
+    from neighbor_ckpt.runtime.launch_store import SlotCapacities
+    from neighbor_ckpt.snapshot.store import discard_staged_slots
+
+    assert SlotCapacities(job_id="job-r", generation=0, store=launch_store).publish(1, CAPS)
+    kept = HostStore(tmp_path, job_id="job-r", rank=1)
+    kept.ensure(ROLE_OWN, 0, header_cap=CAPS[0], payload_cap=CAPS[1], extras_cap=CAPS[2])
+    kept.close()
+    assert not prepare_replacement_slot(), "the node kept its store: a restart on the same node needs no new slot"
+    assert stage_own_slot(tmp_path / "elsewhere", "job-r", header_cap=CAPS[0], payload_cap=CAPS[1],
+                          extras_cap=CAPS[2])
+    assert discard_staged_slots() == 1 and not list(tmp_path.rglob("staged-*"))
