@@ -405,8 +405,10 @@ def test_grow_back_a_replacement_takes_the_second_lost_rank(inprocess_baseline: 
     Once generation 1 has completed a step, node1's launcher starts a replacement (process 5), which joins as a
     spare. Rank 2 is SIGKILLed in step 7 of generation 1, with no original spare left: the replacement takes rank 2
     and pulls its state from rank 3. Bit for bit; nobody restarted the job."""
+    # The second fault waits, inside step 7, for the replacement to be up (its imports: seconds on a loaded machine);
+    # every rank is blocked meanwhile, which the hang detector would take for a hang after HANG_TIMEOUT (default 3 s)
     res = launch_inprocess(tmp_path, STEPS=10, FAULT="kill", KILL_RANK=1, KILL_STEP=3, KILL2_RANK=2, KILL2_STEP=7,
-                           grow_back=True)
+                           HANG_TIMEOUT=60, grow_back=True)
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
     assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
