@@ -183,16 +183,7 @@ class SlotFile:
         size = slot_file_size(header_cap, payload_cap, extras_cap)
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, size)
-            _reserve(fd, size, tmp)
-            os.pwrite(fd, PREAMBLE.pack(MAGIC, FORMAT_VERSION, header_cap, payload_cap, extras_cap), 0)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        _shape(fd, tmp, size, (header_cap, payload_cap, extras_cap), reserve=True, fchmod=True)
         os.replace(tmp, path)
         return cls.open(path)
 
@@ -204,17 +195,8 @@ class SlotFile:
         size = slot_file_size(header_cap, payload_cap, extras_cap)
         os.replace(source, path)
         fd = os.open(path, os.O_RDWR)
-        try:
-            old = os.fstat(fd).st_size
-            os.ftruncate(fd, size)
-            if size > old:
-                _reserve(fd, size, path)
-            os.pwrite(fd, PREAMBLE.pack(MAGIC, FORMAT_VERSION, header_cap, payload_cap, extras_cap), 0)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        grows = size > os.fstat(fd).st_size
+        _shape(fd, path, size, (header_cap, payload_cap, extras_cap), reserve=grows, fchmod=False)
         return cls.open(path)
 
     @classmethod
@@ -418,6 +400,23 @@ class SlotFile:
     @property
     def capacities(self) -> tuple[int, int, int]:
         return self.header_cap, self.payload_cap, self.extras_cap
+
+
+def _shape(fd: int, path: Path, size: int, caps: tuple[int, int, int], *, reserve: bool, fchmod: bool) -> None:
+    """Give the open slot file ``fd`` its size (its memory reserved when ``reserve``) and its preamble, then close
+    ``fd``; on any error close it, delete ``path`` and raise."""
+    try:
+        if fchmod:
+            os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+        if reserve:
+            _reserve(fd, size, path)
+        os.pwrite(fd, PREAMBLE.pack(MAGIC, FORMAT_VERSION, *caps), 0)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:
