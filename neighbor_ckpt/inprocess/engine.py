@@ -88,7 +88,8 @@ HYGIENE_TRIES = 4
 LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener",
                     "neighbor_ckpt-abort-watchdog", "neighbor_ckpt-spare-slot", "neighbor-ckpt-prefault-",
                     "TMonitor", "tqdm_monitor")
-"""Threads that may outlive a generation: the engine's own (a spare's slot preparation included), tqdm's progress-bar monitor (one per process, started by
+"""Threads that may outlive a generation: the engine's own (a spare's slot preparation included), tqdm's
+progress-bar monitor (one per process, started by
 the first progress bar; tqdm 4.70 names it ``tqdm_monitor``, older releases ``TMonitor``: a Megatron-Bridge survivor
 failed the hygiene check on it)."""
 
@@ -559,17 +560,16 @@ class InprocessRecovery:
                          daemon=True).start()
 
     def _stage_spare_slot(self, cfg: NeighborCkptConfig) -> None:
-        from neighbor_ckpt.runtime.launch_identity import agent_store_address
-        from neighbor_ckpt.runtime.launch_store import SlotCapacities, recorded_agent_store
+        from neighbor_ckpt.runtime.launch_store import SlotCapacities, open_launch_store
         from neighbor_ckpt.snapshot.store import stage_own_slot
 
         try:
             job_id, root = cfg.resolved_job_id(), cfg.resolved_store_dir()
-            # where the ranks publish (runtime.launch_store.open_launch_store): a torchrun agent's store, else the
-            # launch's store below every prefix
-            host, port = recorded_agent_store() or agent_store_address() or (self.store_host, self.store_port)
-            client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, use_libuv=True,
-                                   timeout=timedelta(seconds=30))
+            # where the ranks publish: the launch's store below every prefix (the ranks reach it through their
+            # default group's store; an idle spare has none)
+            client = open_launch_store(timeout_s=30.0, fallback=(self.store_host, self.store_port))
+            if client is None:
+                return
             caps = SlotCapacities(job_id=job_id, generation=0, store=client)
             found: dict[int, tuple[int, int, int]] = {}
             while self.current is None:  # idle: an activated spare stops looking (its checkpointer prepares)

@@ -32,7 +32,8 @@ MAX_GENERATIONS = 64
 def _store_is_empty(config: NeighborCkptConfig, job_id: str, rank: int) -> bool:
     """No own slot of ``rank`` in any generation of the job's store on this node."""
     job = generation_dir(config.resolved_store_dir(), job_id)
-    return not any(job.glob(f"rank{rank}/{ROLE_OWN}.*.slot")) and not any(job.glob(f"g*/rank{rank}/{ROLE_OWN}.*.slot"))
+    return not any(job.glob(f"rank{rank}/{ROLE_OWN}.*.slot")) and \
+        not any(job.glob(f"g*/rank{rank}/{ROLE_OWN}.*.slot"))
 
 
 def prepare_replacement_slot(config: NeighborCkptConfig | None = None) -> bool:

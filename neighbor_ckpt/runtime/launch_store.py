@@ -46,12 +46,13 @@ def recorded_agent_store(env: Mapping[str, str] = os.environ) -> tuple[str, int]
     return host, int(port)
 
 
-def open_launch_store(*, timeout_s: float = 10.0) -> Any | None:
+def open_launch_store(*, timeout_s: float = 10.0, fallback: tuple[str, int] | None = None) -> Any | None:
     """A client of the store that outlives this process's restarts (see the module docstring); None when there is
-    none or it cannot be reached."""
+    none or it cannot be reached. ``fallback``: the launch store's address when there is no torchrun agent store,
+    for a process without a default process group (an in-process hot spare while it idles)."""
     import torch.distributed as dist
 
-    address = recorded_agent_store() or agent_store_address()
+    address = recorded_agent_store() or agent_store_address() or fallback
     try:
         if address is not None:
             return dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout_s),

@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 
 import psutil
 
-__all__ = ["flush_logs", "stall_report", "boot_id", "process_start", "group_members", "mem_available_bytes", "dir_bytes", "RUN_TAG_ENV",
-           "new_run_tag", "kill_tagged"]
+__all__ = ["flush_logs", "stall_report", "boot_id", "process_start", "group_members", "mem_available_bytes",
+           "dir_bytes", "RUN_TAG_ENV", "new_run_tag", "kill_tagged"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 """The kernel's unit of process start times (psutil divides by the same)."""

@@ -35,8 +35,8 @@ __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "
            "HEADER_ALLOWANCE_BYTES", "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir",
            "generation_dir", "store_generations", "remove_generations", "pick_slot_for_write", "encode_meta",
            "SegmentChecksums", "PreparedSlot", "stage_own_slot", "take_staged_slot", "discard_staged_slot",
-           "discard_staged_slots",
-           "checksum", "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE", "PREAMBLE_BYTES", "MARKER_BYTES", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
+           "discard_staged_slots", "checksum", "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE", "PREAMBLE_BYTES",
+           "MARKER_BYTES", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
 
 COMMIT_TIME_KEY = "committed_unix"
 """Header ``meta`` key of a slot's commit time (wall clock): where a recovery timeline starts."""
@@ -463,7 +463,7 @@ def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int
                           job_dir / f"staged-{os.getpid()}.{ROLE_OWN}.slot", staged=True, staged_when=when)
         pf.thread = threading.Thread(target=pf.run, name="neighbor-ckpt-prefault-staged", daemon=True)
         if not _staged:
-            atexit.register(_discard_all_staged)
+            atexit.register(discard_staged_slots)
         _staged[key] = pf
         pf.thread.start()
     logger.info("neighbor_ckpt: preparing a %.1f MiB own slot %s", payload_cap / 2**20, when)
@@ -491,17 +491,10 @@ def discard_staged_slots() -> int:
         pending = list(_staged.values())
         _staged.clear()
     for pf in pending:
-        logger.info("neighbor_ckpt: a slot staged %s was not taken (another store root or job): deleted", pf.staged_when)
+        logger.info("neighbor_ckpt: a slot staged %s was not taken (another store root or job, or nobody): deleted",
+                    pf.staged_when)
         discard_staged_slot(pf)
     return len(pending)
-
-
-def _discard_all_staged() -> None:
-    with _staged_lock:
-        pending = list(_staged.values())
-        _staged.clear()
-    for pf in pending:
-        discard_staged_slot(pf)
 
 
 def pick_slot_for_write(iterations: Sequence[int | None], *, role: str = "", keep: set[int] | None = None) -> int:

@@ -60,7 +60,7 @@ def test_another_job_does_not_take_it_and_an_untaken_slot_leaves_no_file(tmp_pat
     st = HostStore(tmp_path, job_id="job-d", rank=0)
     assert take_staged_slot(tmp_path, "job-d") is None
     st.close()
-    store_mod._discard_all_staged()  # what the process's exit runs
+    assert store_mod.discard_staged_slots() == 1  # what the process's exit runs
     assert not list(tmp_path.rglob("staged-*"))
 
 
