@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["megatron_data_sampler", "consumed_samples", "resume_consumed_samples", "steps_for_consumed_samples"]
+__all__ = ["megatron_data_sampler", "consumed_samples", "resume_consumed_samples", "steps_for_consumed_samples",
+           "constant_global_batch"]
 
 
 def megatron_data_sampler(trainer: Any) -> Any:
@@ -28,6 +29,17 @@ def consumed_samples(trainer: Any) -> int | None:
     if sampler is None:
         return None
     return int(sampler.compute_consumed_samples(trainer.global_step - getattr(sampler, "init_global_step", 0)))
+
+
+def constant_global_batch(trainer: Any) -> tuple[int, int] | None:
+    """``(global_batch_size, micro_batch_size)`` of the Megatron sampler, or None (no Megatron sampler, or a
+    batch-size ramp-up: the global batch then changes by design)."""
+    sampler = megatron_data_sampler(trainer)
+    gbs = getattr(sampler, "global_batch_size", None)
+    mbs = getattr(sampler, "micro_batch_size", None)
+    if sampler is None or not gbs or not mbs or getattr(sampler, "rampup_batch_size", None):
+        return None
+    return int(gbs), int(mbs)
 
 
 def steps_for_consumed_samples(trainer: Any, consumed: int) -> int | None:

@@ -30,11 +30,15 @@ class MegatronSetup:
     coord: tuple[int, ...]
     optimizer: Any
     """The megatron-core optimizer NeMo steps (its ``step`` gets the step tags)."""
+    batch: tuple[int, int] | None = None
+    """``(global_batch_size, micro_batch_size)`` of NeMo's Megatron sampler (None without one, or with a batch-size
+    ramp-up): the checkpointer refuses a data-parallel size that does not divide it and reports the batch it keeps."""
 
 
 def megatron_setup(trainer: Any) -> MegatronSetup:
     from megatron_patches import check_versions, mcore_groups
     from megatron_patches.distopt_load import fix_fp32_distopt_load
+    from megatron_patches.nemo_data import constant_global_batch
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
 
     check_versions(require_nemo=True)
@@ -45,7 +49,7 @@ def megatron_setup(trainer: Any) -> MegatronSetup:
                                 f"{len(optimizers)}")
     adapter = MegatronOptimizerAdapter(list(trainer.strategy.model), optimizers[0])
     groups = mcore_groups()
-    return MegatronSetup(adapter, groups.dp_group, groups.coord, adapter.optimizer)
+    return MegatronSetup(adapter, groups.dp_group, groups.coord, adapter.optimizer, constant_global_batch(trainer))
 
 
 def nemo_checkpoint_step(trainer: Any, path: Any) -> int:

@@ -161,8 +161,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             insurance = self.session.framework_insurance(lambda: trainer.ckpt_path,
                                                          lambda path: nemo_checkpoint_step(trainer, path),
                                                          announce="NeMo loads its distributed checkpoint")
+            batch = {} if mc.batch is None else {"global_batch": mc.batch[0], "micro_batch_size": mc.batch[1]}
             ckpt = self.session.start(adapter=mc.adapter, dp_group=mc.dp_group, model_parallel_coord=mc.coord,
-                                      insurance=insurance, attempt=self.attempt)
+                                      insurance=insurance, attempt=self.attempt, **batch)
             # NeMo runs backward inside training_step (no on_before_backward): the wait point and the step tags
             # come from mcore's gradient collectives and the mcore optimizer's step; the data check's input from
             # the data iterator handed to mcore's forward-backward function.

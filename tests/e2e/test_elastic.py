@@ -296,3 +296,7 @@ def test_nemo_recipe_loses_a_rank_for_good_and_continues_on_a_smaller_dp_in_proc
     tls = [json.loads(p.read_text()) for p in (tmp_path / "fault" / "run").rglob("recovery_timeline.*.json")]
     assert [(t["mode"], t["data_parallel_before"], t["data_parallel_after"]) for t in tls] == \
         [("in-process", dp_before, dp_after)], tls
+    # the callback took the global batch from NeMo's sampler: the recovery states the batch it keeps
+    reports = [json.loads(p.read_text()) for p in res.out.glob("report.rank0.attempt*.json")]
+    assert any(f"global batch 24 samples kept: {24 // (2 * dp_after)} micro-batch(es) of 2 per rank" in
+               " ".join(r["notes"]) for r in reports), reports
