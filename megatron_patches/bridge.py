@@ -362,6 +362,10 @@ class DataInit:
         scheduler, train state and RNG back to its checkpoint)."""
         if self._load is None:
             raise RuntimeError("megatron_patches.bridge: Bridge loaded no checkpoint in this setup()")
+        if self.scheduler is not None and hasattr(self.scheduler, "num_steps"):
+            # megatron-core's OptimizerParamScheduler.load_state_dict *adds* the loaded step count to the current
+            # one (step(increment=num_steps)): loaded a second time, the learning rate would be that of twice the steps
+            self.scheduler.num_steps = 0
         fn, args, kwargs = self._load
         fn(*args, **kwargs)
 

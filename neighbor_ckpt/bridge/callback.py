@@ -28,7 +28,8 @@ What happens where (Megatron-Bridge 0.3.1):
 * **per step**: ``on_train_step_end`` snapshots completed step ``train_state.step`` (Bridge increments the step,
   consumed samples and FLOPs after this event: the snapshot carries the values after the increment).
 * **reporting** (global rank 0): the status line every ``logger.log_interval`` steps (``report.status_every_n_steps``
-  overrides), the same figures and, after a recovery, the MTTR phases as scalars to Bridge's TensorBoard writer, and
+  overrides), the same figures and, after a recovery, the MTTR phases as scalars to ``logger.tensorboard_dir`` (an
+  event file of rank 0's own beside Bridge's, which the last rank writes), and
   the recovery timeline in ``report.dir`` (default: ``<checkpoint.save>/neighbor_ckpt_reports``, else the store's
   report directory).
 
@@ -79,10 +80,34 @@ def _announce(msg: str, *args: Any) -> None:
 
 
 class _TensorBoard:
-    """Bridge's TensorBoard writer as the reporter's logger (``log_metrics`` / ``save``)."""
+    """A TensorBoard writer in Bridge's ``logger.tensorboard_dir`` as the reporter's logger (``log_metrics`` /
+    ``save``).
 
-    def __init__(self, writer: Any) -> None:
+    Bridge writes its TensorBoard from the last global rank only; our figures are reported from global rank 0. So
+    rank 0 writes them with a writer of its own into the same directory (an event file of its own, suffix
+    ``.neighbor_ckpt``: TensorBoard shows the files of one directory as one run), unless it is that last rank."""
+
+    def __init__(self, writer: Any, *, owned: bool = False) -> None:
         self.writer = writer
+        self.owned = owned
+        """Whether the writer is ours (closed with the callback) rather than Bridge's."""
+
+    @classmethod
+    def for_reporting_rank(cls, state: Any) -> "_TensorBoard | None":
+        """The writer for global rank 0 (None elsewhere, or when Bridge's ``logger.tensorboard_dir`` is unset)."""
+        log_cfg = state.cfg.logger
+        if dist.get_rank() != 0 or not getattr(log_cfg, "tensorboard_dir", None):
+            return None
+        if dist.get_world_size() == 1:
+            return cls(state.tensorboard_logger)
+        from torch.utils.tensorboard.writer import SummaryWriter
+
+        return cls(SummaryWriter(log_dir=log_cfg.tensorboard_dir, filename_suffix=".neighbor_ckpt",
+                                 max_queue=getattr(log_cfg, "tensorboard_queue_size", 10)), owned=True)
+
+    def close(self) -> None:
+        if self.owned:
+            self.writer.close()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -123,6 +148,8 @@ class NeighborCheckpoint(Callback):
         generation's ``AttemptInfo`` (:meth:`begin_attempt`)."""
         self._hooks: Any = None
         self._event: Any = None
+        self._tensorboard: _TensorBoard | None = None
+        """Rank 0's TensorBoard writer (made at the first ``on_train_start``; kept across in-process generations)."""
         self._new_attempt_state()
         if self.config.enabled:
             from megatron_patches.bridge import on_data_init
@@ -281,9 +308,10 @@ class NeighborCheckpoint(Callback):
         self._apply_pending_rng()
         ckpt = self.checkpointer
         if ckpt is not None and self.config.report.log_metrics:
-            writer = getattr(context.state, "tensorboard_logger", None)
-            if writer is not None:
-                ckpt.reporter.attach(loggers=[_TensorBoard(writer)])
+            if self._tensorboard is None:
+                self._tensorboard = _TensorBoard.for_reporting_rank(context.state)
+            if self._tensorboard is not None:
+                ckpt.reporter.attach(loggers=[self._tensorboard])
 
     def _apply_pending_rng(self) -> None:
         if self._pending_rng is not None:
@@ -311,6 +339,8 @@ class NeighborCheckpoint(Callback):
         self._remove_hooks()
         if self.checkpointer is not None:
             self.checkpointer.close(success=True)
+        if self._tensorboard is not None:
+            self._tensorboard.writer.flush()
 
     def close(self) -> None:
         """Remove every hook and the data-init listener (idempotent); ``on_train_end`` removes the training hooks."""
@@ -318,6 +348,9 @@ class NeighborCheckpoint(Callback):
         if self._event is not None:
             self._event.remove()
             self._event = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     def _remove_hooks(self) -> None:
         if self._hooks is not None:

@@ -79,6 +79,42 @@ def test_adjacent_pair_lost_falls_back_to_bridges_checkpoint_bit_exactly(baselin
     assert "no complete in-memory version: Megatron-Bridge's checkpoint" in res.log
 
 
+@pytest.mark.e2e
+def test_a_newer_bridge_checkpoint_is_loaded_over_the_in_memory_version_and_the_figures_reach_tensorboard(
+        baseline: Baselines, tmp_path: Path) -> None:
+    """The first attempt takes no snapshot from step 3 on (an in-memory version that lags: iteration 2), Bridge's own
+    checkpoint is written every 2 steps (iteration 3 when rank 1 is killed in step 5). Bridge loads its checkpoint,
+    the recovery restores iteration 2 in memory, and the newer Bridge checkpoint is loaded again over it, announced;
+    steps 4.. are replayed bit for bit against the failure-free run. With Bridge's ``logger.tensorboard_dir`` set,
+    rank 0's status figures and the recovery's MTTR phases are in that directory (Bridge writes its own TensorBoard
+    from the last rank only)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    env = LAYOUTS["tp1-dp4"]
+    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, **env)
+    tb = tmp_path / "tensorboard"
+    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, **env,
+                       KILL_RANK=1, KILL_STEP=KILL_STEP, WIPE_RANKS=1, SNAPSHOTS_UNTIL=3, TB_DIR=str(tb))
+    assert res.returncode == 0, res.log[-6000:]
+    assert res.killed(), "the kill did not happen"
+    assert_same_training(base, res, nranks=NPROC)
+    assert recomputed_steps(res) == {KILL_STEP - 1}
+    for rank in range(NPROC):
+        rep = res.report(rank, 1)
+        assert (rep["outcome"], rep["iteration"], rep["winner"]) == ("restored", 2, "bridge-checkpoint"), rep
+        assert rep["train_state_step"] == 4, rep
+    assert "Megatron-Bridge's checkpoint" in res.log and \
+        "(iteration 3) is newer than the in-memory version (iteration 2): loaded again over it" in res.log
+    ours = list(tb.glob("*.neighbor_ckpt"))
+    assert len(ours) == 2, sorted(p.name for p in tb.iterdir())  # one per attempt (rank 0 of each)
+    tags = set()
+    for p in ours:
+        acc = EventAccumulator(str(p))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert {"neighbor_ckpt/snapshot_ms", "neighbor_ckpt/unique_bytes", "neighbor_ckpt/recovery/total_s"} <= tags, tags
+
+
 _SCRIPT = r"""
 import json, os, sys
 sys.path.insert(0, "tests/workers")

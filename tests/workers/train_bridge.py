@@ -4,7 +4,8 @@ What a Bridge user's script is, plus ``enable_cpu(nemo=False)`` before ``import 
 callback: 2 layers, hidden 64, seq 32, mock data, the distributed optimizer, megatron-core's local layer spec (the
 default GPT provider picks Transformer Engine's), dropout on (so the RNG tracker's seeding matters).
 
-Environment: OUT_DIR; STEPS (default 5), TP (1), SEED (1234), DIST_OPT (1|0), BRIDGE_CKPT_EVERY (0: Bridge's own
+Environment: OUT_DIR; STEPS (default 5), TP (1), SEED (1234), DIST_OPT (1|0), TB_DIR (Bridge's logger.tensorboard_dir;
+unset: none), BRIDGE_CKPT_EVERY (0: Bridge's own
 checkpoint every N steps in OUT_DIR/bridge_checkpoints, loaded on a restart). Leaves in OUT_DIR:
 ``losses.rank{r}.jsonl`` (step, attempt, loss as float.hex, consumed samples after the step: the format
 ``tests.conftest.RunResult.losses`` reads) and ``final.rank{r}.json`` (sha256 of every final parameter and of the
@@ -113,7 +114,7 @@ def build() -> tuple[Any, Any]:
         dataset=MockGPTDatasetConfig(seq_length=seq, random_seed=seed, reset_attention_mask=False,
                                      reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
                                      dataloader_type="single", num_workers=0),
-        logger=LoggerConfig(log_interval=1),
+        logger=LoggerConfig(log_interval=1, tensorboard_dir=os.environ.get("TB_DIR") or None),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=256),
         checkpoint=CheckpointConfig(save=ckpt_dir, load=ckpt_dir, save_interval=ckpt_every or None),
         rng=RNGConfig(seed=seed),

@@ -5,7 +5,8 @@
 Environment: as ``train_bridge.py`` (OUT_DIR, STEPS, TP, SEED, DIST_OPT, BRIDGE_CKPT_EVERY), plus TEST_STORE_BASE and WIPE_RANKS (each
 rank its own store root, a listed rank an empty one on a restart: ``common.setup_store_env``), NCKPT_CONFIG (a YAML
 file with a neighbor_ckpt: section) and the fault: KILL_RANK, KILL_STEP (SIGKILL inside that optimizer step, first
-attempt only). Leaves what ``train_bridge.py`` leaves, plus ``report.rank{r}.attempt{a}.json`` (the recovery report)
+attempt only); SNAPSHOTS_UNTIL (first attempt: no snapshot of step N and later, an in-memory version that lags Bridge's
+own checkpoint). Leaves what ``train_bridge.py`` leaves, plus ``report.rank{r}.attempt{a}.json`` (the recovery report)
 and ``fault.json`` (when the victim was killed).
 """
 
@@ -56,6 +57,13 @@ def main() -> None:
                            {**neighbor.last_recovery.report.to_dict(), "winner": neighbor.winner,
                             "train_state_step": context.state.train_state.step,
                             "consumed_train_samples": context.state.train_state.consumed_train_samples})
+            if os.environ.get("SNAPSHOTS_UNTIL") and attempt() == 0:
+                until, completed = int(os.environ["SNAPSHOTS_UNTIL"]), neighbor.session.step_completed
+
+                def lagging(step: int, state: Any) -> bool:
+                    return completed(step, state) if step < until else False
+
+                neighbor.session.step_completed = lagging  # type: ignore[method-assign]
             if os.environ.get("KILL_RANK") and int(os.environ["KILL_RANK"]) == RANK and attempt() == 0:
                 from megatron_patches import tag_optimizer_steps
 
