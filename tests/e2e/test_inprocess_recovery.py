@@ -34,7 +34,7 @@ pytestmark = pytest.mark.e2e
 
 ACTIVE, SPARES = 4, 1
 PHASES = ("abort_end", "finalize_end", "initialize", "enter", "pg_ready", "built", "ckpt_ready",
-          "recovered", "first_step_end")
+          "recovered", "first_forward_backward", "first_optimizer_step", "first_step_end")
 
 
 def mttr(res: RunResult) -> dict[str, float]:
@@ -51,8 +51,9 @@ def mttr(res: RunResult) -> dict[str, float]:
               if e["name"] == name and e["iteration"] == it and e["unix"] >= fault]
         if ts:
             marks[name] = max(ts)
-    for name in ("enter", "pg_ready", "built", "ckpt_ready", "recovered", "first_step_end"):
-        marks[name] = max(a["times"][name] for a in rec)
+    for name in PHASES[PHASES.index("enter"):]:
+        if all(name in a["times"] for a in rec):
+            marks[name] = max(a["times"][name] for a in rec)
     return {k: v - fault for k, v in marks.items()}
 
 

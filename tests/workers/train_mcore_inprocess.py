@@ -271,8 +271,12 @@ def train(att: Attempt) -> dict[str, Any]:
                                       num_microbatches=gpt.n_mb, seq_length=SEQ, micro_batch_size=MBS,
                                       decoder_seq_length=SEQ, forward_only=False)
             loss = recipe.global_loss(gpt, losses)
+            if first:
+                times["first_forward_backward"] = time.time()
             step_consumed = consumed
             ok, _, _ = optimizer.step()
+            if first:
+                times["first_optimizer_step"] = time.time()
             if not ok:
                 raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
             scheduler.step(increment=global_batch)
