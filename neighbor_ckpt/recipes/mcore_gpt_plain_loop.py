@@ -20,8 +20,12 @@ copied into its slot) or ``stream`` (that snapshot half streamed to the ring suc
 SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when). On the restart, ``--replace-store``
 gives the victims empty host stores (replaced nodes), ``--damage bitflip|truncate|header`` damages their newest own
 snapshot (``--damage-seed``: a random bit), and ``--kill-recovery RANK`` SIGKILLs that rank while it loads the
-restored state (needs ``--max-restarts 2``). ``--nodes N`` lays the ranks out as N "nodes" of consecutive ranks
+restored state (needs ``--max-restarts 2``); ``--misplace-data-on-restart`` makes a restarted attempt read other
+samples (the data check must stop it). ``--nodes N`` lays the ranks out as N "nodes" of consecutive ranks
 (``NEIGHBOR_CKPT_NODE_ID``), so the ring puts every replica on another node. See :mod:`neighbor_ckpt.runtime.failpoints` and :mod:`neighbor_ckpt.snapshot.damage`.
+Several faults in one launch: the ``--config`` file's ``neighbor_ckpt.fault_injection`` section (the one the NeMo and
+Bridge recipes read: the one-fault keys or a ``faults`` list; phases forward, backward, optimizer), instead of
+``--kill``; in process, each fault fires in whichever generation first runs its step (``faults.jsonl``: a line each).
 
 **In-process recovery** (``neighbor_ckpt.inprocess.enabled: true`` in the ``--config`` file, ``spares: N``): the loop
 runs under :class:`neighbor_ckpt.inprocess.InprocessRecovery` (our engine); after a failure the surviving
@@ -82,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--damage", choices=("bitflip", "truncate", "header"), default=None,
                     help="on the restart, damage the killed rank's newest own snapshot")
     ap.add_argument("--damage-seed", type=int, default=None, help="bitflip: a random bit drawn from this seed")
+    ap.add_argument("--misplace-data-on-restart", action="store_true",
+                    help="fault injection: a restarted attempt reads its samples one micro-batch further on than it "
+                         "should (a loader that does not resume its position): the data check stops it")
     ap.add_argument("--kill-recovery", type=int, default=None, metavar="RANK",
                     help="on the first restart, SIGKILL this rank while it loads the restored state")
     ap.add_argument("--nodes", type=int, default=None, help="lay the ranks out as N nodes (fault tests on one machine)")
@@ -235,11 +242,11 @@ class Recorder:
             out.mkdir(parents=True, exist_ok=True)
 
     def loss(self, step: int, loss: float | None, *, consumed: int | None = None,
-             samples: list[int] | None = None) -> None:
+             samples: list[int] | None = None, generation: int = 0) -> None:
         if self.out is not None:
             with open(self.out / f"losses.rank{RANK}.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": None if loss is None else loss.hex(),
-                                    "attempt": ATTEMPT, "consumed_samples": consumed,
+                                    "attempt": ATTEMPT, "generation": generation, "consumed_samples": consumed,
                                     **({} if samples is None else {"samples": samples})}) + "\n")
 
     def json(self, name: str, obj: Any) -> None:
@@ -272,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder(args.out)
     victims, kill_step = _parse_kill(args.kill)
     nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
+    planned = planned_faults(nc_config, args)  # the --config file's fault_injection section (several faults)
     global_batch = job_global_batch(args, nc_config)
     if args.job_id:
         nc_config.job_id = args.job_id
@@ -308,6 +316,15 @@ def main(argv: list[str] | None = None) -> None:
         groups = mcore_groups()
         if RANK in victims and ATTEMPT == 1:
             _damage_own_store(nc_config, args)
+        if planned and ATTEMPT == 1 and inproc is None and RANK in nc_config.fault_injection.replaced_ranks():
+            _empty_own_store(nc_config)
+        generation = att.iteration if att is not None else 0
+        resumed_at: list[int] = []  # the step this attempt resumed at (after recover())
+
+        def due(phase: str, at: int) -> list[Any]:
+            """The --config file's faults that fire now (each once: FaultSpec.fires)."""
+            return [f for f in planned if resumed_at and f.fires(rank=RANK, step=at, phase=phase, launch=ATTEMPT,
+                                                                 generation=generation, start_step=resumed_at[0])]
         insurance = None
         if args.insurance_every:
             from megatron_patches.distopt_load import fix_fp32_distopt_load
@@ -325,6 +342,9 @@ def main(argv: list[str] | None = None) -> None:
         if RANK in victims and first_attempt and args.kill_phase == "optimizer":
             _kill_inside_optimizer_step(optimizer, ckpt, kill_step, lambda: fault(rec, args, "optimizer"))  # before
             # install_hooks: runs inside its step tag
+        if planned:
+            _inside_optimizer_step(optimizer, ckpt, lambda at: [planned_fault(rec, f, "optimizer")
+                                                                for f in due("optimizer", at)])
         if RANK == args.kill_recovery and ATTEMPT == 1:
             from neighbor_ckpt.runtime import failpoints
 
@@ -340,15 +360,20 @@ def main(argv: list[str] | None = None) -> None:
             scheduler.load_state_dict(state["scheduler"])
             consumed = state["consumed_samples"]
         rec.json(f"report.rank{RANK}.attempt{ckpt.attempt.label}.json", result.report.to_dict())
+        resumed_at.append(result.next_step)
 
         def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):  # noqa: ANN202
             batch = next(data_iterator)
             armed = RANK in victims and step == kill_step and first_attempt
             if armed and args.kill_phase == "forward":
                 fault(rec, args, "forward")
+            for f in due("forward", step):
+                planned_fault(rec, f, "forward")
             output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
             if armed and args.kill_phase == "backward" and output.requires_grad:
                 output.register_hook(lambda grad: fault(rec, args, "backward"))
+            for f in due("backward", step) if output.requires_grad else ():
+                output.register_hook(lambda grad, f=f: planned_fault(rec, f, "backward"))
 
             def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
                 loss = output_tensor.float().mean()
@@ -357,14 +382,17 @@ def main(argv: list[str] | None = None) -> None:
             return output, loss_func
 
         forward_backward = get_forward_backward_func()
+        misplaced = mbs if args.misplace_data_on_restart and ATTEMPT >= 1 else 0  # fault injection: other samples
         try:
             for step in range(result.next_step, args.steps):
                 ddp_model.zero_grad_buffer()
                 optimizer.zero_grad()
-                losses = forward_backward(forward_step_func=forward_step, data_iterator=sample_batches(gpt, consumed),
+                losses = forward_backward(forward_step_func=forward_step,
+                                          data_iterator=sample_batches(gpt, consumed + misplaced),
                                           model=[ddp_model], num_microbatches=n_mb, seq_length=SEQ,
                                           micro_batch_size=mbs, decoder_seq_length=SEQ, forward_only=False)
-                rec.loss(step, global_loss(gpt, losses), consumed=consumed, samples=step_samples(gpt, consumed))
+                rec.loss(step, global_loss(gpt, losses), consumed=consumed,
+                         samples=step_samples(gpt, consumed + misplaced), generation=generation)
                 ok, _, _ = optimizer.step()
                 if not ok:
                     raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
@@ -501,20 +529,61 @@ def fault(rec: Recorder, args: argparse.Namespace, phase: str, signal_name: str 
     os.kill(os.getpid(), getattr(signal, sig))
 
 
-def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
-    """Fault injection on the first restart of the killed rank: a replaced node, or a damaged newest snapshot."""
+def planned_faults(config: Any, args: argparse.Namespace) -> tuple[Any, ...]:
+    """The faults the ``--config`` file's ``neighbor_ckpt.fault_injection`` plans (the one-fault keys or a ``faults``
+    list; none when it is off), the same section the NeMo and Bridge recipes read.
+
+    Raises:
+        ConfigError: a fault this recipe cannot inject (``target: store_node``, a phase other than forward, backward
+            or optimizer), or faults planned both there and with ``--kill``."""
+    from neighbor_ckpt.errors import ConfigError
+
+    planned = config.fault_injection.refuse_unsupported(where=" by recipes/mcore_gpt_plain_loop.py")
+    if planned and args.kill:
+        raise ConfigError("faults planned twice: --kill and neighbor_ckpt.fault_injection in the --config file; use "
+                          "one of them (the config's faults list for several faults in one launch)")
+    return planned
+
+
+def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
+    """Inject one planned fault (a :class:`~neighbor_ckpt.config.FaultSpec`) into this process now: record it
+    (``faults.jsonl``, a line each; ``fault.json`` for the first), lose the node if ``permanent``, send the signal."""
+    entry = {"rank": RANK, "step": fault.step, "phase": phase, "signal": fault.signal, "unix": time.time(),
+             "pid": os.getpid()}
+    if rec.out is not None:
+        with open(rec.out / "faults.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        if not (rec.out / "fault.json").exists():
+            rec.json("fault.json", entry)
+    logging.getLogger(__name__).warning("fault injection: %s", fault.describe())
+    for h in logging.getLogger().handlers:
+        h.flush()
+    if fault.permanent and fault.signal == "SIGKILL":
+        from neighbor_ckpt.runtime.failpoints import lose_node
+
+        lose_node()
+    os.kill(os.getpid(), getattr(signal, fault.signal))
+
+
+def _empty_own_store(config: Any) -> None:
+    """A replaced node: this rank's host memory is empty, every store generation (elastic layouts) of the job."""
     import shutil
 
+    from neighbor_ckpt.snapshot.store import rank_dir, store_generations
+
+    root, job = config.resolved_store_dir(), config.resolved_job_id()
+    for gen in store_generations(root, job) or [0]:
+        shutil.rmtree(rank_dir(root, job, RANK, gen), ignore_errors=True)
+
+
+def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
+    """Fault injection on the first restart of the killed rank: a replaced node, or a damaged newest snapshot."""
     from neighbor_ckpt.snapshot.damage import damage_newest_slot
     from neighbor_ckpt.snapshot.store import rank_dir
 
-    root, job = config.resolved_store_dir(), config.resolved_job_id()
-    own = rank_dir(root, job, RANK)
-    if args.replace_store:  # a replaced node: its host memory is empty, every store generation (elastic layouts)
-        from neighbor_ckpt.snapshot.store import store_generations
-
-        for gen in store_generations(root, job) or [0]:
-            shutil.rmtree(rank_dir(root, job, RANK, gen), ignore_errors=True)
+    own = rank_dir(config.resolved_store_dir(), config.resolved_job_id(), RANK)
+    if args.replace_store:
+        _empty_own_store(config)
     if args.damage:
         import random
 
@@ -522,16 +591,17 @@ def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
                            rng=None if args.damage_seed is None else random.Random(args.damage_seed * 31 + RANK))
 
 
-def _kill_inside_optimizer_step(optimizer: Any, ckpt: Any, at_step: int, kill: Any) -> None:
-    """Fault injection: signal this rank once it is inside optimizer step ``at_step`` (after the step tag)."""
+def _inside_optimizer_step(optimizer: Any, ckpt: Any, call: Any) -> None:
+    """Fault injection: ``call(step)`` once this rank is inside each optimizer step (after the step tag)."""
     from megatron_patches import tag_optimizer_steps
 
-    def maybe_kill() -> None:
-        if ckpt.last_iteration is not None and ckpt.last_iteration + 1 == at_step or \
-                ckpt.last_iteration is None and at_step == 0:
-            kill()
+    tag_optimizer_steps(optimizer, on_enter=lambda: call(0 if ckpt.last_iteration is None
+                                                         else ckpt.last_iteration + 1), on_exit=lambda: None)
 
-    tag_optimizer_steps(optimizer, on_enter=maybe_kill, on_exit=lambda: None)
+
+def _kill_inside_optimizer_step(optimizer: Any, ckpt: Any, at_step: int, kill: Any) -> None:
+    """Fault injection: signal this rank once it is inside optimizer step ``at_step`` (after the step tag)."""
+    _inside_optimizer_step(optimizer, ckpt, lambda at: kill() if at == at_step else None)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,25 @@ def test_hung_rank_is_detected_by_heartbeat_killed_and_the_job_resumes_bit_exact
     if not c["DIST_OPT"]:
         assert "wrote lazy backup of iteration 4" in res.log
         assert rep["lazy_bytes"] > 0 and rep["lazy_from"] not in (None, victim), rep
+
+
+def test_a_fault_planned_in_the_config_file_is_injected_by_the_recipe_and_recovered_bit_exact(
+        baseline: Baselines, tmp_path: Path) -> None:
+    """The recipe reads ``neighbor_ckpt.fault_injection`` from its ``--config`` file (the section the NeMo and Bridge
+    recipes read; no ``--kill``): rank 1 SIGKILLed inside optimizer step 5 and restarted on a "replaced node" (its
+    host store emptied by the recipe itself, ``replace_store``); the job resumes bit for bit."""
+    cfg = tmp_path / "nckpt.yaml"
+    cfg.write_text("neighbor_ckpt:\n  fault_injection:\n    enabled: true\n    faults: [{rank: 1, step: 5, "
+                   "phase: optimizer, replace_store: true}]\n")
+    base = _base(baseline, "distopt/dp4")
+    res = run_torchrun("train_mcore.py", tmp_path, max_restarts=1, STEPS=STEPS, DIST_OPT=1, NCKPT_CONFIG=cfg)
+    assert res.returncode == 0, res.log[-6000:]
+    fault = json.loads((res.out / "fault.json").read_text())
+    assert (fault["rank"], fault["step"], fault["phase"], fault["signal"]) == (1, 5, "optimizer", "SIGKILL"), fault
+    assert len((res.out / "faults.jsonl").read_text().splitlines()) == 1
+    assert "fault injection: SIGKILL of rank 1 in the optimizer phase of step 5" in res.log
+    assert_same_training(base, res)
+    assert recomputed_steps(res) <= {5}
+    rep = res.report(1, 1)
+    assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 4, "replica"), rep
+    assert rep["pulled_bytes"] > 0, "its store was emptied: it pulled its state from its ring successor"

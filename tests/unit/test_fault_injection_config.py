@@ -148,3 +148,21 @@ def test_lightning_injector_fires_each_planned_fault_once(monkeypatch: pytest.Mo
     with pytest.raises(ConfigError, match="store_node"):
         faults.FaultInjector(NeighborCkptConfig.from_dict({"fault_injection": {"enabled": True,
                                                                                "target": "store_node"}}))
+
+
+def test_the_plain_loop_recipe_injects_the_config_files_faults_and_refuses_them_beside_kill(tmp_path) -> None:
+    from neighbor_ckpt.recipes import mcore_gpt_plain_loop as recipe
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("neighbor_ckpt:\n  fault_injection:\n    enabled: true\n    faults: [{rank: 1, step: 3}, "
+                   "{rank: 2, step: 7, phase: forward}]\n")
+    config = NeighborCkptConfig.from_yaml(cfg)
+    planned = recipe.planned_faults(config, recipe.parse_args(["--config", str(cfg)]))
+    assert [(f.rank, f.step, f.phase) for f in planned] == [(1, 3, "optimizer"), (2, 7, "forward")]
+    assert recipe.planned_faults(NeighborCkptConfig(), recipe.parse_args([])) == ()
+    with pytest.raises(ConfigError, match="faults planned twice: --kill and neighbor_ckpt.fault_injection"):
+        recipe.planned_faults(config, recipe.parse_args(["--config", str(cfg), "--kill", "1:3"]))
+    store = tmp_path / "store.yaml"
+    store.write_text("neighbor_ckpt:\n  fault_injection:\n    enabled: true\n    target: store_node\n")
+    with pytest.raises(ConfigError, match="target: store_node"):
+        recipe.planned_faults(NeighborCkptConfig.from_yaml(store), recipe.parse_args([]))
