@@ -13,13 +13,22 @@ The in-process kinds (``inproc-kill``: SIGKILL of a rank in its optimizer step; 
 detector finds it silent and its launcher kills it) run the recipe in its in-process mode instead: 4 active ranks + 1
 hot spare, the store host and one of our launchers (:mod:`neighbor_ckpt.inprocess.launcher`) per simulated node (the
 commands of ``neighbor-ckpt launch``, :func:`neighbor_ckpt.cli.launch.inprocess_commands`); the spare takes the
-victim's place, no process restarts.
+victim's place, no process restarts. ``inproc-two-faults``: two SIGKILLs in one launch, the second on a rank of the
+generation that recovered from the first, after it completed a step (two spares; the faults planned in the case's
+``fault_injection.faults``). ``inproc-shrink``: no spare, the victim's node lost for good, ``elastic.enabled``: the job
+goes on at a smaller data-parallel size on the same global batch. ``data-misplaced`` (restart path): the restarted
+attempt reads other samples than before the failure; the data check must stop it at the replayed step, announced.
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
-(in-process recovery changes no arithmetic).
+(in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 
 Outcomes: ``exact`` (the job finished and every loss, recomputed ones included, and the final state equal the
 failure-free run), ``fallback`` (the job said it fell back to the insurance checkpoint, a megatron-core distributed
-checkpoint every ``--insurance-every`` steps, and finished every step), ``FAILED``
+checkpoint every ``--insurance-every`` steps, and trained bit for bit what it should: the first launch attempt's
+losses those of the failure-free run, every step after the insurance iteration and the final state those of the
+failure-free run resumed from the same insurance checkpoint, :func:`resume_baseline`), ``resized`` (a shrink: the
+steps before the fault exact, the later ones within 1e-4 and on the same samples, :func:`compare_resized`),
+``stopped`` (the data check stopped a restart on misplaced data at the replayed step: the expected loud stop),
+``FAILED``
 (anything else: divergence, a crash, a hang past the deadline). For hangs the table also gives the detection
 time: from the moment the victim stopped (``fault.json``) to the first rank's detection log line. An in-process case
 whose recovery gave up (announced) and that the restart path then recovered exactly is a ``fallback`` too; its MTTR
@@ -88,6 +97,17 @@ class Kind:
     """A second fault: on the restart, a random rank is SIGKILLed while it loads the restored state."""
     tp: int | None = None
     """Tensor parallelism (None: drawn, 1 or 2)."""
+    faults: int = 1
+    """In process: 2 plans a second SIGKILL in a later step, on a rank of the generation that recovered from the
+    first (one hot spare per fault)."""
+    shrink: bool = False
+    """In process, no spare: the victim's node is lost for good (``permanent``) and ``elastic.enabled`` lets the job go
+    on at a smaller data-parallel size; dropout off and the global batch fixed, in the failure-free run too, so what
+    follows the shrink is compared within 1e-4 (another reduction order) and on the samples each step consumed."""
+    misplaced_data: bool = False
+    """The restart path (distributed optimizer), and the restarted attempt reads other samples than before the
+    failure (a loader that does not resume its position): the data check must stop the job at the replayed step,
+    announced."""
     inprocess: bool = False
     """In-process recovery with a hot spare (the recipe's in-process mode under our per-node launchers); always the
     distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path (the launchers restart
@@ -112,15 +132,20 @@ KIND_SPECS: dict[str, Kind] = {
     "lose-dp-group": Kind(victims="dp-group", store="replaced"),
     "inproc-kill": Kind(phase="optimizer", tp=1, inprocess=True),
     "inproc-hang": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True),
+    "inproc-two-faults": Kind(phase="optimizer", tp=1, inprocess=True, faults=2),
+    "inproc-shrink": Kind(phase="optimizer", tp=1, inprocess=True, shrink=True),
+    "data-misplaced": Kind(phase="optimizer", store="kept", misplaced_data=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
 in-memory version (a rank and its ring successor, or a whole DP group, restart with empty stores): the expected
 outcome is the announced fallback to the insurance checkpoint. A lost node is covered by the replicas its ranks
-streamed to the other node. The ``inproc-*`` kinds are last, so adding them left every earlier draw of a seed as it
-was."""
+streamed to the other node. New kinds are added last, so every earlier draw of a seed stays as it was."""
 
 SPARES = 1
+GLOBAL_BATCH = 16
+"""Samples per step of every case: the recipe's default at DP 4 (2 micro-batches of 2 per rank); given to the recipe
+only where it must stay fixed across a shrink (``inproc-shrink`` and its failure-free run)."""
 """Hot spares of an in-process case (on top of the ``WORLD`` active ranks)."""
 
 _DETECTED_RE = re.compile(r"detected a failure \((\w+)\) at unix ([0-9.]+)")
@@ -150,6 +175,10 @@ class Case:
     recovery_rank: int | None = None
     """The rank killed during the recovery (``kill-in-recovery``)."""
     damage_seed: int | None = None
+    second_rank: int | None = None
+    """``inproc-two-faults``: the rank (of the generation that recovered from the first fault) killed second."""
+    second_step: int | None = None
+    """``inproc-two-faults``: the step of the second fault (after the first generation's recovery completed a step)."""
 
     @property
     def spec(self) -> Kind:
@@ -198,9 +227,38 @@ class Case:
     def inprocess(self) -> bool:
         return self.spec.inprocess
 
+    @property
+    def spares(self) -> int:
+        """Hot spares of an in-process case: one per fault, none for a shrink."""
+        return 0 if self.spec.shrink else self.spec.faults * SPARES
+
+    @property
+    def planned_faults(self) -> list[dict[str, Any]] | None:
+        """The ``fault_injection.faults`` entries of the case's config (the kinds with several faults or a lost node),
+        or None: the recipe's ``--kill`` flags inject it."""
+        if not (self.spec.faults > 1 or self.spec.shrink):
+            return None
+        first = {"rank": self.rank, "step": self.step, "phase": self.phase, "signal": self.signal,
+                 "permanent": self.spec.shrink}
+        if self.second_rank is None:
+            return [first]
+        return [first, {"rank": self.second_rank, "step": self.second_step, "phase": self.phase,
+                        "signal": self.signal}]
+
+    @property
+    def expected(self) -> str:
+        """The outcome this case must have: ``fallback`` (no in-memory version can cover it), ``resized`` (a shrink),
+        ``stopped`` (the data check's announced stop) or ``exact``."""
+        return ("fallback" if self.needs_insurance else "resized" if self.spec.shrink
+                else "stopped" if self.spec.misplaced_data else "exact")
+
     def recipe_args(self) -> list[str]:
+        if self.planned_faults is not None:
+            return list(self.flavour_args)
         args = ["--kill", f"{','.join(map(str, self.victims))}:{self.step}", "--kill-phase", self.phase,
                 "--kill-signal", self.signal]
+        if self.spec.misplaced_data:
+            args.append("--misplace-data-on-restart")
         if not self.inprocess:  # in process, every launcher is a simulated node of its own (NEIGHBOR_CKPT_NODE_ID)
             args += ["--nodes", str(NODES)]
         if self.tp != 1:
@@ -216,9 +274,15 @@ class Case:
         return args if self.dist_opt else [*args, "--no-dist-opt"]
 
     @property
-    def flavour(self) -> tuple[bool, int]:
-        """The failure-free run this case is compared with: (distributed optimizer, TP)."""
-        return self.dist_opt, self.tp
+    def flavour(self) -> tuple[bool, int, bool]:
+        """The failure-free run this case is compared with: (distributed optimizer, TP, dropout off and the global
+        batch fixed: a shrink's)."""
+        return self.dist_opt, self.tp, self.spec.shrink
+
+    @property
+    def flavour_args(self) -> list[str]:
+        """The recipe flags of :attr:`flavour` beyond TP and the optimizer."""
+        return ["--dropout", "0", "--global-batch", str(GLOBAL_BATCH)] if self.spec.shrink else []
 
 
 @dataclass(frozen=True)
@@ -250,12 +314,17 @@ def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequ
         phase = spec.phase or rng.choice(("forward", "backward", "optimizer"))
         tp = spec.tp or rng.choice((1, 1, 2))
         recovery_rank = rng.randrange(world) if spec.recovery_kill else None
-        dist_opt = dist_opt or spec.inprocess  # drawn all the same: the draws of the cases after it stay as they were
+        # drawn all the same: the draws of the cases after it stay as they were
+        dist_opt = dist_opt or spec.inprocess or spec.misplaced_data
         damage_seed = rng.randrange(2**31) if spec.store == "bitflip" else None
         case = Case(index=i, kind=kind, rank=rank, step=step, dist_opt=dist_opt, phase=phase, tp=tp,
                     recovery_rank=recovery_rank, damage_seed=damage_seed)
         if case.needs_insurance or spec.recovery_kill or spec.store != "kept":
             case = dataclasses.replace(case, step=max(step, 2))
+        if spec.faults > 1:  # the second fault after the recovered generation completed a step
+            first = min(step, steps - 3)
+            case = dataclasses.replace(case, step=first, second_rank=rng.randrange(world),
+                                       second_step=rng.randrange(first + 1, steps - 1))
         cases.append(case)
     return cases
 
@@ -295,7 +364,7 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
 
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
-                  store_port: int, max_restarts: int, insurance_every: int = 0):  # noqa: ANN201
+                  store_port: int, max_restarts: int, insurance_every: int = 0, spares: int = SPARES):  # noqa: ANN201
     """The store host and per-node launcher commands of an in-process case (nothing runs): ``WORLD`` active
     ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store root per
     simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
@@ -304,13 +373,13 @@ def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, confi
 
     program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
                "--insurance-every", str(insurance_every), "--inprocess-store", f"127.0.0.1:{store_port}", *args]
-    return inprocess_commands(program, active=WORLD, spares=SPARES, max_restarts=max_restarts, run_id=job_id,
+    return inprocess_commands(program, active=WORLD, spares=spares, max_restarts=max_restarts, run_id=job_id,
                               store_port=store_port, store_root=store,
                               store_ready=out / "store_host.ready", parent=os.getpid())
 
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
-                   timeout: float, max_restarts: int) -> tuple[int, str]:
+                   timeout: float, max_restarts: int, spares: int = SPARES) -> tuple[int, str]:
     """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
     in ``launch.log``. Returns (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses,
     -999 past ``timeout``; the log)."""
@@ -319,7 +388,7 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
 
     out.mkdir(parents=True, exist_ok=True)
     procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
-                          store_port=_free_port(), max_restarts=max_restarts)
+                          store_port=_free_port(), max_restarts=max_restarts, spares=spares)
     tag = new_run_tag()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic
@@ -365,6 +434,17 @@ def _losses(out: Path) -> dict[int, dict[int, list[str]]]:
     return per_rank
 
 
+def _losses_by_attempt(out: Path) -> dict[int, dict[int, list[tuple[int, str]]]]:
+    """rank -> step -> [(launcher restart count, loss), ...] in the order trained."""
+    per_rank: dict[int, dict[int, list[tuple[int, str]]]] = {}
+    for path in out.glob("losses.rank*.jsonl"):
+        rank = int(path.name.split(".")[1][4:])
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            per_rank.setdefault(rank, {}).setdefault(rec["step"], []).append((int(rec.get("attempt", 0)), rec["loss"]))
+    return per_rank
+
+
 def _finals(out: Path) -> dict[int, Any]:
     return {int(p.name.split(".")[1][4:]): json.loads(p.read_text()) for p in out.glob("final.rank*.json")}
 
@@ -386,6 +466,78 @@ def compare(base: Path, run: Path, *, steps_only: bool = False) -> str:
                 return f"rank {rank} step {step}: loss {losses} != {b[rank][step][-1]}"
     if _finals(base) != _finals(run):
         return "final parameters or optimizer state differ"
+    return ""
+
+
+def _samples(out: Path) -> dict[int, list[int]]:
+    """step -> the sorted samples the ranks trained in it, in the last (launch attempt, in-process generation) that
+    trained it (a shrink's ranks are other processes than before it)."""
+    per_step: dict[int, dict[tuple[int, int], list[int]]] = {}
+    for path in out.glob("losses.rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            when = (int(rec.get("attempt", 0)), int(rec.get("generation", 0)))
+            per_step.setdefault(rec["step"], {}).setdefault(when, []).extend(rec.get("samples") or [])
+    return {step: sorted(by[max(by)]) for step, by in per_step.items()}
+
+
+def compare_resized(base: Path, run: Path, *, fault_step: int, rel: float = 1e-4) -> str:
+    """'' when a shrink trained what it should: every step; before ``fault_step`` every rank's loss equal to the
+    failure-free run (the same layout); from it on, rank 0's losses within ``rel`` (another data-parallel size
+    reduces in another order); every step's samples, over all ranks, those of the failure-free run (the global batch
+    kept)."""
+    b, r = _losses(base), _losses(run)
+    if not r or sorted(r[0]) != sorted(b[0]):
+        return f"rank 0 trained steps {sorted(r.get(0, {}))}, expected {sorted(b[0])}"
+    for rank, steps in r.items():
+        for step, losses in steps.items():
+            if step < fault_step and rank in b and any(x != b[rank][step][-1] for x in losses):
+                return f"rank {rank} step {step} (before the shrink): loss {losses} != {b[rank][step][-1]}"
+    for step, losses in r[0].items():
+        want, got = float.fromhex(b[0][step][-1]), float.fromhex(losses[-1])
+        if abs(got - want) > rel * abs(want):
+            return f"step {step}: loss {got!r} not within {rel:g} of {want!r}"
+    sb, sr = _samples(base), _samples(run)
+    for step in sb:
+        if sr.get(step) != sb[step]:
+            return f"step {step} trained samples {sr.get(step)}, expected {sb[step]} (the global batch)"
+    return ""
+
+
+def insurance_iteration(run: Path) -> int | None:
+    """The insurance iteration a fallback restored: the one iteration the recovery reports with outcome
+    ``insurance`` name (None: no such report, or reports that disagree)."""
+    its = set()
+    for path in run.glob("report.rank*.attempt*.json"):
+        rep = json.loads(path.read_text())
+        if rep.get("outcome") == "insurance" and rep.get("iteration") is not None:
+            its.add(int(rep["iteration"]))
+    return its.pop() if len(its) == 1 else None
+
+
+def compare_fallback(base: Path, resumed: Path, run: Path, *, insurance_step: int) -> str:
+    """'' when a fallback case trained what it should, bit for bit: what the first launch attempt trained equals the
+    failure-free run ``base``; every step from ``insurance_step + 1`` on trained after the fallback (a later launcher
+    attempt) equals ``resumed``, the failure-free run resumed from the same insurance checkpoint (a fresh process
+    replays those steps from that checkpoint, not from the uninterrupted run's RNG and state); every rank trained
+    every step; the final parameters and optimizer state equal ``resumed``'s."""
+    missing = compare(base, run, steps_only=True)
+    if missing:
+        return f"fell back to insurance but did not finish training: {missing}"
+    b, rs, r = _losses(base), _losses(resumed), _losses_by_attempt(run)
+    for rank, steps in r.items():
+        for step, recs in steps.items():
+            for attempt, loss in recs:
+                if attempt == 0:
+                    expected, what = b[rank][step][-1], "the failure-free run"
+                elif step > insurance_step and step in rs.get(rank, {}):
+                    expected, what = rs[rank][step][-1], f"the failure-free run resumed from insurance {insurance_step}"
+                else:
+                    return f"rank {rank} step {step} trained in launch attempt {attempt}, before insurance {insurance_step}"
+                if loss != expected:
+                    return f"rank {rank} step {step} attempt {attempt}: loss {loss} != {expected} ({what})"
+    if _finals(resumed) != _finals(run):
+        return f"final parameters or optimizer state differ from the run resumed from insurance {insurance_step}"
     return ""
 
 
@@ -411,9 +563,10 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     shutil.rmtree(inproc_store, ignore_errors=True)
     t0 = time.time()
     if case.inprocess:
-        own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=SPARES, report_dir=out / "reports")
+        own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=case.spares, report_dir=out / "reports",
+                           faults=case.planned_faults, elastic=case.spec.shrink)
         rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
-                                 steps=steps, timeout=timeout, max_restarts=case.max_restarts)
+                                 steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares)
     else:
         rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
                             config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
@@ -431,13 +584,36 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
         return Outcome(case, "FAILED", "the fault never fired", **common)
     if case.recovery_rank is not None and not (out / "fault.recovery.json").exists():
         return Outcome(case, "FAILED", "the kill during recovery never fired", **common)
+    fired = len((out / "faults.jsonl").read_text().splitlines()) if (out / "faults.jsonl").exists() else 1
+    if case.planned_faults is not None and fired != len(case.planned_faults):
+        return Outcome(case, "FAILED", f"{fired} of {len(case.planned_faults)} planned faults fired", **common)
+    if case.spec.misplaced_data:
+        stop = f"the data position was not restored: step {case.step}"
+        if rc != 0 and "DataPositionError" in log and stop in log:
+            return Outcome(case, "stopped", f"stopped by the data check at the replayed step {case.step}, announced",
+                           **common)
+        return Outcome(case, "FAILED", f"exit {rc}, a restart on other data was not stopped at step {case.step}: "
+                                       f"{failure_lines(log)}", **common)
     if rc != 0:
         return Outcome(case, "FAILED", f"exit {rc}: {failure_lines(log)}", **common)
     if "falling back to the insurance checkpoint" in log:
-        missing = compare(base, out, steps_only=True)
-        if missing:
-            return Outcome(case, "FAILED", f"fell back to insurance but did not finish training: {missing}", **common)
-        return Outcome(case, "fallback", "announced fallback to insurance", **common)
+        k = insurance_iteration(out)
+        if k is None:
+            return Outcome(case, "FAILED", "fell back to insurance, but the recovery reports do not name one "
+                                           "insurance iteration", **common)
+        resumed = resume_baseline(case, run=out, work=work, steps=steps, config=config, insurance_step=k)
+        if resumed is None:
+            return Outcome(case, "FAILED", f"the failure-free run resumed from insurance {k} failed", **common)
+        diff = compare_fallback(base, resumed, out, insurance_step=k)
+        return Outcome(case, "FAILED" if diff else "fallback",
+                       diff or f"announced fallback to insurance {k}, bit-exact with the failure-free run resumed "
+                               "from it", **common)
+    if case.spec.shrink:
+        diff = compare_resized(base, out, fault_step=case.step)
+        if not diff and "in-process recovery gives up" in log:
+            diff = "in-process recovery gave up instead of shrinking"
+        return Outcome(case, "FAILED" if diff else "resized",
+                       diff or "shrank in process: the global batch's samples kept, losses within 1e-4", **common)
     diff = compare(base, out)
     if case.inprocess and not diff and "in-process recovery gives up" in log:
         return Outcome(case, "fallback", "in-process recovery gave up (announced); the restart path recovered "
@@ -445,31 +621,58 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     return Outcome(case, "FAILED" if diff else "exact", diff, **common)
 
 
+def resume_baseline(case: Case, *, run: Path, work: Path, steps: int, config: Path, insurance_step: int,
+                    timeout: float = 420) -> Path | None:
+    """The failure-free run of ``case``'s configuration resumed from insurance checkpoint ``insurance_step`` (its
+    output directory; None if it failed): a job given a copy of that one checkpoint from ``run``'s insurance
+    directory (written before the fault, by training identical to the failure-free run's), whose every rank is killed
+    in step 0's forward pass, before any snapshot exists: its restart finds nothing in memory and loads the insurance,
+    in fresh processes of launcher attempt 1, as the fallback did. One per configuration and step, reused by later
+    cases."""
+    flavour = f"{'distopt' if case.dist_opt else 'replicated'}-tp{case.tp}"
+    out = work / f"resumed-{flavour}-from{insurance_step}"
+    if len(list(out.glob("final.rank*.json"))) == WORLD:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    name = f"iter_{insurance_step:07d}"
+    insurance = out / "insurance"
+    shutil.copytree(run / "insurance" / name, insurance / name)
+    flags = ["--nodes", str(NODES), "--tp", str(case.tp), *case.flavour_args, "--insurance-dir", str(insurance),
+             "--kill", ",".join(map(str, range(WORLD))) + ":0", "--kill-phase", "forward"] + \
+        ([] if case.dist_opt else ["--no-dist-opt"])
+    rc, _ = _torchrun(out, flags, job_id=f"campaign-resumed-{flavour}-{insurance_step}", store=work / "store-resumed",
+                      config=config, steps=steps, timeout=timeout, max_restarts=1, insurance_every=10**6)
+    return out if rc == 0 and len(list(out.glob("final.rank*.json"))) == WORLD else None
+
+
 def summarize(outcomes: Sequence[Outcome]) -> str:
     """The campaign table (markdown): per kind, counts of each outcome, how many fallbacks happened where an
     in-memory version should have existed (``unexpected``: not a failure, nothing wrong was loaded, but a rollback
     further than needed), and the detection times of hangs."""
-    lines = ["| fault | cases | exact | fallback | (unexpected) | FAILED | detection s (median / max) | MTTR s (median) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| fault | cases | exact | resized | fallback | (unexpected) | stopped | FAILED | detection s (median / max) "
+             "| MTTR s (median) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind in [k for k in KINDS if any(o.case.kind == k for o in outcomes)] + ["all"]:
         rows = [o for o in outcomes if kind in ("all", o.case.kind)]
         det = [o.detection_s for o in rows if o.detection_s is not None]
         mttr = [o.mttr_s for o in rows if o.mttr_s is not None]
-        count = {r: sum(o.result == r for o in rows) for r in ("exact", "fallback", "FAILED")}
+        count = {r: sum(o.result == r for o in rows) for r in ("exact", "resized", "fallback", "stopped", "FAILED")}
         unexpected = sum(o.result == "fallback" and not o.case.needs_insurance for o in rows)
-        lines.append(f"| {kind} | {len(rows)} | {count['exact']} | {count['fallback']} | {unexpected} | "
-                     f"{count['FAILED']} | "
+        lines.append(f"| {kind} | {len(rows)} | {count['exact']} | {count['resized']} | {count['fallback']} | "
+                     f"{unexpected} | {count['stopped']} | {count['FAILED']} | "
                      + (f"{statistics.median(det):.2f} / {max(det):.2f}" if det else "-") + " | "
                      + (f"{statistics.median(mttr):.1f}" if mttr else "-") + " |")
     return "\n".join(lines)
 
 
 def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0, base: Path | None = None,
-                 inprocess_spares: int | None = None, report_dir: Path | None = None) -> Path:
+                 inprocess_spares: int | None = None, report_dir: Path | None = None,
+                 faults: list[dict[str, Any]] | None = None, elastic: bool = False) -> Path:
     """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
     middle of streaming leaves a replica really half written. ``base``: that section as written before (the
-    campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares) and
-    ``report_dir`` (where the recovery timeline goes)."""
+    campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares),
+    ``report_dir`` (where the recovery timeline goes), ``faults`` (``fault_injection.faults``: the faults the recipe
+    injects itself) and ``elastic`` (``elastic.enabled``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = base.read_text() if base is not None else (
         f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
@@ -478,6 +681,10 @@ def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0,
         text += f"  inprocess:\n    enabled: true\n    spares: {inprocess_spares}\n"
     if report_dir is not None:
         text += f"  report:\n    dir: {json.dumps(str(report_dir))}\n"
+    if faults:
+        text += f"  fault_injection:\n    enabled: true\n    faults: {json.dumps(faults)}\n"
+    if elastic:
+        text += "  elastic:\n    enabled: true\n"
     path.write_text(text)
     return path
 
@@ -583,14 +790,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     (work / "campaign.json").write_text(json.dumps(settings, indent=1) + "\n")
     config = write_config(work / "nckpt.yaml", interval_s=args.detector_interval, timeout_s=args.detector_timeout)
     todo = cases[len(outcomes):]
-    bases: dict[tuple[bool, int], Path] = {}
-    for dist_opt, tp in sorted({c.flavour for c in todo}, reverse=True):
-        out = work / f"baseline-{'distopt' if dist_opt else 'replicated'}-tp{tp}"
-        bases[(dist_opt, tp)] = out
+    bases: dict[tuple[bool, int, bool], Path] = {}
+    for flavour, case in sorted({c.flavour: c for c in todo}.items(), reverse=True):
+        dist_opt, tp, fixed = flavour
+        name = f"{'distopt' if dist_opt else 'replicated'}-tp{tp}{'-nodropout' if fixed else ''}"
+        out = work / f"baseline-{name}"
+        bases[flavour] = out
         if args.resume and len(list(out.glob("final.rank*.json"))) == WORLD:
             continue  # the failure-free run of the stopped campaign (deterministic: the same run again)
-        flags = ["--nodes", str(NODES), "--tp", str(tp)] + ([] if dist_opt else ["--no-dist-opt"])
-        rc, log = _torchrun(out, flags, job_id=f"campaign-base-{int(dist_opt)}-{tp}", store=work / "store",
+        shutil.rmtree(out, ignore_errors=True)  # an earlier campaign's run in the same --out: its lines would stay
+        flags = ["--nodes", str(NODES), "--tp", str(tp), *case.flavour_args] + ([] if dist_opt else ["--no-dist-opt"])
+        rc, log = _torchrun(out, flags, job_id=f"campaign-base-{name}", store=work / "store",
                             config=config, steps=args.steps, timeout=420, max_restarts=0,
                             insurance_every=0 if args.insurance_where_needed else args.insurance_every)
         if rc != 0:

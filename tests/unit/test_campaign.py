@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.campaign import (KINDS, RECIPE, SPARES, WORLD, Case, Outcome, compare, dp_ring, draw_cases,
-                                         inprocess_job, load_outcomes, resume_point, summarize, write_config)
+from tools.campaign import (KINDS, RECIPE, SPARES, WORLD, Case, Outcome, compare, compare_fallback, dp_ring,
+                            draw_cases, inprocess_job, insurance_iteration, load_outcomes, resume_point, summarize,
+                            write_config)
 from neighbor_ckpt.snapshot.topology import build_topology
 
 
@@ -103,14 +104,54 @@ def test_compare_accepts_only_identical_losses_recomputations_included_and_ident
     assert "final" in compare(base, other)
 
 
+def test_a_fallback_is_compared_with_the_first_attempt_of_the_failure_free_run_then_with_its_resumed_run(
+        tmp_path: Path) -> None:
+    # failure-free: steps 0-3; resumed from insurance 1 (a fresh process replays 2-3 otherwise: other RNG)
+    base = _write_run(tmp_path / "base", {0: [(0, 2.5, 0), (1, 2.25, 0), (2, 2.0, 0), (3, 1.75, 0)]}, {"p": "base"})
+    resumed = _write_run(tmp_path / "resumed", {0: [(2, 2.125, 1), (3, 1.875, 1)]}, {"p": "resumed"})
+    # the fault killed step 3 of attempt 0 (step 2 completed); the fallback to insurance 1 replayed 2 and 3
+    good = _write_run(tmp_path / "good", {0: [(0, 2.5, 0), (1, 2.25, 0), (2, 2.0, 0), (2, 2.125, 1), (3, 1.875, 1)]},
+                      {"p": "resumed"})
+    assert compare_fallback(base, resumed, good, insurance_step=1) == ""
+    assert compare(base, good) != "", "the uninterrupted run is not what a fallback replays"
+    replay = _write_run(tmp_path / "replay", {0: [(0, 2.5, 0), (1, 2.25, 0), (2, 2.0, 1), (3, 1.875, 1)]},
+                        {"p": "resumed"})
+    assert "step 2 attempt 1" in compare_fallback(base, resumed, replay, insurance_step=1)
+    first = _write_run(tmp_path / "first", {0: [(0, 2.5, 0), (1, 2.2, 0), (2, 2.125, 1), (3, 1.875, 1)]},
+                       {"p": "resumed"})
+    assert "step 1 attempt 0" in compare_fallback(base, resumed, first, insurance_step=1)
+    early = _write_run(tmp_path / "early", {0: [(0, 2.5, 0), (1, 2.25, 1), (2, 2.125, 1), (3, 1.875, 1)]},
+                       {"p": "resumed"})
+    assert "before insurance 1" in compare_fallback(base, resumed, early, insurance_step=1)
+    final = _write_run(tmp_path / "final", {0: [(0, 2.5, 0), (1, 2.25, 0), (2, 2.125, 1), (3, 1.875, 1)]},
+                       {"p": "base"})
+    assert "final" in compare_fallback(base, resumed, final, insurance_step=1)
+    short = _write_run(tmp_path / "short", {0: [(0, 2.5, 0), (1, 2.25, 0), (2, 2.125, 1)]}, {"p": "resumed"})
+    assert "did not finish training" in compare_fallback(base, resumed, short, insurance_step=1)
+
+
+def test_the_insurance_iteration_is_the_one_every_fallback_report_names(tmp_path: Path) -> None:
+    def report(rank: int, attempt: int, **rep: object) -> None:
+        (tmp_path / f"report.rank{rank}.attempt{attempt}.json").write_text(json.dumps(rep))
+
+    assert insurance_iteration(tmp_path) is None
+    report(0, 0, outcome="fresh", iteration=None)
+    report(0, 1, outcome="insurance", iteration=3)
+    report(1, 1, outcome="insurance", iteration=3)
+    assert insurance_iteration(tmp_path) == 3
+    report(2, 1, outcome="insurance", iteration=1)
+    assert insurance_iteration(tmp_path) is None
+
+
 def test_table_counts_outcomes_per_kind_and_reports_detection_times() -> None:
     c = [Case(index=i, kind=k, rank=0, step=3, dist_opt=True) for i, k in enumerate(["hang"] * 2 + ["kill-forward"])]
     table = summarize([Outcome(c[0], "exact", detection_s=3.1, mttr_s=20.0), Outcome(c[1], "exact", detection_s=3.3),
                        Outcome(c[2], "FAILED", "exit 1")])
     rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
-    assert rows["hang"] == ["2", "2", "0", "0", "0", "3.20 / 3.30", "20.0"]
-    assert rows["kill-forward"][:5] == ["1", "0", "0", "0", "1"]
-    assert rows["all"][:5] == ["3", "2", "0", "0", "1"]
+    # cases, exact, resized, fallback, (unexpected), stopped, FAILED, detection, MTTR
+    assert rows["hang"] == ["2", "2", "0", "0", "0", "0", "0", "3.20 / 3.30", "20.0"]
+    assert rows["kill-forward"][:7] == ["1", "0", "0", "0", "0", "0", "1"]
+    assert rows["all"][:7] == ["3", "2", "0", "0", "0", "0", "1"]
 
 
 def test_a_fallback_where_an_in_memory_version_should_exist_is_counted_as_unexpected() -> None:
@@ -118,7 +159,7 @@ def test_a_fallback_where_an_in_memory_version_should_exist_is_counted_as_unexpe
     pair = Case(index=1, kind="lose-adjacent-pair", rank=0, step=3, dist_opt=True, phase="forward")
     table = summarize([Outcome(exact_kind, "fallback"), Outcome(pair, "fallback")])
     rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
-    assert rows["kill-forward"][2:4] == ["1", "1"] and rows["lose-adjacent-pair"][2:4] == ["1", "0"]
+    assert rows["kill-forward"][3:5] == ["1", "1"] and rows["lose-adjacent-pair"][3:5] == ["1", "0"]
 
 
 def test_double_faults_come_after_the_first_insurance_checkpoint_and_with_an_older_version_kept() -> None:
@@ -160,11 +201,11 @@ def test_resume_refuses_another_commit_other_options_or_other_cases(tmp_path: Pa
 
 
 def test_in_process_kinds_strike_a_distributed_optimizer_rank_in_its_optimizer_step_at_tp_1() -> None:
-    cases = [c for c in draw_cases(4 * len(KINDS), 5, steps=8) if c.inprocess]
+    cases = [c for c in draw_cases(4 * len(KINDS), 5, steps=8) if c.kind in ("inproc-kill", "inproc-hang")]
     assert {c.kind for c in cases} == {"inproc-kill", "inproc-hang"}
     for c in cases:
         # compared with the restart-path cases' failure-free run of that configuration: no baseline of their own
-        assert c.flavour == (True, 1) and c.phase == "optimizer" and not c.needs_insurance, c
+        assert c.flavour == (True, 1, False) and c.phase == "optimizer" and not c.needs_insurance, c
         assert c.signal == ("SIGSTOP" if c.kind == "inproc-hang" else "SIGKILL")
         assert 0 <= c.rank < 4 and c.max_restarts == 1
     kill = Case(index=0, kind="inproc-kill", rank=2, step=4, dist_opt=True, phase="optimizer")
@@ -173,12 +214,80 @@ def test_in_process_kinds_strike_a_distributed_optimizer_rank_in_its_optimizer_s
     assert dataclasses.replace(kill, kind="inproc-hang").recipe_args()[-1] == "SIGSTOP"
 
 
-def test_adding_the_in_process_kinds_left_the_restart_path_draws_of_a_seed_as_they_were() -> None:
-    restart = [k for k in KINDS if not k.startswith("inproc-")]
-    assert KINDS[:len(restart)] == tuple(restart)
+FIRST_KINDS = ("kill-forward", "kill-backward", "kill-optimizer", "kill-mid-copy", "kill-mid-stream", "kill-in-recovery",
+               "hang", "kill-replaced-store", "kill-bitflip", "kill-truncate", "kill-bad-header", "lose-node",
+               "lose-adjacent-pair", "lose-dp-group")
+"""The kinds of the first campaigns (restart path), whose draws of a seed every later kind must leave as they were."""
+
+
+def test_adding_kinds_left_the_earlier_draws_of_a_seed_as_they_were() -> None:
+    assert KINDS[:len(FIRST_KINDS)] == FIRST_KINDS
     for seed in (7, 149):
-        assert draw_cases(len(restart), seed, steps=6, kinds=restart) == draw_cases(len(KINDS), seed, steps=6)[
-            :len(restart)]
+        assert draw_cases(len(FIRST_KINDS), seed, steps=6, kinds=FIRST_KINDS) == draw_cases(len(KINDS), seed, steps=6)[
+            :len(FIRST_KINDS)]
+    assert KINDS[len(FIRST_KINDS):len(FIRST_KINDS) + 2] == ("inproc-kill", "inproc-hang")
+
+
+def test_two_faults_in_process_plan_the_second_after_the_first_recovery_completed_a_step_with_a_spare_each(
+        tmp_path: Path) -> None:
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    cases = [c for c in draw_cases(8 * len(KINDS), 11, steps=8) if c.kind == "inproc-two-faults"]
+    assert len(cases) == 8
+    for c in cases:
+        assert 1 <= c.step < c.second_step <= 6 and 0 <= c.second_rank < WORLD, c
+        assert c.spares == 2 and c.expected == "exact" and c.flavour == (True, 1, False)
+        assert c.recipe_args() == []  # no --kill: the config's fault_injection.faults injects them
+        own = write_config(tmp_path / f"c{c.index}.yaml", base=write_config(tmp_path / "base.yaml"),
+                           inprocess_spares=c.spares, faults=c.planned_faults)
+        planned = NeighborCkptConfig.from_yaml(own).fault_injection.planned()
+        assert [(f.rank, f.step, f.phase, f.signal, f.permanent) for f in planned] == [
+            (c.rank, c.step, "optimizer", "SIGKILL", False), (c.second_rank, c.second_step, "optimizer", "SIGKILL",
+                                                              False)]
+
+
+def test_a_shrink_loses_a_node_for_good_without_a_spare_on_a_fixed_global_batch_without_dropout(
+        tmp_path: Path) -> None:
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    c = next(c for c in draw_cases(2 * len(KINDS), 3, steps=8) if c.kind == "inproc-shrink")
+    assert c.spares == 0 and c.expected == "resized" and c.flavour == (True, 1, True)
+    assert c.recipe_args() == c.flavour_args == ["--dropout", "0", "--global-batch", "16"]  # the baseline's too
+    cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / "c.yaml", inprocess_spares=c.spares,
+                                                    faults=c.planned_faults, elastic=True))
+    assert cfg.elastic.enabled and cfg.inprocess.spares == 0
+    assert [(f.rank, f.step, f.permanent) for f in cfg.fault_injection.planned()] == [(c.rank, c.step, True)]
+
+
+def test_a_restart_on_misplaced_data_must_end_in_the_data_checks_stop() -> None:
+    c = next(c for c in draw_cases(2 * len(KINDS), 3, steps=8) if c.kind == "data-misplaced")
+    assert not c.inprocess and c.dist_opt and c.expected == "stopped" and not c.needs_insurance
+    assert "--misplace-data-on-restart" in c.recipe_args() and c.recipe_args()[:2] == ["--kill", f"{c.rank}:{c.step}"]
+
+
+def test_a_shrink_is_judged_on_its_samples_exact_before_the_fault_and_close_after(tmp_path: Path) -> None:
+    from tools.campaign import compare_resized
+
+    def run(name: str, recs: dict[int, list[tuple[int, int, float, list[int]]]]) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        for rank, rows in recs.items():
+            (out / f"losses.rank{rank}.jsonl").write_text("".join(json.dumps(
+                {"step": st, "loss": v.hex(), "attempt": 0, "generation": g, "samples": sm}) + "\n"
+                for st, g, v, sm in rows))
+        return out
+
+    base = run("base", {0: [(0, 0, 2.5, [0, 1]), (1, 0, 2.25, [4, 5])], 1: [(0, 0, 2.5, [2, 3]), (1, 0, 2.25, [6, 7])]})
+    # rank 0's node lost in step 1's optimizer step; generation 1 trains step 1 again on DP 1, every sample
+    rank1 = [(0, 0, 2.5, [2, 3]), (1, 0, 2.25, [6, 7])]
+    ok = run("ok", {0: [(0, 0, 2.5, [0, 1]), (1, 0, 2.25, [4, 5]), (1, 1, 2.2500001, [4, 5, 6, 7])], 1: rank1})
+    assert compare_resized(base, ok, fault_step=1) == ""
+    early = run("early", {0: [(0, 0, 2.5000001, [0, 1]), (1, 1, 2.25, [4, 5, 6, 7])], 1: rank1})
+    assert "before the shrink" in compare_resized(base, early, fault_step=1)
+    far = run("far", {0: [(0, 0, 2.5, [0, 1]), (1, 1, 2.3, [4, 5, 6, 7])], 1: rank1})
+    assert "not within" in compare_resized(base, far, fault_step=1)
+    lost = run("lost", {0: [(0, 0, 2.5, [0, 1]), (1, 0, 2.25, [4, 5]), (1, 1, 2.25, [4, 5])], 1: rank1})
+    assert "global batch" in compare_resized(base, lost, fault_step=1)
 
 
 def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_of_our_launchers_per_node(
