@@ -424,16 +424,6 @@ def _timeline_detect(out: Path) -> float | None:
     return None
 
 
-def _losses(out: Path) -> dict[int, dict[int, list[str]]]:
-    per_rank: dict[int, dict[int, list[str]]] = {}
-    for path in out.glob("losses.rank*.jsonl"):
-        rank = int(path.name.split(".")[1][4:])
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            per_rank.setdefault(rank, {}).setdefault(rec["step"], []).append(rec["loss"])
-    return per_rank
-
-
 def _losses_by_attempt(out: Path) -> dict[int, dict[int, list[tuple[int, str]]]]:
     """rank -> step -> [(launcher restart count, loss), ...] in the order trained."""
     per_rank: dict[int, dict[int, list[tuple[int, str]]]] = {}
@@ -443,6 +433,12 @@ def _losses_by_attempt(out: Path) -> dict[int, dict[int, list[tuple[int, str]]]]
             rec = json.loads(line)
             per_rank.setdefault(rank, {}).setdefault(rec["step"], []).append((int(rec.get("attempt", 0)), rec["loss"]))
     return per_rank
+
+
+def _losses(out: Path) -> dict[int, dict[int, list[str]]]:
+    """rank -> step -> [loss, ...] in the order trained."""
+    return {rank: {step: [loss for _, loss in recs] for step, recs in steps.items()}
+            for rank, steps in _losses_by_attempt(out).items()}
 
 
 def _finals(out: Path) -> dict[int, Any]:
