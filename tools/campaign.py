@@ -18,6 +18,8 @@ generation that recovered from the first, after it completed a step (two spares;
 ``fault_injection.faults``). ``inproc-shrink``: no spare, the victim's node lost for good, ``elastic.enabled``: the job
 goes on at a smaller data-parallel size on the same global batch. ``data-misplaced`` (restart path): the restarted
 attempt reads other samples than before the failure; the data check must stop it at the replayed step, announced.
+``inproc-stuck``: one rank's training thread blocked in a C call while its heartbeat goes on (only the progress tags
+show it).
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 
@@ -85,6 +87,9 @@ class Kind:
     the victims find in their host stores on the restart."""
 
     signal: str = "SIGKILL"
+    """``SIGKILL``, ``SIGSTOP`` (the whole process hangs), or ``block`` (the training thread blocked in a C call, its
+    heartbeat alive: only the progress tags show it; in process, ``detector.hang_timeout_s`` 3 s and
+    ``inprocess.abort_timeout_s`` 10 s, the CPU job files' values)."""
     phase: str | None = None
     """``forward``, ``backward``, ``optimizer``, ``copy`` (mid-snapshot copy), ``stream`` (mid-stream to the ring
     successor); None: drawn from the first three."""
@@ -135,6 +140,7 @@ KIND_SPECS: dict[str, Kind] = {
     "inproc-two-faults": Kind(phase="optimizer", tp=1, inprocess=True, faults=2),
     "inproc-shrink": Kind(phase="optimizer", tp=1, inprocess=True, shrink=True),
     "data-misplaced": Kind(phase="optimizer", store="kept", misplaced_data=True),
+    "inproc-stuck": Kind(signal="block", phase="optimizer", tp=1, inprocess=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
@@ -219,6 +225,15 @@ class Case:
         return not self.dist_opt and self.phase in ("optimizer", "copy")
 
     @property
+    def may_fall_back(self) -> bool:
+        """The insurance checkpoint may be needed, by timing: :attr:`needs_insurance`, or a kill during the recovery
+        after a first kill before the wait point (forward, backward). The victim may die before the engine thread
+        committed its snapshot of the previous step, leaving one complete version (``step - 2``); the restart restores
+        it, the second kill forbids it for good, and nothing in memory is left. When the snapshot had committed, the
+        older version is there and the case resumes exactly."""
+        return self.needs_insurance or (self.recovery_rank is not None and self.phase in ("forward", "backward"))
+
+    @property
     def max_restarts(self) -> int:
         """torchrun's (in process: each launcher's ``--max-restarts``, the restart path a give-up falls back to)."""
         return 2 if self.recovery_rank is not None else 1
@@ -251,6 +266,12 @@ class Case:
         ``stopped`` (the data check's announced stop) or ``exact``."""
         return ("fallback" if self.needs_insurance else "resized" if self.spec.shrink
                 else "stopped" if self.spec.misplaced_data else "exact")
+
+    @property
+    def acceptable(self) -> tuple[str, ...]:
+        """Every outcome that is right for this case: :attr:`expected`, and ``fallback`` too where timing decides
+        (:attr:`may_fall_back`)."""
+        return (self.expected, "fallback") if self.may_fall_back and self.expected != "fallback" else (self.expected,)
 
     def recipe_args(self) -> list[str]:
         if self.planned_faults is not None:
@@ -560,7 +581,7 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     t0 = time.time()
     if case.inprocess:
         own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=case.spares, report_dir=out / "reports",
-                           faults=case.planned_faults, elastic=case.spec.shrink)
+                           faults=case.planned_faults, elastic=case.spec.shrink, stuck=case.signal == "block")
         rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
                                  steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares)
     else:
@@ -572,7 +593,7 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     detection = None
     if case.signal == "SIGSTOP" and detected and (out / "fault.json").exists():
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
-    elif case.signal == "SIGSTOP" and case.inprocess:
+    elif case.signal in ("SIGSTOP", "block") and case.inprocess:
         detection = _timeline_detect(out)
     mttr = [float(m.group(1)) for m in _MTTR_RE.finditer(log)] or [x for x in [_timeline_mttr(out)] if x is not None]
     common = dict(detection_s=detection, mttr_s=mttr[0] if mttr else None, wall_s=wall)
@@ -653,7 +674,7 @@ def summarize(outcomes: Sequence[Outcome]) -> str:
         det = [o.detection_s for o in rows if o.detection_s is not None]
         mttr = [o.mttr_s for o in rows if o.mttr_s is not None]
         count = {r: sum(o.result == r for o in rows) for r in ("exact", "resized", "fallback", "stopped", "FAILED")}
-        unexpected = sum(o.result == "fallback" and not o.case.needs_insurance for o in rows)
+        unexpected = sum(o.result == "fallback" and not o.case.may_fall_back for o in rows)
         lines.append(f"| {kind} | {len(rows)} | {count['exact']} | {count['resized']} | {count['fallback']} | "
                      f"{unexpected} | {count['stopped']} | {count['FAILED']} | "
                      + (f"{statistics.median(det):.2f} / {max(det):.2f}" if det else "-") + " | "
@@ -663,18 +684,25 @@ def summarize(outcomes: Sequence[Outcome]) -> str:
 
 def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0, base: Path | None = None,
                  inprocess_spares: int | None = None, report_dir: Path | None = None,
-                 faults: list[dict[str, Any]] | None = None, elastic: bool = False) -> Path:
+                 faults: list[dict[str, Any]] | None = None, elastic: bool = False, stuck: bool = False) -> Path:
     """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
     middle of streaming leaves a replica really half written. ``base``: that section as written before (the
     campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares),
     ``report_dir`` (where the recovery timeline goes), ``faults`` (``fault_injection.faults``: the faults the recipe
-    injects itself) and ``elastic`` (``elastic.enabled``)."""
+    injects itself), ``elastic`` (``elastic.enabled``) and ``stuck`` (the hang and abort bounds of the CPU job files,
+    ``detector.hang_timeout_s`` 3 s and ``inprocess.abort_timeout_s`` 10 s, for a stuck training thread)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = base.read_text() if base is not None else (
         f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
         "  store:\n    cleanup_on_success: true\n  transport:\n    chunk_mb: 0.0625\n")
+    if stuck:
+        if "  detector:\n" not in text:
+            raise ValueError("write_config: stuck=True needs the campaign's detector section in base")
+        text = text.replace("  detector:\n", "  detector:\n    hang_timeout_s: 3.0\n", 1)
     if inprocess_spares is not None:
         text += f"  inprocess:\n    enabled: true\n    spares: {inprocess_spares}\n"
+        if stuck:
+            text += "    abort_timeout_s: 10.0\n"
     if report_dir is not None:
         text += f"  report:\n    dir: {json.dumps(str(report_dir))}\n"
     if faults:
@@ -744,8 +772,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--insurance-every", type=int, default=2,
                     help="megatron-core distributed checkpoint every N steps in every run (the insurance)")
     ap.add_argument("--insurance-where-needed", action="store_true",
-                    help="write the insurance only in the cases no in-memory version can cover (the failure-free runs "
-                         "and every other case run without it, and then fail where they would fall back): a "
+                    help="write the insurance only in the cases no in-memory version can cover, or may not by timing "
+                         "(the failure-free runs and every other case run without it, and then fail where they would "
+                         "fall back): a "
                          "dist_checkpointing save costs ~3 s here, a third of a case")
     ap.add_argument("--only", default="",
                     help="comma-separated case numbers (from 1) of the draw to run, the others skipped: reproduces "
@@ -803,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"campaign: the failure-free run failed (exit {rc}); see {out / 'torchrun.log'}", file=sys.stderr)
             return 1
     for case in todo:
-        insure = args.insurance_every if case.needs_insurance or not args.insurance_where_needed else 0
+        insure = args.insurance_every if case.may_fall_back or not args.insurance_where_needed else 0
         o = run_case(case, base=bases[case.flavour], work=work, steps=args.steps, config=config,
                      insurance_every=insure)
         outcomes.append(o)

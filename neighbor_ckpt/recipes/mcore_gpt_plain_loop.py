@@ -17,7 +17,8 @@ checkpointer). Fault injection for demos and tests, first attempt only: ``--kill
 ranks, ``--kill-phase`` says where in the step: ``forward``, ``backward`` (when the first gradient is computed),
 ``optimizer`` (inside the optimizer step, after the wait point; the default), ``copy`` (the snapshot of STEP half
 copied into its slot) or ``stream`` (that snapshot half streamed to the ring successor); ``--kill-signal
-SIGKILL|SIGSTOP`` whether it dies or hangs (``<out>/fault.json`` records when). On the restart, ``--replace-store``
+SIGKILL|SIGSTOP|block`` whether it dies, hangs, or its training thread blocks in a C call while its heartbeat goes
+on (``<out>/fault.json`` records when). On the restart, ``--replace-store``
 gives the victims empty host stores (replaced nodes), ``--damage bitflip|truncate|header`` damages their newest own
 snapshot (``--damage-seed``: a random bit), and ``--kill-recovery RANK`` SIGKILLs that rank while it loads the
 restored state (needs ``--max-restarts 2``); ``--misplace-data-on-restart`` makes a restarted attempt read other
@@ -79,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill", default=None, metavar="RANK[,RANK]:STEP",
                     help="signal these ranks at STEP (first attempt only)")
     ap.add_argument("--kill-phase", choices=("forward", "backward", "optimizer", "copy", "stream"), default="optimizer")
-    ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP"), default="SIGKILL")
+    ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP", "block"), default="SIGKILL",
+                    help="SIGKILL: the rank dies; SIGSTOP: it hangs, heartbeat included; block: its training thread "
+                         "blocks in a C call while its other threads (the heartbeat) go on")
     ap.add_argument("--kill-permanent", action="store_true",
                     help="the victim's node is gone: its launcher agent (the parent process) is killed with it")
     ap.add_argument("--replace-store", action="store_true", help="the killed rank restarts with an empty host store")
@@ -513,7 +516,8 @@ def _parse_kill(spec: str | None) -> tuple[frozenset[int], int]:
 
 def fault(rec: Recorder, args: argparse.Namespace, phase: str, signal_name: str | None = None) -> None:
     """Fault injection: record when (``fault.json``; ``fault.recovery.json`` for a kill during recovery), then
-    SIGKILL (dies) or SIGSTOP (hangs) this process."""
+    SIGKILL (dies) or SIGSTOP (hangs) this process, or block the calling thread in a C call (``block``: the GIL
+    released, the process's other threads go on)."""
     victims, step = _parse_kill(args.kill)
     sig = signal_name or args.kill_signal
     name = "fault.recovery.json" if phase == "recovery" else \
@@ -526,6 +530,11 @@ def fault(rec: Recorder, args: argparse.Namespace, phase: str, signal_name: str 
         from neighbor_ckpt.runtime.failpoints import lose_node
 
         lose_node()
+    if sig == "block":
+        import ctypes
+
+        ctypes.CDLL(None).sleep(3600)
+        return
     os.kill(os.getpid(), getattr(signal, sig))
 
 

@@ -59,8 +59,9 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
         case = campaign.Case(**o["case"])
         # Only the cases no in-memory version can cover may fall back, and they must say so (and then train what the
         # failure-free run resumed from the same insurance checkpoint trains, bit for bit); a shrink keeps the global
-        # batch; a restart on misplaced data stops at the replayed step.
-        assert o["result"] == case.expected, o
+        # batch; a restart on misplaced data stops at the replayed step. A kill during the recovery after a kill
+        # before the wait point may leave one version too few (timing): it may fall back then, never fail.
+        assert o["result"] in case.acceptable, o
     by_kind = {o["case"]["kind"]: o for o in outcomes}
 
     hang = by_kind["hang"]

@@ -79,6 +79,18 @@ def test_only_store_losses_on_both_ends_of_a_ring_edge_or_replicated_state_torn_
     assert not dataclasses.replace(recovery_kill, dist_opt=True).needs_insurance
 
 
+def test_a_kill_during_recovery_after_a_kill_before_the_wait_point_may_fall_back_and_gets_insurance() -> None:
+    # The victim dies in step 4's forward pass, maybe before its snapshot of step 3 committed: then only iteration 2
+    # is complete, the restart restores it, the second kill forbids it, and only the insurance is left (CI, 2026-11-26).
+    c = Case(index=0, kind="kill-in-recovery", rank=2, step=4, dist_opt=True, phase="forward", recovery_rank=3)
+    assert c.may_fall_back and not c.needs_insurance and c.acceptable == ("exact", "fallback")
+    table = summarize([Outcome(c, "fallback")])
+    row = [x.strip() for x in table.splitlines()[2].split("|")[2:-1]]
+    assert row[3:5] == ["1", "0"], "a fallback the timing allows is not unexpected"
+    plain = Case(index=1, kind="kill-forward", rank=2, step=4, dist_opt=True, phase="forward")
+    assert not plain.may_fall_back and plain.acceptable == ("exact",)
+
+
 def test_a_kill_during_recovery_gets_a_second_restart_and_an_older_version_to_go_back_to() -> None:
     cases = [c for c in draw_cases(160, 5, steps=6) if c.kind == "kill-in-recovery"]
     assert cases and all(c.max_restarts == 2 and c.recovery_rank is not None and c.step >= 2 for c in cases)
@@ -257,6 +269,18 @@ def test_a_shrink_loses_a_node_for_good_without_a_spare_on_a_fixed_global_batch_
                                                     faults=c.planned_faults, elastic=True))
     assert cfg.elastic.enabled and cfg.inprocess.spares == 0
     assert [(f.rank, f.step, f.permanent) for f in cfg.fault_injection.planned()] == [(c.rank, c.step, True)]
+
+
+def test_a_stuck_training_thread_in_process_is_blocked_in_a_c_call_under_the_cpu_files_hang_bounds(
+        tmp_path: Path) -> None:
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    c = next(c for c in draw_cases(2 * len(KINDS), 3, steps=8) if c.kind == "inproc-stuck")
+    assert c.inprocess and c.spares == SPARES and c.expected == "exact" and c.flavour == (True, 1, False)
+    assert c.recipe_args() == ["--kill", f"{c.rank}:{c.step}", "--kill-phase", "optimizer", "--kill-signal", "block"]
+    cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / "c.yaml", base=write_config(tmp_path / "base.yaml"),
+                                                    inprocess_spares=c.spares, stuck=True))
+    assert (cfg.detector.hang_timeout_s, cfg.detector.timeout_s, cfg.inprocess.abort_timeout_s) == (3.0, 3.0, 10.0)
 
 
 def test_a_restart_on_misplaced_data_must_end_in_the_data_checks_stop() -> None:
