@@ -41,6 +41,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """A port ``p`` such that ``p .. p + count - 1`` can all be bound now, on every interface (the Slurm script's
+    store host listens on the rendezvous port + 1: a free port alone left the next one to chance, and a gloo
+    connection's ephemeral port took it once in CI)."""
+    for _ in range(200):
+        base = free_port()
+        if base + count - 1 > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
 @dataclass
 class RunResult:
     """What a torchrun job left behind."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Baselines, RunResult, assert_same_training, free_port, job_env, run_logged
+from tests.conftest import REPO, Baselines, RunResult, assert_same_training, free_ports, job_env, run_logged
 from tests.e2e.slurm_cluster import SlurmCluster
 
 e2e = pytest.mark.e2e
@@ -36,9 +36,10 @@ def sbatch_launch(cluster: SlurmCluster, tmp: Path, *overrides: str, timeout: fl
     returns the job's result (log: the job's ``slurm-<id>.out``), the Slurm job id and the script."""
     tmp.mkdir(parents=True, exist_ok=True)
     run_dir, script, out = tmp / "run", tmp / "job.sbatch", tmp / "run" / "record"
-    # rdzv_port: the script's fixed c10d port would collide with other tests' jobs on this machine
+    # rdzv_port: the script's fixed c10d port would collide with other tests' jobs on this machine; the in-process
+    # script's store host takes the next port
     write = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "launch", str(REPO / "configs" / CONFIG),
-                            *overrides, f"launch.rdzv_port={free_port()}", "--run-dir", str(run_dir), "--record",
+                            *overrides, f"launch.rdzv_port={free_ports(2)}", "--run-dir", str(run_dir), "--record",
                             "--slurm", str(script)], capture_output=True, text=True, cwd=tmp, timeout=300)
     assert write.returncode == 0, write.stdout + write.stderr
     res, job_id = sbatch_wait(cluster, script, tmp, out, run_dir, timeout=timeout, env=job_env(tmp, out, env))
@@ -137,7 +138,7 @@ def test_slurm_script_inprocess_plumbing_with_a_toy_program(slurm_cluster: Slurm
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir(parents=True)
     (tmp_path / "toy.py").write_text(SLURM_TOY)
-    plan = launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS, f"launch.rdzv_port={free_port()}"],
+    plan = launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS, f"launch.rdzv_port={free_ports(2)}"],
                               run_dir=run_dir)
     launch.write_run_dir(plan)
     lines = launch.slurm_script(plan).splitlines()
