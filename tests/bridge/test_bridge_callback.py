@@ -18,10 +18,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Baselines, assert_same_training, recomputed_steps, run_torchrun
+from tests.conftest import REPO, Baselines, RunResult, assert_same_training, recomputed_steps, run_torchrun
 
 STEPS, NPROC, KILL_STEP = 8, 4, 5
 LAYOUTS = {"tp1-dp4": {"TP": 1, "BRIDGE_CKPT_EVERY": 2}, "tp2-dp2": {"TP": 2}}
@@ -58,24 +59,33 @@ def test_bridge_callback_kill_inside_optimizer_step_is_bit_exact(layout: str, ba
         assert "the in-memory version (iteration 4) is newer than Megatron-Bridge's checkpoint" in res.log
 
 
-@pytest.mark.e2e
-def test_adjacent_pair_lost_falls_back_to_bridges_checkpoint_bit_exactly(baseline: Baselines, tmp_path: Path) -> None:
-    """Rank 1 killed in step 5 and both copies of its state lost (its store and its ring successor's, rank 2's,
-    emptied on the restart): no in-memory version is complete, so Bridge's own checkpoint (4 steps: iteration 3),
-    which Bridge loaded, is the insurance, announced; steps 4.. are replayed from it bit for bit (the torch RNG Bridge
-    restored is set again after the data iterators drew from it)."""
-    env = LAYOUTS["tp1-dp4"]
-    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, **env)
-    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, **env,
-                       KILL_RANK=1, KILL_STEP=KILL_STEP, WIPE_RANKS="1,2")
+def _replayed_from_bridges_checkpoint(baseline: Baselines, tmp_path: Path, *, outcome: tuple[str, int],
+                                      **env: Any) -> RunResult:
+    """Rank 1 killed in step 5 of the TP 1 job (Bridge's checkpoint every 2 steps: iteration 3), restarted with
+    ``env``; every rank's recovery ends in ``outcome`` (outcome, iteration) with Bridge's checkpoint winning, and
+    steps 4.. are replayed from it bit for bit against the failure-free run."""
+    layout = LAYOUTS["tp1-dp4"]
+    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, **layout)
+    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, **layout,
+                       KILL_RANK=1, KILL_STEP=KILL_STEP, **env)
     assert res.returncode == 0, res.log[-6000:]
     assert res.killed(), "the kill did not happen"
     assert_same_training(base, res, nranks=NPROC)
     assert recomputed_steps(res) == {KILL_STEP - 1}
     for rank in range(NPROC):
         rep = res.report(rank, 1)
-        assert (rep["outcome"], rep["iteration"], rep["winner"]) == ("insurance", 3, "bridge-checkpoint"), rep
+        assert (rep["outcome"], rep["iteration"], rep["winner"]) == (*outcome, "bridge-checkpoint"), rep
         assert rep["train_state_step"] == 4, rep
+    return res
+
+
+@pytest.mark.e2e
+def test_adjacent_pair_lost_falls_back_to_bridges_checkpoint_bit_exactly(baseline: Baselines, tmp_path: Path) -> None:
+    """Rank 1 killed in step 5 and both copies of its state lost (its store and its ring successor's, rank 2's,
+    emptied on the restart): no in-memory version is complete, so Bridge's own checkpoint (4 steps: iteration 3),
+    which Bridge loaded, is the insurance, announced; steps 4.. are replayed from it bit for bit (the torch RNG Bridge
+    restored is set again after the data iterators drew from it)."""
+    res = _replayed_from_bridges_checkpoint(baseline, tmp_path, outcome=("insurance", 3), WIPE_RANKS="1,2")
     assert "no complete in-memory version: Megatron-Bridge's checkpoint" in res.log
 
 
@@ -90,19 +100,9 @@ def test_a_newer_bridge_checkpoint_is_loaded_over_the_in_memory_version_and_the_
     from the last rank only)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    env = LAYOUTS["tp1-dp4"]
-    base = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, **env)
     tb = tmp_path / "tensorboard"
-    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS, **env,
-                       KILL_RANK=1, KILL_STEP=KILL_STEP, WIPE_RANKS=1, SNAPSHOTS_UNTIL=3, TB_DIR=str(tb))
-    assert res.returncode == 0, res.log[-6000:]
-    assert res.killed(), "the kill did not happen"
-    assert_same_training(base, res, nranks=NPROC)
-    assert recomputed_steps(res) == {KILL_STEP - 1}
-    for rank in range(NPROC):
-        rep = res.report(rank, 1)
-        assert (rep["outcome"], rep["iteration"], rep["winner"]) == ("restored", 2, "bridge-checkpoint"), rep
-        assert rep["train_state_step"] == 4, rep
+    res = _replayed_from_bridges_checkpoint(baseline, tmp_path, outcome=("restored", 2), WIPE_RANKS=1,
+                                            SNAPSHOTS_UNTIL=3, TB_DIR=str(tb))
     assert "Megatron-Bridge's checkpoint" in res.log and \
         "(iteration 3) is newer than the in-memory version (iteration 2): loaded again over it" in res.log
     ours = list(tb.glob("*.neighbor_ckpt"))
