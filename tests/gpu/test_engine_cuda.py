@@ -400,6 +400,17 @@ def test_fp16_scaler_and_staged_buffers_are_copied_without_a_device_sync_and_bef
     engine = make_engine(store, named)
     assert [p.meta.name for p in engine.plan.staged] == ["buffer/bn.running_mean"]
     a = torch.randn(1024, 1024, device="cuda")
+    # CUDA loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default), and loading one at its first launch can wait
+    # for the device: on an H100 (torch 2.11) the scaler's first backoff (iteration 3: its first torch.max) left the
+    # stream idle before snapshot() was called (tools/gpu_probe/sync_probe.py). Launch every kernel of the producers
+    # below once, before the loop, so that only snapshot() is measured.
+    warm = DynamicGradScaler(initial_scale=2.0**16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                             growth_interval=1, hysteresis=1)
+    warm.update(found_inf=True)  # backoff: mul, max
+    warm.update(found_inf=False)  # growth: mul
+    torch.empty_like(bn.running_mean).copy_((a @ a)[0, :64] * 1)
+    del warm
+    torch.cuda.synchronize()
     try:
         for it in range(1, 5):
             torch.cuda.synchronize()
@@ -407,6 +418,7 @@ def test_fp16_scaler_and_staged_buffers_are_copied_without_a_device_sync_and_bef
             # the step's producers, still running when snapshot() returns
             bn.running_mean.copy_((a @ a)[0, :64] * it)
             scaler.update(found_inf=bool(it % 2))  # a new scale tensor computed on the device
+            busy_before = not torch.cuda.current_stream().query()
             engine.snapshot(it, {"grad_scaler": scaler.state_dict()})
             busy = not torch.cuda.current_stream().query()
             want_mean, want_scale = bn.running_mean.clone(), scaler.scale.clone()  # enqueued after the staging
@@ -414,6 +426,8 @@ def test_fp16_scaler_and_staged_buffers_are_copied_without_a_device_sync_and_bef
             scaler._scale.mul_(3.0)
             engine.wait()
             if it > store.versions:
+                assert busy_before, ("the step's producers waited for the device before snapshot() was called (a "
+                                     "kernel loaded at its first launch?): warm it up above, or raise SLEEP_CYCLES")
                 assert busy, "snapshot() waited for the device (or raise SLEEP_CYCLES)"
             torch.cuda.synchronize()
             refs = {r.header.iteration: r for r in store.committed(ROLE_OWN, verify=True)}
