@@ -268,7 +268,8 @@ class DetectorConfig:
 
 FAULT_TARGETS = ("rank", "store_node")
 """What a planned fault kills (``fault_injection.target``): ``rank``, one training process; ``store_node``, the node
-hosting the launch's store (issue 29: accepted in a job file, refused by the injectors until the store fails over)."""
+hosting the store the launch uses at that moment (in-process recovery: the job fails over to the next standby,
+:mod:`neighbor_ckpt.inprocess.stores`)."""
 
 
 @checked("neighbor_ckpt.fault_injection.faults[]")
@@ -283,8 +284,11 @@ class FaultSpec:
     generation (after a spare took a lost rank's place, that rank is the spare)."""
 
     target: Literal["rank", "store_node"] = "rank"
-    """``rank``: the process of rank ``rank``. ``store_node``: the node hosting the launch's store (issue 29; not
-    injected yet: the injectors refuse it, :meth:`FaultInjectionConfig.refuse_unsupported`)."""
+    """``rank``: the process of rank ``rank``. ``store_node``: the node hosting the store in use (in-process recovery
+    only; ``rank`` is not read): with SIGKILL its launcher, the store host it runs and its rank die, at that rank's
+    ``step`` and ``phase``; with SIGSTOP only the store host is stopped (and never resumed: its launcher stops it for
+    good once the job moved to the next store). Injected by ``recipes/mcore_gpt_plain_loop.py``; the other
+    injectors refuse it (:meth:`FaultInjectionConfig.refuse_unsupported`)."""
 
     rank: int = 1
     """The rank that is killed: a rank number of the generation that runs ``step``."""
@@ -312,16 +316,19 @@ class FaultSpec:
         p.at_least("rank", self.rank, 0)
         p.at_least("step", self.step, 0)
 
-    def fires(self, *, rank: int, step: int, phase: str, launch: int, generation: int, start_step: int) -> bool:
+    def fires(self, *, rank: int, step: int, phase: str, launch: int, generation: int, start_step: int,
+              hosts_store: bool = False) -> bool:
         """Whether this fault fires now (pure): rank ``rank`` of in-process generation ``generation`` of launch
-        attempt ``launch`` is in ``phase`` of ``step``, and that generation started (resumed) at ``start_step``.
+        attempt ``launch`` is in ``phase`` of ``step``, and that generation started (resumed) at ``start_step``;
+        ``hosts_store``: that rank's node hosts the store in use (target ``store_node``).
 
         Once per launch: only in the first launch attempt, and, after generation 0, only at a step beyond the one its
         generation resumed at (the steps up to it ran in an earlier generation, which is where this fault fired or
         was passed). So a fault that killed a rank in step 3 does not fire again when the next generation replays
         step 3, and one at step 7 fires in that next generation."""
-        return (launch == 0 and self.target == "rank" and rank == self.rank and step == self.step
-                and phase == self.phase and (generation == 0 or step > start_step))
+        victim = rank == self.rank if self.target == "rank" else hosts_store
+        return (launch == 0 and victim and step == self.step and phase == self.phase
+                and (generation == 0 or step > start_step))
 
     def describe(self) -> str:
         """``SIGKILL of rank 1 in the optimizer phase of step 5``."""
@@ -409,17 +416,18 @@ class FaultInjectionConfig:
         return (FaultSpec(**{k: getattr(self, k) for k in _ONE_FAULT_KEYS if getattr(self, k) is not None}),)
 
     def refuse_unsupported(self, *, phases: tuple[str, ...] = ("forward", "backward", "optimizer"),
-                           where: str = "") -> tuple[FaultSpec, ...]:
+                           where: str = "", store_node: bool = False) -> tuple[FaultSpec, ...]:
         """:meth:`planned`, for an injector: raise :class:`ConfigError` for a fault it cannot inject (a phase
-        outside ``phases``; ``target: store_node``, not implemented yet), naming the key of each."""
+        outside ``phases``; ``target: store_node`` unless ``store_node``: an in-process launch whose injector
+        implements it), naming the key of each."""
         planned = self.planned()
         lines = []
         for i, f in enumerate(planned):
             key = f"neighbor_ckpt.fault_injection.{f'faults[{i}].' if self.faults is not None else ''}"
-            if f.target == "store_node":
-                lines.append(f"{key}target: store_node (issue 29: the node hosting the store) is not implemented "
-                             "yet: the launch's store has no standby to fail over to, so losing its node ends the "
-                             "job; use target: rank")
+            if f.target == "store_node" and not store_node:
+                lines.append(f"{key}target: store_node (the node hosting the store in use) is injected only in "
+                             "process (neighbor_ckpt.inprocess.enabled: true) by recipes/mcore_gpt_plain_loop.py"
+                             f"{where and ', not' + where}; use target: rank")
             if f.phase not in phases:
                 lines.append(f"{key}phase: {f.phase!r} is not injected{where} (phases: {', '.join(phases)})")
         if lines:

@@ -19,7 +19,9 @@ generation that recovered from the first, after it completed a step (two spares;
 goes on at a smaller data-parallel size on the same global batch. ``data-misplaced`` (restart path): the restarted
 attempt reads other samples than before the failure; the data check must stop it at the replayed step, announced.
 ``inproc-stuck``: one rank's training thread blocked in a C call while its heartbeat goes on (only the progress tags
-show it).
+show it). ``inproc-store-node``: node 0 (its launcher, the primary store host it runs and rank 0) SIGKILLed;
+``inproc-store-stop``: the primary store host SIGSTOPped for good: the job fails over to node 1's standby store
+(``fault_injection.target: store_node``).
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 
@@ -113,6 +115,10 @@ class Kind:
     """The restart path (distributed optimizer), and the restarted attempt reads other samples than before the
     failure (a loader that does not resume its position): the data check must stop the job at the replayed step,
     announced."""
+    store_node: bool = False
+    """In process: the fault hits the node hosting the store in use (``fault_injection.target: store_node``): with
+    SIGKILL its launcher, the primary store host and rank 0 die; with SIGSTOP only the store host stops (for good:
+    its launcher stops it once the job moved on). The job fails over to node 1's standby."""
     inprocess: bool = False
     """In-process recovery with a hot spare (the recipe's in-process mode under our per-node launchers); always the
     distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path (the launchers restart
@@ -141,6 +147,8 @@ KIND_SPECS: dict[str, Kind] = {
     "inproc-shrink": Kind(phase="optimizer", tp=1, inprocess=True, shrink=True),
     "data-misplaced": Kind(phase="optimizer", store="kept", misplaced_data=True),
     "inproc-stuck": Kind(signal="block", phase="optimizer", tp=1, inprocess=True),
+    "inproc-store-node": Kind(phase="optimizer", tp=1, inprocess=True, store_node=True),
+    "inproc-store-stop": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True, store_node=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
@@ -251,8 +259,10 @@ class Case:
     def planned_faults(self) -> list[dict[str, Any]] | None:
         """The ``fault_injection.faults`` entries of the case's config (the kinds with several faults or a lost node),
         or None: the recipe's ``--kill`` flags inject it."""
-        if not (self.spec.faults > 1 or self.spec.shrink):
+        if not (self.spec.faults > 1 or self.spec.shrink or self.spec.store_node):
             return None
+        if self.spec.store_node:
+            return [{"target": "store_node", "step": self.step, "phase": self.phase, "signal": self.signal}]
         first = {"rank": self.rank, "step": self.step, "phase": self.phase, "signal": self.signal,
                  "permanent": self.spec.shrink}
         if self.second_rank is None:
@@ -342,6 +352,8 @@ def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequ
                     recovery_rank=recovery_rank, damage_seed=damage_seed)
         if case.needs_insurance or spec.recovery_kill or spec.store != "kept":
             case = dataclasses.replace(case, step=max(step, 2))
+        if spec.store_node:  # node 0 hosts the primary store: its rank is the one lost with it (SIGKILL)
+            case = dataclasses.replace(case, rank=0)
         if spec.faults > 1:  # the second fault after the recovered generation completed a step
             first = min(step, steps - 3)
             case = dataclasses.replace(case, step=first, second_rank=rng.randrange(world),
@@ -385,18 +397,18 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
 
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
-                  store_port: int, max_restarts: int, insurance_every: int = 0, spares: int = SPARES):  # noqa: ANN201
-    """The store host and per-node launcher commands of an in-process case (nothing runs): ``WORLD`` active
+                  store_port: "int | list[int]", max_restarts: int, insurance_every: int = 0,
+                  spares: int = SPARES):  # noqa: ANN201
+    """The per-node launcher commands (each hosting one of the stores) of an in-process case (nothing runs): ``WORLD`` active
     ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store root per
     simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
     ``neighbor-ckpt launch`` builds its own."""
     from neighbor_ckpt.cli.launch import inprocess_commands
 
     program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
-               "--insurance-every", str(insurance_every), "--inprocess-store", f"127.0.0.1:{store_port}", *args]
+               "--insurance-every", str(insurance_every), *args]
     return inprocess_commands(program, active=WORLD, spares=spares, max_restarts=max_restarts, run_id=job_id,
-                              store_port=store_port, store_root=store,
-                              store_ready=out / "store_host.ready", parent=os.getpid())
+                              store_port=store_port, store_root=store)
 
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
@@ -404,19 +416,19 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
     """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
     in ``launch.log``. Returns (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses,
     -999 past ``timeout``; the log)."""
-    from neighbor_ckpt.cli.launch import run_inprocess
+    from neighbor_ckpt.cli.launch import free_ports, run_inprocess
     from neighbor_ckpt.errors import ConfigError
 
     out.mkdir(parents=True, exist_ok=True)
     procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
-                          store_port=_free_port(), max_restarts=max_restarts, spares=spares)
+                          store_port=free_ports(WORLD + spares), max_restarts=max_restarts, spares=spares)
     tag = new_run_tag()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic
     log = out / "launch.log"
     with open(log, "w") as f:
         try:
-            rc = run_inprocess(procs, ready=out / "store_host.ready", env=env, timeout=timeout, stdout=f,
+            rc = run_inprocess(procs, env=env, timeout=timeout, stdout=f,
                                stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
             rc = -999

@@ -4,8 +4,9 @@ With ``neighbor_ckpt.inprocess.enabled`` the job runs ``devices x nodes + spares
 launcher instead (``python -m neighbor_ckpt.inprocess.launcher``, :mod:`neighbor_ckpt.inprocess.launcher`): one
 launcher per (simulated) node, which keeps its processes running when another one dies (plain torchrun stops its
 whole local worker group), declares a dead process to the survivors through the store and kills the processes a
-detector lists as dead; plus the TCP store in a process of its own (``python -m neighbor_ckpt.inprocess.store_host``),
-which every process's engine, the per-generation process groups and the launchers use. Each simulated node gets its
+detector lists as dead; and each runs a TCP store host beside it (``python -m neighbor_ckpt.inprocess.store_host``):
+the first node's is the store every process's engine, the per-generation process groups and the launchers use, the
+others hot standbys the job fails over to when it is lost (:mod:`neighbor_ckpt.inprocess.stores`). Each simulated node gets its
 own host store directory (``<store dir>/node<i>``) and node id, as on a cluster, so a spare that replaces a lost rank
 starts with an empty store and pulls that rank's state from its ring successor. When in-process recovery gives up,
 every process exits 75 and the launchers restart the job together (``launch.max_restarts``): the restart path.
@@ -42,7 +43,7 @@ from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
-           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "LAUNCHER",
+           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "LAUNCHER", "free_ports",
            "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
 
 RECIPE = RECIPES_DIR / "nemo_pretrain.py"
@@ -147,10 +148,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _recipe_args(plan: LaunchPlan, *, inprocess_store: str | None = None) -> list[str]:
+def _recipe_args(plan: LaunchPlan) -> list[str]:
     args = [str(plan.recipe), "--config", str(plan.run_dir / "config.yaml"), "--run-dir", str(plan.run_dir)]
-    if inprocess_store is not None:
-        args += ["--inprocess-store", inprocess_store]
     return args + (["--record"] if plan.record else [])
 
 
@@ -166,67 +165,84 @@ def describe(plan: LaunchPlan) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InprocessProcesses:
-    """The processes of an in-process launch on this machine (pure data): the store host, then one launcher
-    (``python -m neighbor_ckpt.inprocess.launcher``) per simulated node, each with its own environment additions."""
+    """The processes of an in-process launch on this machine (pure data): one launcher
+    (``python -m neighbor_ckpt.inprocess.launcher``) per simulated node, each with its own environment additions;
+    each launcher also hosts one of the launch's stores (``stores``: node ``i`` the ``i``-th; store 0 is the
+    primary, the others hot standbys, :mod:`neighbor_ckpt.inprocess.stores`)."""
 
-    store: tuple[str, ...]
-    """The store host's command line."""
+    stores: str
+    """The store list every launcher and process gets (``host:port,host:port,...``)."""
 
     agents: tuple[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], ...]
     """Per simulated node ``i``, its launcher: (command line, environment additions)."""
 
 
-def inprocess_processes(plan: LaunchPlan, *, store_port: int, store_root: Path,
-                        store_ready: Path | None = None, parent: int | None = None,
+def _store_ports(store_port: int | Sequence[int], n: int) -> list[int]:
+    ports = list(range(store_port, store_port + n)) if isinstance(store_port, int) else list(store_port)
+    if len(ports) < n or len(set(ports[:n])) < n:
+        raise ConfigError(f"in-process launch: {n} distinct store ports needed, got {ports}")
+    return ports[:n]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now on this machine (a store per simulated node)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = _free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], store_root: Path,
                         host: str = "127.0.0.1") -> InprocessProcesses:
-    """Store host + one launcher per process for a single-machine in-process launch: ``plan.processes`` simulated
-    nodes ``node<i>`` with one process each (process ``i``, its own host store ``<store_root>/node<i>``), as on a
-    cluster where a lost node takes its host store with it. The launchers keep their processes running when another
-    dies and restart the job together when in-process recovery gives up (``launch.max_restarts``), see
+    """One launcher per process for a single-machine in-process launch: ``plan.processes`` simulated nodes
+    ``node<i>`` with one process each (process ``i``, its own host store ``<store_root>/node<i>``, its own store
+    host on ``store_port[i]``; an int: ``store_port + i``), as on a cluster where a lost node takes its host store
+    and its store host with it. The launchers keep their processes running when another dies and restart the job
+    together when in-process recovery gives up (``launch.max_restarts``), see
     :mod:`neighbor_ckpt.inprocess.launcher`.
     """
     if not plan.inprocess:
         raise ConfigError("inprocess_processes: the job does not enable neighbor_ckpt.inprocess")
-    return inprocess_commands(_recipe_args(plan, inprocess_store=f"{host}:{store_port}"),
-                              active=plan.job.world_size, spares=plan.spares,
+    return inprocess_commands(_recipe_args(plan), active=plan.job.world_size, spares=plan.spares,
                               max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
-                              store_root=store_root, store_ready=store_ready,
-                              parent=parent, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back)
+                              store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back)
 
 
 def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
-                       store_port: int, store_root: Path, store_ready: Path | None = None,
-                       parent: int | None = None, host: str = "127.0.0.1",
+                       store_port: int | Sequence[int], store_root: Path, host: str = "127.0.0.1",
                        grow_back: bool = False) -> InprocessProcesses:
-    """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments, the store
-    host's ``--inprocess-store`` included): ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault
-    campaign the plain megatron-core loop."""
-    store = [sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host", host, "--port", str(store_port)]
-    if parent is not None:
-        store += ["--parent", str(parent)]
-    if store_ready is not None:
-        store += ["--ready", str(store_ready)]
+    """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments):
+    ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop."""
     processes = active + spares
+    stores = ",".join(f"{host}:{p}" for p in _store_ports(store_port, processes))
     options, worker = worker_program(program)
-    agents = tuple((tuple(launcher_command(worker, options=options, store=f"{host}:{store_port}", run_id=run_id,
+    agents = tuple((tuple(launcher_command(worker, options=options, store=stores, run_id=run_id,
                                            node=f"node{i}", first=str(i), count="1", processes=processes,
                                            spares=spares, max_restarts=max_restarts, nodes=processes,
-                                           store_root=str(store_root), grow_back=grow_back)),
+                                           store_root=str(store_root), grow_back=grow_back, host_store=str(i),
+                                           store_listen=host)),
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                      ("TORCH_CPP_LOG_LEVEL", "error")))
                    for i in range(processes))
-    return InprocessProcesses(store=tuple(store), agents=agents)
+    return InprocessProcesses(stores=stores, agents=agents)
 
 
 def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), store: str, run_id: str, node: str,
                      first: str, count: str, processes: int, spares: int, max_restarts: int, nodes: int,
-                     store_root: str | None, grow_back: bool = False) -> list[str]:
-    """One node's launcher command line (``first``/``count``/``node``/``store_root`` are text: the Slurm script
-    passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
+                     store_root: str | None, grow_back: bool = False, host_store: str | None = None,
+                     store_listen: str | None = None) -> list[str]:
+    """One node's launcher command line (``first``/``count``/``node``/``store_root``/``host_store`` are text: the
+    Slurm script passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
     cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
            "--count", count, "--processes", str(processes), "--spares", str(spares),
            "--max-restarts", str(max_restarts), "--nodes", str(nodes)]
+    if host_store is not None:
+        cmd += ["--host-store", host_store]
+    if store_listen is not None:
+        cmd += ["--store-listen", store_listen]
     if store_root is not None:
         cmd += ["--store-root", store_root]
     if grow_back:
@@ -282,10 +298,6 @@ def _sbatch_header(plan: LaunchPlan, opts: list[str]) -> list[str]:
             "# Generated by `neighbor-ckpt launch --slurm`; the job file was validated when this was written."]
 
 
-_HEAD = "@HEAD_NODE@"
-"""Stands for the first node's name in :func:`inprocess_processes`' command line until the script expands it."""
-
-
 def _slurm_script_inprocess(plan: LaunchPlan) -> str:
     """In-process recovery under Slurm: one ``srun --kill-on-bad-exit=0`` task per node, each running our
     launcher (:mod:`neighbor_ckpt.inprocess.launcher`) with that node's processes: ``--first
@@ -295,8 +307,9 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
     spares and all of a node's GPUs per task (``LOCAL_RANK`` picks one); the node id is the host name and the
     node's processes share its host store directory. On a one-node CPU job (the tiny presets) every process is a
     simulated node, as ``neighbor-ckpt launch`` does on one machine: one task per process (``--overcommit``), node
-    id ``node<task>``, host store ``<store dir>/node<task>``, so a spare starts with an empty store. The store host
-    runs in the batch script on the first node (``launch.rdzv_port + 1``) and exits with it."""
+    id ``node<task>``, host store ``<store dir>/node<task>``, so a spare starts with an empty store. Every launcher
+    hosts one of the launch's stores (:mod:`neighbor_ckpt.inprocess.stores`): the first node's is the primary, the
+    others hot standbys, each on ``launch.rdzv_port + 1`` of its node (simulated nodes: ``+ 1 + task``)."""
     job, lc = plan.job, plan.job.launch
     t = job.trainer
     n = plan.processes
@@ -316,30 +329,32 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
                  'export NEIGHBOR_CKPT_STORE_DIR="$STORE_ROOT"   # the node\'s processes share its host store']
         store_root = None
     store_port = lc.rdzv_port + 1
-    options, worker = worker_program(_recipe_args(plan, inprocess_store=f"{_HEAD}:{store_port}"))
-    cmd = launcher_command(worker, options=options, store=f"{_HEAD}:{store_port}", run_id=plan.run_id,
+    options, worker = worker_program(_recipe_args(plan))
+    cmd = launcher_command(worker, options=options, store="@STORES@", run_id=plan.run_id,
                            node="@NODE@", first="@FIRST@", count="@COUNT@", processes=n, spares=plan.spares,
                            max_restarts=lc.max_restarts, nodes=nodes, store_root=store_root,
-                           grow_back=plan.job.neighbor_ckpt.inprocess.grow_back)
-    launcher = shlex.join(cmd).replace(_HEAD, "${HEAD_NODE}")
+                           grow_back=plan.job.neighbor_ckpt.inprocess.grow_back, host_store="@HOSTIDX@")
+    launcher = shlex.join(cmd)
     for token, var in (("@NODE@", '"$NODE"'), ("@FIRST@", '"$FIRST"'), ("@COUNT@", '"$COUNT"'),
-                       ("@STORE_ROOT@", '"$STORE_ROOT"')):
+                       ("@STORE_ROOT@", '"$STORE_ROOT"'), ("@STORES@", '"$STORES"'), ("@HOSTIDX@", '"$HOSTIDX"')):
         launcher = launcher.replace(token, var)
-    ready = shlex.quote(str(plan.run_dir / "store_host.ready"))
+    if simulated:  # every task on the first node: one port each
+        stores = [f'export STORES=$(for i in $(seq 0 {n - 1}); do printf "%s${{HEAD_NODE}}:$(({store_port} + i))" '
+                  '"$([ $i -gt 0 ] && echo ,)"; done)']
+        where = [*where, "HOSTIDX=$SLURM_PROCID"]
+    else:  # every node hosts one on the same port
+        stores = [f'export STORES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
+                  f"awk -v p={store_port} 'BEGIN {{ ORS = \"\" }} {{ printf \"%s%s:%d\", (NR > 1 ? \",\" : \"\"), $1, p }}')"]
+        where = [*where, "HOSTIDX=$SLURM_NODEID"]
     task = shlex.quote(str(plan.run_dir / "inprocess_task.sh"))
-    py = shlex.quote(sys.executable)
     default_root = shlex.quote(job.neighbor_ckpt.store.dir)
     lines = [*_sbatch_header(plan, opts),
              f"# In-process recovery: {job.world_size} ranks + {plan.spares} hot spare(s) = {n} processes, "
-             f"{nodes} launcher(s) (python -m {LAUNCHER}).",
+             f"{nodes} launcher(s) (python -m {LAUNCHER}), each hosting one of the {nodes} store(s) (the first "
+             "node's is the primary, the others hot standbys).",
              'export HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              f'export STORE_ROOT="${{NEIGHBOR_CKPT_STORE_DIR:-{default_root}}}"',
-             f"rm -f {ready}",
-             f"{py} -m neighbor_ckpt.inprocess.store_host --port {store_port} --parent $$ --ready {ready} &",
-             "STORE_PID=$!",
-             f"for _ in $(seq 600); do [ -f {ready} ] && break; "
-             "kill -0 $STORE_PID 2>/dev/null || { echo 'store host exited' >&2; exit 1; }; sleep 0.1; done",
-             f"[ -f {ready} ] || {{ echo 'store host did not listen within 60 s' >&2; exit 1; }}",
+             *stores,
              f"cat > {task} <<'TASK'",
              "#!/bin/bash",
              "# one task = one node's launcher" + (" (one simulated node per process)" if simulated else ""),
@@ -348,10 +363,8 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
              f"exec {launcher}",
              "TASK",
              f"chmod +x {task}",
-             "rc=0",
-             f"srun --kill-on-bad-exit=0 {task} || rc=$?",
-             "kill $STORE_PID 2>/dev/null || true",
-             "exit $rc", ""]
+             f"srun --kill-on-bad-exit=0 {task}",
+             ""]
     return "\n".join(lines)
 
 
@@ -380,13 +393,10 @@ def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
 
 
 def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
-    """Start the store host, wait until it listens, start one launcher per simulated node, wait for all of them."""
-    ready = plan.run_dir / "store_host.ready"
-    ready.unlink(missing_ok=True)
+    """Start one launcher per simulated node (each hosting one of the stores), wait for all of them."""
     root = Path(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-    procs = inprocess_processes(plan, store_port=_free_port(), store_root=root, store_ready=ready,
-                                parent=os.getpid())
-    return run_inprocess(procs, ready=ready, **kw)
+    procs = inprocess_processes(plan, store_port=free_ports(plan.processes), store_root=root)
+    return run_inprocess(procs, **kw)
 
 
 def launch_status(codes: Sequence[int]) -> int:
@@ -403,36 +413,25 @@ def launch_status(codes: Sequence[int]) -> int:
     return max(codes, key=abs)
 
 
-def run_inprocess(procs: InprocessProcesses, *, ready: Path, env: dict[str, str] | None = None,
+def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = None,
                   timeout: float | None = None, **kw: Any) -> int:
-    """Start the store host of ``procs``, wait until it listens (``ready`` exists), start the launchers
-    (environment: ``env`` or this process's, plus each one's additions), wait for all of them; returns
-    :func:`launch_status` of their exit statuses. ``timeout``: seconds for the launchers, then
-    :class:`subprocess.TimeoutExpired`; every process still running is stopped on the way out (a launcher stops its
-    own processes when it is terminated)."""
-    ready.unlink(missing_ok=True)
+    """Start the launchers of ``procs`` (environment: ``env`` or this process's, plus each one's additions), wait
+    for all of them; returns :func:`launch_status` of their exit statuses. ``timeout``: seconds for the launchers,
+    then :class:`subprocess.TimeoutExpired`; every launcher still running is stopped on the way out (a launcher
+    stops its own processes and its store host when it is terminated)."""
     base = dict(os.environ if env is None else env)
-    store = subprocess.Popen(list(procs.store), env=base, **kw)
     agents: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if store.poll() is not None:
-                raise ConfigError(f"the in-process store host exited with status {store.returncode} before it "
-                                  f"listened (its output is in the launch log)")
-            if time.monotonic() > deadline:
-                raise ConfigError("the in-process store host did not listen within 120 s")
-            time.sleep(0.05)
         for cmd, extra in procs.agents:
             agents.append(subprocess.Popen(list(cmd), env={**base, **dict(extra)}, **kw))
         end = None if timeout is None else time.monotonic() + timeout
         codes = [a.wait(timeout=None if end is None else max(0.0, end - time.monotonic())) for a in agents]
         return launch_status(codes)
     finally:
-        for p in [*agents, store]:
+        for p in agents:
             if p.poll() is None:
                 p.terminate()
-        for p in [*agents, store]:
+        for p in agents:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:

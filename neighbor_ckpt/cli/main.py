@@ -96,7 +96,6 @@ def _launch(args: argparse.Namespace) -> int:
         if plan.inprocess:
             procs = launch.inprocess_processes(plan, store_port=29650,
                                                store_root=Path(plan.job.neighbor_ckpt.store.dir))
-            print(" ".join(procs.store) + " &")
             for cmd, env in procs.agents:
                 print(" ".join([*(f"{k}={v}" for k, v in env), *cmd]) + " &")
             return 0

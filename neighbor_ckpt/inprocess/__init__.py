@@ -17,7 +17,8 @@ is empty: it pulls the lost rank's unique state from the ring successor).
 * :mod:`~neighbor_ckpt.inprocess.hygiene` — is a process clean after a failed generation;
 * :mod:`~neighbor_ckpt.inprocess.launcher` — one launcher per node: starts ranks and spares, never kills survivors,
   reports exits, kills the ranks the detector declared dead, restarts the job when in-process recovery gives up;
-* :mod:`~neighbor_ckpt.inprocess.store_host` — the store in a long-lived process of its own;
+* :mod:`~neighbor_ckpt.inprocess.store_host` — a store in a process of its own (every launcher runs one);
+* :mod:`~neighbor_ckpt.inprocess.stores` — the primary and its standbys, bounded operations, the failover and fencing;
 * :mod:`~neighbor_ckpt.inprocess.protocol` — the keys, environment and exit statuses they share.
 
 May import: the checkpointer and everything below it, :mod:`megatron_patches`; never the framework glue

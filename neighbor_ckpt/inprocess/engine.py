@@ -65,8 +65,9 @@ from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
 from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationFailure, GenerationStore, Members,
-                                                gate)
+                                                QuorumLost, gate)
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
+from neighbor_ckpt.inprocess.stores import CLIENT_THREAD, StoreAddresses, StoreSet, StoresLost
 from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
 from neighbor_ckpt.runtime.procs import flush_logs, stall_report
@@ -85,7 +86,11 @@ PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
 HYGIENE_TRIES = 4
 """Looks at the process's threads after a failed generation, 0.5 s apart, before it is declared not clean."""
 
-LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener",
+STORE_TIMEOUT_MIN_S = 3.0
+"""The least time a store operation may go unanswered before the store counts as lost (twice
+``detector.timeout_s`` when that is longer)."""
+
+LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener", CLIENT_THREAD,
                     "neighbor_ckpt-abort-watchdog", "neighbor_ckpt-spare-slot", "neighbor-ckpt-prefault-",
                     "TMonitor", "tqdm_monitor")
 """Threads that may outlive a generation: the engine's own (a spare's slot preparation included), tqdm's
@@ -152,12 +157,10 @@ class InprocessRecovery:
         if not self.detector.enabled:
             raise ConfigError("neighbor_ckpt.detector.enabled: false with neighbor_ckpt.inprocess.enabled: the "
                               "detector is what notices a dead, stopped or stuck rank in process; turn it on")
-        if store is not None:
-            store_host, store_port = parse_store_address(store, "--inprocess-store")
-        if store_host is None or store_port is None:
-            host, port = parse_store_address(env.get(protocol.ENV_STORE, ""), f"{protocol.ENV_STORE} (our launcher sets it)")
-            store_host, store_port = store_host or host, store_port or port
-        self.store_host, self.store_port = store_host, int(store_port)
+        if store is None and store_host is not None and store_port is not None:
+            store = f"{store_host}:{store_port}"
+        what = "--inprocess-store" if store is not None else f"{protocol.ENV_STORE} (our launcher sets it)"
+        self.store_list = StoreAddresses.parse(store if store is not None else env.get(protocol.ENV_STORE, ""), what)
         self.world_size = int(world_size if world_size is not None else env.get(protocol.ENV_PROCESSES, "1"))
         if spares is None:
             spares = int(env.get(protocol.ENV_SPARES, "0"))
@@ -172,6 +175,13 @@ class InprocessRecovery:
         self.run_id = run_id or env.get(protocol.ENV_RUN_ID) or env.get("NEIGHBOR_CKPT_JOB_ID") or "job"
         self.launch = launcher_restart_count()
         self.prefix = protocol.launch_prefix(self.run_id, self.launch)
+        self.stores = StoreSet(self.store_list, run_id=self.run_id, epoch=int(env.get(protocol.ENV_STORE_EPOCH, "0")),
+                               timeout_s=max(2 * self.detector.timeout_s, STORE_TIMEOUT_MIN_S),
+                               connect_timeout_s=self._barrier_timeout(),
+                               name=f"process {env.get(protocol.ENV_PROCESS, '0')}")
+        """The launch's stores (primary and standbys) and the failover between them
+        (:mod:`neighbor_ckpt.inprocess.stores`)."""
+        self.stores.on_failover(self._on_store_failover)
         self.elastic = elastic
         self.initial_rank = int(env.get(protocol.ENV_PROCESS, "0"))
         self.process = self.initial_rank
@@ -185,6 +195,13 @@ class InprocessRecovery:
         self._lock = threading.Lock()
         self._cleanups: list[Callable[[], None]] = []
         self._stores: dict[str, Any] = {}
+        self._raw: dict[tuple[str, int], Any] = {}
+        self._main_gens: Optional[GenerationStore] = None
+        self._members_record: Optional[Members] = None
+        self._progressed: set[int] = set()
+        self._joining: Optional[int] = None
+        self._my_listeners: Optional[tuple[int, str]] = None
+        self._peer_cache: dict[int, tuple[int, frozenset[Any]]] = {}
         self._generation = 0
         self._members: frozenset[int] = frozenset()
         self._assignment: Optional[Assignment] = None
@@ -228,21 +245,80 @@ class InprocessRecovery:
 
     # -- the store ---------------------------------------------------------------------------------------------
 
+    @property
+    def store_host(self) -> str:
+        """The current store's host (it changes with a failover)."""
+        return self.stores.address()[0]
+
+    @property
+    def store_port(self) -> int:
+        return self.stores.address()[1]
+
     def _store(self, name: str) -> Any:
-        """A store client of its own for ``name`` (``main``, ``monitor``: one connection per thread), under the
-        launch prefix."""
+        """The store for thread ``name`` (``main``, ``monitor``, ``listener``, ``stall``: one client per thread that
+        may block), under the launch prefix: every operation bounded and failed over
+        (:class:`~neighbor_ckpt.inprocess.stores.StoreSet`)."""
         if name not in self._stores:
-            base = dist.TCPStore(self.store_host, self.store_port, is_master=False, wait_for_workers=False,
-                                 use_libuv=True, timeout=timedelta(seconds=self._barrier_timeout()))
-            self._stores[name] = dist.PrefixStore(self.prefix, base)
+            self._stores[name] = self.stores.view(name, self.prefix)
         return self._stores[name]
+
+    def _raw_store(self, name: str) -> Any:
+        """A torch store client of the current store under the launch prefix, for what torch itself drives (the
+        process groups' rendezvous, the application's keys): a new one after a failover."""
+        key_ = (name, self.stores.epoch)
+        if key_ not in self._raw:
+            host, port = self.stores.address()
+            base = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, use_libuv=True,
+                                 timeout=timedelta(seconds=self._barrier_timeout()))
+            self._raw[key_] = dist.PrefixStore(self.prefix, base)
+        return self._raw[key_]
 
     def _barrier_timeout(self) -> float:
         return float(getattr(self.config, "barrier_timeout_s", 300.0))
 
     def app_store(self) -> Any:
-        """This process's client of the launch's store, under ``app/`` (for the application's own keys)."""
-        return dist.PrefixStore("app/", self._store("main"))
+        """This process's client of the launch's store, under ``app/`` (for the application's own keys; the current
+        store: ask again after a failover)."""
+        return dist.PrefixStore("app/", self._raw_store("app"))
+
+    def _on_store_failover(self, old: int, new: int, why: str) -> None:
+        """The store moved (:meth:`StoreSet.lost` or ``follow_newer``, on the thread that saw it): write again, from
+        this process's memory, what the new store must know for the next generation to form (see
+        :mod:`neighbor_ckpt.inprocess.stores`), record the current generation's failure (kind ``store``) unless it
+        has one, and listen for failures on the new store (the old listener may be blocked on the lost one)."""
+        self.event("store_failover")
+        gens = GenerationStore(self._store("failover"), process=self.process)
+        s = gens.store
+        s.set(protocol.key("proc", self.process), _proc_info())
+        gens.announce_ready()
+        dead: dict[int, str] = {}
+        for g in (self._main_gens, self._monitor_gens, getattr(self._listener, "gens", None)):
+            if g is not None:
+                dead.update(g.seen_dead)
+        if dead:
+            s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(dead.items())))
+        g = self._generation
+        if self._members_record is not None:
+            s.compare_set(protocol.key("gen", g, "members"), "", self._members_record.to_json())
+        if self._assignment is not None:
+            gens.publish_assignment(g, self._assignment)
+        if g in self._progressed:
+            gens.mark_progress(g)
+        if gens.current() < g:
+            s.set("gen", str(g))
+        known = [f for f in self.failures if f.generation == g]
+        record = known[0] if known else GenerationFailure(
+            generation=g, by=self._name(), kind="store", ranks=(), unix=time.time(),
+            reason=f"{why}; the next generation forms on {self.store_list.describe(new)}")
+        s.compare_set(protocol.key("gen", g, "failed"), "", record.to_json())
+        if self._my_listeners is not None and self._my_listeners[0] == g:
+            s.set(protocol.key("gen", g, "listen", self.process), self._my_listeners[1])
+        if self._joining is not None:
+            s.append(protocol.key("gen", self._joining, "arrived"), f"{self.process},")
+        if self._listener is not None:
+            self._listener = self._listener.successor(
+                GenerationStore(self._store(f"listener{new}"), process=self.process))
+            self._listener.start()
 
     # -- events ------------------------------------------------------------------------------------------------
 
@@ -277,7 +353,7 @@ class InprocessRecovery:
         """The store for this generation's default process group (frameworks that create the group themselves,
         e.g. NeMo's ``MegatronStrategy.store``)."""
         att = self._need_attempt()
-        return dist.PrefixStore(protocol.key("gen", att.iteration, "pg") + "/", self._store("main"))
+        return dist.PrefixStore(protocol.key("gen", att.iteration, "pg") + "/", self._raw_store("pg"))
 
     def on_restart(self, cleanup: Callable[[], None]) -> None:
         """Run ``cleanup`` if this attempt fails, after the abort freed every blocked collective and before the
@@ -297,27 +373,46 @@ class InprocessRecovery:
 
         if self._sockets is None or self.current is None:
             return
+        text = format_endpoints(new_listeners(self._sockets))
+        self._my_listeners = (self.current.iteration, text)
         try:
-            self._store("main").set(protocol.key("gen", self.current.iteration, "listen", self.process),
-                                    format_endpoints(new_listeners(self._sockets)))
+            self._store("main").set(protocol.key("gen", self.current.iteration, "listen", self.process), text)
         except Exception as e:  # noqa: BLE001 - the peers then free this process's connections later (the kill)
             logger.warning("%s: could not publish this generation's gloo listeners: %s", self._name(), e)
 
-    def _peer_listeners(self, generation: int) -> frozenset[Any]:
-        """The gloo listeners the other members published for ``generation`` (monitor thread's store)."""
+    def _peer_listeners(self, generation: int, store: Any = None) -> frozenset[Any]:
+        """The gloo listeners the other members published for ``generation``, with those read earlier by
+        :meth:`_remember_peer_listeners` (the store they were published in may be lost)."""
         from neighbor_ckpt.inprocess.abort import parse_endpoints
 
-        store = self._store("main" if threading.get_ident() == self._main_tid else "listener")
+        if store is None:
+            store = self._store("main" if threading.get_ident() == self._main_tid else "listener")
         keys = [protocol.key("gen", generation, "listen", q) for q in sorted(self._members) if q != self.process]
         present = [k for k in keys if store.check([k])]
-        out: set[Any] = set()
+        out: set[Any] = set(self._peer_cache.get(generation, (0, frozenset()))[1])
         for raw in (store.multi_get(present) if present else []):
             out |= parse_endpoints(raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
         return frozenset(out)
 
+    def _remember_peer_listeners(self) -> None:
+        """Monitor thread, every round until every member's are known: keep the peers' listeners of the current
+        generation in memory, so that an abort after a store failover still reaches their side of each connection
+        (the new store has only what the survivors wrote there again)."""
+        g = self._generation
+        known, _ = self._peer_cache.get(g, (0, frozenset()))
+        want = len(self._members) - 1
+        if known >= want or not self._inside:
+            return
+        store = self._store("monitor")
+        keys = [protocol.key("gen", g, "listen", q) for q in sorted(self._members) if q != self.process]
+        present = [k for k in keys if store.check([k])]
+        if len(present) > known:
+            self._peer_cache[g] = (len(present), self._peer_listeners(g, store))
+
     def mark_progress(self) -> None:
         """This attempt completed a training step (call once, after its first completed step)."""
         att = self._need_attempt()
+        self._progressed.add(att.iteration)
         GenerationStore(self._store("main"), process=self.process).mark_progress(att.iteration)
         self._publish_listeners()  # every group of the step exists now
         self.event("first_step_end")
@@ -418,7 +513,8 @@ class InprocessRecovery:
                 except Exception as e:  # noqa: BLE001 - our accepted side is still closed; the kill does the rest
                     logger.warning("%s: peers' listeners unreadable: %s", self._name(), e)
                     peers = frozenset()
-                abort_gloo(self._sockets, keep_ports={self.store_port}, peer_listeners=peers)
+                abort_gloo(self._sockets, keep_ports={p for _, p in self.store_list.addresses},
+                           peer_listeners=peers)
             abort_nccl(timeout_s=self._abort_timeout())
         except Exception as e:  # noqa: BLE001 - the finalisation destroys the groups anyway
             logger.warning("%s: abort of generation %d: %s: %s", self._name(), generation, type(e).__name__, e)
@@ -438,7 +534,7 @@ class InprocessRecovery:
         from neighbor_ckpt.inprocess.hygiene import ProcessState
 
         self._main_tid = threading.get_ident()
-        main = GenerationStore(self._store("main"), process=self.process)
+        main = self._main_gens = GenerationStore(self._store("main"), process=self.process)
         self._monitor_gens = GenerationStore(self._store("monitor"), process=self.process)
         first = main.current() if self.process >= self.world_size else 0
         self._listener = FailureListener(GenerationStore(self._store("listener"), process=self.process),
@@ -446,7 +542,8 @@ class InprocessRecovery:
         monitor = Monitor(self._monitor_gens, state=self._state,
                           progress=self._progress, listener=self._listener,
                           interval_s=self.detector.interval_s, timeout_s=self.detector.timeout_s,
-                          hang_timeout_s=self.detector.hang_timeout_s)
+                          hang_timeout_s=self.detector.hang_timeout_s, stores=self.stores,
+                          every_round=self._remember_peer_listeners)
         main.store.set(protocol.key("proc", self.process), _proc_info())
         # Everything alive now (modules, the imports' objects) lives as long as the process: exempt it from
         # collection, so a generation's clean-up collects only what the generation made.
@@ -456,11 +553,16 @@ class InprocessRecovery:
         main.announce_ready()
         self._listener.start()
         monitor.start()
+        self.stores.start_following()
         try:
             return self._loop(fn, main)
         except Fenced as e:
             logger.error("%s: %s: exiting with status %d", self._name(), e, protocol.EXIT_FENCED)
             raise SystemExit(protocol.EXIT_FENCED) from None
+        except StoresLost as e:
+            self.gave_up = str(e)
+            logger.error("neighbor_ckpt: %s: exiting with status %d", e, FALLBACK_EXIT_CODE)
+            raise SystemExit(FALLBACK_EXIT_CODE) from None
         except _GiveUp as e:
             self.gave_up = e.reason
             main.give_up(e.reason)
@@ -475,6 +577,7 @@ class InprocessRecovery:
         assignment = initial_assignment(self.world_size, self.spares)
         expected: set[int] = set(range(self.world_size))
         generation = 0
+        formed_on = self.stores.epoch
         if self.process >= self.world_size:  # a replacement started by a launcher: a spare from the next generation
             generation, assignment, expected = self._join_late(main)
             if generation < 0:
@@ -483,11 +586,18 @@ class InprocessRecovery:
             reason = main.gave_up()
             if reason is not None:
                 raise _GiveUp(f"another process gave up: {reason}")
+            # after a store failover, the next generation needs a majority of the last one's members: a minority
+            # cut off with a standby of its own must not go on beside the others
+            quorum = len(self._members) // 2 + 1 if self.stores.epoch != formed_on else 0
+            self._joining = generation
             try:
-                members = main.join(generation, expected=expected, timeout_s=self._barrier_timeout())
-            except BarrierTimeout as e:
+                members = main.join(generation, expected=expected, timeout_s=self._barrier_timeout(), quorum=quorum)
+            except (BarrierTimeout, QuorumLost) as e:
                 raise _GiveUp(str(e)) from None
-            self._generation, self._members = generation, members.members
+            finally:
+                self._joining = None
+            formed_on = self.stores.epoch
+            self._generation, self._members, self._members_record = generation, members.members, members
             self.event("initialize")
             if generation > 0:
                 assignment = self._next(assignment, members)
@@ -518,6 +628,7 @@ class InprocessRecovery:
                 time.sleep(0.05)
                 continue
             self._generation, self._members = g, members.members | {self.process}
+            self._members_record = members
             logger.info("%s: started during generation %d: a spare from generation %d on", self._name(), g, g + 1)
             if main.wait_outcome(g, self._listener.event(g)) is None:
                 return -1, assignment, set()

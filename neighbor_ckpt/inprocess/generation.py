@@ -30,7 +30,7 @@ from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.inprocess.assignment import Assignment
 from neighbor_ckpt.inprocess.protocol import FAILURE_KINDS, key
 
-__all__ = ["GenerationStore", "Members", "GenerationFailure", "Fenced", "BarrierTimeout", "parse_list",
+__all__ = ["GenerationStore", "Members", "GenerationFailure", "Fenced", "BarrierTimeout", "QuorumLost", "parse_list",
            "parse_dead", "gate"]
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ class Fenced(NeighborCkptError):
 
 class BarrierTimeout(NeighborCkptError):
     """A generation's barrier did not complete within ``inprocess.barrier_timeout_s``."""
+
+
+class QuorumLost(NeighborCkptError):
+    """After a store failover, fewer than a majority of the last generation's members joined the next one."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,8 @@ class GenerationStore:
         self.store = store
         self.process = process
         self.name = name or f"process {process}"
+        self.seen_dead: dict[int, str] = {}
+        """Every process this client has read in ``dead`` (written again after a store failover)."""
 
     # -- reads --------------------------------------------------------------------------------------------------
 
@@ -149,7 +155,10 @@ class GenerationStore:
         return self.store.get(k) if self.store.check([k]) else None
 
     def dead(self) -> dict[int, str]:
-        return parse_dead(self._get("dead"))
+        dead = parse_dead(self._get("dead"))
+        for p, why in dead.items():
+            self.seen_dead.setdefault(p, why)
+        return dead
 
     def ready(self) -> list[int]:
         return parse_list(self._get("ready"))
@@ -257,13 +266,15 @@ class GenerationStore:
             self.check_fenced()
 
     def join(self, generation: int, *, expected: Iterable[int], timeout_s: float,
-             poll_s: float = 0.01) -> Members:
+             poll_s: float = 0.01, quorum: int = 0) -> Members:
         """Arrive at ``generation``'s barrier and return its canonical outcome, once every expected process arrived
-        or was declared dead (whoever sees that first writes the outcome; everyone reads the same).
+        or was declared dead (whoever sees that first writes the outcome; everyone reads the same). ``quorum``: the
+        fewest live processes the generation may form with (after a store failover: a majority of the last one's).
 
         Raises:
             Fenced: this process was declared dead.
-            BarrierTimeout: not complete within ``timeout_s`` (the processes still missing are named)."""
+            BarrierTimeout: not complete within ``timeout_s`` (the processes still missing are named).
+            QuorumLost: every expected process arrived or was declared dead, and fewer than ``quorum`` are live."""
         members_key = key("gen", generation, "members")
         arrived_key = key("gen", generation, "arrived")
         self.store.append(arrived_key, f"{self.process},")
@@ -280,7 +291,12 @@ class GenerationStore:
             arrived = set(parse_list(self._get(arrived_key)))
             missing = want - arrived - dead.keys()
             if not missing:
-                return self._admitted(self._settle(generation, arrived - dead.keys()))
+                live = arrived - dead.keys()
+                if len(live) < quorum:
+                    raise QuorumLost(f"generation {generation} would form with {len(live)} process(es) after a store "
+                                     f"failover, fewer than a majority ({quorum}) of the last generation's: the "
+                                     "others may go on elsewhere, so these stop")
+                return self._admitted(self._settle(generation, live))
             if time.monotonic() > deadline:
                 raise BarrierTimeout(f"generation {generation} did not form within {timeout_s:g} s "
                                      f"(inprocess.barrier_timeout_s): processes {sorted(missing)} neither joined nor "

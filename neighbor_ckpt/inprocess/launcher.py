@@ -76,12 +76,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.generation import GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.protocol import key
@@ -98,6 +100,10 @@ EXIT_LAUNCHER_ERROR = 1
 """The launcher's status when it could not start (store unreachable) or the restart's rendezvous timed out."""
 
 _PR_SET_PDEATHSIG = 1
+
+HOST_LINGER_S = 2.0
+"""How long a launcher whose store host serves the job's current store waits, once the job completed, before it
+stops it: the other launchers and the idle spares read ``complete`` there."""
 
 
 def _load_prctl() -> Optional[Callable[..., int]]:
@@ -120,8 +126,8 @@ _PRCTL = _load_prctl()
 class LauncherPlan:
     """What one launcher runs (pure data, from :func:`parse_args`)."""
 
-    store_host: str
-    store_port: int
+    stores: tuple[tuple[str, int], ...]
+    """The launch's stores in order (the primary first; :mod:`~neighbor_ckpt.inprocess.stores`)."""
     run_id: str
     node: str
     first: int
@@ -157,6 +163,13 @@ class LauncherPlan:
     """Also replace a process of this node that died otherwise (killed, crashed, declared dead): the replacement
     joins as a spare and can take the next lost rank. It starts once a generation formed after the death has
     completed a step, so that its start-up (imports, one CPU core for seconds) stays off that recovery's path."""
+    host_store: Optional[int] = None
+    """The index of the store this launcher hosts (a store host process beside its own, which dies with it), if
+    any."""
+    store_listen: Optional[str] = None
+    """The address the hosted store listens on (None: its own address in ``stores``, the job's interface)."""
+    store_timeout_s: float = 5.0
+    """How long a store operation may go unanswered before the store counts as lost (then: the next one)."""
 
     def __post_init__(self) -> None:
         if not self.program:
@@ -168,6 +181,10 @@ class LauncherPlan:
             raise ValueError(f"--spares {self.spares}: needs 0 <= spares < processes ({self.processes})")
         if self.max_restarts < 0 or self.nodes < 1:
             raise ValueError("--max-restarts must be >= 0 and --nodes >= 1")
+        if not self.stores:
+            raise ValueError("--store: no store")
+        if self.host_store is not None and not 0 <= self.host_store < len(self.stores):
+            raise ValueError(f"--host-store {self.host_store}: not an index of the {len(self.stores)} store(s)")
 
     @property
     def indices(self) -> range:
@@ -175,8 +192,18 @@ class LauncherPlan:
         return range(self.first, self.first + self.count)
 
     @property
+    def store_host(self) -> str:
+        """The primary store's host."""
+        return self.stores[0][0]
+
+    @property
+    def store_port(self) -> int:
+        return self.stores[0][1]
+
+    @property
     def store_address(self) -> str:
-        return f"{self.store_host}:{self.store_port}"
+        """The store list as ``host:port[,host:port...]`` (:data:`~protocol.ENV_STORE`)."""
+        return ",".join(f"{h}:{p}" for h, p in self.stores)
 
     @property
     def name(self) -> str:
@@ -194,7 +221,14 @@ def _positive(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m neighbor_ckpt.inprocess.launcher",
                                  description="Start and supervise one node's processes of an in-process launch.")
-    ap.add_argument("--store", required=True, metavar="HOST:PORT", help="the launch's store (store_host)")
+    ap.add_argument("--store", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                    help="the launch's stores, the primary first, then the standbys")
+    ap.add_argument("--host-store", type=int, default=None, metavar="INDEX",
+                    help="host the store of this index of the list (a store host beside this launcher)")
+    ap.add_argument("--store-listen", default=None,
+                    help="the address the hosted store listens on (default: its address in --store)")
+    ap.add_argument("--store-timeout", type=_positive, default=5.0,
+                    help="seconds a store operation may go unanswered before the next store is used (default 5)")
     ap.add_argument("--run-id", required=True, help="the launch's run id (the store namespace)")
     ap.add_argument("--node", required=True, help="this node's id (NEIGHBOR_CKPT_NODE_ID of its processes)")
     ap.add_argument("--first", type=int, required=True, help="the first process index started here")
@@ -235,12 +269,16 @@ def parse_args(argv: Sequence[str]) -> LauncherPlan:
     program = list(a.program)
     if program[:1] == ["--"]:
         program = program[1:]
-    host, sep, port = a.store.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        ap.error(f"--store {a.store!r}: expected HOST:PORT")
+    from neighbor_ckpt.inprocess.stores import StoreAddresses
+
+    try:
+        stores = StoreAddresses.parse(a.store, "--store").addresses
+    except ConfigError:
+        ap.error(f"--store {a.store!r}: expected HOST:PORT[,HOST:PORT...]")
     nodes = a.nodes if a.nodes is not None else -(-a.processes // max(1, a.count))
     try:
-        return LauncherPlan(store_host=host, store_port=int(port), run_id=a.run_id, node=a.node, first=a.first,
+        return LauncherPlan(stores=stores, host_store=a.host_store, store_listen=a.store_listen,
+                            store_timeout_s=a.store_timeout, run_id=a.run_id, node=a.node, first=a.first,
                             count=a.count, processes=a.processes, spares=a.spares, max_restarts=a.max_restarts,
                             nodes=nodes, program=tuple(program), store_root=a.store_root, no_python=a.no_python,
                             poll_s=a.poll, grace_s=a.grace, fallback_grace_s=a.fallback_grace,
@@ -259,8 +297,8 @@ def child_command(plan: LauncherPlan) -> list[str]:
 
 
 def child_env(plan: LauncherPlan, *, index: int, local_rank: int, attempt: int, launcher_pid: int,
-              replaces: Optional[int] = None) -> dict[str, str]:
-    """The environment a process gets on top of the launcher's (pure)."""
+              replaces: Optional[int] = None, store_epoch: int = 0) -> dict[str, str]:
+    """The environment a process gets on top of the launcher's (pure); ``store_epoch``: the store in use now."""
     env = {protocol.ENV_PROCESS: str(index), protocol.ENV_PROCESSES: str(plan.processes),
            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(plan.count),
            protocol.ENV_STORE: plan.store_address, protocol.ENV_RUN_ID: plan.run_id,
@@ -271,6 +309,10 @@ def child_env(plan: LauncherPlan, *, index: int, local_rank: int, attempt: int, 
         env["NEIGHBOR_CKPT_STORE_DIR"] = str(Path(plan.store_root) / plan.node)
     if replaces is not None:
         env[protocol.ENV_REPLACES] = str(replaces)
+    if store_epoch:
+        env[protocol.ENV_STORE_EPOCH] = str(store_epoch)
+    if plan.host_store is not None:
+        env[protocol.ENV_STORE_HOSTED] = str(plan.host_store)
     return env
 
 
@@ -359,6 +401,8 @@ class _Attempt:
     regrow: list[tuple[_Child, str, int]] = field(default_factory=list)
     """Dead processes to replace (``grow_back``): the child, how it exited, the generation current at its death."""
     worst: int = 0
+    exited: int = 0
+    """Processes of this node that exited in this attempt (counted in ``exited``)."""
     """The worst status of a process that exited on its own (not stopped by this launcher)."""
 
 
@@ -385,68 +429,110 @@ class Launcher:
     """One node's launcher (:func:`main` runs it)."""
 
     def __init__(self, plan: LauncherPlan, *, env: Optional[Mapping[str, str]] = None) -> None:
+        from neighbor_ckpt.inprocess.stores import StoreAddresses, StoreSet
+
         self.plan = plan
         self.env = dict(os.environ if env is None else env)
         self.pid = os.getpid()
-        self._base: Any = None
-        self._stores: dict[int, Any] = {}
+        self.stores = StoreSet(StoreAddresses(plan.stores), run_id=plan.run_id, timeout_s=plan.store_timeout_s,
+                               connect_timeout_s=plan.connect_timeout_s, name=plan.name)
+        """The launch's stores; every operation bounded, failed over to the next standby when one is lost."""
+        self.stores.on_failover(self._on_failover)
+        self._views: dict[int, Any] = {}
         self._down_since: Optional[float] = None
-        self._next_connect = 0.0
         self._outbox: list[tuple[int, Callable[[Any], Any]]] = []
         self._signal: Optional[int] = None
         self._att: Optional[_Attempt] = None
+        self._host: Optional[subprocess.Popen] = None
 
     # -- store ------------------------------------------------------------------------------------------------
 
-    def _connect(self, timeout_s: float) -> Any:
-        import torch.distributed as dist
+    def _host_store(self) -> bool:
+        """Start the store host this launcher runs (``--host-store``) and wait until it listens; False (logged) when
+        it does not."""
+        index = self.plan.host_store
+        if index is None:
+            return True
+        port = self.plan.stores[index][1]
+        ready = Path(tempfile.mkdtemp(prefix="nckpt-store-host-")) / "ready"
+        parent = self.pid
+        self._host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host",
+                                       self.plan.store_listen or self.plan.stores[index][0], "--port", str(port),
+                                       "--parent", str(parent),
+                                       "--ready", str(ready)], env=self.env,
+                                      preexec_fn=lambda: _child_setup(parent))
+        deadline = time.monotonic() + self.plan.connect_timeout_s
+        while not ready.exists():
+            if self._host.poll() is not None or time.monotonic() > deadline:
+                logger.error("store %d (port %d): the store host %s: nothing started", index, port,
+                             f"exited with status {self._host.returncode}" if self._host.poll() is not None
+                             else f"did not listen within {self.plan.connect_timeout_s:.0f} s")
+                return False
+            time.sleep(0.02)
+        self.env[protocol.ENV_STORE_HOST_PID] = str(self._host.pid)
+        logger.info("store %d: hosted here (pid %d, port %d)%s", index, self._host.pid, port,
+                    " (the primary)" if index == 0 else " (a hot standby)")
+        return True
 
-        store = dist.TCPStore(self.plan.store_host, self.plan.store_port, is_master=False, wait_for_workers=False,
-                              use_libuv=True, timeout=timedelta(seconds=timeout_s))
-        store.set_timeout(timedelta(seconds=10))
-        return store
+    def _stop_host(self, why: str) -> None:
+        if self._host is not None and self._host.poll() is None:
+            logger.warning("store %d hosted here: %s: stopping it (pid %d)", self.plan.host_store, why,
+                           self._host.pid)
+            self._host.kill()  # a SIGSTOPped host ends too
+            self._host.wait()
+
+    def _on_failover(self, old: int, new: int, why: str) -> None:
+        """The store moved to ``new``: a store host of this node with a lower epoch is stale for good (fenced);
+        this launcher's share of the attempt's keys is written again to the new store (its record, the processes
+        handed out, its processes that exited, the dead it knows, the launcher count)."""
+        if self.plan.host_store is not None and self.plan.host_store < new:
+            self._stop_host(f"stale since store {new} took over (fenced)")
+        att = self._att
+        if att is None:
+            return
+        s = self.stores.view("failover", protocol.launch_prefix(self.plan.run_id, att.number))
+        s.set(key("launcher", self.plan.node), json.dumps({"pid": self.pid, "processes": sorted(att.children)}))
+        want = max([self.plan.processes, *(i + 1 for i in att.children)])
+        while True:
+            cur = s.get("processes") if s.check(["processes"]) else b""
+            if cur and int(cur) >= want:
+                break
+            if s.compare_set("processes", cur, str(want)) == str(want).encode():
+                break
+        if att.exited:
+            s.add("exited", att.exited)
+        if att.dead:
+            s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(att.dead.items())))
+        s.add("launchers", 1)
+        logger.warning("attempt %d: this node's processes %s, %d exited, %d known dead: written again to store %d",
+                       att.number, sorted(att.children), att.exited, len(att.dead), new)
 
     def _store(self, attempt: int) -> Any:
-        """The store under ``attempt``'s prefix; raises :class:`StoreDown` while it cannot be reached."""
-        import torch.distributed as dist
-
-        if self._base is None:
-            now = time.monotonic()
-            if now < self._next_connect:
-                raise StoreDown("reconnecting")
-            self._next_connect = now + 3.0
-            try:
-                self._base = self._connect(2.0)
-            except Exception as e:  # noqa: BLE001 - any failure to reach the store is the same here
-                raise StoreDown(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-            self._stores.clear()
-            if self._down_since is not None:
-                logger.warning("the store %s answers again", self.plan.store_address)
-        if attempt not in self._stores:
-            self._stores[attempt] = dist.PrefixStore(protocol.launch_prefix(self.plan.run_id, attempt), self._base)
-        return self._stores[attempt]
+        """The store under ``attempt``'s prefix."""
+        if attempt not in self._views:
+            self._views[attempt] = self.stores.view("launcher", protocol.launch_prefix(self.plan.run_id, attempt))
+        return self._views[attempt]
 
     def _call(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
-        """``fn(store)`` under ``attempt``'s prefix; :class:`StoreDown` when the store does not answer (the first
-        failure is logged, and the connection is dropped so a later call reconnects)."""
+        """``fn(store)`` under ``attempt``'s prefix; :class:`StoreDown` when no store of the list answers (the
+        first failure is logged)."""
+        from neighbor_ckpt.inprocess.stores import StoresLost
+
         try:
             value = fn(self._store(attempt))
-        except StoreDown:
-            self._mark_down("reconnecting")
-            raise
-        except RuntimeError as e:  # torch's DistNetworkError, DistStoreError (a timeout) are RuntimeErrors
-            self._base = None
-            self._stores.clear()
-            self._mark_down(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except StoresLost as e:
+            self._mark_down(str(e))
             raise StoreDown(str(e)) from None
+        if self._down_since is not None:
+            logger.warning("the store %s answers again", self.plan.store_address)
         self._down_since = None
         return value
 
     def _mark_down(self, why: str) -> None:
         if self._down_since is None:
             self._down_since = time.monotonic()
-            logger.warning("the store %s does not answer (%s): supervising the processes without it for up to "
-                           "%.0f s", self.plan.store_address, why, self.plan.store_grace_s)
+            logger.warning("no store answers (%s): supervising the processes without one for up to %.0f s", why,
+                           self.plan.store_grace_s)
 
     def _try(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
         """:meth:`_call`, None when the store does not answer."""
@@ -476,7 +562,7 @@ class Launcher:
 
     def _start(self, att: _Attempt, index: int, local_rank: int, replaces: Optional[int] = None) -> _Child:
         env = {**self.env, **child_env(self.plan, index=index, local_rank=local_rank, attempt=att.number,
-                                       launcher_pid=self.pid, replaces=replaces)}
+                                       launcher_pid=self.pid, replaces=replaces, store_epoch=self.stores.epoch)}
         parent = self.pid
         proc = subprocess.Popen(child_command(self.plan), env=env, start_new_session=True,
                                 preexec_fn=lambda: _child_setup(parent))
@@ -537,6 +623,7 @@ class Launcher:
                 continue
             del att.children[index]
             _signal_group(child.proc, signal.SIGKILL)  # what it started in its session goes with it
+            att.exited += 1
             self._later(att.number, lambda s: s.add("exited", 1))
             how = describe_exit(code)
             if att.complete_at is not None:  # the job is over: a late death fails no generation
@@ -550,6 +637,9 @@ class Launcher:
                 att.worst = max(att.worst, exit_status(code))
             if action is Action.NOTHING:
                 logger.info("process %d (pid %d) %s", index, child.proc.pid, how)
+                # a process exits 0 only once the job completed: this node knows it even if it cannot read the
+                # store now (a launcher cut off during a failover, when the job ended meanwhile)
+                att.complete_at = att.complete_at or time.monotonic()
             elif action is Action.DECLARED:
                 logger.info("process %d (pid %d) %s; declared dead already (%s)", index, child.proc.pid, how,
                             child.killed or att.dead.get(index, "fenced"))
@@ -721,12 +811,15 @@ class Launcher:
         the launcher's exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
-        try:
-            self._base = self._connect(self.plan.connect_timeout_s)
-        except Exception as e:  # noqa: BLE001
-            logger.error("cannot reach the store %s within %.0f s (%s): nothing started", self.plan.store_address,
-                         self.plan.connect_timeout_s, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if not self._host_store():
             return EXIT_LAUNCHER_ERROR
+        try:
+            self._call(0, lambda s: s.check(["processes"]))
+        except StoreDown as e:
+            logger.error("cannot reach a store of %s (%s): nothing started", self.plan.store_address, e)
+            self._stop_host("the launcher did not start")
+            return EXIT_LAUNCHER_ERROR
+        self.stores.start_following()  # fencing: a newer store promoted while this launcher was cut off
         number = 0
         self._later(number, lambda s: s.add("launchers", 1))
         try:
@@ -735,6 +828,8 @@ class Launcher:
                 att = self._att
                 assert att is not None
                 if outcome is _Outcome.COMPLETE:
+                    if self.plan.host_store == self.stores.epoch and self._host is not None:
+                        time.sleep(HOST_LINGER_S)  # the store in use: the others may not have read `complete` yet
                     logger.info("the job completed: exiting 0")
                     return 0
                 if outcome is _Outcome.SIGNALED:
@@ -760,6 +855,13 @@ class Launcher:
         finally:
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)
+            if self._host is not None and self._host.poll() is None:
+                self._host.terminate()
+                try:
+                    self._host.wait(timeout=self.plan.grace_s)
+                except subprocess.TimeoutExpired:
+                    self._host.kill()
+                    self._host.wait()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from neighbor_ckpt.inprocess.generation import GenerationFailure, GenerationStore
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
@@ -99,6 +99,17 @@ class FailureListener:
         self._events: dict[int, threading.Event] = {}
         self._records: dict[int, GenerationFailure] = {}
         self._thread: Optional[threading.Thread] = None
+        self.retired = False
+        """Set when a successor listens on a newer store: this one acts on nothing more."""
+
+    def successor(self, gens: GenerationStore) -> "FailureListener":
+        """A listener on ``gens`` (the store after a failover) that goes on from the generation this one waits for,
+        with the same events and records; this one is retired (it may stay blocked on the lost store)."""
+        nxt = FailureListener(gens, on_failure=self.on_failure, first=self._next)
+        with self._lock:
+            self.retired = True
+            nxt._lock, nxt._events, nxt._records = self._lock, self._events, self._records
+        return nxt
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="neighbor_ckpt-inprocess-listener", daemon=True)
@@ -114,25 +125,29 @@ class FailureListener:
             return self._records.get(generation)
 
     def _run(self) -> None:
-        g = self._next
-        while True:
+        while not self.retired:
+            g = self._next
             try:
                 self.gens.store.wait([key("gen", g, "failed")], self.WAIT)
                 record = self.gens.failure(g)
             except Exception as e:  # noqa: BLE001 - the store went away: try again (the monitor says it too)
+                if self.retired:
+                    return
                 logger.warning("%s: failure listener: %s: %s", self.gens.name, type(e).__name__, e)
                 time.sleep(1.0)
                 continue
             if record is None:
                 continue
             with self._lock:
-                self._records[g] = record
+                if self.retired:
+                    return
+                self._records.setdefault(g, record)
+                self._next = g + 1
             self.event(g).set()
             try:
                 self.on_failure(record)
             except Exception:  # noqa: BLE001 - the engine's abort must not stop the listening
                 logger.exception("%s: handling the failure of generation %d", self.gens.name, g)
-            g += 1
 
 
 class Monitor:
@@ -151,8 +166,15 @@ class Monitor:
     def __init__(self, gens: GenerationStore, *,
                  state: Callable[[], tuple[int, frozenset[int], Optional[Mapping[int, int]], bool]],
                  progress: Callable[[], Tag], listener: FailureListener, interval_s: float, timeout_s: float, hang_timeout_s: Optional[float],
-                 exit: Callable[[int], None] = os._exit) -> None:  # noqa: A002
-        self.gens, self.state, self.progress, self.listener = gens, state, progress, listener
+                 exit: Callable[[int], None] = os._exit, stores: Any = None,  # noqa: A002
+                 every_round: Optional[Callable[[], None]] = None) -> None:
+        self.gens, self.state, self.progress, self._listener = gens, state, progress, listener
+        self.stores = stores
+        """The process's :class:`~neighbor_ckpt.inprocess.stores.StoreSet` (None: one store, no failover): after
+        every move to another store the peers get a new ``timeout_s`` (their heartbeats start again there)."""
+        self._epoch = None if stores is None else stores.epoch
+        self.every_round = every_round
+        """Called after each round's beat (the engine keeps the peers' listeners in memory)."""
         self.interval_s, self.timeout_s, self.hang_timeout_s = interval_s, timeout_s, hang_timeout_s
         self._exit = exit
         self._beat = 0
@@ -160,8 +182,17 @@ class Monitor:
         self._thread: Optional[threading.Thread] = None
         self._watch: Optional[tuple[int, Optional[int], Watch]] = None
         self._clock: tuple[int, ProgressClock] = (-1, ProgressClock(hang_timeout_s))
+        self._grace_until = 0.0
         self.decisions: list[GenerationFailure] = []
         """Failures this monitor recorded itself (for tests and the log)."""
+
+    @property
+    def listener(self) -> FailureListener:
+        return self._listener
+
+    @listener.setter
+    def listener(self, value: FailureListener) -> None:
+        self._listener = value
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -207,8 +238,13 @@ class Monitor:
         dead = self.gens.dead()
         self._fenced(dead)
         self.beat()
+        if self.every_round is not None:
+            self.every_round()
         failed = self.gens.failure(gen)
         now = time.monotonic()
+        if self.stores is not None and self.stores.epoch != self._epoch:
+            self._epoch, self._watch = self.stores.epoch, None  # every peer starts again on the new store
+            self._grace_until = now + self.timeout_s
         # Silent peers are looked for after a failure too: the next generation's barrier waits for every process
         # not declared dead, and a process killed without a launcher to report it is found only this way.
         self._silent_peer(gen, members - dead.keys(), now)
@@ -227,7 +263,8 @@ class Monitor:
     def _silent_peer(self, gen: int, members: frozenset[int], now: float) -> Optional[GenerationFailure]:
         peer = ring_predecessor(self.gens.process, members)
         if self._watch is None or self._watch[0] != gen or self._watch[1] != peer:
-            self._watch = (gen, peer, Watch(() if peer is None else (peer,), timeout_s=self.timeout_s, now=now))
+            self._watch = (gen, peer, Watch(() if peer is None else (peer,), timeout_s=self.timeout_s,
+                                            now=max(now, self._grace_until)))
         if peer is None:
             return None
         watch = self._watch[2]

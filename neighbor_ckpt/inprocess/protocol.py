@@ -6,7 +6,9 @@ for the process's life; ``RANK`` as the launcher sets it). One launcher per (sim
 (:mod:`neighbor_ckpt.inprocess.launcher`). Ranks are assigned per generation (:mod:`neighbor_ckpt.inprocess.
 assignment`): processes ``0..active-1`` start as ranks ``0..active-1``, the others are idle hot spares.
 
-**Store.** One TCP store that outlives every rank (:mod:`neighbor_ckpt.inprocess.store_host`). Every key below lives
+**Store.** One TCP store at a time, on a node's store host (:mod:`neighbor_ckpt.inprocess.store_host`): the primary,
+then after a failover the next standby, where every process and launcher writes its part again
+(:mod:`neighbor_ckpt.inprocess.stores`). Every key below lives
 under :func:`launch_prefix` (the job's run id and the launcher-level restart count, so a restarted launch never meets
 an old launch's keys). Values are plain text (ASCII, decimal integers, comma-separated lists, JSON objects of plain
 types): nothing read from the store is unpickled.
@@ -61,6 +63,7 @@ types): nothing read from the store is unpickled.
 from __future__ import annotations
 
 __all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
+           "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID",
            "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
            "launch_prefix", "key"]
 
@@ -74,15 +77,24 @@ process in its place, which joins as a spare."""
 EXIT_ABORT_HUNG = 78
 """A process whose NCCL abort itself hung (the abort watchdog ended it)."""
 
-FAILURE_KINDS = ("exception", "exited", "silent", "hung", "hang_all", "launcher")
+FAILURE_KINDS = ("exception", "exited", "silent", "hung", "hang_all", "launcher", "store")
 """``exception``: the training function raised on a rank; ``exited``: a launcher saw its process exit;
 ``silent``: no heartbeat within ``detector.timeout_s`` (a stopped rank, a lost node); ``hung``: a rank whose
 progress tag lags while its heartbeat goes on (stuck in a collective or a C call): it is killed and replaced;
 ``hang_all``: no progress on any rank, every tag equal: the same ranks re-form once; ``launcher``: a launcher's own
-report (a process it could not start)."""
+report (a process it could not start); ``store``: the store stopped answering and the processes moved to the next
+standby (:mod:`~neighbor_ckpt.inprocess.stores`)."""
 
 ENV_STORE = "NEIGHBOR_CKPT_INPROCESS_STORE"
-"""``host:port`` of the store (every process and launcher)."""
+"""``host:port[,host:port...]``: the launch's stores in order, the primary first, then one hot standby per node
+(every process and launcher; :mod:`~neighbor_ckpt.inprocess.stores`)."""
+ENV_STORE_EPOCH = "NEIGHBOR_CKPT_INPROCESS_STORE_EPOCH"
+"""The index of the store in use when a launcher started the process (a replacement started after a failover)."""
+ENV_STORE_HOST_PID = "NEIGHBOR_CKPT_INPROCESS_STORE_HOST_PID"
+"""The pid of the store host this process's launcher runs, if any (fault injection stops or kills it)."""
+ENV_STORE_HOSTED = "NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED"
+"""The index of the store this process's node hosts (its launcher's store host), if any: fault injection's
+``store_node`` target."""
 ENV_RUN_ID = "NEIGHBOR_CKPT_INPROCESS_RUN"
 """The launch's run id (the store namespace)."""
 ENV_LAUNCHER = "NEIGHBOR_CKPT_INPROCESS_LAUNCHER"

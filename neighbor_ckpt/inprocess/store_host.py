@@ -1,14 +1,14 @@
 """A TCP store in a process of its own, for in-process recovery.
 
 The engine's generations, the per-generation process groups and the launchers' reports live in one
-``torch.distributed.TCPStore``: hosted by rank 0, killing rank 0 would take it down with it, and the survivors could
-not re-form. This process hosts it (every user under its own key prefix) and lives until it is
-terminated, or until the process given with ``--parent`` is gone (so a launch script that dies does not leave it
-behind)::
+``torch.distributed.TCPStore`` at a time: hosted by rank 0, killing rank 0 would take it down with it, and the
+survivors could not re-form. Every node's launcher runs one of these (the first node's is the primary, the others
+hot standbys, :mod:`neighbor_ckpt.inprocess.stores`); each lives until it is terminated, or until the process given
+with ``--parent`` is gone (its launcher: losing the node loses its store host too)::
 
     python -m neighbor_ckpt.inprocess.store_host --port 29650 [--host 0.0.0.0] [--parent PID] [--ready FILE]
 
-``--ready FILE`` is written once the store listens (the launch waits for it before starting the agents).
+``--ready FILE`` is written once the store listens (the launcher waits for it before it starts its processes).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -32,6 +33,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def listen_socket(host: str, port: int, backlog: int = 16384) -> socket.socket:
+    """A socket listening on ``host:port`` only (``0.0.0.0``/``::``: every interface), for the store server.
+
+    torch's own server listens on every interface, as IPv6 with IPv4 mapped into it, and looks each new client's
+    address up by name (``getnameinfo``) on its one event-loop thread before it serves anything else: a mapped
+    ``::ffff:10.0.0.7`` is in no hosts file, so each connection waits for a reverse DNS answer. Seen here: a burst of
+    connections after a failover met a DNS server that stopped answering, and the store served nobody for 5 s per
+    connection. An IPv4 socket bound to the job's address gives plain IPv4 peers (``127.0.0.1`` is in
+    ``/etc/hosts``) and keeps the store off the other interfaces."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="0.0.0.0")
@@ -42,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    sock = listen_socket(args.host, args.port)  # kept open: the server serves on its descriptor
     store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, use_libuv=True,
-                          timeout=timedelta(seconds=30))
+                          timeout=timedelta(seconds=30), master_listen_fd=sock.fileno())
     if args.ready is not None:
         tmp = args.ready.with_name(args.ready.name + ".tmp")
         tmp.write_text(f"{os.getpid()} {args.port}\n")
@@ -62,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.2)
     del store
+    sock.close()
     return 0
 
 

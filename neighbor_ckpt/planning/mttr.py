@@ -23,6 +23,11 @@ restore         host-to-device copy of the unique bytes,     same
                 weights regenerated (all-gather over DP)
 first step      the interrupted step again                   same
 ==============  ===========================================  ==============================================
+
+A third row, ``store-node`` (in process), is the loss of the node that hosts the job's store: its rank is lost and
+the store with it. Its detection is longer (:attr:`MttrAssumptions.store_failover_detect_s`: the store's operations
+go unanswered, the next standby is promoted and written again, then the lost node's rank is found silent there);
+the rest is the in-process row's.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from typing import Any, Literal
 
 from neighbor_ckpt.validation import Problems, validate
 
-__all__ = ["MttrAssumptions", "MttrEstimate", "ASSUMPTIONS", "assumptions_for", "estimate_mttr", "estimate_both",
+__all__ = ["MttrAssumptions", "MttrEstimate", "ASSUMPTIONS", "MODES", "assumptions_for", "estimate_mttr", "estimate_both",
            "format_mttr"]
 
-Mode = Literal["restart", "in-process"]
+Mode = Literal["restart", "in-process", "store-node"]
+MODES: tuple[str, ...] = ("restart", "in-process", "store-node")
 PHASES = ("detect", "relaunch", "regroup", "reconcile", "transfer", "restore", "first_step")
 
 
@@ -75,6 +81,13 @@ class MttrAssumptions:
     reconcile_s: float = 0.05
     """Version agreement: a few small all-gathers (50 ms measured on 4 CPU ranks)."""
 
+    store_failover_detect_s: float = 30.0
+    """In process, the node hosting the store lost (``store-node``): a store operation unanswered for its timeout
+    (twice ``detector.timeout_s``: 10 s with the defaults) and once more on a new connection, then the move to the
+    next standby (promotion, every process writing its part again: well under a second), then the lost node's rank
+    silent there for ``detector.timeout_s`` + the same again of grace. With the CPU job files' 2 s timeout: about
+    12 s, and 13-15 s from the kill to the next generation was seen in ``tests/e2e/test_store_failover.py``."""
+
     def __post_init__(self) -> None:
         validate(self, "MttrAssumptions")
 
@@ -103,7 +116,8 @@ ASSUMPTIONS: dict[str, MttrAssumptions] = {
     # The CPU test machines (2 cores, gloo, a tiny GPT): what scripts/demo and the in-process e2e test measure there
     # (restart: 23.8 s MTTR of which 22.5 s re-launch; in process: 0.76-0.97 s in all, detection 0.1-0.3 s).
     "cpu": MttrAssumptions(restart_detect_s=1.5, inprocess_detect_s=0.2, relaunch_floor_s=22.0,
-                           relaunch_per_rank_s=0.1, regroup_floor_s=0.4, regroup_per_rank_s=0.02),
+                           relaunch_per_rank_s=0.1, regroup_floor_s=0.4, regroup_per_rank_s=0.02,
+                           store_failover_detect_s=12.0),
 }
 """Assumptions by hardware preset name (``hardware.gpu`` of a job file); others get :class:`MttrAssumptions`'s."""
 
@@ -120,7 +134,7 @@ def estimate_mttr(plan: Any, mode: Mode, assumptions: MttrAssumptions | None = N
     """
     a = assumptions or assumptions_for(plan.hardware.name)
     p = Problems()
-    p.one_of("mode", mode, ("restart", "in-process"))
+    p.one_of("mode", mode, MODES)
     p.raise_if_any()
     hw, world = plan.hardware, plan.world_size
     nic = hw.nic_gbits_per_s * 1e9 / 8
@@ -137,15 +151,16 @@ def estimate_mttr(plan: Any, mode: Mode, assumptions: MttrAssumptions | None = N
         head = {"detect": a.restart_detect_s, "relaunch": a.relaunch_floor_s + a.relaunch_per_rank_s * world,
                 "regroup": 0.0}
     else:
-        head = {"detect": a.inprocess_detect_s, "relaunch": 0.0,
-                "regroup": a.regroup_floor_s + a.regroup_per_rank_s * world}
+        detect = a.inprocess_detect_s if mode == "in-process" else a.store_failover_detect_s
+        head = {"detect": detect, "relaunch": 0.0, "regroup": a.regroup_floor_s + a.regroup_per_rank_s * world}
     phases = {**head, **shared}
     return MttrEstimate(mode=mode, phases={name: phases[name] for name in PHASES})
 
 
 def estimate_both(plan: Any, assumptions: MttrAssumptions | None = None) -> dict[str, MttrEstimate]:
-    """``{"restart": ..., "in-process": ...}`` for ``plan``."""
-    return {m: estimate_mttr(plan, m, assumptions) for m in ("restart", "in-process")}
+    """``{"restart": ..., "in-process": ..., "store-node": ...}`` for ``plan``: both recovery modes, and in process
+    the loss of the store's node."""
+    return {m: estimate_mttr(plan, m, assumptions) for m in MODES}  # type: ignore[arg-type]
 
 
 def format_mttr(estimates: dict[str, MttrEstimate], assumptions: MttrAssumptions) -> str:
@@ -159,7 +174,8 @@ def format_mttr(estimates: dict[str, MttrEstimate], assumptions: MttrAssumptions
     lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(2, "  ".join("-" * w for w in widths))
     lines.append("assumptions (planning/mttr.py says where each comes from): "
-                 f"detect {a.restart_detect_s:g} s by restart, {a.inprocess_detect_s:g} s in process; relaunch "
+                 f"detect {a.restart_detect_s:g} s by restart, {a.inprocess_detect_s:g} s in process, "
+                 f"{a.store_failover_detect_s:g} s when the store's node is lost (store-node); relaunch "
                  f"{a.relaunch_floor_s:g} s + {a.relaunch_per_rank_s:g} s/rank; regroup {a.regroup_floor_s:g} s + "
                  f"{a.regroup_per_rank_s:g} s/rank; reconcile {a.reconcile_s:g} s; transfer = unique bytes / NIC; "
                  "restore = unique bytes / PCIe + weight all-gather over DP; first step = one iteration's compute")

@@ -326,8 +326,11 @@ def main(argv: list[str] | None = None) -> None:
 
         def due(phase: str, at: int) -> list[Any]:
             """The --config file's faults that fire now (each once: FaultSpec.fires)."""
+            hosts = (inproc is not None and os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED")
+                     == str(inproc.stores.epoch))
             return [f for f in planned if resumed_at and f.fires(rank=RANK, step=at, phase=phase, launch=ATTEMPT,
-                                                                 generation=generation, start_step=resumed_at[0])]
+                                                                 generation=generation, start_step=resumed_at[0],
+                                                                 hosts_store=hosts)]
         insurance = None
         if args.insurance_every:
             from megatron_patches.distopt_load import fix_fp32_distopt_load
@@ -547,7 +550,8 @@ def planned_faults(config: Any, args: argparse.Namespace) -> tuple[Any, ...]:
             or optimizer), or faults planned both there and with ``--kill``."""
     from neighbor_ckpt.errors import ConfigError
 
-    planned = config.fault_injection.refuse_unsupported(where=" by recipes/mcore_gpt_plain_loop.py")
+    planned = config.fault_injection.refuse_unsupported(where=" by recipes/mcore_gpt_plain_loop.py",
+                                                        store_node=config.inprocess.enabled)
     if planned and args.kill:
         raise ConfigError("faults planned twice: --kill and neighbor_ckpt.fault_injection in the --config file; use "
                           "one of them (the config's faults list for several faults in one launch)")
@@ -567,11 +571,29 @@ def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
     logging.getLogger(__name__).warning("fault injection: %s", fault.describe())
     for h in logging.getLogger().handlers:
         h.flush()
+    if fault.target == "store_node":
+        _lose_store_node(fault.signal)
+        if fault.signal == "SIGSTOP":
+            return  # only the store host is stopped; this rank trains on
     if fault.permanent and fault.signal == "SIGKILL":
         from neighbor_ckpt.runtime.failpoints import lose_node
 
         lose_node()
     os.kill(os.getpid(), getattr(signal, fault.signal))
+
+
+def _lose_store_node(sig: str) -> None:
+    """``target: store_node``: SIGKILL of this node's launcher (the store host it runs dies with it; this rank is
+    killed next by the caller), or SIGSTOP of the store host alone."""
+    from neighbor_ckpt.inprocess import protocol
+
+    pid = int(os.environ[protocol.ENV_LAUNCHER] if sig == "SIGKILL" else os.environ[protocol.ENV_STORE_HOST_PID])
+    logging.getLogger(__name__).warning("fault injection: %s of %s (pid %d), which runs store %s", sig,
+                                        "this node's launcher" if sig == "SIGKILL" else "the store host", pid,
+                                        os.environ.get(protocol.ENV_STORE_HOSTED))
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os.kill(pid, getattr(signal, sig))
 
 
 def _empty_own_store(config: Any) -> None:

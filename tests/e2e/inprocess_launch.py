@@ -249,7 +249,7 @@ def find_orphans(tracker: _Tracker, out: Path, *, within_s: float = GONE_WITHIN_
 
 
 def _run(spec: dict[str, Any]) -> int:
-    from neighbor_ckpt.cli.launch import inprocess_commands, run_inprocess
+    from neighbor_ckpt.cli.launch import free_ports, inprocess_commands, run_inprocess
 
     tracker = _Tracker()
     real_popen = subprocess.Popen
@@ -266,19 +266,18 @@ def _run(spec: dict[str, Any]) -> int:
         plan = plan_launch(spec["config"], spec["overrides"], run_dir=Path(spec["run_dir"]), record=True)
         write_run_dir(plan)
         root = Path(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-        procs = inprocess_processes(plan, store_port=free_port(), store_root=root, store_ready=Path(spec["ready"]),
-                                    parent=os.getpid())
+        procs = inprocess_processes(plan, store_port=free_ports(plan.processes), store_root=root)
     else:
         procs = inprocess_commands(spec["program"], active=spec["active"], spares=spec["spares"],
-                                   max_restarts=spec["max_restarts"], run_id=spec["run_id"], store_port=free_port(),
-                                   store_root=Path(spec["store_root"]), store_ready=Path(spec["ready"]),
-                                   parent=os.getpid(), grow_back=bool(spec.get("grow_back")))
+                                   max_restarts=spec["max_restarts"], run_id=spec["run_id"],
+                                   store_port=free_ports(spec["active"] + spec["spares"]),
+                                   store_root=Path(spec["store_root"]), grow_back=bool(spec.get("grow_back")))
     out.mkdir(parents=True, exist_ok=True)
     tracker.start()
     subprocess.Popen = _Recorded  # type: ignore[misc] - this process runs nothing else
     t0 = time.monotonic()
     try:
-        rc = run_inprocess(procs, ready=Path(spec["ready"]), timeout=float(spec["timeout"]))
+        rc = run_inprocess(procs, timeout=float(spec["timeout"]))
     except subprocess.TimeoutExpired:
         print(f"inprocess_launch: the launch timed out after {spec['timeout']} s", flush=True)
         rc = 124
@@ -286,9 +285,7 @@ def _run(spec: dict[str, Any]) -> int:
         subprocess.Popen = real_popen  # type: ignore[misc]
         tracker.stop()
     print(f"inprocess_launch: the launch returned {rc} after {time.monotonic() - t0:.1f} s", flush=True)
-    store, agents = tracker.popens[:1], tracker.popens[1:]
-    for p in store:
-        print(f"store host (pid {p.pid}) exited {p.returncode}", flush=True)
+    agents = tracker.popens
     for (cmd, _extra), p in zip(procs.agents, agents):
         node = cmd[list(cmd).index("--node") + 1]
         print(f"launcher {node} (pid {p.pid}) exited {p.returncode}", flush=True)

@@ -39,7 +39,7 @@ def sbatch_launch(cluster: SlurmCluster, tmp: Path, *overrides: str, timeout: fl
     # rdzv_port: the script's fixed c10d port would collide with other tests' jobs on this machine; the in-process
     # script's store host takes the next port
     write = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "launch", str(REPO / "configs" / CONFIG),
-                            *overrides, f"launch.rdzv_port={free_ports(2)}", "--run-dir", str(run_dir), "--record",
+                            *overrides, f"launch.rdzv_port={free_ports(6)}", "--run-dir", str(run_dir), "--record",
                             "--slurm", str(script)], capture_output=True, text=True, cwd=tmp, timeout=300)
     assert write.returncode == 0, write.stdout + write.stderr
     res, job_id = sbatch_wait(cluster, script, tmp, out, run_dir, timeout=timeout, env=job_env(tmp, out, env))
@@ -113,7 +113,7 @@ keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NEIGHBOR_CKPT_NODE_ID", "NEIGHBOR_C
 (out / f"env.{rank}.json").write_text(json.dumps({k: os.environ.get(k) for k in keep}))
 if rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)  # a lost process: its launcher declares it to the others
-host, port = os.environ[protocol.ENV_STORE].rsplit(":", 1)
+host, port = os.environ[protocol.ENV_STORE].split(",")[0].rsplit(":", 1)  # the primary
 store = dist.PrefixStore(protocol.launch_prefix(os.environ[protocol.ENV_RUN_ID], 0),
                          dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, use_libuv=True))
 while rank == 0 and not store.check(["gen/0/failed"]):
@@ -131,14 +131,14 @@ while not store.check(["complete"]):
 def test_slurm_script_inprocess_plumbing_with_a_toy_program(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The in-process script's plumbing without NeMo or the engine: the generated script, its worker command
     replaced by a toy, under the real single-node Slurm: 5 tasks, each a launcher with one process (a simulated
-    node: its node id and host store), the store host in the batch script; process 1 dies, its launcher declares it
+    node: its node id and host store, and its store host: task 0's the primary); process 1 dies, its launcher declares it
     (``dead``, ``gen/0/failed``), process 0 marks the job complete, every launcher exits 0 and so does the job."""
     from neighbor_ckpt.cli import launch
 
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir(parents=True)
     (tmp_path / "toy.py").write_text(SLURM_TOY)
-    plan = launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS, f"launch.rdzv_port={free_ports(2)}"],
+    plan = launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS, f"launch.rdzv_port={free_ports(6)}"],
                               run_dir=run_dir)
     launch.write_run_dir(plan)
     lines = launch.slurm_script(plan).splitlines()
@@ -179,14 +179,16 @@ def test_slurm_scripts_of_both_modes_for_a_gpu_cluster_and_this_cpu_machine(tmp_
                  'export NEIGHBOR_CKPT_STORE_DIR="$STORE_ROOT"'):
         assert line in script, line
     port = plan.job.launch.rdzv_port + 1
-    assert (f"-m neighbor_ckpt.inprocess.launcher --store ${{HEAD_NODE}}:{port} --run-id {plan.run_id} "
+    assert (f'-m neighbor_ckpt.inprocess.launcher --store "$STORES" --run-id {plan.run_id} '
             '--node "$NODE" --first "$FIRST" --count "$COUNT" --processes 136 --spares 8 --max-restarts 10 '
-            "--nodes 17 -- ") in script and "--store-root" not in script
-    assert f"--inprocess-store ${{HEAD_NODE}}:{port}" in script and "ft-restart" not in script
+            '--nodes 17 --host-store "$HOSTIDX" -- ') in script and "--store-root" not in script
+    assert "HOSTIDX=$SLURM_NODEID" in script and f"awk -v p={port}" in script, "a store on every node, same port"
+    assert "--inprocess-store" not in script and "ft-restart" not in script
     cpu = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS], run_dir=tmp_path))
     assert "#SBATCH --ntasks=5" in cpu and "#SBATCH --overcommit" in cpu and "--gpus" not in cpu
     assert 'NODE="node$SLURM_PROCID" FIRST=$SLURM_PROCID COUNT=1' in cpu
-    assert '--processes 5 --spares 1 --max-restarts 2 --nodes 5 --store-root "$STORE_ROOT" -- ' in cpu
+    assert '--processes 5 --spares 1 --max-restarts 2 --nodes 5 --host-store "$HOSTIDX" --store-root "$STORE_ROOT" -- ' \
+        in cpu and "HOSTIDX=$SLURM_PROCID" in cpu, "one simulated node per task, each with its store host"
     restart = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS], run_dir=tmp_path))
     assert "srun --kill-on-bad-exit=0" in restart and "-m torch.distributed.run" in restart
     assert "--max-restarts=2" in restart and "ft_launcher" not in restart

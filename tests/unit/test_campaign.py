@@ -331,20 +331,21 @@ def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_of_our_lau
     case = Case(index=3, kind="inproc-kill", rank=1, step=2, dist_opt=True, phase="optimizer")
     procs = inprocess_job(tmp_path / "case", case.recipe_args(), job_id="campaign-3", store=tmp_path / "store",
                           config=own, steps=6, store_port=4001, max_restarts=case.max_restarts)
-    assert procs.store[1:3] == ("-m", "neighbor_ckpt.inprocess.store_host") and "4001" in procs.store
+    stores = ",".join(f"127.0.0.1:{4001 + i}" for i in range(WORLD + SPARES))
+    assert procs.stores == stores, "one store per simulated node, hosted by its launcher"
     assert len(procs.agents) == WORLD + SPARES
     for i, (cmd, env) in enumerate(procs.agents):
         assert cmd[1:3] == ("-m", LAUNCHER)
         plan = parse_args(cmd[3:])
         # one simulated node per process: its own launcher, node id and host store
-        assert (plan.store_address, plan.run_id, plan.node) == ("127.0.0.1:4001", "campaign-3", f"node{i}")
+        assert (plan.store_address, plan.run_id, plan.node, plan.host_store) == (stores, "campaign-3", f"node{i}", i)
         assert (plan.first, plan.count, plan.processes, plan.spares, plan.nodes) == (i, 1, WORLD + SPARES, SPARES,
                                                                                      WORLD + SPARES)
         assert plan.max_restarts == case.max_restarts == 1
         assert plan.store_root == str(tmp_path / "store")
         program = list(plan.program[plan.program.index(str(RECIPE)):])
         assert program[program.index("--config") + 1] == str(own)
-        assert program[program.index("--inprocess-store") + 1] == "127.0.0.1:4001"
+        assert "--inprocess-store" not in program, "the recipe reads the store list its launcher gives"
         assert program[-len(case.recipe_args()):] == case.recipe_args()
         assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "store" / f"node{i}")

@@ -71,15 +71,17 @@ def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(
     assert "4 ranks + 1 hot spare(s) = 5 processes" in launch.describe(plan)
     procs = launch.inprocess_processes(plan, store_port=29650,
                                        store_root=tmp_path / "shm")
-    assert procs.store[1:] == ("-m", "neighbor_ckpt.inprocess.store_host", "--host", "127.0.0.1", "--port", "29650")
+    stores = ",".join(f"127.0.0.1:{29650 + i}" for i in range(5))
+    assert procs.stores == stores
     assert len(procs.agents) == 5
     for i, (cmd, env) in enumerate(procs.agents):
         assert cmd[1:3] == ("-m", launch.LAUNCHER)
         own = parse_args(cmd[3:])  # the launcher reads its own command line as planned
         assert (own.node, own.first, own.count, own.processes, own.spares, own.nodes) == (f"node{i}", i, 1, 5, 1, 5)
-        assert (own.store_address, own.run_id, own.max_restarts) == ("127.0.0.1:29650", plan.run_id, 2)
+        assert (own.store_address, own.run_id, own.max_restarts) == (stores, plan.run_id, 2)
+        assert (own.host_store, own.store_listen) == (i, "127.0.0.1"), "each node hosts one store: 0 the primary"
         assert own.store_root == str(tmp_path / "shm") and not own.no_python
-        assert own.program[own.program.index("--inprocess-store") + 1] == "127.0.0.1:29650"
+        assert "--inprocess-store" not in own.program, "the processes read the store list their launcher gives"
         assert dict(env)["NEIGHBOR_CKPT_NODE_ID"] == f"node{i}"  # one simulated node per launcher, its own store
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}")
         assert not any("nvidia_resiliency_ext" in a or "ft-restart" in a for a in cmd)
@@ -130,14 +132,14 @@ def test_inprocess_without_neighbor_snapshots_is_refused(tmp_path: Path) -> None
                            run_dir=tmp_path)
 
 
-def test_launch_dry_run_prints_the_store_host_and_one_launcher_per_process(tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_launch_dry_run_prints_one_launcher_per_process_each_hosting_a_store(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", str(REPO / "configs/gpt_tiny_cpu.yaml"), *INPROC, "--run-dir", str(tmp_path),
                  "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "neighbor_ckpt.inprocess.store_host" in lines[0]
-    assert len(lines) == 6 and all("-m neighbor_ckpt.inprocess.launcher" in line for line in lines[1:])
-    assert [line.split("--node ")[1].split()[0] for line in lines[1:]] == [f"node{i}" for i in range(5)]
+    assert len(lines) == 5 and all("-m neighbor_ckpt.inprocess.launcher" in line for line in lines)
+    assert [line.split("--node ")[1].split()[0] for line in lines] == [f"node{i}" for i in range(5)]
+    assert [line.split("--host-store ")[1].split()[0] for line in lines] == [str(i) for i in range(5)]
 
 
 def test_demo_inprocess_plans_the_restart_and_the_inprocess_runs_of_the_same_kill(tmp_path: Path) -> None:

@@ -84,11 +84,12 @@ def test_job_file_override_and_round_trip(tmp_path: Path) -> None:
                                                            "neighbor_ckpt.fault_injection.faults=[{rank: 2}]"])
 
 
-def test_store_node_is_accepted_by_the_config_and_refused_by_the_injectors() -> None:
+def test_store_node_is_refused_by_the_injectors_that_cannot_inject_it_and_planned_for_those_that_can() -> None:
     section = fi(enabled=True, faults=[{"rank": 1, "step": 3}, {"target": "store_node", "step": 5}])
-    with pytest.raises(ConfigError, match=r"faults\[1\]\.target: store_node \(issue 29: the node hosting the "
-                                          r"store\) is not implemented yet"):
+    with pytest.raises(ConfigError, match=r"faults\[1\]\.target: store_node \(the node hosting the store in use\) "
+                                          r"is injected only in process"):
         section.refuse_unsupported()
+    assert [f.target for f in section.refuse_unsupported(store_node=True)] == ["rank", "store_node"]
     with pytest.raises(ConfigError, match=r"fault_injection\.phase: 'backward' is not injected here"):
         fi(enabled=True, phase="backward").refuse_unsupported(phases=("forward", "optimizer"), where=" here")
     assert fi(enabled=False, target="store_node").refuse_unsupported() == ()
@@ -111,7 +112,9 @@ def test_each_fault_fires_once_in_the_generation_that_first_runs_its_step() -> N
     assert not fires(first, rank=1, step=3, generation=0, start=0, launch=1), "first launch attempt only"
     assert fires(first, rank=1, step=3, generation=0, start=3), "generation 0 resumed from a disk checkpoint"
     store = FaultSpec(target="store_node", rank=1, step=3)
-    assert not fires(store, rank=1, step=3, generation=0, start=0)
+    assert not fires(store, rank=1, step=3, generation=0, start=0), "store_node: the rank on the store's node"
+    assert store.fires(rank=0, step=3, phase="optimizer", launch=0, generation=0, start_step=0, hosts_store=True)
+    assert not store.fires(rank=0, step=2, phase="optimizer", launch=0, generation=0, start_step=0, hosts_store=True)
 
 
 def test_replaced_ranks_are_the_first_faults_victims() -> None:
@@ -164,5 +167,9 @@ def test_the_plain_loop_recipe_injects_the_config_files_faults_and_refuses_them_
         recipe.planned_faults(config, recipe.parse_args(["--config", str(cfg), "--kill", "1:3"]))
     store = tmp_path / "store.yaml"
     store.write_text("neighbor_ckpt:\n  fault_injection:\n    enabled: true\n    target: store_node\n")
-    with pytest.raises(ConfigError, match="target: store_node"):
+    with pytest.raises(ConfigError, match="target: store_node .* is injected only in process"):
         recipe.planned_faults(NeighborCkptConfig.from_yaml(store), recipe.parse_args([]))
+    store.write_text("neighbor_ckpt:\n  inprocess: {enabled: true, spares: 1}\n  fault_injection:\n    enabled: true\n"
+                     "    target: store_node\n")
+    assert [f.target for f in recipe.planned_faults(NeighborCkptConfig.from_yaml(store), recipe.parse_args([]))] == \
+        ["store_node"], "in process the plain loop injects it"

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from neighbor_ckpt.inprocess.assignment import initial_assignment
-from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, gate, parse_dead,
-                                                parse_list)
+from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, QuorumLost, gate,
+                                                parse_dead, parse_list)
 from neighbor_ckpt.inprocess.monitor import laggards, parse_heartbeat, ring_predecessor
 from tests.conftest import free_port
 
@@ -59,6 +59,37 @@ def test_the_barrier_goes_on_without_a_process_declared_dead(store: Any) -> None
     t.join()
     assert m.members == frozenset({0, 1}) and out[0] == m
     assert not m.progressed, "generation 0 never marked a completed step"
+
+
+def test_after_a_store_failover_a_minority_does_not_form_a_generation(store: Any) -> None:
+    """Quorum 3 (a majority of five): two live processes, the other three declared dead, stop with QuorumLost; three
+    form the generation."""
+    a, b = GenerationStore(store(), process=0), GenerationStore(store(), process=1)
+    b.declare_dead([2, 3, 4], "silent: no heartbeat on the new store")
+    errors: list[BaseException] = []
+
+    def join_b() -> None:
+        try:
+            b.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum=3)
+        except QuorumLost as e:
+            errors.append(e)
+
+    t = threading.Thread(target=join_b)
+    t.start()
+    with pytest.raises(QuorumLost, match=r"2 process\(es\) after a store failover, fewer than a majority \(3\)"):
+        a.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum=3)
+    t.join()
+    assert len(errors) == 1, "both stop"
+    c = GenerationStore(store(), process=5)
+    out: list[Members] = []
+    threads = [threading.Thread(target=lambda g=g: out.append(g.join(2, expected={0, 1, 5}, timeout_s=10, quorum=3)))
+               for g in (a, b, c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {m.members for m in out} == {frozenset({0, 1, 5})}
+    assert a.seen_dead.keys() == {2, 3, 4}, "what a client read in `dead` is kept (written again after a failover)"
 
 
 def test_a_missing_process_times_the_barrier_out_and_is_named(store: Any) -> None:

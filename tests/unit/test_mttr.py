@@ -37,6 +37,8 @@ def test_each_phase_of_both_modes_equals_a_hand_computation(plan_8b) -> None:
                              "regroup": 5.0 + 0.002 * plan_8b.world_size}
     assert inproc.total_s < restart.total_s
     assert restart.to_dict()["total_s"] == pytest.approx(sum(restart.phases.values()))
+    store = estimate_mttr(plan_8b, "store-node", a)
+    assert store.phases == {**inproc.phases, "detect": 30.0}, "the store's node lost: a longer detection only"
 
 
 def test_the_cpu_preset_uses_the_figures_measured_on_the_cpu_machines() -> None:
@@ -58,6 +60,7 @@ def test_format_prints_both_modes_and_the_assumptions(plan_8b) -> None:
     a = MttrAssumptions()
     text = format_mttr(estimate_both(plan_8b, a), a)
     assert "restart" in text and "in-process" in text and "assumptions" in text and "relaunch 60 s" in text
+    assert "store-node" in text and "30 s when the store's node is lost" in text
 
 
 @pytest.mark.parametrize("config", ["llama3_8b", "llama3_70b", "gpt3_175b"])
@@ -65,6 +68,7 @@ def test_plan_json_has_the_mttr_of_both_modes(config: str) -> None:
     out = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs" / f"{config}.yaml"),
                           "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
     doc = json.loads(out)
-    assert set(doc["mttr"]) == {"restart", "in-process"}
+    assert set(doc["mttr"]) == {"restart", "in-process", "store-node"}
+    assert doc["mttr"]["in-process"]["total_s"] < doc["mttr"]["store-node"]["total_s"]
     assert doc["mttr"]["in-process"]["total_s"] < doc["mttr"]["restart"]["total_s"]
     assert doc["mttr_assumptions"]["relaunch_floor_s"] == 60.0

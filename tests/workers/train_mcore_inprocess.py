@@ -150,6 +150,14 @@ def inject_fault(rank: int, att: Attempt) -> None:
         h.flush()
     if FAULT == "kill":
         log.warning("fault injection: SIGKILL of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
+        if os.environ.get("STORE_NODE") == "1":
+            # the whole node: its launcher (and with it the store host it runs), then this rank
+            launcher = int(os.environ["NEIGHBOR_CKPT_INPROCESS_LAUNCHER"])
+            log.warning("fault injection: the node is gone: SIGKILL of its launcher (pid %d), which hosts store %s",
+                        launcher, os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED"))
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(launcher, signal.SIGKILL)
         if os.environ.get("PERMANENT") == "1":
             from neighbor_ckpt.runtime.failpoints import lose_node
 
@@ -170,6 +178,23 @@ def inject_fault(rank: int, att: Attempt) -> None:
         ctypes.CDLL(None).sleep(3600)
     log.warning("fault injection: RuntimeError on rank %d inside the optimizer step of step %d", rank, KILL_STEP)
     raise RuntimeError(f"injected fault on rank {rank} at step {KILL_STEP}")
+
+
+def stop_store_host(rank: int) -> None:
+    """SIGSTOP the store host this process's launcher runs (the primary), SIGCONT it ``STOP_STORE_FOR`` seconds
+    later (default 15): the job fails over to the next store meanwhile, and the resumed host must stay unused."""
+    import subprocess
+
+    pid = int(os.environ["NEIGHBOR_CKPT_INPROCESS_STORE_HOST_PID"])
+    stop_for = float(os.environ.get("STOP_STORE_FOR", "15"))
+    write_json("fault.json", {"rank": rank, "initial_rank": INITIAL_RANK, "kind": "stop_store", "pid": pid,
+                              "step": int(os.environ["STOP_STORE_AT_STEP"]), "unix": time.time()})
+    log.warning("fault injection: SIGSTOP of the store host (pid %d) for %g s, inside rank %d's optimizer step",
+                pid, stop_for, rank)
+    os.kill(pid, signal.SIGSTOP)
+    # resumed by a process of its own (a thread here would fail this process's hygiene check after the failover)
+    subprocess.Popen(["sh", "-c", f"sleep {stop_for}; kill -CONT {pid}; echo 'fault injection: SIGCONT of the store "
+                                  f"host (pid {pid})' >&2"], start_new_session=True)
 
 
 def block_in_cleanup() -> None:
@@ -204,12 +229,16 @@ def train(att: Attempt) -> dict[str, Any]:
     inproc.on_restart(lambda: ckpt.close(success=False))
     armed = FAULT in ("kill", "raise", "stop", "block") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
 
+    stop_store = (os.environ.get("STOP_STORE_AT_STEP") is not None and att.iteration == 0 and LAUNCH_ATTEMPT == 0
+                  and os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED") == "0")
     second = (os.environ.get("KILL2_STEP") is not None and att.iteration == 1 and LAUNCH_ATTEMPT == 0
               and rank == int(os.environ.get("KILL2_RANK", "-1")))
 
     def maybe_fault() -> None:
         if armed and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == KILL_STEP:
             inject_fault(rank, att)
+        if stop_store and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == int(os.environ["STOP_STORE_AT_STEP"]):
+            stop_store_host(rank)
         if second and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == int(os.environ["KILL2_STEP"]):
             # the second fault waits for a spare to be up (a replacement that grew back): the test is about it
             deadline = time.monotonic() + 300

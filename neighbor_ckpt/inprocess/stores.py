@@ -1,0 +1,354 @@
+"""The launch's stores: one per node (the first is the primary, the others hot standbys), and the failover between
+them.
+
+Every launcher runs a store host on its node (:mod:`neighbor_ckpt.inprocess.store_host`, a child of the launcher
+that dies with it); every process and launcher holds the ordered list of their addresses
+(:data:`~neighbor_ckpt.inprocess.protocol.ENV_STORE`, ``host:port,host:port,...``). The list index is the store
+*epoch*: everyone starts on store 0, and an epoch only ever increases.
+
+**Failover.** An operation that does not answer (a refused or reset connection: the node is gone; or no reply
+within ``timeout_s``: the host is stopped or cut off) is tried once more on a new connection; when that fails too,
+the client moves to the next store of the list that answers and *promotes* it (``compare_set`` of
+:func:`epoch_key` to its index), then hands the change to its ``on_failover`` callbacks, which write again what the
+new store must know (the engine: generation, membership, progress, the dead; a launcher: its processes and
+counters) and record the current generation's failure (kind ``store``). Whoever loses the store first does this;
+the others find the next store promoted, or lose the store themselves moments later.
+
+**Fencing.** A client follows the highest promoted store it can see: :meth:`StoreSet.follow_newer` (on a thread of
+its own in every process and launcher, every :data:`FOLLOW_EVERY_S`) looks at the next stores of the list and moves
+to one that was promoted, so a client that was stopped, or cut off, while the others moved on never acts on the stale store
+again; a launcher whose own store host lost its epoch stops it. Nothing is ever moved back to a lower epoch.
+
+**Bounded operations.** torch's TCPStore client does not apply its timeout to a connection the server accepted but
+never answers (a SIGSTOPped host: the kernel completes the handshake): ``check``, ``get`` and even the constructor
+block until the host resumes (measured on torch 2.13). Every operation of :class:`BoundedClient` therefore runs on
+the client's own worker thread and is waited for at most ``timeout_s``; a client whose operation did not return is
+abandoned with its thread (daemon, named ``neighbor_ckpt-store-client``, blocked until the host resumes or its
+connection is reset).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+from neighbor_ckpt.errors import ConfigError, NeighborCkptError
+
+__all__ = ["StoreAddresses", "StoreUnreachable", "StoresLost", "BoundedClient", "StoreSet", "StoreView",
+           "epoch_key", "CLIENT_THREAD"]
+
+logger = logging.getLogger(__name__)
+
+CLIENT_THREAD = "neighbor_ckpt-store-client"
+"""The name (prefix) of a :class:`BoundedClient`'s worker thread (and of the follower, :meth:`StoreSet.start_following`)."""
+
+FOLLOW_EVERY_S = 2.0
+"""How often a process or launcher looks whether a store after its own was promoted (fencing after a failover)."""
+
+
+class StoreUnreachable(NeighborCkptError):
+    """One store did not answer (refused, reset, or no reply within the timeout)."""
+
+
+class StoresLost(NeighborCkptError):
+    """No store of the list answers: the job cannot go on in process."""
+
+
+def epoch_key(run_id: str) -> str:
+    """The key a store is promoted with (its own index as value), outside every launch attempt's prefix."""
+    return f"neighbor_ckpt/inprocess/{run_id}/epoch"
+
+
+@dataclass(frozen=True)
+class StoreAddresses:
+    """The ordered store list of a launch (pure)."""
+
+    addresses: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ConfigError("in-process recovery: the store list is empty")
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> "StoreAddresses":
+        """``host:port[,host:port...]`` (IPv6 hosts in brackets or bare, the port after the last colon);
+        ConfigError naming ``what``."""
+        out = []
+        for part in (p.strip() for p in text.split(",")):
+            host, sep, port = part.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"in-process recovery: {what} is {text!r}, not HOST:PORT[,HOST:PORT...]")
+            out.append((host.strip("[]"), int(port)))
+        return cls(tuple(out))
+
+    def format(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.addresses)
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return self.addresses[index]
+
+    def describe(self, index: int) -> str:
+        host, port = self.addresses[index]
+        return f"store {index} ({host}:{port})"
+
+
+_OPS = ("get", "set", "check", "compare_set", "add", "append", "multi_get", "multi_set", "delete_key", "wait")
+
+
+class BoundedClient:
+    """A TCPStore client whose every operation returns, or raises :class:`StoreUnreachable`, within ``timeout_s``
+    (see the module docstring). Keys are raw (no prefix). Thread-safe: operations are serialised on its worker."""
+
+    def __init__(self, address: tuple[str, int], *, timeout_s: float, connect_timeout_s: Optional[float] = None,
+                 name: str = "") -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self.connect_timeout_s = connect_timeout_s if connect_timeout_s is not None else timeout_s
+        self.broken: Optional[str] = None
+        self._store: Any = None
+        self._jobs: "queue.Queue[tuple[Callable[[], Any], list[Any], threading.Event]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._work, name=f"{CLIENT_THREAD}-{name}", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            done.set()
+
+    def _connect(self) -> Any:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.address[0], self.address[1], is_master=False, wait_for_workers=False,
+                              use_libuv=True, timeout=timedelta(seconds=self.connect_timeout_s))
+        store.set_timeout(timedelta(seconds=self.timeout_s))
+        return store
+
+    def call(self, method: str, *args: Any) -> Any:
+        if self.broken is not None:
+            raise StoreUnreachable(self.broken)
+
+        def run() -> Any:
+            if self._store is None:
+                self._store = self._connect()
+            return getattr(self._store, method)(*args)
+
+        box: list[Any] = []
+        done = threading.Event()
+        limit = self.timeout_s if self._store is not None else self.connect_timeout_s + self.timeout_s
+        if method == "wait":
+            limit = float("inf")
+        with self._lock:
+            self._jobs.put((run, box, done))
+            done.wait(None if limit == float("inf") else limit)
+        if not box:
+            self.broken = f"{self.address[0]}:{self.address[1]}: no answer to {method} within {limit:g} s"
+            raise StoreUnreachable(self.broken)
+        ok, value = box[0]
+        if ok:
+            return value
+        if _key_timeout(value):  # the store answered: the key is not there (a `get` that waited for it)
+            raise value
+        if isinstance(value, RuntimeError):  # torch's DistNetworkError / DistStoreError: the store is not there
+            self.broken = f"{self.address[0]}:{self.address[1]}: {str(value).splitlines()[0] if str(value) else type(value).__name__}"
+            raise StoreUnreachable(self.broken) from None
+        raise value
+
+
+def _key_timeout(e: BaseException) -> bool:
+    """torch's answer to a ``get`` or ``wait`` whose key did not appear in time (the store itself answered)."""
+    import torch.distributed as dist
+
+    return isinstance(e, dist.DistStoreError) and "wait timeout" in str(e)
+
+
+class StoreView:
+    """The store operations :class:`~neighbor_ckpt.inprocess.generation.GenerationStore` and the launcher use
+    (``get``, ``set``, ``check``, ``compare_set``, ``add``, ``append``, ``multi_get``, ``multi_set``,
+    ``delete_key``, ``wait``), with every key under ``prefix``, each sent through ``op(method, *args)``."""
+
+    def __init__(self, op: Callable[..., Any], prefix: str) -> None:
+        self._op, self.prefix = op, (prefix.rstrip("/") + "/" if prefix else "")
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def get(self, key: str) -> bytes:
+        return self._op("get", self._k(key))
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._op("set", self._k(key), value)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._op("check", [self._k(k) for k in keys])
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._op("compare_set", self._k(key), expected, desired)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._op("add", self._k(key), amount)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._op("append", self._k(key), value)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return self._op("multi_get", [self._k(k) for k in keys])
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        self._op("multi_set", [self._k(k) for k in keys], list(values))
+
+    def delete_key(self, key: str) -> bool:
+        return self._op("delete_key", self._k(key))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
+        self._op("wait", [self._k(k) for k in keys], timeout)
+
+
+class StoreSet:
+    """One process's (or launcher's) clients of the launch's stores, on the current epoch (see the module docstring).
+
+    Args:
+        addresses: the store list.
+        run_id: the launch's run id (the epoch key).
+        epoch: the store to start on (a replacement started after a failover gets its launcher's).
+        timeout_s: how long an operation may go unanswered before the store counts as lost.
+        connect_timeout_s: patience for the first connection of this process (the primary may still be starting).
+        name: who this is, for the log (``process 3``, ``launcher:node1``).
+    """
+
+    def __init__(self, addresses: StoreAddresses, *, run_id: str, epoch: int = 0, timeout_s: float = 5.0,
+                 connect_timeout_s: float = 120.0, name: str = "") -> None:
+        if not 0 <= epoch < len(addresses):
+            raise ConfigError(f"in-process recovery: store epoch {epoch} is not an index of the {len(addresses)} "
+                              "store(s)")
+        self.addresses, self.run_id, self.timeout_s = addresses, run_id, timeout_s
+        self.connect_timeout_s, self.name = connect_timeout_s, name or "this process"
+        self.epoch = epoch
+        self._clients: dict[str, BoundedClient] = {}
+        self._lock = threading.RLock()
+        self._answered = False
+        self._follower: Optional[threading.Thread] = None
+        self._callbacks: list[Callable[[int, int, str], None]] = []
+        self.history: list[tuple[int, int, str, float]] = []
+        """``(old epoch, new epoch, why, unix)`` of every move."""
+
+    # -- clients ------------------------------------------------------------------------------------------------
+
+    def on_failover(self, fn: Callable[[int, int, str], None]) -> None:
+        """``fn(old_epoch, new_epoch, why)`` after every move, on the moving thread, under the set's lock."""
+        self._callbacks.append(fn)
+
+    def address(self) -> tuple[str, int]:
+        return self.addresses[self.epoch]
+
+    def _client(self, name: str, epoch: int) -> BoundedClient:
+        with self._lock:
+            c = self._clients.get(name)
+            if c is None or c.broken is not None or c.address != self.addresses[epoch]:
+                patience = self.timeout_s if self._answered else self.connect_timeout_s
+                c = self._clients[name] = BoundedClient(self.addresses[epoch], timeout_s=self.timeout_s,
+                                                        connect_timeout_s=patience, name=name)
+            return c
+
+    def op(self, name: str, method: str, *args: Any) -> Any:
+        """``method(*args)`` on the current store through client ``name`` (one per thread that may block); on a
+        store that does not answer: once more on a new connection, then the failover, then again on the new
+        store. Raises :class:`StoresLost` when no store of the list answers."""
+        tried_again = False
+        while True:
+            epoch = self.epoch
+            try:
+                value = self._client(name, epoch).call(method, *args)
+                self._answered = True
+                return value
+            except StoreUnreachable as e:
+                if epoch != self.epoch:
+                    continue  # another thread moved meanwhile
+                if not tried_again:
+                    tried_again = True
+                    continue
+                self.lost(epoch, str(e))
+                tried_again = False
+
+    def view(self, name: str, prefix: str) -> StoreView:
+        return StoreView(lambda method, *args: self.op(name, method, *args), prefix)
+
+    # -- moving -------------------------------------------------------------------------------------------------
+
+    def lost(self, epoch: int, why: str) -> int:
+        """Store ``epoch`` does not answer: move to the next store that does and promote it (nothing when another
+        thread moved already). Returns the epoch now current."""
+        with self._lock:
+            if self.epoch != epoch:
+                return self.epoch
+            logger.error("%s: %s does not answer (%s): failing over", self.name, self.addresses.describe(epoch), why)
+            for k in range(epoch + 1, len(self.addresses)):
+                try:
+                    stood = BoundedClient(self.addresses[k], timeout_s=self.timeout_s,
+                                          name=f"promote{k}").call("compare_set", epoch_key(self.run_id), "", str(k))
+                except StoreUnreachable as e:
+                    logger.error("%s: %s does not answer either (%s)", self.name, self.addresses.describe(k), e)
+                    continue
+                first = stood.decode(errors="replace") == str(k)
+                self._move(epoch, k, f"{self.addresses.describe(epoch)} lost: {why}", promoted=first)
+                return k
+            raise StoresLost(f"{self.name}: no store of the {len(self.addresses)} answers (the last: "
+                             f"{self.addresses.describe(len(self.addresses) - 1)}): the job cannot go on in process")
+
+    def follow_newer(self) -> Optional[int]:
+        """Move to the next store of the list when it was promoted (fencing: see the module docstring); the new
+        epoch, or None. Looks at the stores after the current one, up to the first that answers."""
+        epoch = self.epoch
+        for k in range(epoch + 1, len(self.addresses)):
+            try:
+                promoted = self._client(f"probe{k}", k).call("check", [epoch_key(self.run_id)])
+            except StoreUnreachable:
+                continue
+            if not promoted:
+                return None
+            with self._lock:
+                if self.epoch != epoch:
+                    return None
+                self._move(epoch, k, f"{self.addresses.describe(k)} was promoted while this process was on "
+                                     f"{self.addresses.describe(epoch)}", promoted=False)
+            return k
+        return None
+
+    def start_following(self, every_s: float = FOLLOW_EVERY_S) -> None:
+        """Call :meth:`follow_newer` every ``every_s`` on a thread of its own (a look at a lost standby waits for
+        its timeout: never on a thread that must keep beating)."""
+        if self._follower is not None or len(self.addresses) < 2:
+            return
+
+        def run() -> None:
+            while True:
+                time.sleep(every_s)
+                try:
+                    self.follow_newer()
+                except Exception as e:  # noqa: BLE001 - a look only; the next one comes
+                    logger.debug("%s: looking for a newer store: %s", self.name, e)
+
+        self._follower = threading.Thread(target=run, name=f"{CLIENT_THREAD}-follower", daemon=True)
+        self._follower.start()
+
+    def _move(self, old: int, new: int, why: str, *, promoted: bool) -> None:
+        self.epoch = new
+        for c in self._clients.values():
+            c.broken = c.broken or "replaced by the failover"
+        self._clients.clear()
+        self.history.append((old, new, why, time.time()))
+        logger.warning("%s: store epoch %d -> %d: now on %s%s (%s)", self.name, old, new,
+                       self.addresses.describe(new), ", promoted it" if promoted else "", why)
+        for fn in list(self._callbacks):
+            fn(old, new, why)
