@@ -21,7 +21,9 @@ attempt reads other samples than before the failure; the data check must stop it
 ``inproc-stuck``: one rank's training thread blocked in a C call while its heartbeat goes on (only the progress tags
 show it). ``inproc-store-node``: node 0 (its launcher, the primary store host it runs and rank 0) SIGKILLed;
 ``inproc-store-stop``: the primary store host SIGSTOPped for good: the job fails over to node 1's standby store
-(``fault_injection.target: store_node``).
+(``fault_injection.target: store_node``). ``inproc-spare-lost``: the hot spare SIGKILLed while idle (reported, the
+job goes on). ``inproc-grow-back``: two faults with one spare and ``inprocess.grow_back``: the replacement the first
+victim's launcher starts takes the second lost rank.
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 
@@ -115,6 +117,13 @@ class Kind:
     """The restart path (distributed optimizer), and the restarted attempt reads other samples than before the
     failure (a loader that does not resume its position): the data check must stop the job at the replayed step,
     announced."""
+    idle_spare: bool = False
+    """In process, no rank fault: the hot spare SIGKILLs itself while idle, once rank 0 logged the case's step; its
+    launcher reports it, no generation fails (``--kill-idle-spare-after``)."""
+    grow_back: bool = False
+    """In process with ``inprocess.grow_back`` and one hot spare for two faults: the first victim's launcher starts a
+    replacement once the recovered generation completed a step; the second fault waits for it and the replacement
+    takes the second lost rank."""
     store_node: bool = False
     """In process: the fault hits the node hosting the store in use (``fault_injection.target: store_node``): with
     SIGKILL its launcher, the primary store host and rank 0 die; with SIGSTOP only the store host stops (for good:
@@ -149,6 +158,8 @@ KIND_SPECS: dict[str, Kind] = {
     "inproc-stuck": Kind(signal="block", phase="optimizer", tp=1, inprocess=True),
     "inproc-store-node": Kind(phase="optimizer", tp=1, inprocess=True, store_node=True),
     "inproc-store-stop": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True, store_node=True),
+    "inproc-spare-lost": Kind(phase="optimizer", tp=1, inprocess=True, idle_spare=True),
+    "inproc-grow-back": Kind(phase="optimizer", tp=1, inprocess=True, faults=2, grow_back=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
@@ -253,7 +264,7 @@ class Case:
     @property
     def spares(self) -> int:
         """Hot spares of an in-process case: one per fault, none for a shrink."""
-        return 0 if self.spec.shrink else self.spec.faults * SPARES
+        return 0 if self.spec.shrink else SPARES if self.spec.grow_back else self.spec.faults * SPARES
 
     @property
     def planned_faults(self) -> list[dict[str, Any]] | None:
@@ -286,6 +297,8 @@ class Case:
     def recipe_args(self) -> list[str]:
         if self.planned_faults is not None:
             return list(self.flavour_args)
+        if self.spec.idle_spare:
+            return ["--kill-idle-spare-after", str(self.step)]
         args = ["--kill", f"{','.join(map(str, self.victims))}:{self.step}", "--kill-phase", self.phase,
                 "--kill-signal", self.signal]
         if self.spec.misplaced_data:
@@ -398,7 +411,7 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                   store_port: "int | list[int]", max_restarts: int, insurance_every: int = 0,
-                  spares: int = SPARES):  # noqa: ANN201
+                  spares: int = SPARES, grow_back: bool = False):  # noqa: ANN201
     """The per-node launcher commands (each hosting one of the stores) of an in-process case (nothing runs): ``WORLD`` active
     ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store root per
     simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
@@ -408,11 +421,11 @@ def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, confi
     program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
                "--insurance-every", str(insurance_every), *args]
     return inprocess_commands(program, active=WORLD, spares=spares, max_restarts=max_restarts, run_id=job_id,
-                              store_port=store_port, store_root=store)
+                              store_port=store_port, store_root=store, grow_back=grow_back)
 
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
-                   timeout: float, max_restarts: int, spares: int = SPARES) -> tuple[int, str]:
+                   timeout: float, max_restarts: int, spares: int = SPARES, grow_back: bool = False) -> tuple[int, str]:
     """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
     in ``launch.log``. Returns (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses,
     -999 past ``timeout``; the log)."""
@@ -421,7 +434,8 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
 
     out.mkdir(parents=True, exist_ok=True)
     procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
-                          store_port=free_ports(WORLD + spares), max_restarts=max_restarts, spares=spares)
+                          store_port=free_ports(WORLD + spares), max_restarts=max_restarts, spares=spares,
+                          grow_back=grow_back)
     tag = new_run_tag()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic
@@ -593,9 +607,11 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     t0 = time.time()
     if case.inprocess:
         own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=case.spares, report_dir=out / "reports",
-                           faults=case.planned_faults, elastic=case.spec.shrink, stuck=case.signal == "block")
+                           faults=case.planned_faults, elastic=case.spec.shrink, stuck=case.signal == "block",
+                           grow_back=case.spec.grow_back)
         rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
-                                 steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares)
+                                 steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares,
+                                 grow_back=case.spec.grow_back)
     else:
         rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
                             config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
@@ -696,13 +712,15 @@ def summarize(outcomes: Sequence[Outcome]) -> str:
 
 def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0, base: Path | None = None,
                  inprocess_spares: int | None = None, report_dir: Path | None = None,
-                 faults: list[dict[str, Any]] | None = None, elastic: bool = False, stuck: bool = False) -> Path:
+                 faults: list[dict[str, Any]] | None = None, elastic: bool = False, stuck: bool = False,
+                 grow_back: bool = False) -> Path:
     """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
     middle of streaming leaves a replica really half written. ``base``: that section as written before (the
     campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares),
     ``report_dir`` (where the recovery timeline goes), ``faults`` (``fault_injection.faults``: the faults the recipe
     injects itself), ``elastic`` (``elastic.enabled``) and ``stuck`` (the hang and abort bounds of the CPU job files,
-    ``detector.hang_timeout_s`` 3 s and ``inprocess.abort_timeout_s`` 10 s, for a stuck training thread)."""
+    ``detector.hang_timeout_s`` 3 s and ``inprocess.abort_timeout_s`` 10 s, for a stuck training thread) and
+    ``grow_back`` (``inprocess.grow_back``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = base.read_text() if base is not None else (
         f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
@@ -715,6 +733,8 @@ def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0,
         text += f"  inprocess:\n    enabled: true\n    spares: {inprocess_spares}\n"
         if stuck:
             text += "    abort_timeout_s: 10.0\n"
+        if grow_back:
+            text += "    grow_back: true\n"
     if report_dir is not None:
         text += f"  report:\n    dir: {json.dumps(str(report_dir))}\n"
     if faults:

@@ -200,6 +200,7 @@ class InprocessRecovery:
         self._members_record: Optional[Members] = None
         self._progressed: set[int] = set()
         self._joining: Optional[int] = None
+        self._finished: Optional[int] = None
         self._my_listeners: Optional[tuple[int, str]] = None
         self._peer_cache: dict[int, tuple[int, frozenset[Any]]] = {}
         self._generation = 0
@@ -307,10 +308,16 @@ class InprocessRecovery:
         if gens.current() < g:
             s.set("gen", str(g))
         known = [f for f in self.failures if f.generation == g]
-        record = known[0] if known else GenerationFailure(
-            generation=g, by=self._name(), kind="store", ranks=(), unix=time.time(),
-            reason=f"{why}; the next generation forms on {self.store_list.describe(new)}")
-        s.compare_set(protocol.key("gen", g, "failed"), "", record.to_json())
+        if self._finished == g and self._assignment is not None:
+            gens.finished(g, self._assignment.world_size)  # the job may be complete: the others write theirs too
+        if known:
+            s.compare_set(protocol.key("gen", g, "failed"), "", known[0].to_json())
+        elif self._inside:
+            # Only a rank still in the training function fails the generation: when every rank had returned (the
+            # job done as the store went), their `finished` entries complete the job on the new store instead.
+            record = GenerationFailure(generation=g, by=self._name(), kind="store", ranks=(), unix=time.time(),
+                                       reason=f"{why}; the next generation forms on {self.store_list.describe(new)}")
+            s.compare_set(protocol.key("gen", g, "failed"), "", record.to_json())
         if self._my_listeners is not None and self._my_listeners[0] == g:
             s.set(protocol.key("gen", g, "listen", self.process), self._my_listeners[1])
         if self._joining is not None:
@@ -736,6 +743,7 @@ class InprocessRecovery:
             clear_pending(self._main_tid)
             self.current = None
         if ok:
+            self._finished = generation
             main.finished(generation, assignment.world_size)
             failed = main.wait_outcome(generation, self._listener.event(generation))
             if failed is None:

@@ -245,8 +245,10 @@ class GenerationStore:
         self.store.set(key("progress", generation), str(self.process))
 
     def finished(self, generation: int, world_size: int) -> None:
-        """This active rank's training function returned; the last of the generation marks the job complete."""
-        if int(self.store.add(key("gen", generation, "finished"), 1)) >= world_size:
+        """This active rank's training function returned; the last of the generation marks the job complete.
+        Idempotent (a list of processes, not a counter): a rank writes it again on a new store after a failover."""
+        self.store.append(key("gen", generation, "finished"), f"{self.process},")
+        if len(set(parse_list(self._get(key("gen", generation, "finished"))))) >= world_size:
             self.store.set("complete", str(generation))
 
     # -- waiting ------------------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ types): nothing read from the store is unpickled.
     exist): a survivor's abort shuts down its own side of connections to them too (a peer that is stopped or stuck
     never closes its side, :mod:`neighbor_ckpt.inprocess.abort`).
 ``gen/<g>/finished``
-    Counter: active ranks whose training function returned in generation ``g``.
+    Append-only ``"<p>,"`` per active rank whose training function returned in generation ``g`` (a list, so that a
+    rank writes it again on a new store after a failover without counting twice).
 ``progress/<g>``
     Set once generation ``g`` completed a training step (its first).
 ``complete``

@@ -99,8 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="megatron-core distributed checkpoint every N steps: the insurance (0: none)")
     ap.add_argument("--insurance-dir", type=Path, default=None, help="where insurance checkpoints go (default: --out)")
     ap.add_argument("--config", type=Path, default=None, help="YAML file with a neighbor_ckpt: section")
-    ap.add_argument("--inprocess-store", default=os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE"), metavar="HOST:PORT",
-                    help="in-process recovery: the store host (default: NEIGHBOR_CKPT_INPROCESS_STORE)")
+    ap.add_argument("--inprocess-store", default=os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE"),
+                    metavar="HOST:PORT[,HOST:PORT...]",
+                    help="in-process recovery: the stores, primary first (default: NEIGHBOR_CKPT_INPROCESS_STORE)")
+    ap.add_argument("--kill-idle-spare-after", type=int, default=None, metavar="STEP",
+                    help="in process: a hot spare still idle once rank 0 logged STEP SIGKILLs itself (first launch)")
     return ap.parse_args(argv)
 
 
@@ -328,9 +331,12 @@ def main(argv: list[str] | None = None) -> None:
             """The --config file's faults that fire now (each once: FaultSpec.fires)."""
             hosts = (inproc is not None and os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED")
                      == str(inproc.stores.epoch))
-            return [f for f in planned if resumed_at and f.fires(rank=RANK, step=at, phase=phase, launch=ATTEMPT,
+            fire = [f for f in planned if resumed_at and f.fires(rank=RANK, step=at, phase=phase, launch=ATTEMPT,
                                                                  generation=generation, start_step=resumed_at[0],
                                                                  hosts_store=hosts)]
+            if fire and generation > 0 and nc_config.inprocess.grow_back:
+                _wait_for_a_spare(inproc)
+            return fire
         insurance = None
         if args.insurance_every:
             from megatron_patches.distopt_load import fix_fp32_distopt_load
@@ -438,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     if inproc is None:
         train()
     else:
+        if args.kill_idle_spare_after is not None and ATTEMPT == 0 and inproc.process >= inproc.active_world_size:
+            _kill_when_still_idle(inproc, rec, args.kill_idle_spare_after)
         inproc.run(train)  # returns on success (also on a spare never used); exit 75 when it gives up
 
 
@@ -580,6 +588,40 @@ def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
 
         lose_node()
     os.kill(os.getpid(), getattr(signal, fault.signal))
+
+
+def _wait_for_a_spare(inproc: Any, timeout_s: float = 300.0) -> None:
+    """A fault after the first recovery under ``inprocess.grow_back``: wait until a spare is up (the replacement the
+    launcher starts once the recovered generation completed a step: its imports take seconds), so that the fault
+    tests the grown-back spare, not its start-up."""
+    deadline = time.monotonic() + timeout_s
+    while not inproc.idle_spares() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    logging.getLogger(__name__).warning("fault injection: idle spares before the fault: %s", inproc.idle_spares())
+
+
+def _kill_when_still_idle(inproc: Any, rec: Any, step: int) -> None:
+    """``--kill-idle-spare-after STEP``: this hot spare SIGKILLs itself once rank 0 has logged ``step``, if it is
+    still idle then (a spare lost while idle: its launcher reports it, the job goes on)."""
+    import threading
+
+    def watch() -> None:
+        losses = None if rec.out is None else rec.out / "losses.rank0.jsonl"
+        while inproc.current is None:
+            lines = losses.read_text().splitlines() if losses is not None and losses.exists() else []
+            if any(line.endswith("}") and json.loads(line)["step"] >= step for line in lines):
+                entry = {"process": inproc.process, "step": step, "unix": time.time(), "pid": os.getpid(),
+                         "signal": "SIGKILL", "idle_spare": True}
+                if rec.out is not None:
+                    rec.json("fault.json", entry)
+                logging.getLogger(__name__).warning("fault injection: SIGKILL of idle spare process %d after rank 0's "
+                                                    "step %d", inproc.process, step)
+                for h in logging.getLogger().handlers:
+                    h.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, name="neighbor_ckpt-fault-idle-spare", daemon=True).start()
 
 
 def _lose_store_node(sig: str) -> None:

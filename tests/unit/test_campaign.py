@@ -258,6 +258,30 @@ def test_two_faults_in_process_plan_the_second_after_the_first_recovery_complete
                                                               False)]
 
 
+def test_the_store_node_spare_lost_and_grow_back_kinds_plan_what_the_recipe_and_the_launchers_inject(
+        tmp_path: Path) -> None:
+    """``inproc-store-node`` / ``inproc-store-stop``: a ``store_node`` fault (SIGKILL / SIGSTOP) on node 0, whose rank
+    0 it hits; ``inproc-spare-lost``: no rank fault, the idle spare kills itself after the case's step;
+    ``inproc-grow-back``: two faults, one spare, ``inprocess.grow_back`` on. Each is expected exact."""
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    cases = {c.kind: c for c in draw_cases(len(KINDS), 7, steps=8)}
+    base = write_config(tmp_path / "base.yaml")
+    for kind, sig in (("inproc-store-node", "SIGKILL"), ("inproc-store-stop", "SIGSTOP")):
+        c = cases[kind]
+        assert (c.rank, c.spares, c.expected, c.recipe_args()) == (0, 1, "exact", []), c
+        cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / f"{kind}.yaml", base=base, inprocess_spares=1,
+                                                        faults=c.planned_faults))
+        assert [(f.target, f.step, f.signal) for f in cfg.fault_injection.planned()] == [("store_node", c.step, sig)]
+    lost = cases["inproc-spare-lost"]
+    assert lost.planned_faults is None and lost.recipe_args() == ["--kill-idle-spare-after", str(lost.step)]
+    grow = cases["inproc-grow-back"]
+    assert (grow.spares, grow.expected, len(grow.planned_faults)) == (1, "exact", 2) and grow.step < grow.second_step
+    cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / "grow.yaml", base=base, inprocess_spares=grow.spares,
+                                                    faults=grow.planned_faults, grow_back=True))
+    assert cfg.inprocess.grow_back and cfg.inprocess.spares == 1
+
+
 def test_a_shrink_loses_a_node_for_good_without_a_spare_on_a_fixed_global_batch_without_dropout(
         tmp_path: Path) -> None:
     from neighbor_ckpt.config import NeighborCkptConfig
