@@ -358,13 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gens", type=int, default=3, help="generations per variant (default 3)")
     ap.add_argument("--only", default="", help="comma-separated variants (default: all)")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError as e:
-        print(f"cuda_leak: needs CUDA (torch is not importable: {e}); nothing to do")
-        return 0
-    if not torch.cuda.is_available():
-        print("cuda_leak: needs CUDA: torch.cuda.is_available() is False on this machine; nothing to do")
+    from tools.gpu_probe import cuda_here
+
+    if not cuda_here("cuda_leak"):
         return 0
     if args.variant:
         return run_variant(args.variant, args.gens)

@@ -515,13 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--candidate", choices=sorted(CANDIDATES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError as e:
-        print(f"sync_probe: needs CUDA (torch is not importable: {e}); nothing to do")
-        return 0
-    if not torch.cuda.is_available():
-        print("sync_probe: needs CUDA: torch.cuda.is_available() is False on this machine; nothing to do")
+    from tools.gpu_probe import cuda_here
+
+    if not cuda_here("sync_probe"):
         return 0
     if args.candidate:
         return candidate(args.candidate)
