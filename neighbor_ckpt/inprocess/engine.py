@@ -102,6 +102,10 @@ REINTERRUPT_S = 1.0
 """How long the exception raised into the training thread may take to get it out of the training function before
 it is raised again."""
 
+PEER_READS_AFTER_PROGRESS = 3
+"""Monitor rounds after this process's first completed step of a generation in which it reads its peers' gloo
+listeners again (they publish the last of them at their own first step)."""
+
 ABORT_GRACE_S = 0.1
 """After the socket abort, how long the training thread may take to leave a freed collective on its own before an
 exception is raised into it (a thread in Python code, or in a C call the sockets do not free)."""
@@ -402,19 +406,17 @@ class InprocessRecovery:
         return frozenset(out)
 
     def _remember_peer_listeners(self) -> None:
-        """Monitor thread, every round until every member's are known: keep the peers' listeners of the current
-        generation in memory, so that an abort after a store failover still reaches their side of each connection
-        (the new store has only what the survivors wrote there again)."""
+        """Monitor thread, every round of an attempt until a few rounds after its first completed step: keep the
+        peers' listeners of the current generation in memory, so that an abort after a store failover still reaches
+        their side of each connection (the new store has only what the survivors wrote there again). Read again each
+        round: a peer publishes more listeners as its groups appear (the snapshot transport's at its first step)."""
         g = self._generation
-        known, _ = self._peer_cache.get(g, (0, frozenset()))
-        want = len(self._members) - 1
-        if known >= want or not self._inside:
+        reads, _ = self._peer_cache.get(g, (0, frozenset()))
+        if not self._inside or reads >= PEER_READS_AFTER_PROGRESS:
             return
         store = self._store("monitor")
-        keys = [protocol.key("gen", g, "listen", q) for q in sorted(self._members) if q != self.process]
-        present = [k for k in keys if store.check([k])]
-        if len(present) > known:
-            self._peer_cache[g] = (len(present), self._peer_listeners(g, store))
+        found = self._peer_listeners(g, store)
+        self._peer_cache[g] = (reads + (g in self._progressed), found)
 
     def mark_progress(self) -> None:
         """This attempt completed a training step (call once, after its first completed step)."""
@@ -579,6 +581,7 @@ class InprocessRecovery:
             raise SystemExit(FALLBACK_EXIT_CODE) from None
         finally:
             monitor.stop()
+            self.stores.close()
 
     def _loop(self, fn: Callable[[Attempt], Any], main: GenerationStore) -> Any:
         assignment = initial_assignment(self.world_size, self.spares)

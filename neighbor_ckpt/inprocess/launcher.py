@@ -547,6 +547,9 @@ class Launcher:
         self._flush()
 
     def _flush(self) -> None:
+        if self._att is not None and self._att.complete_at is not None:
+            self._outbox.clear()  # the job is over: what was left to write matters to nobody
+            return
         while self._outbox:
             attempt, fn = self._outbox[0]
             try:
@@ -639,7 +642,9 @@ class Launcher:
                 logger.info("process %d (pid %d) %s", index, child.proc.pid, how)
                 # a process exits 0 only once the job completed: this node knows it even if it cannot read the
                 # store now (a launcher cut off during a failover, when the job ended meanwhile)
-                att.complete_at = att.complete_at or time.monotonic()
+                if att.complete_at is None:
+                    att.complete_at = time.monotonic()
+                    self.stores.close()
             elif action is Action.DECLARED:
                 logger.info("process %d (pid %d) %s; declared dead already (%s)", index, child.proc.pid, how,
                             child.killed or att.dead.get(index, "fenced"))
@@ -703,6 +708,8 @@ class Launcher:
             giveup = s.get("giveup") if s.check(["giveup"]) else None
             return dead, giveup, s.check(["complete"])
 
+        if att.complete_at is not None:
+            return  # the job is over: nothing more to read (its store host may be gone already)
         got = self._try(att.number, look)
         if got is None:
             return
@@ -712,6 +719,7 @@ class Launcher:
             att.giveup = giveup.decode(errors="replace")
         if complete and att.complete_at is None:
             att.complete_at = time.monotonic()
+            self.stores.close()
             logger.info("the job is complete: waiting for %d process(es) of this node to exit", len(att.children))
 
     def _everyone_exited(self, att: _Attempt) -> bool:
@@ -853,6 +861,7 @@ class Launcher:
                         return 128 + self._signal
                     return EXIT_LAUNCHER_ERROR
         finally:
+            self.stores.close()
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)
             if self._host is not None and self._host.poll() is None:

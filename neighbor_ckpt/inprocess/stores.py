@@ -112,6 +112,8 @@ class BoundedClient:
         self.address, self.timeout_s = address, timeout_s
         self.connect_timeout_s = connect_timeout_s if connect_timeout_s is not None else timeout_s
         self.broken: Optional[str] = None
+        self.waiting = False
+        """In a ``wait`` (no bound: the failure listener's)."""
         self._store: Any = None
         self._jobs: "queue.Queue[tuple[Callable[[], Any], list[Any], threading.Event]]" = queue.Queue()
         self._lock = threading.Lock()
@@ -149,6 +151,7 @@ class BoundedClient:
         limit = self.timeout_s if self._store is not None else self.connect_timeout_s + self.timeout_s
         if method == "wait":
             limit = float("inf")
+            self.waiting = True
         with self._lock:
             self._jobs.put((run, box, done))
             done.wait(None if limit == float("inf") else limit)
@@ -239,6 +242,7 @@ class StoreSet:
         self._lock = threading.RLock()
         self._answered = False
         self._follower: Optional[threading.Thread] = None
+        self._closed = False
         self._callbacks: list[Callable[[int, int, str], None]] = []
         self.history: list[tuple[int, int, str, float]] = []
         """``(old epoch, new epoch, why, unix)`` of every move."""
@@ -267,6 +271,8 @@ class StoreSet:
         store. Raises :class:`StoresLost` when no store of the list answers."""
         tried_again = False
         while True:
+            if self._closed:
+                raise StoresLost(f"{self.name}: the store clients are closed (the job completed)")
             epoch = self.epoch
             try:
                 value = self._client(name, epoch).call(method, *args)
@@ -309,6 +315,8 @@ class StoreSet:
     def follow_newer(self) -> Optional[int]:
         """Move to the next store of the list when it was promoted (fencing: see the module docstring); the new
         epoch, or None. Looks at the stores after the current one, up to the first that answers."""
+        if self._closed:
+            return None
         epoch = self.epoch
         for k in range(epoch + 1, len(self.addresses)):
             try:
@@ -332,8 +340,10 @@ class StoreSet:
             return
 
         def run() -> None:
-            while True:
+            while not self._closed:
                 time.sleep(every_s)
+                if self._closed:
+                    return
                 try:
                     self.follow_newer()
                 except Exception as e:  # noqa: BLE001 - a look only; the next one comes
@@ -341,6 +351,23 @@ class StoreSet:
 
         self._follower = threading.Thread(target=run, name=f"{CLIENT_THREAD}-follower", daemon=True)
         self._follower.start()
+
+    def close(self) -> None:
+        """No more store traffic from this process (the job completed): stop the follower and let the operations
+        in flight finish (at most their timeout), so that the process does not exit while one of its threads is
+        inside torch's client (its C++ objects destroyed under it: ``terminate called without an active
+        exception``, SIGABRT). A thread blocked in a ``wait`` (the failure listener) is left as it is."""
+        self._closed = True
+        follower = self._follower
+        if follower is not None and follower is not threading.current_thread():
+            follower.join(timeout=2 * self.timeout_s + 1)
+        with self._lock:
+            clients = list(self._clients.values())
+        for c in clients:
+            if c.waiting:
+                continue
+            if c._lock.acquire(timeout=self.timeout_s + 1):  # noqa: SLF001 - the client's own call lock
+                c._lock.release()  # noqa: SLF001
 
     def _move(self, old: int, new: int, why: str, *, promoted: bool) -> None:
         self.epoch = new
