@@ -60,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    sock = listen_socket(args.host, args.port)  # kept open: the server serves on its descriptor
+    sock = listen_socket(args.host, args.port)
     store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, use_libuv=True,
                           timeout=timedelta(seconds=30), master_listen_fd=sock.fileno())
+    sock.detach()  # the server owns the descriptor now (and closes it)
     if args.ready is not None:
         tmp = args.ready.with_name(args.ready.name + ".tmp")
         tmp.write_text(f"{os.getpid()} {args.port}\n")
@@ -81,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.2)
     del store
-    sock.close()
     return 0
 
 

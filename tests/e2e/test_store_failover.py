@@ -54,9 +54,11 @@ def test_the_node_hosting_the_store_is_lost_and_the_next_generation_forms_on_a_s
 def test_a_stopped_store_host_is_left_behind_and_fenced_when_it_resumes(inprocess_baseline: RunResult,
                                                                        tmp_path: Path) -> None:  # noqa: F811
     """The primary store host is SIGSTOPped inside rank 0's optimizer step 5 and resumed 15 s later. Its clients'
-    operations go unanswered: every process and launcher moves to store 1; generation 0 fails (kind ``store``) and
-    generation 1 forms there with the same processes (nobody died). When the old host resumes it has lost its epoch:
-    its launcher stops it (fenced) and nothing goes back to it. Bit for bit."""
+    operations go unanswered: every process and launcher moves to store 1. Training needs no store between steps, so
+    by then the ranks may still be training (generation 0 fails, kind ``store``, and generation 1 forms on store 1
+    with the same processes: nobody died) or may have finished (their ``finished`` entries, written again on store 1,
+    complete the job there). When the old host resumes it has lost its epoch: its launcher stops it (fenced) and
+    nothing goes back to it. Bit for bit either way."""
     res = launch_inprocess(tmp_path, STEPS=10, FAULT="none", STOP_STORE_AT_STEP=5, STOP_STORE_FOR=15)
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
@@ -65,11 +67,12 @@ def test_a_stopped_store_host_is_left_behind_and_fenced_when_it_resumes(inproces
     moves = store_moves(res)
     assert moves and all((a, b) == (0, 1) for _, a, b in moves), moves
     assert {f"process {p}" for p in range(ACTIVE + 1)} <= {who for who, _, _ in moves}, moves
-    assert ("store", 0) in {(k, g) for g, k, _ in failures(res)}, failures(res)
+    assert {k for _, k, _ in failures(res)} <= {"store"}, failures(res)
     assert re.search(r"store 0 hosted here: stale since store 1 took over \(fenced\): stopping it", res.log), \
         res.log[-8000:]
     procs = by_process(res)
+    runs = [0, 1] if failures(res) else [0]  # still training when the store went, or finished already
     for p in range(ACTIVE):
-        assert [a["iteration"] for a in procs[p]] == [0, 1] and {a["rank"] for a in procs[p]} == {p}, procs[p]
+        assert [a["iteration"] for a in procs[p]] == runs and {a["rank"] for a in procs[p]} == {p}, procs[p]
     assert "in-process recovery gives up" not in res.log
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
