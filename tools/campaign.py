@@ -412,9 +412,9 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                   store_port: "int | list[int]", max_restarts: int, insurance_every: int = 0,
                   spares: int = SPARES, grow_back: bool = False):  # noqa: ANN201
-    """The per-node launcher commands (each hosting one of the stores) of an in-process case (nothing runs): ``WORLD`` active
-    ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store root per
-    simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
+    """The per-node launcher commands (each hosting one of the stores) of an in-process case (nothing runs):
+    ``WORLD`` active ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store
+    root per simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
     ``neighbor-ckpt launch`` builds its own."""
     from neighbor_ckpt.cli.launch import inprocess_commands
 

@@ -6,8 +6,8 @@ launcher per (simulated) node, which keeps its processes running when another on
 whole local worker group), declares a dead process to the survivors through the store and kills the processes a
 detector lists as dead; and each runs a TCP store host beside it (``python -m neighbor_ckpt.inprocess.store_host``):
 the first node's is the store every process's engine, the per-generation process groups and the launchers use, the
-others hot standbys the job fails over to when it is lost (:mod:`neighbor_ckpt.inprocess.stores`). Each simulated node gets its
-own host store directory (``<store dir>/node<i>``) and node id, as on a cluster, so a spare that replaces a lost rank
+others hot standbys the job fails over to when it is lost (:mod:`neighbor_ckpt.inprocess.stores`). Each simulated
+node gets its own host store directory (``<store dir>/node<i>``) and node id, as on a cluster, so a spare that replaces a lost rank
 starts with an empty store and pulls that rank's state from its ring successor. When in-process recovery gives up,
 every process exits 75 and the launchers restart the job together (``launch.max_restarts``): the restart path.
 
@@ -343,8 +343,8 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
                   '"$([ $i -gt 0 ] && echo ,)"; done)']
         where = [*where, "HOSTIDX=$SLURM_PROCID"]
     else:  # every node hosts one on the same port
-        stores = [f'export STORES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
-                  f"awk -v p={store_port} 'BEGIN {{ ORS = \"\" }} {{ printf \"%s%s:%d\", (NR > 1 ? \",\" : \"\"), $1, p }}')"]
+        awk = ("'BEGIN { ORS = \"\" } { printf \"%s%s:%d\", (NR > 1 ? \",\" : \"\"), $1, p }'")
+        stores = [f'export STORES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v p={store_port} {awk})']
         where = [*where, "HOSTIDX=$SLURM_NODEID"]
     task = shlex.quote(str(plan.run_dir / "inprocess_task.sh"))
     default_root = shlex.quote(job.neighbor_ckpt.store.dir)

@@ -16,8 +16,8 @@ the others find the next store promoted, or lose the store themselves moments la
 
 **Fencing.** A client follows the highest promoted store it can see: :meth:`StoreSet.follow_newer` (on a thread of
 its own in every process and launcher, every :data:`FOLLOW_EVERY_S`) looks at the next stores of the list and moves
-to one that was promoted, so a client that was stopped, or cut off, while the others moved on never acts on the stale store
-again; a launcher whose own store host lost its epoch stops it. Nothing is ever moved back to a lower epoch.
+to one that was promoted, so a client that was stopped, or cut off, while the others moved on never acts on the
+stale store again; a launcher whose own store host lost its epoch stops it. Nothing is ever moved back to a lower epoch.
 
 **Bounded operations.** torch's TCPStore client does not apply its timeout to a connection the server accepted but
 never answers (a SIGSTOPped host: the kernel completes the handshake): ``check``, ``get`` and even the constructor
@@ -45,7 +45,8 @@ __all__ = ["StoreAddresses", "StoreUnreachable", "StoresLost", "BoundedClient", 
 logger = logging.getLogger(__name__)
 
 CLIENT_THREAD = "neighbor_ckpt-store-client"
-"""The name (prefix) of a :class:`BoundedClient`'s worker thread (and of the follower, :meth:`StoreSet.start_following`)."""
+"""The name (prefix) of a :class:`BoundedClient`'s worker thread (and of the follower,
+:meth:`StoreSet.start_following`)."""
 
 FOLLOW_EVERY_S = 2.0
 """How often a process or launcher looks whether a store after its own was promoted (fencing after a failover)."""
@@ -100,9 +101,6 @@ class StoreAddresses:
         return f"store {index} ({host}:{port})"
 
 
-_OPS = ("get", "set", "check", "compare_set", "add", "append", "multi_get", "multi_set", "delete_key", "wait")
-
-
 class BoundedClient:
     """A TCPStore client whose every operation returns, or raises :class:`StoreUnreachable`, within ``timeout_s``
     (see the module docstring). Keys are raw (no prefix). Thread-safe: operations are serialised on its worker."""
@@ -155,6 +153,7 @@ class BoundedClient:
         with self._lock:
             self._jobs.put((run, box, done))
             done.wait(None if limit == float("inf") else limit)
+        self.waiting = False
         if not box:
             self.broken = f"{self.address[0]}:{self.address[1]}: no answer to {method} within {limit:g} s"
             raise StoreUnreachable(self.broken)
@@ -164,7 +163,8 @@ class BoundedClient:
         if _key_timeout(value):  # the store answered: the key is not there (a `get` that waited for it)
             raise value
         if isinstance(value, RuntimeError):  # torch's DistNetworkError / DistStoreError: the store is not there
-            self.broken = f"{self.address[0]}:{self.address[1]}: {str(value).splitlines()[0] if str(value) else type(value).__name__}"
+            first = str(value).splitlines()[0] if str(value) else type(value).__name__
+            self.broken = f"{self.address[0]}:{self.address[1]}: {first}"
             raise StoreUnreachable(self.broken) from None
         raise value
 
