@@ -547,9 +547,6 @@ class Launcher:
         self._flush()
 
     def _flush(self) -> None:
-        if self._att is not None and self._att.complete_at is not None:
-            self._outbox.clear()  # the job is over: what was left to write matters to nobody
-            return
         while self._outbox:
             attempt, fn = self._outbox[0]
             try:
@@ -644,7 +641,7 @@ class Launcher:
                 # store now (a launcher cut off during a failover, when the job ended meanwhile)
                 if att.complete_at is None:
                     att.complete_at = time.monotonic()
-                    self.stores.close()
+                    self.stores.settle()
             elif action is Action.DECLARED:
                 logger.info("process %d (pid %d) %s; declared dead already (%s)", index, child.proc.pid, how,
                             child.killed or att.dead.get(index, "fenced"))
@@ -719,7 +716,7 @@ class Launcher:
             att.giveup = giveup.decode(errors="replace")
         if complete and att.complete_at is None:
             att.complete_at = time.monotonic()
-            self.stores.close()
+            self.stores.settle()
             logger.info("the job is complete: waiting for %d process(es) of this node to exit", len(att.children))
 
     def _everyone_exited(self, att: _Attempt) -> bool:

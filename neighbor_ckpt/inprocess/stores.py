@@ -243,6 +243,7 @@ class StoreSet:
         self._answered = False
         self._follower: Optional[threading.Thread] = None
         self._closed = False
+        self._settled = False
         self._callbacks: list[Callable[[int, int, str], None]] = []
         self.history: list[tuple[int, int, str, float]] = []
         """``(old epoch, new epoch, why, unix)`` of every move."""
@@ -281,6 +282,9 @@ class StoreSet:
             except StoreUnreachable as e:
                 if epoch != self.epoch:
                     continue  # another thread moved meanwhile
+                if self._settled:  # the job is over: no more tries, no more moves
+                    raise StoresLost(f"{self.name}: {self.addresses.describe(epoch)} does not answer ({e}); the "
+                                     "job completed, so no other store is tried") from None
                 if not tried_again:
                     tried_again = True
                     continue
@@ -315,7 +319,7 @@ class StoreSet:
     def follow_newer(self) -> Optional[int]:
         """Move to the next store of the list when it was promoted (fencing: see the module docstring); the new
         epoch, or None. Looks at the stores after the current one, up to the first that answers."""
-        if self._closed:
+        if self._closed or self._settled:
             return None
         epoch = self.epoch
         for k in range(epoch + 1, len(self.addresses)):
@@ -340,9 +344,9 @@ class StoreSet:
             return
 
         def run() -> None:
-            while not self._closed:
+            while not (self._closed or self._settled):
                 time.sleep(every_s)
-                if self._closed:
+                if self._closed or self._settled:
                     return
                 try:
                     self.follow_newer()
@@ -351,6 +355,11 @@ class StoreSet:
 
         self._follower = threading.Thread(target=run, name=f"{CLIENT_THREAD}-follower", daemon=True)
         self._follower.start()
+
+    def settle(self) -> None:
+        """The job completed: stay on the current store (no follower, no failover; an operation the store no longer
+        answers raises :class:`StoresLost`), while what is left to write can still be written."""
+        self._settled = True
 
     def close(self) -> None:
         """No more store traffic from this process (the job completed): stop the follower and let the operations
