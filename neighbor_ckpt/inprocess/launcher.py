@@ -211,8 +211,7 @@ class Launcher:
         parent = self.pid
         self._host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host",
                                        self.plan.store_listen or self.plan.stores[index][0], "--port", str(port),
-                                       "--parent", str(parent),
-                                       "--ready", str(ready)], env=self.env,
+                                       "--parent", str(parent), "--ready", str(ready)], env=self.env,
                                       preexec_fn=lambda: _child_setup(parent))
         deadline = time.monotonic() + self.plan.connect_timeout_s
         while not ready.exists():
@@ -628,7 +627,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # before torch: the store client's retries are noisy
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s neighbor_ckpt launcher {plan.node} (pid {os.getpid()}): %(message)s")
-    return Launcher(plan).run()
+    from neighbor_ckpt.inprocess.stores import leave
+
+    return leave(Launcher(plan).run())  # its end closed the store clients: they had their timeout to finish
 
 
 if __name__ == "__main__":

@@ -25,12 +25,22 @@ block until the host resumes (measured on torch 2.13). Every operation of :class
 the client's own worker thread and is waited for at most ``timeout_s``; a client whose operation did not return is
 abandoned with its thread (daemon, named ``neighbor_ckpt-store-client``, blocked until the host resumes or its
 connection is reset).
+
+**Exiting.** A daemon thread that comes back from torch's client while the interpreter finalizes is ended inside a
+C++ frame that may not be unwound: ``terminate called without an active exception``, SIGABRT (reproduced here: a
+client whose connection attempt times out ~0.1 s after ``sys.exit`` aborts the process one time in five; CI saw a
+launcher end with -6 so). A replaced or abandoned client is therefore *retired* (its worker ends after the operation
+in flight), and :func:`quiesce` waits, bounded, until no worker is inside torch's client any more; whoever owns
+the process's exit (the launcher's ``main``) leaves through :func:`leave`: ``os._exit`` when one still is (a host
+stopped for good).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 
 __all__ = ["StoreAddresses", "StoreUnreachable", "StoresLost", "BoundedClient", "StoreSet", "StoreView",
-           "epoch_key", "CLIENT_THREAD"]
+           "epoch_key", "quiesce", "leave", "CLIENT_THREAD"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,45 @@ CLIENT_THREAD = "neighbor_ckpt-store-client"
 
 FOLLOW_EVERY_S = 2.0
 """How often a process or launcher looks whether a store after its own was promoted (fencing after a failover)."""
+
+
+_LIVE: "set[BoundedClient]" = set()
+"""Every client whose worker thread still runs (guarded by ``_LIVE_LOCK``)."""
+_LIVE_LOCK = threading.Lock()
+
+
+def quiesce(timeout_s: float, clients: Optional[Sequence["BoundedClient"]] = None) -> list[str]:
+    """Retire ``clients`` (default: every client of this process) and wait, at most ``timeout_s``, until none of
+    their workers is inside torch's client (a ``wait`` with no bound, the failure listener's, is not waited for).
+    Returns what is still inside (``"<thread> (<method>)"``): the caller must then not let the interpreter finalize
+    (module docstring)."""
+    end = time.monotonic() + timeout_s
+    if clients is None:
+        with _LIVE_LOCK:
+            clients = list(_LIVE)
+    for c in clients:
+        c.retire()
+    while True:
+        busy = [c.busy_with() for c in clients]
+        busy = [b for b in busy if b is not None]
+        if not busy or time.monotonic() >= end:
+            return busy
+        time.sleep(0.05)
+
+
+def leave(code: int) -> int:
+    """``code``, for the process to exit with normally, when no worker of this process is inside torch's client
+    (:func:`quiesce` at once: the clients were closed already); else flush the log and the standard streams and
+    leave now with ``os._exit(code)``, without finalizing the interpreter (see *Exiting* in the module docstring)."""
+    inside = quiesce(0.0)
+    if not inside:
+        return code
+    logger.warning("exiting %d without finalizing the interpreter: %s still inside torch's store client (a store "
+                   "host that does not answer)", code, ", ".join(inside))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class StoreUnreachable(NeighborCkptError):
@@ -110,22 +159,51 @@ class BoundedClient:
         self.address, self.timeout_s = address, timeout_s
         self.connect_timeout_s = connect_timeout_s if connect_timeout_s is not None else timeout_s
         self.broken: Optional[str] = None
-        self.waiting = False
-        """In a ``wait`` (no bound: the failure listener's)."""
         self._store: Any = None
-        self._jobs: "queue.Queue[tuple[Callable[[], Any], list[Any], threading.Event]]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[tuple[str, Callable[[], Any], list[Any], threading.Event]]]" = queue.Queue()
         self._lock = threading.Lock()
+        self._in: Optional[str] = None
+        """The method the worker is running now (None: idle)."""
         self._thread = threading.Thread(target=self._work, name=f"{CLIENT_THREAD}-{name}", daemon=True)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
         self._thread.start()
 
     def _work(self) -> None:
-        while True:
-            fn, box, done = self._jobs.get()
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box.append((False, e))
-            done.set()
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                method, fn, box, done = job
+                self._in = method
+                try:
+                    box.append((True, fn()))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    box.append((False, e))
+                finally:
+                    self._in = None
+                done.set()
+        finally:
+            self._store = None  # torch's client is destroyed here, on this thread, not at the interpreter's exit
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
+
+    def retire(self) -> None:
+        """No more operations: the worker ends after the one in flight (if any). Idempotent."""
+        self.broken = self.broken or "retired"
+        self._jobs.put(None)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def busy_with(self) -> Optional[str]:
+        """``"<thread> (<method>)"`` while the worker is inside torch's client (not counting an unbounded ``wait``),
+        else None."""
+        method = self._in
+        if method is None or method == "wait" or not self.alive():
+            return None
+        return f"{self._thread.name} ({method})"
 
     def _connect(self) -> Any:
         import torch.distributed as dist
@@ -149,13 +227,12 @@ class BoundedClient:
         limit = self.timeout_s if self._store is not None else self.connect_timeout_s + self.timeout_s
         if method == "wait":
             limit = float("inf")
-            self.waiting = True
         with self._lock:
-            self._jobs.put((run, box, done))
+            self._jobs.put((method, run, box, done))
             done.wait(None if limit == float("inf") else limit)
-        self.waiting = False
         if not box:
             self.broken = f"{self.address[0]}:{self.address[1]}: no answer to {method} within {limit:g} s"
+            self.retire()
             raise StoreUnreachable(self.broken)
         ok, value = box[0]
         if ok:
@@ -165,6 +242,7 @@ class BoundedClient:
         if isinstance(value, RuntimeError):  # torch's DistNetworkError / DistStoreError: the store is not there
             first = str(value).splitlines()[0] if str(value) else type(value).__name__
             self.broken = f"{self.address[0]}:{self.address[1]}: {first}"
+            self.retire()
             raise StoreUnreachable(self.broken) from None
         raise value
 
@@ -239,6 +317,8 @@ class StoreSet:
         self.connect_timeout_s, self.name = connect_timeout_s, name or "this process"
         self.epoch = epoch
         self._clients: dict[str, BoundedClient] = {}
+        self._made: list[BoundedClient] = []
+        """Every client this set made, replaced ones too (their workers may still be inside torch's client)."""
         self._lock = threading.RLock()
         self._answered = False
         self._follower: Optional[threading.Thread] = None
@@ -261,9 +341,12 @@ class StoreSet:
         with self._lock:
             c = self._clients.get(name)
             if c is None or c.broken is not None or c.address != self.addresses[epoch]:
+                if c is not None:
+                    c.retire()
                 patience = self.timeout_s if self._answered else self.connect_timeout_s
                 c = self._clients[name] = BoundedClient(self.addresses[epoch], timeout_s=self.timeout_s,
                                                         connect_timeout_s=patience, name=name)
+                self._made = [m for m in self._made if m.alive()] + [c]
             return c
 
     def op(self, name: str, method: str, *args: Any) -> Any:
@@ -304,12 +387,15 @@ class StoreSet:
                 return self.epoch
             logger.error("%s: %s does not answer (%s): failing over", self.name, self.addresses.describe(epoch), why)
             for k in range(epoch + 1, len(self.addresses)):
+                promote = BoundedClient(self.addresses[k], timeout_s=self.timeout_s, name=f"promote{k}")
+                self._made.append(promote)
                 try:
-                    stood = BoundedClient(self.addresses[k], timeout_s=self.timeout_s,
-                                          name=f"promote{k}").call("compare_set", epoch_key(self.run_id), "", str(k))
+                    stood = promote.call("compare_set", epoch_key(self.run_id), "", str(k))
                 except StoreUnreachable as e:
                     logger.error("%s: %s does not answer either (%s)", self.name, self.addresses.describe(k), e)
                     continue
+                finally:
+                    promote.retire()
                 first = stood.decode(errors="replace") == str(k)
                 self._move(epoch, k, f"{self.addresses.describe(epoch)} lost: {why}", promoted=first)
                 return k
@@ -361,27 +447,24 @@ class StoreSet:
         answers raises :class:`StoresLost`), while what is left to write can still be written."""
         self._settled = True
 
-    def close(self) -> None:
-        """No more store traffic from this process (the job completed): stop the follower and let the operations
-        in flight finish (at most their timeout), so that the process does not exit while one of its threads is
-        inside torch's client (its C++ objects destroyed under it: ``terminate called without an active
-        exception``, SIGABRT). A thread blocked in a ``wait`` (the failure listener) is left as it is."""
+    def close(self) -> list[str]:
+        """No more store traffic from this process (the job completed): stop the follower, retire every client and
+        wait for the operations in flight (at most about twice the timeout), so that the process does not exit while
+        one of its threads is inside torch's client (see *Exiting* in the module docstring). A thread blocked in a
+        ``wait`` (the failure listener) is left as it is. Returns :func:`quiesce`'s answer: what is still inside."""
         self._closed = True
         follower = self._follower
         if follower is not None and follower is not threading.current_thread():
             follower.join(timeout=2 * self.timeout_s + 1)
         with self._lock:
-            clients = list(self._clients.values())
-        for c in clients:
-            if c.waiting:
-                continue
-            if c._lock.acquire(timeout=self.timeout_s + 1):  # noqa: SLF001 - the client's own call lock
-                c._lock.release()  # noqa: SLF001
+            made, self._made = self._made, []
+        return quiesce(2 * self.timeout_s + 1, made)
 
     def _move(self, old: int, new: int, why: str, *, promoted: bool) -> None:
         self.epoch = new
         for c in self._clients.values():
             c.broken = c.broken or "replaced by the failover"
+            c.retire()
         self._clients.clear()
         self.history.append((old, new, why, time.time()))
         logger.warning("%s: store epoch %d -> %d: now on %s%s (%s)", self.name, old, new,

@@ -15,7 +15,8 @@ from typing import Iterator
 import pytest
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.inprocess.stores import StoreAddresses, StoreSet, StoresLost, epoch_key
+from neighbor_ckpt.inprocess.stores import (CLIENT_THREAD, BoundedClient, StoreAddresses, StoreSet, StoresLost,
+                                           StoreUnreachable, epoch_key, quiesce)
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -99,3 +100,52 @@ def test_no_store_answering_is_said_once(hosts: list[subprocess.Popen]) -> None:
         p.wait()
     with pytest.raises(StoresLost, match="no store of the 3 answers"):
         a.view("main", "").check(["k"])
+
+
+def test_a_client_left_inside_a_stopped_store_is_retired_and_waited_for_until_its_host_goes(
+        hosts: list[subprocess.Popen]) -> None:
+    c = BoundedClient(("127.0.0.1", hosts[0].port), timeout_s=0.5, name="left")  # type: ignore[attr-defined]
+    c.call("set", "k", "v")
+    os.kill(hosts[0].pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnreachable, match="no answer to check"):
+            c.call("check", ["k"])
+        assert quiesce(0.3, [c]) == [f"{CLIENT_THREAD}-left (check)"], "still inside torch's client: said"
+    finally:
+        hosts[0].kill()  # the connection is reset: the operation comes back (an error) and the retired worker ends
+        hosts[0].wait()
+    assert quiesce(30, [c]) == []
+    c._thread.join(timeout=30)  # noqa: SLF001
+    assert not c.alive(), "a retired client's worker ends after the operation it was in"
+
+
+def test_a_process_whose_client_is_inside_a_stopped_store_leaves_with_its_status_not_an_abort(
+        hosts: list[subprocess.Popen], tmp_path: Path) -> None:
+    """What the launcher's ``main`` does at its end (:func:`leave`): a worker still inside torch's client when the
+    interpreter finalizes can abort the process (SIGABRT) the moment it comes back; ``leave`` exits with the
+    launcher's own status instead, and says why."""
+    port = hosts[0].port  # type: ignore[attr-defined]
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import sys\n"
+        "from neighbor_ckpt.inprocess.stores import BoundedClient, StoreUnreachable, leave\n"
+        f"c = BoundedClient(('127.0.0.1', {port}), timeout_s=0.5, name='left')\n"
+        "c.call('set', 'k', 'v')\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "try:\n"
+        "    c.call('check', ['k'])\n"
+        "except StoreUnreachable:\n"
+        "    pass\n"
+        "sys.exit(leave(7))\n")
+    child = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "error"})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        os.kill(hosts[0].pid, signal.SIGSTOP)
+        _, err = child.communicate("go\n", timeout=60)
+    finally:
+        os.kill(hosts[0].pid, signal.SIGCONT)
+        child.kill()
+    assert child.returncode == 7, err
+    assert "exiting 7 without finalizing the interpreter" in err and "(check)" in err
