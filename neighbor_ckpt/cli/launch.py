@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.inprocess.store_auth import TOKEN_FILE
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
@@ -176,6 +177,10 @@ class InprocessProcesses:
     agents: tuple[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], ...]
     """Per simulated node ``i``, its launcher: (command line, environment additions)."""
 
+    token_file: Path
+    """The launch's store token file (:mod:`~neighbor_ckpt.inprocess.store_auth`), made by :func:`run_inprocess`
+    before the launchers start."""
+
 
 def _store_ports(store_port: int | Sequence[int], n: int) -> list[int]:
     ports = list(range(store_port, store_port + n)) if isinstance(store_port, int) else list(store_port)
@@ -207,38 +212,43 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], st
         raise ConfigError("inprocess_processes: the job does not enable neighbor_ckpt.inprocess")
     return inprocess_commands(_recipe_args(plan), active=plan.job.world_size, spares=plan.spares,
                               max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
-                              store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back)
+                              store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back,
+                              token_file=plan.run_dir / TOKEN_FILE)
 
 
 def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
                        store_port: int | Sequence[int], store_root: Path, host: str = "127.0.0.1",
-                       grow_back: bool = False) -> InprocessProcesses:
+                       grow_back: bool = False, token_file: Path | None = None) -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments):
-    ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop."""
+    ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop.
+    ``token_file``: the launch's store token (default: ``store.token`` in ``store_root``)."""
     processes = active + spares
     stores = ",".join(f"{host}:{p}" for p in _store_ports(store_port, processes))
+    token = Path(token_file) if token_file is not None else Path(store_root) / TOKEN_FILE
     options, worker = worker_program(program)
     agents = tuple((tuple(launcher_command(worker, options=options, store=stores, run_id=run_id,
                                            node=f"node{i}", first=str(i), count="1", processes=processes,
                                            spares=spares, max_restarts=max_restarts, nodes=processes,
                                            store_root=str(store_root), grow_back=grow_back, host_store=str(i),
-                                           store_listen=host)),
+                                           store_listen=host, token_file=str(token))),
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                      ("TORCH_CPP_LOG_LEVEL", "error")))
                    for i in range(processes))
-    return InprocessProcesses(stores=stores, agents=agents)
+    return InprocessProcesses(stores=stores, agents=agents, token_file=token)
 
 
 def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), store: str, run_id: str, node: str,
                      first: str, count: str, processes: int, spares: int, max_restarts: int, nodes: int,
                      store_root: str | None, grow_back: bool = False, host_store: str | None = None,
-                     store_listen: str | None = None) -> list[str]:
+                     store_listen: str | None = None, token_file: str | None = None) -> list[str]:
     """One node's launcher command line (``first``/``count``/``node``/``store_root``/``host_store`` are text: the
     Slurm script passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
     cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
            "--count", count, "--processes", str(processes), "--spares", str(spares),
            "--max-restarts", str(max_restarts), "--nodes", str(nodes)]
+    if token_file is not None:
+        cmd += ["--token-file", token_file]
     if host_store is not None:
         cmd += ["--host-store", host_store]
     if store_listen is not None:
@@ -333,7 +343,8 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
     cmd = launcher_command(worker, options=options, store="@STORES@", run_id=plan.run_id,
                            node="@NODE@", first="@FIRST@", count="@COUNT@", processes=n, spares=plan.spares,
                            max_restarts=lc.max_restarts, nodes=nodes, store_root=store_root,
-                           grow_back=plan.job.neighbor_ckpt.inprocess.grow_back, host_store="@HOSTIDX@")
+                           grow_back=plan.job.neighbor_ckpt.inprocess.grow_back, host_store="@HOSTIDX@",
+                           token_file=str(plan.run_dir / TOKEN_FILE))
     launcher = shlex.join(cmd)
     for token, var in (("@NODE@", '"$NODE"'), ("@FIRST@", '"$FIRST"'), ("@COUNT@", '"$COUNT"'),
                        ("@STORE_ROOT@", '"$STORE_ROOT"'), ("@STORES@", '"$STORES"'), ("@HOSTIDX@", '"$HOSTIDX"')):
@@ -355,6 +366,9 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
              'export HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              f'export STORE_ROOT="${{NEIGHBOR_CKPT_STORE_DIR:-{default_root}}}"',
              *stores,
+             "# the stores admit only the holders of this token (a 0600 file of the run directory, made once)",
+             f"{shlex.quote(sys.executable)} -m neighbor_ckpt.inprocess.store_auth "
+             f"{shlex.quote(str(plan.run_dir / TOKEN_FILE))} || exit 1",
              f"cat > {task} <<'TASK'",
              "#!/bin/bash",
              "# one task = one node's launcher" + (" (one simulated node per process)" if simulated else ""),
@@ -419,6 +433,9 @@ def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = Non
     for all of them; returns :func:`launch_status` of their exit statuses. ``timeout``: seconds for the launchers,
     then :class:`subprocess.TimeoutExpired`; every launcher still running is stopped on the way out (a launcher
     stops its own processes and its store host when it is terminated)."""
+    from neighbor_ckpt.inprocess.store_auth import new_token_file
+
+    new_token_file(procs.token_file)
     base = dict(os.environ if env is None else env)
     agents: list[subprocess.Popen] = []
     try:

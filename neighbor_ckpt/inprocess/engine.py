@@ -56,6 +56,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
@@ -68,6 +69,7 @@ from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, Generati
                                                 QuorumLost, gate)
 from neighbor_ckpt.inprocess.engine_memory import EngineMemory, proc_info
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
+from neighbor_ckpt.inprocess.store_auth import TUNNEL_THREAD, read_token, tunnel_ports
 from neighbor_ckpt.inprocess.stores import CLIENT_THREAD, StoreAddresses, StoreSet, StoresLost
 from neighbor_ckpt.recovery.attempt import AttemptInfo, launcher_restart_count
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
@@ -92,7 +94,7 @@ STORE_TIMEOUT_MIN_S = 3.0
 ``detector.timeout_s`` when that is longer)."""
 
 LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener", CLIENT_THREAD,
-                    "neighbor_ckpt-abort-watchdog", "neighbor_ckpt-spare-slot", "neighbor-ckpt-prefault-",
+                    TUNNEL_THREAD, "neighbor_ckpt-abort-watchdog", "neighbor_ckpt-spare-slot", "neighbor-ckpt-prefault-",
                     "TMonitor", "tqdm_monitor")
 """Threads that may outlive a generation: the engine's own (a spare's slot preparation included), tqdm's
 progress-bar monitor (one per process, started by
@@ -179,7 +181,9 @@ class InprocessRecovery(EngineMemory):
         self.stores = StoreSet(self.store_list, run_id=self.run_id, epoch=int(env.get(protocol.ENV_STORE_EPOCH, "0")),
                                timeout_s=max(2 * self.detector.timeout_s, STORE_TIMEOUT_MIN_S),
                                connect_timeout_s=self._barrier_timeout(),
-                               name=f"process {env.get(protocol.ENV_PROCESS, '0')}")
+                               name=f"process {env.get(protocol.ENV_PROCESS, '0')}",
+                               token=read_token(Path(env[protocol.ENV_STORE_TOKEN]))
+                               if env.get(protocol.ENV_STORE_TOKEN) else None)
         """The launch's stores (primary and standbys) and the failover between them
         (:mod:`neighbor_ckpt.inprocess.stores`)."""
         self.stores.on_failover(self._on_store_failover)
@@ -269,7 +273,7 @@ class InprocessRecovery(EngineMemory):
         process groups' rendezvous, the application's keys): a new one after a failover."""
         key_ = (name, self.stores.epoch)
         if key_ not in self._raw:
-            host, port = self.stores.address()
+            host, port = self.stores.torch_address()
             base = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, use_libuv=True,
                                  timeout=timedelta(seconds=self._barrier_timeout()))
             self._raw[key_] = dist.PrefixStore(self.prefix, base)
@@ -434,7 +438,7 @@ class InprocessRecovery(EngineMemory):
                 except Exception as e:  # noqa: BLE001 - our accepted side is still closed; the kill does the rest
                     logger.warning("%s: peers' listeners unreadable: %s", self._name(), e)
                     peers = frozenset()
-                abort_gloo(self._sockets, keep_ports={p for _, p in self.store_list.addresses},
+                abort_gloo(self._sockets, keep_ports={p for _, p in self.store_list.addresses} | tunnel_ports(),
                            peer_listeners=peers)
             abort_nccl(timeout_s=self._abort_timeout())
         except Exception as e:  # noqa: BLE001 - the finalisation destroys the groups anyway

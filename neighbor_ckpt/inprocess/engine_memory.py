@@ -135,7 +135,7 @@ class EngineMemory:
             job_id, root = cfg.resolved_job_id(), cfg.resolved_store_dir()
             # where the ranks publish: the launch's store below every prefix (the ranks reach it through their
             # default group's store; an idle spare has none)
-            client = open_launch_store(timeout_s=30.0, fallback=(self.store_host, self.store_port))
+            client = open_launch_store(timeout_s=30.0, fallback=self.stores.torch_address())
             if client is None:
                 return
             caps = SlotCapacities(job_id=job_id, generation=0, store=client)

@@ -182,13 +182,15 @@ class Launcher:
     """One node's launcher (:func:`main` runs it)."""
 
     def __init__(self, plan: LauncherPlan, *, env: Optional[Mapping[str, str]] = None) -> None:
+        from neighbor_ckpt.inprocess.store_auth import read_token
         from neighbor_ckpt.inprocess.stores import StoreAddresses, StoreSet
 
         self.plan = plan
         self.env = dict(os.environ if env is None else env)
         self.pid = os.getpid()
+        token = None if plan.token_file is None else read_token(Path(plan.token_file))
         self.stores = StoreSet(StoreAddresses(plan.stores), run_id=plan.run_id, timeout_s=plan.store_timeout_s,
-                               connect_timeout_s=plan.connect_timeout_s, name=plan.name)
+                               connect_timeout_s=plan.connect_timeout_s, name=plan.name, token=token)
         """The launch's stores; every operation bounded, failed over to the next standby when one is lost."""
         self.stores.on_failover(self._on_failover)
         self._views: dict[int, Any] = {}
@@ -211,7 +213,9 @@ class Launcher:
         parent = self.pid
         self._host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host",
                                        self.plan.store_listen or self.plan.stores[index][0], "--port", str(port),
-                                       "--parent", str(parent), "--ready", str(ready)], env=self.env,
+                                       "--parent", str(parent), "--ready", str(ready),
+                                       *(["--token-file", self.plan.token_file] if self.plan.token_file else [])],
+                                      env=self.env,
                                       preexec_fn=lambda: _child_setup(parent))
         deadline = time.monotonic() + self.plan.connect_timeout_s
         while not ready.exists():
@@ -627,9 +631,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # before torch: the store client's retries are noisy
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s neighbor_ckpt launcher {plan.node} (pid {os.getpid()}): %(message)s")
+    from neighbor_ckpt.errors import ConfigError
     from neighbor_ckpt.inprocess.stores import leave
 
-    return leave(Launcher(plan).run())  # its end closed the store clients: they had their timeout to finish
+    try:
+        launcher = Launcher(plan)
+    except ConfigError as e:  # the token file: missing, not the user's, readable by others
+        logger.error("%s: nothing started", e)
+        return EXIT_LAUNCHER_ERROR
+    return leave(launcher.run())  # its end closed the store clients: they had their timeout to finish
 
 
 if __name__ == "__main__":

@@ -71,6 +71,9 @@ class LauncherPlan:
     """The address the hosted store listens on (None: its own address in ``stores``, the job's interface)."""
     store_timeout_s: float = 5.0
     """How long a store operation may go unanswered before the store counts as lost (then: the next one)."""
+    token_file: Optional[str] = None
+    """The launch's store token file (:mod:`~neighbor_ckpt.inprocess.store_auth`): the hosted store admits only the
+    clients that hold it, and this launcher and its processes present it. None: the stores have no gate."""
 
     def __post_init__(self) -> None:
         if not self.program:
@@ -130,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="the address the hosted store listens on (default: its address in --store)")
     ap.add_argument("--store-timeout", type=_positive, default=5.0,
                     help="seconds a store operation may go unanswered before the next store is used (default 5)")
+    ap.add_argument("--token-file", default=None, metavar="FILE",
+                    help="the launch's store token (a 0600 file; the stores admit only its holders)")
     ap.add_argument("--run-id", required=True, help="the launch's run id (the store namespace)")
     ap.add_argument("--node", required=True, help="this node's id (NEIGHBOR_CKPT_NODE_ID of its processes)")
     ap.add_argument("--first", type=int, required=True, help="the first process index started here")
@@ -179,7 +184,7 @@ def parse_args(argv: Sequence[str]) -> LauncherPlan:
     nodes = a.nodes if a.nodes is not None else -(-a.processes // max(1, a.count))
     try:
         return LauncherPlan(stores=stores, host_store=a.host_store, store_listen=a.store_listen,
-                            store_timeout_s=a.store_timeout, run_id=a.run_id, node=a.node, first=a.first,
+                            store_timeout_s=a.store_timeout, token_file=a.token_file, run_id=a.run_id, node=a.node, first=a.first,
                             count=a.count, processes=a.processes, spares=a.spares, max_restarts=a.max_restarts,
                             nodes=nodes, program=tuple(program), store_root=a.store_root, no_python=a.no_python,
                             poll_s=a.poll, grace_s=a.grace, fallback_grace_s=a.fallback_grace,
@@ -214,6 +219,8 @@ def child_env(plan: LauncherPlan, *, index: int, local_rank: int, attempt: int, 
         env[protocol.ENV_STORE_EPOCH] = str(store_epoch)
     if plan.host_store is not None:
         env[protocol.ENV_STORE_HOSTED] = str(plan.host_store)
+    if plan.token_file is not None:
+        env[protocol.ENV_STORE_TOKEN] = str(plan.token_file)
     return env
 
 

@@ -64,7 +64,7 @@ types): nothing read from the store is unpickled.
 from __future__ import annotations
 
 __all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
-           "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID",
+           "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID",
            "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
            "launch_prefix", "key"]
 
@@ -89,6 +89,8 @@ standby (:mod:`~neighbor_ckpt.inprocess.stores`)."""
 ENV_STORE = "NEIGHBOR_CKPT_INPROCESS_STORE"
 """``host:port[,host:port...]``: the launch's stores in order, the primary first, then one hot standby per node
 (every process and launcher; :mod:`~neighbor_ckpt.inprocess.stores`)."""
+ENV_STORE_TOKEN = "NEIGHBOR_CKPT_INPROCESS_STORE_TOKEN"
+"""The *path* of the launch's store token file (:mod:`~neighbor_ckpt.inprocess.store_auth`; never the token)."""
 ENV_STORE_EPOCH = "NEIGHBOR_CKPT_INPROCESS_STORE_EPOCH"
 """The index of the store in use when a launcher started the process (a replacement started after a failover)."""
 ENV_STORE_HOST_PID = "NEIGHBOR_CKPT_INPROCESS_STORE_HOST_PID"

@@ -7,13 +7,17 @@ hot standbys, :mod:`neighbor_ckpt.inprocess.stores`); each lives until it is ter
 with ``--parent`` is gone (its launcher: losing the node loses its store host too)::
 
     python -m neighbor_ckpt.inprocess.store_host --port 29650 [--host 0.0.0.0] [--parent PID] [--ready FILE]
+        [--token-file FILE]
 
 ``--ready FILE`` is written once the store listens (the launcher waits for it before it starts its processes).
+With ``--token-file`` (every launch's launchers pass it) the store itself listens on the loopback interface only and
+a :class:`~neighbor_ckpt.inprocess.store_auth.Gate` on ``--host:--port`` admits the clients that hold the job's token.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -56,19 +60,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
     ap.add_argument("--ready", type=Path, default=None, help="write this file once the store listens")
+    ap.add_argument("--token-file", type=Path, default=None,
+                    help="admit only the clients that hold this file's token (store_auth)")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s neighbor_ckpt store host (pid {os.getpid()}): %(message)s")
 
     import torch.distributed as dist
 
-    sock = listen_socket(args.host, args.port)
-    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, use_libuv=True,
+    from neighbor_ckpt.inprocess import store_auth
+
+    token = None if args.token_file is None else store_auth.read_token(args.token_file)
+    public = listen_socket(args.host, args.port)
+    sock = public if token is None else listen_socket("127.0.0.1", 0)
+    host, port = sock.getsockname()[:2]
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
                           timeout=timedelta(seconds=30), master_listen_fd=sock.fileno())
     sock.detach()  # the server owns the descriptor now (and closes it)
+    gate = None if token is None else store_auth.Gate(public, (host, port), token)
     if args.ready is not None:
         tmp = args.ready.with_name(args.ready.name + ".tmp")
         tmp.write_text(f"{os.getpid()} {args.port}\n")
         os.replace(tmp, args.ready)
-    print(f"neighbor_ckpt store host: listening on {args.host}:{args.port} (pid {os.getpid()})", flush=True)
+    print(f"neighbor_ckpt store host: listening on {args.host}:{args.port} (pid {os.getpid()})"
+          + ("" if gate is None else f", a gate before the store on {host}:{port}"), flush=True)
     stop = False
 
     def _stop(signum: int, frame: object) -> None:
@@ -81,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.parent is not None and not _alive(args.parent):
             break
         time.sleep(0.2)
+    if gate is not None:
+        gate.close()
     del store
     return 0
 

@@ -155,8 +155,8 @@ class BoundedClient:
     (see the module docstring). Keys are raw (no prefix). Thread-safe: operations are serialised on its worker."""
 
     def __init__(self, address: tuple[str, int], *, timeout_s: float, connect_timeout_s: Optional[float] = None,
-                 name: str = "") -> None:
-        self.address, self.timeout_s = address, timeout_s
+                 name: str = "", token: Optional[bytes] = None) -> None:
+        self.address, self.timeout_s, self.token = address, timeout_s, token
         self.connect_timeout_s = connect_timeout_s if connect_timeout_s is not None else timeout_s
         self.broken: Optional[str] = None
         self._store: Any = None
@@ -208,7 +208,10 @@ class BoundedClient:
     def _connect(self) -> Any:
         import torch.distributed as dist
 
-        store = dist.TCPStore(self.address[0], self.address[1], is_master=False, wait_for_workers=False,
+        from neighbor_ckpt.inprocess.store_auth import tunnel_address
+
+        host, port = tunnel_address(self.address, self.token)
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                               use_libuv=True, timeout=timedelta(seconds=self.connect_timeout_s))
         store.set_timeout(timedelta(seconds=self.timeout_s))
         return store
@@ -306,15 +309,17 @@ class StoreSet:
         timeout_s: how long an operation may go unanswered before the store counts as lost.
         connect_timeout_s: patience for the first connection of this process (the primary may still be starting).
         name: who this is, for the log (``process 3``, ``launcher:node1``).
+        token: the launch's store token (:mod:`~neighbor_ckpt.inprocess.store_auth`; None: the stores have no
+            gate).
     """
 
     def __init__(self, addresses: StoreAddresses, *, run_id: str, epoch: int = 0, timeout_s: float = 5.0,
-                 connect_timeout_s: float = 120.0, name: str = "") -> None:
+                 connect_timeout_s: float = 120.0, name: str = "", token: Optional[bytes] = None) -> None:
         if not 0 <= epoch < len(addresses):
             raise ConfigError(f"in-process recovery: store epoch {epoch} is not an index of the {len(addresses)} "
                               "store(s)")
         self.addresses, self.run_id, self.timeout_s = addresses, run_id, timeout_s
-        self.connect_timeout_s, self.name = connect_timeout_s, name or "this process"
+        self.connect_timeout_s, self.name, self.token = connect_timeout_s, name or "this process", token
         self.epoch = epoch
         self._clients: dict[str, BoundedClient] = {}
         self._made: list[BoundedClient] = []
@@ -337,6 +342,13 @@ class StoreSet:
     def address(self) -> tuple[str, int]:
         return self.addresses[self.epoch]
 
+    def torch_address(self) -> tuple[str, int]:
+        """Where a torch store client of the current store connects: through this process's tunnel when the launch
+        has a token (:mod:`~neighbor_ckpt.inprocess.store_auth`)."""
+        from neighbor_ckpt.inprocess.store_auth import tunnel_address
+
+        return tunnel_address(self.address(), self.token)
+
     def _client(self, name: str, epoch: int) -> BoundedClient:
         with self._lock:
             c = self._clients.get(name)
@@ -345,7 +357,7 @@ class StoreSet:
                     c.retire()
                 patience = self.timeout_s if self._answered else self.connect_timeout_s
                 c = self._clients[name] = BoundedClient(self.addresses[epoch], timeout_s=self.timeout_s,
-                                                        connect_timeout_s=patience, name=name)
+                                                        connect_timeout_s=patience, name=name, token=self.token)
                 self._made = [m for m in self._made if m.alive()] + [c]
             return c
 
@@ -387,7 +399,8 @@ class StoreSet:
                 return self.epoch
             logger.error("%s: %s does not answer (%s): failing over", self.name, self.addresses.describe(epoch), why)
             for k in range(epoch + 1, len(self.addresses)):
-                promote = BoundedClient(self.addresses[k], timeout_s=self.timeout_s, name=f"promote{k}")
+                promote = BoundedClient(self.addresses[k], timeout_s=self.timeout_s, name=f"promote{k}",
+                                        token=self.token)
                 self._made.append(promote)
                 try:
                     stood = promote.call("compare_set", epoch_key(self.run_id), "", str(k))

@@ -31,6 +31,8 @@ def test_the_node_hosting_the_store_is_lost_and_the_next_generation_forms_on_a_s
     res = launch_inprocess(tmp_path, STEPS=10, FAULT="kill", KILL_RANK=0, KILL_STEP=5, STORE_NODE="1")
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
+    assert res.log.count(", a gate before the store on 127.0.0.1:") == ACTIVE + 1, "every store behind the job's token"
+    assert "refused a client" not in res.log and "refused this process's token" not in res.log
     assert load(res.out / "fault.json")["rank"] == 0
     assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
     moves = store_moves(res)

@@ -9,12 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+import torch.distributed as dist
+
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.inprocess.store_auth import new_token_file, read_token
 from neighbor_ckpt.inprocess.stores import (CLIENT_THREAD, BoundedClient, StoreAddresses, StoreSet, StoresLost,
                                            StoreUnreachable, epoch_key, quiesce)
 from tests.conftest import free_port
@@ -149,3 +153,59 @@ def test_a_process_whose_client_is_inside_a_stopped_store_leaves_with_its_status
         child.kill()
     assert child.returncode == 7, err
     assert "exiting 7 without finalizing the interpreter" in err and "(check)" in err
+
+
+@pytest.fixture()
+def gated(tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen], bytes, Path]]:
+    """Two store hosts behind their gates (``--token-file``), their log in ``gate<i>.log``."""
+    token_file = new_token_file(tmp_path / "store.token")
+    procs = []
+    for i in range(2):
+        ready = tmp_path / f"ready{i}"
+        log = open(tmp_path / f"gate{i}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host",
+                                       "127.0.0.1", "--port", str(free_port()), "--ready", str(ready),
+                                       "--token-file", str(token_file)],
+                                      env={**os.environ, "TORCH_CPP_LOG_LEVEL": "error"}, stdout=log,
+                                      stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert procs[-1].poll() is None and time.monotonic() < deadline, "the store host did not listen"
+            time.sleep(0.05)
+        procs[-1].port = int(ready.read_text().split()[1])  # type: ignore[attr-defined]
+    yield procs, read_token(token_file), tmp_path
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_the_holders_of_the_token_use_the_gated_stores_and_fail_over_between_them(
+        gated: tuple[list[subprocess.Popen], bytes, Path]) -> None:
+    procs, token, _ = gated
+    a, b = _set(procs, name="a", token=token), _set(procs, name="b", token=token)
+    a.view("main", "job").set("k", "v")
+    assert b.view("main", "job").get("k") == b"v"
+    procs[0].kill()
+    procs[0].wait()
+    assert not a.view("main", "job").check(["k"]) and a.epoch == 1, "failed over to store 1, through its gate"
+    assert b.follow_newer() == 1
+
+
+def test_a_client_without_the_token_or_with_another_jobs_is_refused_and_logged(
+        gated: tuple[list[subprocess.Popen], bytes, Path]) -> None:
+    procs, token, tmp_path = gated
+    port = procs[0].port  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError):  # torch's own client: no token to show
+        dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, use_libuv=True,
+                      timeout=timedelta(seconds=3)).get("k")
+    stranger = StoreSet(StoreAddresses((("127.0.0.1", port),)), run_id="r", timeout_s=1.0, connect_timeout_s=3.0,
+                        name="stranger", token=os.urandom(32))
+    with pytest.raises(StoresLost):
+        stranger.view("main", "").check(["k"])
+    stranger.close()
+    deadline = time.monotonic() + 30
+    while (tmp_path / "gate0.log").read_text().count("refused a client from 127.0.0.1") < 2:
+        assert time.monotonic() < deadline, (tmp_path / "gate0.log").read_text()
+        time.sleep(0.2)
+    assert procs[0].poll() is None, "the store host goes on"
+    assert _set(procs[:1], name="holder", token=token).view("main", "").check(["k"]) is False

@@ -64,7 +64,8 @@ INPROC = ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spare
 
 def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(tmp_path: Path) -> None:
     from neighbor_ckpt.cli import launch
-    from neighbor_ckpt.inprocess.launcher import parse_args
+    from neighbor_ckpt.inprocess.launcher import child_env, parse_args
+    from neighbor_ckpt.inprocess.protocol import ENV_STORE_TOKEN
 
     plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", INPROC, run_dir=tmp_path / "run")
     assert (plan.inprocess, plan.spares, plan.processes) == (True, 1, 5)
@@ -86,6 +87,9 @@ def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}")
         assert not any("nvidia_resiliency_ext" in a or "ft-restart" in a for a in cmd)
         assert not own.grow_back
+        assert own.token_file == str(plan.run_dir / "store.token") == str(procs.token_file), \
+            "the stores admit the holders of the run directory's token: its path on the command line, never itself"
+        assert child_env(own, index=i, local_rank=0, attempt=0, launcher_pid=1)[ENV_STORE_TOKEN] == own.token_file
     with pytest.raises(AttributeError):
         plan.run_id = "other"  # type: ignore[misc]  # the plan stays frozen data
     grow = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", [*INPROC, "neighbor_ckpt.inprocess.grow_back=true"],
@@ -93,6 +97,10 @@ def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(
     cmds = [cmd for cmd, _ in launch.inprocess_processes(grow, store_port=29650, store_root=tmp_path / "shm").agents]
     assert all(parse_args(cmd[3:]).grow_back for cmd in cmds), "inprocess.grow_back reaches every launcher"
     assert "--grow-back" in launch.slurm_script(grow)
+    script = launch.slurm_script(grow)
+    made = script.index("-m neighbor_ckpt.inprocess.store_auth")
+    assert made < script.index("srun ") and f"--token-file {grow.run_dir / 'store.token'}" in script, \
+        "the Slurm script makes the token file once, before the launchers, and names it to each"
 
 
 def test_inprocess_launchers_run_the_warm_prefixed_command_as_a_whole(monkeypatch: pytest.MonkeyPatch,

@@ -1,0 +1,339 @@
+"""The launch's stores admit the job's own processes only: a per-job token, a gate before each store, a tunnel in
+each client process.
+
+torch's TCPStore server serves whoever connects, and its client cannot present anything. So every store host keeps
+its TCPStore on the loopback interface (``127.0.0.1``, an ephemeral port) and puts a :class:`Gate` on the job's
+address (the port of the launch's store list): a client proves that it holds the job's token, then the gate splices
+its connection to the store. A process reaches a gate through a :class:`Tunnel` of its own (a loopback listener per
+store address, :func:`tunnel_address`): it does the handshake for torch's client, then splices too. A client without
+the token, or with another job's, is refused and the gate logs who it was; nothing read from a store is unpickled
+(the stores hold text and raw bytes only).
+
+**The handshake** (:func:`prove`, :func:`challenge`): the gate sends :data:`MAGIC` and 16 fresh random bytes, the
+client answers with their HMAC-SHA256 under the token, the gate answers one byte ``1``. The token never crosses the
+network, and an answer is good for one connection only.
+
+**The token** (:func:`new_token_file`, :func:`read_token`): 32 random bytes, as hex, in a file of the run directory
+(``store.token``, mode 0600, made once per launch before the launchers start); the launchers get its *path*
+(``--token-file``) and so do their processes (:data:`~neighbor_ckpt.inprocess.protocol.ENV_STORE_TOKEN`): never the
+token itself on a command line or in an environment, where ``ps`` and ``/proc`` show them to other users. A file
+that others can read, or that is not the user's, is refused.
+
+**What it does not cover.** The loopback ports (the store behind its gate, each process's tunnel) are open to other
+users *of the same node*, as every loopback service is; the gloo and NCCL connections between ranks are not
+authenticated (torch's own). The gate keeps other nodes and other jobs out of the stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import stat
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+from neighbor_ckpt.errors import ConfigError
+
+__all__ = ["MAGIC", "TOKEN_FILE", "TUNNEL_THREAD", "Gate", "Tunnel", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
+           "challenge", "Refused"]
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"NCKPT-STORE-1\n"
+"""What a gate says first (a client that reaches something else stops at once)."""
+NONCE_BYTES = 16
+TOKEN_FILE = "store.token"
+"""The token file's name in the run directory."""
+HANDSHAKE_TIMEOUT_S = 5.0
+"""How long either side waits for the other's part of the handshake (a stopped host: the connection fails, as an
+unanswered store operation does)."""
+TUNNEL_THREAD = "neighbor_ckpt-store-tunnel"
+"""The name (prefix) of a tunnel's threads (they live as long as the process)."""
+_OK = b"\x01"
+_CHUNK = 1 << 16
+
+
+class Refused(ConnectionError):
+    """The gate refused this client (wrong or missing token), or what answered is not a gate."""
+
+
+# -- the token -------------------------------------------------------------------------------------------------------
+
+def new_token_file(path: Path) -> Path:
+    """Make ``path`` (mode 0600, 32 random bytes as hex) unless it exists already (a launch whose launchers were
+    restarted keeps its token); either way it must pass :func:`read_token`. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    try:
+        os.link(tmp, path)  # whole or not at all: a launch starting beside this one reads a complete token
+    except FileExistsError:
+        read_token(path)
+    finally:
+        os.unlink(tmp)
+    return path
+
+
+def read_token(path: Path) -> bytes:
+    """The token in ``path``; :class:`~neighbor_ckpt.errors.ConfigError` when it is missing, not the user's, readable
+    by others, or not a token."""
+    try:
+        st = os.stat(path)
+        text = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"in-process recovery: the store token file {path}: {e.strerror or e}; the launch makes it "
+                          "in the run directory before its launchers start") from None
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"in-process recovery: the store token file {path} belongs to uid {st.st_uid}, not to "
+                          f"this user ({os.getuid()}): refused")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(f"in-process recovery: the store token file {path} is readable by others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): refused; `chmod 600 {path}`")
+    try:
+        token = bytes.fromhex(text)
+    except ValueError:
+        token = b""
+    if len(token) < 16:
+        raise ConfigError(f"in-process recovery: the store token file {path} holds no token (hex, 16 bytes or more)")
+    return token
+
+
+# -- the handshake ---------------------------------------------------------------------------------------------------
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        part = sock.recv(n - len(out))
+        if not part:
+            raise ConnectionError(f"the connection closed after {len(out)} of {n} bytes")
+        out += part
+    return out
+
+
+def _answer(token: bytes, nonce: bytes) -> bytes:
+    return hmac.new(token, MAGIC + nonce, hashlib.sha256).digest()
+
+
+def challenge(sock: socket.socket, token: bytes) -> bool:
+    """The gate's side: True when the client proved the token (it is then told so)."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + nonce)
+    got = _recv_exact(sock, hashlib.sha256().digest_size)
+    if not hmac.compare_digest(got, _answer(token, nonce)):
+        return False
+    sock.sendall(_OK)
+    return True
+
+
+def prove(sock: socket.socket, token: bytes) -> None:
+    """The client's side; :class:`Refused` when the gate refuses (it closes the connection) or is not a gate."""
+    hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+    if not hello.startswith(MAGIC):
+        raise Refused("what answered is not a neighbor_ckpt store gate")
+    sock.sendall(_answer(token, hello[len(MAGIC):]))
+    try:
+        ok = _recv_exact(sock, 1) == _OK
+    except ConnectionError:
+        ok = False  # the gate closes the connection on a wrong answer
+    if not ok:
+        raise Refused("the store gate refused this process's token (another job's, or an old token file)")
+
+
+# -- splicing --------------------------------------------------------------------------------------------------------
+
+def _splice(a: socket.socket, b: socket.socket, name: str) -> None:
+    """Copy both ways between ``a`` and ``b`` on two daemon threads; when either side ends, both are closed (the
+    other side sees the end, as it would see a store that went away)."""
+    done = threading.Event()
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(_CHUNK)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            if not done.is_set():
+                done.set()
+                for s in (a, b):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+            else:
+                a.close()
+                b.close()
+
+    for src, dst in ((a, b), (b, a)):
+        threading.Thread(target=pump, args=(src, dst), name=name, daemon=True).start()
+
+
+def _listener(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    return sock
+
+
+def _serve(sock: socket.socket, handle, name: str) -> threading.Thread:  # noqa: ANN001 - a callable per connection
+    def run() -> None:
+        while True:
+            try:
+                conn, peer = sock.accept()
+            except OSError:
+                return  # closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=handle, args=(conn, peer), name=name, daemon=True).start()
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t
+
+
+def _connect(address: tuple[str, int], timeout_s: float) -> socket.socket:
+    sock = socket.create_connection(address, timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+# -- the gate (in the store host) ------------------------------------------------------------------------------------
+
+class Gate:
+    """Admits clients that prove ``token`` on ``listen`` (a bound, listening socket on the job's address) and splices
+    each to the store at ``backend`` (loopback). :meth:`refused` counts the clients turned away."""
+
+    def __init__(self, listen: socket.socket, backend: tuple[str, int], token: bytes) -> None:
+        self.backend, self._token = backend, token
+        self._sock = listen
+        self._refused = 0
+        self._lock = threading.Lock()
+        self._thread = _serve(listen, self._admit, "neighbor_ckpt-store-gate")
+
+    def refused(self) -> int:
+        with self._lock:
+            return self._refused
+
+    def _admit(self, conn: socket.socket, peer: tuple) -> None:
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            ok = challenge(conn, self._token)
+        except (OSError, Refused) as e:
+            ok, why = False, f"no answer to the challenge ({e})"
+        else:
+            why = "wrong token"
+        if not ok:
+            with self._lock:
+                self._refused += 1
+            logger.warning("store gate: refused a client from %s:%s: %s", peer[0], peer[1], why)
+            conn.close()
+            return
+        try:
+            store = _connect(self.backend, HANDSHAKE_TIMEOUT_S)
+        except OSError as e:
+            logger.error("store gate: the store behind the gate (%s:%d) does not answer: %s", *self.backend, e)
+            conn.close()
+            return
+        conn.settimeout(None)
+        store.settimeout(None)
+        _splice(conn, store, "neighbor_ckpt-store-gate")
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+# -- the tunnel (in each client process) ----------------------------------------------------------------------------
+
+class Tunnel:
+    """A loopback listener of this process for torch's store client: each connection it accepts is carried to the
+    gate at ``remote`` once the handshake passed; when the gate does not answer, refuses or goes away, the local
+    connection is closed (torch's client then fails, as it would on a lost store)."""
+
+    def __init__(self, remote: tuple[str, int], token: bytes) -> None:
+        self.remote, self._token = remote, token
+        self._sock = _listener("127.0.0.1", 0)
+        self.address: tuple[str, int] = ("127.0.0.1", self._sock.getsockname()[1])
+        self._thread = _serve(self._sock, self._carry, f"{TUNNEL_THREAD}-{remote[1]}")
+
+    def _carry(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            remote = _connect(self.remote, HANDSHAKE_TIMEOUT_S)
+        except OSError as e:
+            logger.debug("store tunnel: %s:%d: %s", *self.remote, e)
+            conn.close()
+            return
+        try:
+            prove(remote, self._token)
+        except Refused as e:  # not a gate, or not this job's: no failover helps
+            logger.error("store tunnel: %s:%d: %s", *self.remote, e)
+            remote.close()
+            conn.close()
+            return
+        except OSError as e:  # a stopped or lost host: the client's operation fails, the stores' failover follows
+            logger.warning("store tunnel: %s:%d: no handshake (%s)", *self.remote, e)
+            remote.close()
+            conn.close()
+            return
+        remote.settimeout(None)
+        _splice(conn, remote, f"{TUNNEL_THREAD}-{self.remote[1]}")
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def tunnel_ports() -> set[int]:
+    """The loopback ports of this process's tunnels (the in-process abort keeps the connections to them: they are
+    the store's)."""
+    with _TUNNELS_LOCK:
+        return {t.address[1] for t in _TUNNELS.values()} if os.getpid() == _TUNNELS_PID else set()
+
+
+_TUNNELS: dict[tuple[tuple[str, int], bytes], Tunnel] = {}
+_TUNNELS_PID = os.getpid()
+_TUNNELS_LOCK = threading.Lock()
+
+
+def tunnel_address(remote: tuple[str, int], token: Optional[bytes]) -> tuple[str, int]:
+    """Where torch's client connects to reach the store at ``remote``: this process's :class:`Tunnel` to it (made
+    on first use; a forked child makes its own), or ``remote`` itself when the launch has no token."""
+    global _TUNNELS_PID
+    if token is None:
+        return remote
+    with _TUNNELS_LOCK:
+        if os.getpid() != _TUNNELS_PID:  # a fork: the parent's listener threads did not come along
+            _TUNNELS.clear()
+            _TUNNELS_PID = os.getpid()
+        tunnel = _TUNNELS.get((remote, token))
+        if tunnel is None:
+            tunnel = _TUNNELS[(remote, token)] = Tunnel(remote, token)
+        return tunnel.address
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m neighbor_ckpt.inprocess.store_auth FILE``: make the token file (the Slurm script, before srun)."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("file", type=Path)
+    args = ap.parse_args(argv)
+    try:
+        new_token_file(args.file)
+    except ConfigError as e:
+        print(f"neighbor_ckpt: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
