@@ -178,6 +178,16 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
+def _last_generation_with(gens: GenerationStore, process: int) -> int:
+    """The last generation that may hold ``process`` (which just died): the current one, or the one before when the
+    current one formed without it (the survivors can re-form before this launcher reaps the death)."""
+    g = gens.current()
+    members = gens.members(g)
+    if g > 0 and (members is None or process not in members.members):
+        return g - 1
+    return g
+
+
 class Launcher:
     """One node's launcher (:func:`main` runs it)."""
 
@@ -412,7 +422,7 @@ class Launcher:
                 else:
                     logger.warning("process %d (pid %d) %s: declared dead", index, child.proc.pid, how)
             if self.plan.grow_back and action in (Action.DECLARE, Action.DECLARED):
-                g = self._try(att.number, lambda s: GenerationStore(s, process=-1).current())
+                g = self._try(att.number, lambda s: _last_generation_with(GenerationStore(s, process=-1), index))
                 att.regrow.append((child, how, 0 if g is None else g))
                 logger.info("process %d: a replacement starts once a generation after %d has completed a step "
                             "(--grow-back)", index, 0 if g is None else g)

@@ -14,6 +14,7 @@ from neighbor_ckpt.inprocess.assignment import initial_assignment
 from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, QuorumLost, gate,
                                                 parse_dead, parse_list)
 from neighbor_ckpt.inprocess.monitor import laggards, parse_heartbeat, ring_predecessor
+from neighbor_ckpt.inprocess.protocol import key
 from tests.conftest import free_port
 
 
@@ -174,3 +175,18 @@ def test_the_gate_lets_a_generation_go_on_unless_a_fallback_rule_says_why_not() 
     assert gate(_members(40), max_restarts=None) is None
     assert gate(_members(2, hangs=1), max_restarts=None) is None
     assert "second hang" in gate(_members(3, hangs=2), max_restarts=None)
+
+
+def test_grow_back_waits_for_the_generation_after_the_last_that_held_the_dead_process(store: Any) -> None:
+    """The survivors may re-form before the dead process's launcher reaps it: the replacement then waits for the
+    progress of that new generation, not of one more (which would never come without another failure)."""
+    from neighbor_ckpt.inprocess.launcher import _last_generation_with
+
+    s = store()
+    gens = GenerationStore(s, process=-1)
+    assert _last_generation_with(gens, 0) == 0, "generation 0 holds everyone"
+    s.set("gen", "1")
+    assert _last_generation_with(gens, 0) == 0, "generation 1 is forming: the dead process is not in it"
+    s.set(key("gen", 1, "members"), Members(1, frozenset({1, 2, 3, 4}), True, 0).to_json())
+    assert _last_generation_with(gens, 0) == 0, "generation 1 formed without process 0"
+    assert _last_generation_with(gens, 2) == 1, "process 2 died in generation 1"
