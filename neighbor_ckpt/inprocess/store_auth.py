@@ -277,13 +277,11 @@ class Tunnel:
             return
         try:
             prove(remote, self._token)
-        except Refused as e:  # not a gate, or not this job's: no failover helps
-            logger.error("store tunnel: %s:%d: %s", *self.remote, e)
-            remote.close()
-            conn.close()
-            return
-        except OSError as e:  # a stopped or lost host: the client's operation fails, the stores' failover follows
-            logger.warning("store tunnel: %s:%d: no handshake (%s)", *self.remote, e)
+        except OSError as e:
+            # Refused: not a gate, or not this job's (no failover helps); else a stopped or lost host: the client's
+            # operation fails and the stores' failover follows
+            logger.log(logging.ERROR if isinstance(e, Refused) else logging.WARNING,
+                       "store tunnel: %s:%d: no handshake (%s)", *self.remote, e)
             remote.close()
             conn.close()
             return
