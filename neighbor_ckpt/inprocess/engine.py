@@ -512,12 +512,12 @@ class InprocessRecovery(EngineMemory):
             reason = main.gave_up()
             if reason is not None:
                 raise _GiveUp(f"another process gave up: {reason}")
-            # after a store failover, the next generation needs a majority of the last one's members: a minority
-            # cut off with a standby of its own must not go on beside the others
-            quorum = len(self._members) // 2 + 1 if self.stores.epoch != formed_on else 0
+            # after a store failover, the next generation needs a majority of the last one's members that may still
+            # run: a minority cut off with a standby of its own must not go on beside the others
+            last = self._members if self.stores.epoch != formed_on else frozenset()
             self._joining = generation
             try:
-                members = main.join(generation, expected=expected, timeout_s=self._barrier_timeout(), quorum=quorum)
+                members = main.join(generation, expected=expected, timeout_s=self._barrier_timeout(), quorum_of=last)
             except (BarrierTimeout, QuorumLost) as e:
                 raise _GiveUp(str(e)) from None
             finally:

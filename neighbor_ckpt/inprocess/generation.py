@@ -31,7 +31,7 @@ from neighbor_ckpt.inprocess.assignment import Assignment
 from neighbor_ckpt.inprocess.protocol import FAILURE_KINDS, key
 
 __all__ = ["GenerationStore", "Members", "GenerationFailure", "Fenced", "BarrierTimeout", "QuorumLost", "parse_list",
-           "parse_dead", "gate"]
+           "parse_dead", "exited", "quorum", "gate"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,23 @@ def parse_dead(raw: bytes | str | None) -> dict[int, str]:
         if sep and p.strip().lstrip("-").isdigit():
             out.setdefault(int(p), why.strip())
     return out
+
+
+def exited(raw: bytes | str | None) -> set[int]:
+    """The processes of ``dead`` (its raw text) whose exit a launcher saw (an ``exited:`` entry, whatever was
+    written for them before): gone for sure, not running elsewhere."""
+    out: set[int] = set()
+    for entry in _text(raw).split(";") if raw else ():
+        p, sep, why = entry.partition(":")
+        if sep and p.strip().lstrip("-").isdigit() and why.strip().startswith("exited:"):
+            out.add(int(p))
+    return out
+
+
+def quorum(last: frozenset[int], gone: set[int]) -> int:
+    """The fewest live processes a generation may form with after a store failover (pure): more than half of the
+    last generation's members that may still run (``gone``: those whose exit a launcher saw)."""
+    return len(last - gone) // 2 + 1
 
 
 class GenerationStore:
@@ -268,15 +285,18 @@ class GenerationStore:
             self.check_fenced()
 
     def join(self, generation: int, *, expected: Iterable[int], timeout_s: float,
-             poll_s: float = 0.01, quorum: int = 0) -> Members:
+             poll_s: float = 0.01, quorum_of: Iterable[int] = ()) -> Members:
         """Arrive at ``generation``'s barrier and return its canonical outcome, once every expected process arrived
-        or was declared dead (whoever sees that first writes the outcome; everyone reads the same). ``quorum``: the
-        fewest live processes the generation may form with (after a store failover: a majority of the last one's).
+        or was declared dead (whoever sees that first writes the outcome; everyone reads the same). ``quorum_of``
+        (after a store failover: the last generation's members): the generation needs more than half of those of
+        them whose exit no launcher reported, i.e. that may still run, cut off with a standby of their own
+        (:func:`quorum`).
 
         Raises:
             Fenced: this process was declared dead.
             BarrierTimeout: not complete within ``timeout_s`` (the processes still missing are named).
-            QuorumLost: every expected process arrived or was declared dead, and fewer than ``quorum`` are live."""
+            QuorumLost: every expected process arrived or was declared dead, and fewer than the quorum are live."""
+        last = frozenset(quorum_of)
         members_key = key("gen", generation, "members")
         arrived_key = key("gen", generation, "arrived")
         self.store.append(arrived_key, f"{self.process},")
@@ -294,10 +314,11 @@ class GenerationStore:
             missing = want - arrived - dead.keys()
             if not missing:
                 live = arrived - dead.keys()
-                if len(live) < quorum:
+                need = quorum(last, exited(self._get("dead"))) if last else 0
+                if len(live) < need:
                     raise QuorumLost(f"generation {generation} would form with {len(live)} process(es) after a store "
-                                     f"failover, fewer than a majority ({quorum}) of the last generation's: the "
-                                     "others may go on elsewhere, so these stop")
+                                     f"failover, fewer than a majority ({need}) of the last generation's that may "
+                                     "still run: the others may go on elsewhere, so these stop")
                 return self._admitted(self._settle(generation, live))
             if time.monotonic() > deadline:
                 raise BarrierTimeout(f"generation {generation} did not form within {timeout_s:g} s "

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from neighbor_ckpt.inprocess.assignment import initial_assignment
-from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, QuorumLost, gate,
-                                                parse_dead, parse_list)
+from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, QuorumLost, exited,
+                                                gate, parse_dead, parse_list, quorum)
 from neighbor_ckpt.inprocess.monitor import laggards, parse_heartbeat, ring_predecessor
 from neighbor_ckpt.inprocess.protocol import key
 from tests.conftest import free_port
@@ -71,19 +71,20 @@ def test_after_a_store_failover_a_minority_does_not_form_a_generation(store: Any
 
     def join_b() -> None:
         try:
-            b.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum=3)
+            b.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum_of={0, 1, 2, 3, 4})
         except QuorumLost as e:
             errors.append(e)
 
     t = threading.Thread(target=join_b)
     t.start()
-    with pytest.raises(QuorumLost, match=r"2 process\(es\) after a store failover, fewer than a majority \(3\)"):
-        a.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum=3)
+    with pytest.raises(QuorumLost, match=r"2 process\(es\) after a store failover, fewer than a majority \(3\) of"):
+        a.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum_of={0, 1, 2, 3, 4})
     t.join()
     assert len(errors) == 1, "both stop"
     c = GenerationStore(store(), process=5)
     out: list[Members] = []
-    threads = [threading.Thread(target=lambda g=g: out.append(g.join(2, expected={0, 1, 5}, timeout_s=10, quorum=3)))
+    threads = [threading.Thread(target=lambda g=g: out.append(g.join(2, expected={0, 1, 5}, timeout_s=10,
+                                                                     quorum_of={0, 1, 2, 3, 4})))
                for g in (a, b, c)]
     for t in threads:
         t.start()
@@ -190,3 +191,12 @@ def test_grow_back_waits_for_the_generation_after_the_last_that_held_the_dead_pr
     s.set(key("gen", 1, "members"), Members(1, frozenset({1, 2, 3, 4}), True, 0).to_json())
     assert _last_generation_with(gens, 0) == 0, "generation 1 formed without process 0"
     assert _last_generation_with(gens, 2) == 1, "process 2 died in generation 1"
+
+
+def test_the_majority_after_a_failover_counts_only_the_processes_that_may_still_run() -> None:
+    """A process whose exit a launcher saw (an ``exited:`` entry, even after a ``silent:`` one) is gone for sure and
+    is not waited for as a possible other side; a silent one may run on, cut off with a standby of its own."""
+    raw = "3:silent: no heartbeat for 3.1 s;3:exited: exited with status 77 (hygiene: replaced);0:silent: 3.2 s;"
+    assert exited(raw) == {3} and exited(None) == set()
+    assert quorum(frozenset({0, 1, 2, 3}), exited(raw)) == 2, "of 0, 1, 2: two (0 may still run elsewhere)"
+    assert quorum(frozenset({0, 1, 2, 3}), set()) == 3
