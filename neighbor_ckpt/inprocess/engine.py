@@ -428,22 +428,30 @@ class InprocessRecovery(EngineMemory):
             if generation in self._aborted:
                 return
             self._aborted.add(generation)
-        from neighbor_ckpt.inprocess.abort import abort_gloo, abort_nccl
+        from neighbor_ckpt.inprocess.abort import abort_nccl
 
         self.event("abort_start")
         try:
-            if self._sockets is not None:
-                try:
-                    peers = self._peer_listeners(generation)
-                except Exception as e:  # noqa: BLE001 - our accepted side is still closed; the kill does the rest
-                    logger.warning("%s: peers' listeners unreadable: %s", self._name(), e)
-                    peers = frozenset()
-                abort_gloo(self._sockets, keep_ports={p for _, p in self.store_list.addresses} | tunnel_ports(),
-                           peer_listeners=peers)
+            self._abort_gloo(generation)
             abort_nccl(timeout_s=self._abort_timeout())
         except Exception as e:  # noqa: BLE001 - the finalisation destroys the groups anyway
             logger.warning("%s: abort of generation %d: %s: %s", self._name(), generation, type(e).__name__, e)
         self.event("abort_end")
+
+    def _abort_gloo(self, generation: int) -> None:
+        """Shut down this process's side of ``generation``'s gloo connections: those it accepted, and those to the
+        peers' listeners it knows (read again each time: a peer that moved to a new store late publishes late)."""
+        from neighbor_ckpt.inprocess.abort import abort_gloo
+
+        if self._sockets is None:
+            return
+        try:
+            peers = self._peer_listeners(generation)
+        except Exception as e:  # noqa: BLE001 - our accepted side is still closed; the kill does the rest
+            logger.warning("%s: peers' listeners unreadable: %s", self._name(), e)
+            peers = frozenset()
+        abort_gloo(self._sockets, keep_ports={p for _, p in self.store_list.addresses} | tunnel_ports(),
+                   peer_listeners=peers)
 
     def _name(self) -> str:
         a = self._assignment
@@ -705,6 +713,10 @@ class InprocessRecovery(EngineMemory):
             if result.ok or not result.extra_threads or attempt == HYGIENE_TRIES - 1:
                 break
             time.sleep(0.5)
+            try:  # a thread of the failed generation may still wait on a peer whose listener this abort missed
+                self._abort_gloo(generation)
+            except Exception as e:  # noqa: BLE001 - the look below decides
+                logger.warning("%s: repeated abort of generation %d: %s", self._name(), generation, e)
         if not result.ok:
             logger.error("%s: not clean after generation %d (%s): exiting with status %d; the launcher starts a new "
                          "process in its place, which joins as a spare", self._name(), generation, result.summary(),

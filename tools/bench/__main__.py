@@ -1,6 +1,7 @@
 """``python -m tools.bench [--compare | --nemo-step | --generations] [...]``: the micro-benchmark, or with
 ``--compare`` the side-by-side comparison, with ``--nemo-step`` the NeMo step-time benchmark, with ``--generations``
-the in-process engine's cost per generation on one process (the rest goes to that one)."""
+the in-process engine's cost per generation on one process, with ``--store-gate`` what the store token costs a store
+operation (the rest goes to that one)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.bench import nemo_step
 
         return nemo_step.main([a for a in args if a != "--nemo-step"])
+    if "--store-gate" in args:
+        from tools.bench import store_gate
+
+        return store_gate.main([a for a in args if a != "--store-gate"])
     if "--generations" in args:
         from tools.bench import generations
 
