@@ -104,9 +104,11 @@ def test_slurm_script_inprocess_hot_spare_replaces_a_killed_rank_bit_exactly(
 
 SLURM_TOY = r'''
 import json, os, signal, sys, time
+from datetime import timedelta
 from pathlib import Path
 import torch.distributed as dist
 from neighbor_ckpt.inprocess import protocol
+from neighbor_ckpt.inprocess.store_auth import read_token, tunnel_address
 
 out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
 keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NEIGHBOR_CKPT_NODE_ID", "NEIGHBOR_CKPT_STORE_DIR", protocol.ENV_STORE)
@@ -114,6 +116,15 @@ keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NEIGHBOR_CKPT_NODE_ID", "NEIGHBOR_C
 if rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)  # a lost process: its launcher declares it to the others
 host, port = os.environ[protocol.ENV_STORE].split(",")[0].rsplit(":", 1)  # the primary
+token = read_token(Path(os.environ[protocol.ENV_STORE_TOKEN]))  # its gate admits the job's token only
+refused = False
+try:
+    dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, use_libuv=True,
+                  timeout=timedelta(seconds=3)).check(["complete"])
+except RuntimeError:
+    refused = True
+(out / f"refused.{rank}.json").write_text(json.dumps(refused))
+host, port = tunnel_address((host, int(port)), token)
 store = dist.PrefixStore(protocol.launch_prefix(os.environ[protocol.ENV_RUN_ID], 0),
                          dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, use_libuv=True))
 while rank == 0 and not store.check(["gen/0/failed"]):
@@ -131,8 +142,9 @@ while not store.check(["complete"]):
 def test_slurm_script_inprocess_plumbing_with_a_toy_program(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The in-process script's plumbing without NeMo or the engine: the generated script, its worker command
     replaced by a toy, under the real single-node Slurm: 5 tasks, each a launcher with one process (a simulated
-    node: its node id and host store, and its store host: task 0's the primary); process 1 dies, its launcher declares it
-    (``dead``, ``gen/0/failed``), process 0 marks the job complete, every launcher exits 0 and so does the job."""
+    node: its node id and host store, and its store host: task 0's the primary, behind its gate); a client without the
+    job's token is refused; process 1 dies, its launcher declares it (``dead``, ``gen/0/failed``), process 0 marks the
+    job complete (through its tunnel), every launcher exits 0 and so does the job."""
     from neighbor_ckpt.cli import launch
 
     run_dir, out = tmp_path / "run", tmp_path / "out"
@@ -155,6 +167,9 @@ def test_slurm_script_inprocess_plumbing_with_a_toy_program(slurm_cluster: Slurm
         assert (env_of["RANK"], env_of["WORLD_SIZE"], env_of["LOCAL_RANK"]) == (str(rank), "5", "0")
         assert env_of["NEIGHBOR_CKPT_NODE_ID"] == f"node{rank}"
         assert env_of["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "store" / f"node{rank}")
+    assert all(json.loads((out / f"refused.{rank}.json").read_text()) for rank in (0, 2, 3, 4)), \
+        "torch's own client, without the job's token, is refused at the primary's gate"
+    assert "store gate: refused a client from" in log
     seen = json.loads((out / "seen.json").read_text())
     assert seen["dead"] == "1:exited: killed by signal 9 (SIGKILL);"
     assert (seen["failed"]["by"], seen["failed"]["kind"], seen["failed"]["ranks"]) == ("launcher:node1", "exited", [1])
@@ -181,14 +196,19 @@ def test_slurm_scripts_of_both_modes_for_a_gpu_cluster_and_this_cpu_machine(tmp_
     port = plan.job.launch.rdzv_port + 1
     assert (f'-m neighbor_ckpt.inprocess.launcher --store "$STORES" --run-id {plan.run_id} '
             '--node "$NODE" --first "$FIRST" --count "$COUNT" --processes 136 --spares 8 --max-restarts 10 '
-            '--nodes 17 --host-store "$HOSTIDX" -- ') in script and "--store-root" not in script
+            f'--nodes 17 --token-file {plan.run_dir / "store.token"} --host-store "$HOSTIDX" -- ') in script \
+        and "--store-root" not in script
+    made = f"-m neighbor_ckpt.inprocess.store_auth {plan.run_dir / 'store.token'} || exit 1"
+    assert made in script and script.index(made) < script.index("srun "), "the token file, once, before the tasks"
     assert "HOSTIDX=$SLURM_NODEID" in script and f"awk -v p={port}" in script, "a store on every node, same port"
     assert "--inprocess-store" not in script and "ft-restart" not in script
-    cpu = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS], run_dir=tmp_path))
+    cpu_plan = launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS], run_dir=tmp_path)
+    cpu = launch.slurm_script(cpu_plan)
     assert "#SBATCH --ntasks=5" in cpu and "#SBATCH --overcommit" in cpu and "--gpus" not in cpu
     assert 'NODE="node$SLURM_PROCID" FIRST=$SLURM_PROCID COUNT=1' in cpu
-    assert '--processes 5 --spares 1 --max-restarts 2 --nodes 5 --host-store "$HOSTIDX" --store-root "$STORE_ROOT" -- ' \
-        in cpu and "HOSTIDX=$SLURM_PROCID" in cpu, "one simulated node per task, each with its store host"
+    assert (f'--processes 5 --spares 1 --max-restarts 2 --nodes 5 --token-file {cpu_plan.run_dir / "store.token"} '
+            '--host-store "$HOSTIDX" --store-root "$STORE_ROOT" -- ') in cpu and "HOSTIDX=$SLURM_PROCID" in cpu, \
+        "one simulated node per task, each with its store host"
     restart = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS], run_dir=tmp_path))
     assert "srun --kill-on-bad-exit=0" in restart and "-m torch.distributed.run" in restart
     assert "--max-restarts=2" in restart and "ft_launcher" not in restart
