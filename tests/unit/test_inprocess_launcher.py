@@ -91,3 +91,15 @@ def test_the_dead_list_parses_to_the_first_reason_of_each_process() -> None:
     assert parse_dead(None) == {} and parse_dead(b"") == {}
     raw = b"3:exited: killed by signal 9 (SIGKILL);5:silent: no heartbeat for 2.1 s;3:hung;garbage;x:y;"
     assert parse_dead(raw) == {3: "exited: killed by signal 9 (SIGKILL)", 5: "silent: no heartbeat for 2.1 s"}
+
+
+def test_a_launcher_whose_token_file_others_can_read_starts_nothing_and_says_why(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    from neighbor_ckpt.inprocess.launcher import EXIT_LAUNCHER_ERROR, main
+
+    token = tmp_path / "store.token"
+    token.write_text("ab" * 32)
+    token.chmod(0o644)
+    with caplog.at_level("ERROR"):
+        assert main([*BASE, "--token-file", str(token), "--", "t.py"]) == EXIT_LAUNCHER_ERROR
+    assert "readable by others" in caplog.text and "nothing started" in caplog.text
