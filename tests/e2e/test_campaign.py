@@ -1,4 +1,4 @@
-"""The fault campaign's CI subset, through the campaign tool itself (``tools/campaign.py``; each case a real torchrun
+"""The fault campaign's CI subset, through the campaign tool itself (``tools/campaign/``; each case a real torchrun
 job of the mcore recipe on 4 gloo ranks laid out as 2 nodes, real SIGKILL / SIGSTOP, real restarts, compared with the
 failure-free run of its configuration): one case of every fault kind is drawn from a fixed seed, and CI runs the cases of the kinds no
 other end-to-end test covers (``--only``), plus the startup-window case. The kinds left to their own tests:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tools.campaign import (KINDS, RECIPE, SPARES, WORLD, Case, Outcome, compare, compare_fallback, dp_ring,
-                            draw_cases, inprocess_job, insurance_iteration, load_outcomes, resume_point, summarize,
-                            write_config)
+                            draw_cases, inprocess_job, insurance_iteration, load_outcomes, recovery_mode,
+                            results_document, resume_point, summarize, summary, write_config)
 from neighbor_ckpt.snapshot.topology import build_topology
 
 
@@ -160,10 +160,72 @@ def test_table_counts_outcomes_per_kind_and_reports_detection_times() -> None:
     table = summarize([Outcome(c[0], "exact", detection_s=3.1, mttr_s=20.0), Outcome(c[1], "exact", detection_s=3.3),
                        Outcome(c[2], "FAILED", "exit 1")])
     rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
-    # cases, exact, resized, fallback, (unexpected), stopped, FAILED, detection, MTTR
-    assert rows["hang"] == ["2", "2", "0", "0", "0", "0", "0", "3.20 / 3.30", "20.0"]
+    # cases, exact, resized, fallback, (unexpected), stopped, FAILED, detection, MTTR in process / restart / insurance
+    assert rows["hang"] == ["2", "2", "0", "0", "0", "0", "0", "3.20 / 3.30", "-", "20.00 / 20.00", "-"]
     assert rows["kill-forward"][:7] == ["1", "0", "0", "0", "0", "0", "1"]
     assert rows["all"][:7] == ["3", "2", "0", "0", "0", "0", "1"]
+
+
+def test_each_recovery_is_timed_under_its_mode_in_process_restart_or_insurance_with_median_and_max() -> None:
+    inproc = Case(index=0, kind="inproc-kill", rank=1, step=3, dist_opt=True)
+    restart = Case(index=1, kind="kill-forward", rank=1, step=3, dist_opt=True, phase="forward")
+    outcomes = [Outcome(inproc, "exact", mttr_s=0.5), Outcome(inproc, "exact", mttr_s=0.9),
+                Outcome(inproc, "exact", mttr_s=0.6),
+                Outcome(inproc, "fallback", "in-process recovery gave up (announced); the restart path recovered "
+                                        "exactly", mttr_s=12.0),
+                Outcome(restart, "exact", mttr_s=10.0),
+                Outcome(restart, "fallback", "announced fallback to insurance 2, bit-exact with the failure-free "
+                                         "run resumed from it", mttr_s=14.0),
+                Outcome(restart, "FAILED", "exit 1", mttr_s=99.0),
+                Outcome(Case(index=2, kind="data-misplaced", rank=1, step=3, dist_opt=True), "stopped")]
+    assert [recovery_mode(o) for o in outcomes] == ["in-process"] * 3 + ["restart", "restart", "insurance", None, None]
+    rows = {row["kind"]: row for row in summary(outcomes)}
+    assert rows["inproc-kill"]["mttr_s"] == {"in-process": {"n": 3, "median": 0.6, "max": 0.9},
+                                             "restart": {"n": 1, "median": 12.0, "max": 12.0}, "insurance": None}
+    assert rows["kill-forward"]["mttr_s"]["insurance"] == {"n": 1, "median": 14.0, "max": 14.0}
+    assert rows["all"]["mttr_s"]["restart"] == {"n": 2, "median": 11.0, "max": 12.0}, "a FAILED case is not timed"
+    table = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]]
+             for line in summarize(outcomes).splitlines()[2:]}
+    assert table["inproc-kill"][-3:] == ["0.60 / 0.90", "12.00 / 12.00", "-"]
+    assert table["data-misplaced"][5] == "1" and table["data-misplaced"][-3:] == ["-", "-", "-"]
+
+
+def test_the_results_document_names_the_commit_the_kinds_not_drawn_and_passes_only_a_complete_campaign_without_failures(
+        ) -> None:
+    cases = draw_cases(3, 1, steps=6)
+    settings = {"seed": 1, "faults": 3, "kinds": list(KINDS), "source": "abc1234"}
+    done = [Outcome(c, "exact", mttr_s=1.0) for c in cases]
+    doc = json.loads(json.dumps(results_document(settings, done, machine={"nproc": 2})))
+    assert doc["campaign"]["source"] == "abc1234" and doc["machine"] == {"nproc": 2}
+    assert doc["verdict"] == {"faults": 3, "complete": True, "kinds_drawn": list(KINDS[:3]),
+                              "kinds_not_drawn": list(KINDS[3:]), "failed_cases": [], "passed": True}
+    assert [Case(**o["case"]) for o in doc["outcomes"]] == cases and doc["summary"][-1]["kind"] == "all"
+    assert not results_document(settings, done[:2])["verdict"]["passed"], "an unfinished campaign does not pass"
+    failed = results_document(settings, [*done[:2], Outcome(cases[2], "FAILED", "exit 1")])["verdict"]
+    assert failed["failed_cases"] == [3] and not failed["passed"]
+
+
+def test_report_tables_a_recorded_campaign_with_its_own_settings_and_runs_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.campaign import runner
+
+    cases = draw_cases(2, 9, steps=6)
+    settings = {"seed": 9, "faults": 2, "steps": 6, "kinds": list(KINDS), "detector_timeout_s": 3.0,
+                "detector_interval_s": 0.5, "source": "abc1234"}
+    (tmp_path / "campaign.json").write_text(json.dumps(settings))
+    (tmp_path / "outcomes.jsonl").write_text("".join(json.dumps(dataclasses.asdict(Outcome(c, "exact"))) + "\n"
+                                                     for c in cases))
+    monkeypatch.setattr(runner, "run_case", lambda *a, **k: pytest.fail("--report ran a case"))
+    monkeypatch.setattr(runner, "_torchrun", lambda *a, **k: pytest.fail("--report ran a failure-free run"))
+    results = tmp_path / "results" / "campaign.json"
+    assert runner.main(["--report", "--out", str(tmp_path), "--seed", "5", "--results", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert "seed 9, 2 faults" in out and "source abc1234" in out
+    assert json.loads(results.read_text())["verdict"]["passed"]
+    assert (tmp_path / "table.md").read_text().startswith("| fault | cases |")
+    with pytest.raises(SystemExit):
+        runner.main(["--report", "--out", str(tmp_path / "nothing")])
+    assert "no campaign recorded" in capsys.readouterr().err
 
 
 def test_a_fallback_where_an_in_memory_version_should_exist_is_counted_as_unexpected() -> None:
@@ -380,6 +442,7 @@ def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_
     """``--only 2,4`` runs cases 2 and 4 exactly as drawn among all ``--faults`` (same rank, step, damage), needs only
     their failure-free configurations, and a resume keeps to that selection."""
     import tools.campaign as campaign
+    from tools.campaign import runner
 
     ran: list[Case] = []
     bases: list[list[str]] = []
@@ -392,8 +455,8 @@ def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_
         ran.append(case)
         return Outcome(case=case, result="exact", detail="", wall_s=1.0)
 
-    monkeypatch.setattr(campaign, "_torchrun", fake_torchrun)
-    monkeypatch.setattr(campaign, "run_case", fake_run_case)
+    monkeypatch.setattr(runner, "_torchrun", fake_torchrun)
+    monkeypatch.setattr(runner, "run_case", fake_run_case)
     drawn = draw_cases(6, 5, steps=6)
     assert campaign.main(["--faults", "6", "--seed", "5", "--steps", "6", "--only", "4,2", "--out", str(tmp_path)]) == 0
     assert ran == [drawn[1], drawn[3]]

@@ -1,0 +1,5 @@
+"""``python -m tools.campaign``."""
+
+from .runner import main
+
+raise SystemExit(main())

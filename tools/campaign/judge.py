@@ -1,0 +1,136 @@
+"""How a case is judged: its losses, samples and final state against the failure-free run (``==``), a fallback against
+that run resumed from the same insurance checkpoint, a shrink within 1e-4 on the same samples; and the log lines
+that say why a case failed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compare", "compare_fallback", "compare_resized", "failure_lines", "insurance_iteration"]
+
+
+def _losses_by_attempt(out: Path) -> dict[int, dict[int, list[tuple[int, str]]]]:
+    """rank -> step -> [(launcher restart count, loss), ...] in the order trained."""
+    per_rank: dict[int, dict[int, list[tuple[int, str]]]] = {}
+    for path in out.glob("losses.rank*.jsonl"):
+        rank = int(path.name.split(".")[1][4:])
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            per_rank.setdefault(rank, {}).setdefault(rec["step"], []).append((int(rec.get("attempt", 0)), rec["loss"]))
+    return per_rank
+
+
+def _losses(out: Path) -> dict[int, dict[int, list[str]]]:
+    """rank -> step -> [loss, ...] in the order trained."""
+    return {rank: {step: [loss for _, loss in recs] for step, recs in steps.items()}
+            for rank, steps in _losses_by_attempt(out).items()}
+
+
+def _finals(out: Path) -> dict[int, Any]:
+    return {int(p.name.split(".")[1][4:]): json.loads(p.read_text()) for p in out.glob("final.rank*.json")}
+
+
+def compare(base: Path, run: Path, *, steps_only: bool = False) -> str:
+    """'' when ``run`` trained exactly what ``base`` did (every loss, recomputations included, and finals);
+    ``steps_only``: only that every rank trained every step."""
+    b, r = _losses(base), _losses(run)
+    if sorted(b) != sorted(r):
+        return f"ranks {sorted(r)} != {sorted(b)}"
+    for rank in b:
+        if sorted(b[rank]) != sorted(r[rank]):
+            return f"rank {rank} trained steps {sorted(r[rank])}, expected {sorted(b[rank])}"
+    if steps_only:
+        return ""
+    for rank in b:
+        for step, losses in r[rank].items():
+            if any(x != b[rank][step][-1] for x in losses):
+                return f"rank {rank} step {step}: loss {losses} != {b[rank][step][-1]}"
+    if _finals(base) != _finals(run):
+        return "final parameters or optimizer state differ"
+    return ""
+
+
+def _samples(out: Path) -> dict[int, list[int]]:
+    """step -> the sorted samples the ranks trained in it, in the last (launch attempt, in-process generation) that
+    trained it (a shrink's ranks are other processes than before it)."""
+    per_step: dict[int, dict[tuple[int, int], list[int]]] = {}
+    for path in out.glob("losses.rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            when = (int(rec.get("attempt", 0)), int(rec.get("generation", 0)))
+            per_step.setdefault(rec["step"], {}).setdefault(when, []).extend(rec.get("samples") or [])
+    return {step: sorted(by[max(by)]) for step, by in per_step.items()}
+
+
+def compare_resized(base: Path, run: Path, *, fault_step: int, rel: float = 1e-4) -> str:
+    """'' when a shrink trained what it should: every step; before ``fault_step`` every rank's loss equal to the
+    failure-free run (the same layout); from it on, rank 0's losses within ``rel`` (another data-parallel size
+    reduces in another order); every step's samples, over all ranks, those of the failure-free run (the global batch
+    kept)."""
+    b, r = _losses(base), _losses(run)
+    if not r or sorted(r[0]) != sorted(b[0]):
+        return f"rank 0 trained steps {sorted(r.get(0, {}))}, expected {sorted(b[0])}"
+    for rank, steps in r.items():
+        for step, losses in steps.items():
+            if step < fault_step and rank in b and any(x != b[rank][step][-1] for x in losses):
+                return f"rank {rank} step {step} (before the shrink): loss {losses} != {b[rank][step][-1]}"
+    for step, losses in r[0].items():
+        want, got = float.fromhex(b[0][step][-1]), float.fromhex(losses[-1])
+        if abs(got - want) > rel * abs(want):
+            return f"step {step}: loss {got!r} not within {rel:g} of {want!r}"
+    sb, sr = _samples(base), _samples(run)
+    for step in sb:
+        if sr.get(step) != sb[step]:
+            return f"step {step} trained samples {sr.get(step)}, expected {sb[step]} (the global batch)"
+    return ""
+
+
+def insurance_iteration(run: Path) -> int | None:
+    """The insurance iteration a fallback restored: the one iteration the recovery reports with outcome
+    ``insurance`` name (None: no such report, or reports that disagree)."""
+    its = set()
+    for path in run.glob("report.rank*.attempt*.json"):
+        rep = json.loads(path.read_text())
+        if rep.get("outcome") == "insurance" and rep.get("iteration") is not None:
+            its.add(int(rep["iteration"]))
+    return its.pop() if len(its) == 1 else None
+
+
+def compare_fallback(base: Path, resumed: Path, run: Path, *, insurance_step: int) -> str:
+    """'' when a fallback case trained what it should, bit for bit: what the first launch attempt trained equals the
+    failure-free run ``base``; every step from ``insurance_step + 1`` on trained after the fallback (a later launcher
+    attempt) equals ``resumed``, the failure-free run resumed from the same insurance checkpoint (a fresh process
+    replays those steps from that checkpoint, not from the uninterrupted run's RNG and state); every rank trained
+    every step; the final parameters and optimizer state equal ``resumed``'s."""
+    missing = compare(base, run, steps_only=True)
+    if missing:
+        return f"fell back to insurance but did not finish training: {missing}"
+    b, rs, r = _losses(base), _losses(resumed), _losses_by_attempt(run)
+    for rank, steps in r.items():
+        for step, recs in steps.items():
+            for attempt, loss in recs:
+                if attempt == 0:
+                    expected, what = b[rank][step][-1], "the failure-free run"
+                elif step > insurance_step and step in rs.get(rank, {}):
+                    expected, what = rs[rank][step][-1], f"the failure-free run resumed from insurance {insurance_step}"
+                else:
+                    return f"rank {rank} step {step} trained in launch attempt {attempt}, before insurance {insurance_step}"
+                if loss != expected:
+                    return f"rank {rank} step {step} attempt {attempt}: loss {loss} != {expected} ({what})"
+    if _finals(resumed) != _finals(run):
+        return f"final parameters or optimizer state differ from the run resumed from insurance {insurance_step}"
+    return ""
+
+
+_FAILURE_RE = re.compile(r"failed \(exitcode: -?\d+\) local_rank|detected a failure \((?!sigterm)|Traceback|"
+                         r"^\[rank\d+\]:?\s*[\w.]*(Error|Exception)\b|rank \d+: .*(refused|failed|cannot)|attempt \d+")
+
+
+def failure_lines(log: str, *, limit: int = 12) -> str:
+    """The lines of a torchrun log that say which worker failed how, in every attempt (what a FAILED case reports;
+    torchrun's own exit code is 1 whatever happened)."""
+    hits = [line.strip()[:240] for line in log.splitlines() if _FAILURE_RE.search(line)]
+    return " | ".join(hits[-limit:]) or " | ".join(log.strip().splitlines()[-3:])[-300:]

@@ -1,0 +1,418 @@
+"""Running a campaign: each case as a real ``torchrun`` job or as our per-node launchers, the failure-free runs, the
+``--resume`` bookkeeping and the command line (``python -m tools.campaign``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from neighbor_ckpt.cli.launch import worker_program
+from neighbor_ckpt.recipes import RECIPES_DIR
+from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
+from neighbor_ckpt.snapshot.store import rank_dir
+
+from .cases import KINDS, NODES, SPARES, WORLD, Case, Outcome, draw_cases
+from .judge import compare, compare_fallback, compare_resized, failure_lines, insurance_iteration
+from .report import load_outcomes, results_document, summarize
+
+__all__ = ["RECIPE", "inprocess_job", "main", "resume_baseline", "resume_point", "run_case", "source_version",
+           "write_config"]
+
+RECIPE = RECIPES_DIR / "mcore_gpt_plain_loop.py"
+"""The recipe every case runs (the package's, ``recipes/`` in the checkout)."""
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The source checkout this tool runs from (its commit is recorded)."""
+
+_DETECTED_RE = re.compile(r"detected a failure \((\w+)\) at unix ([0-9.]+)")
+_MTTR_RE = re.compile(r"recovery MTTR ([0-9.]+) s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int, timeout: float,
+              max_restarts: int, insurance_every: int = 0) -> tuple[int, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    options, worker = worker_program([str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id,
+                                      "--config", str(config), "--insurance-every", str(insurance_every), *args])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", f"--max-restarts={max_restarts}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--monitor-interval=0.5", *options,
+           *worker]
+    tag = new_run_tag()
+    env = dict(os.environ, NEIGHBOR_CKPT_STORE_DIR=str(store), PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
+    log = out / "torchrun.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -999
+    # A SIGSTOPped victim that nobody killed, or the helpers of a killed worker, would outlive torchrun.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    kill_tagged(tag)
+    return rc, log.read_text(errors="replace")
+
+
+def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
+                  store_port: "int | list[int]", max_restarts: int, insurance_every: int = 0,
+                  spares: int = SPARES, grow_back: bool = False):  # noqa: ANN201
+    """The per-node launcher commands (each hosting one of the stores) of an in-process case (nothing runs):
+    ``WORLD`` active ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store
+    root per simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
+    ``neighbor-ckpt launch`` builds its own."""
+    from neighbor_ckpt.cli.launch import inprocess_commands
+
+    program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
+               "--insurance-every", str(insurance_every), *args]
+    return inprocess_commands(program, active=WORLD, spares=spares, max_restarts=max_restarts, run_id=job_id,
+                              store_port=store_port, store_root=store, grow_back=grow_back)
+
+
+def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
+                   timeout: float, max_restarts: int, spares: int = SPARES, grow_back: bool = False) -> tuple[int, str]:
+    """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
+    in ``launch.log``. Returns (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses,
+    -999 past ``timeout``; the log)."""
+    from neighbor_ckpt.cli.launch import free_ports, run_inprocess
+    from neighbor_ckpt.errors import ConfigError
+
+    out.mkdir(parents=True, exist_ok=True)
+    procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
+                          store_port=free_ports(WORLD + spares), max_restarts=max_restarts, spares=spares,
+                          grow_back=grow_back)
+    tag = new_run_tag()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
+    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic
+    log = out / "launch.log"
+    with open(log, "w") as f:
+        try:
+            rc = run_inprocess(procs, env=env, timeout=timeout, stdout=f,
+                               stderr=subprocess.STDOUT)
+        except subprocess.TimeoutExpired:
+            rc = -999
+        except ConfigError as e:  # the store host never listened: this case failed, the campaign goes on
+            f.write(f"\ncampaign: {e}\n")
+            rc = -998
+    kill_tagged(tag)  # a stopped victim nobody killed, or a process its launcher left behind
+    return rc, log.read_text(errors="replace")
+
+
+def _timeline_mttr(out: Path) -> float | None:
+    """The MTTR of the recovery timeline rank 0 wrote (in process: fault to the first completed step)."""
+    for path in sorted((out / "reports").glob("recovery_timeline.*.json")):
+        value = json.loads(path.read_text()).get("mttr_s")
+        if value is not None:
+            return float(value)
+    return None
+
+
+def _timeline_detect(out: Path) -> float | None:
+    """The ``detect`` phase of the recovery timeline rank 0 wrote (in process: fault to the failure's record)."""
+    for path in sorted((out / "reports").glob("recovery_timeline.*.json")):
+        value = (json.loads(path.read_text()).get("phases_s") or {}).get("detect")
+        if value is not None:
+            return float(value)
+    return None
+
+def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, timeout: float = 420,
+             insurance_every: int = 0) -> Outcome:
+    out = work / f"case{case.index:04d}-{case.kind}-r{case.rank}-s{case.step}"
+    job_id = f"campaign-{case.index}"
+    # What an interrupted earlier run of this case left (a resumed campaign) must not be found by this one.
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(rank_dir(work / "store", job_id, 0).parent, ignore_errors=True)
+    inproc_store = work / "store" / f"inproc-{case.index}"  # one root per simulated node under it
+    shutil.rmtree(inproc_store, ignore_errors=True)
+    t0 = time.time()
+    if case.inprocess:
+        own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=case.spares, report_dir=out / "reports",
+                           faults=case.planned_faults, elastic=case.spec.shrink, stuck=case.signal == "block",
+                           grow_back=case.spec.grow_back)
+        rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
+                                 steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares,
+                                 grow_back=case.spec.grow_back)
+    else:
+        rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
+                            config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
+                            insurance_every=insurance_every)
+    wall = time.time() - t0
+    detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
+    detection = None
+    if case.signal == "SIGSTOP" and detected and (out / "fault.json").exists():
+        detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
+    elif case.signal in ("SIGSTOP", "block") and case.inprocess:
+        detection = _timeline_detect(out)
+    mttr = [float(m.group(1)) for m in _MTTR_RE.finditer(log)] or [x for x in [_timeline_mttr(out)] if x is not None]
+    common = dict(detection_s=detection, mttr_s=mttr[0] if mttr else None, wall_s=wall)
+    if not (out / "fault.json").exists():
+        return Outcome(case, "FAILED", "the fault never fired", **common)
+    if case.recovery_rank is not None and not (out / "fault.recovery.json").exists():
+        return Outcome(case, "FAILED", "the kill during recovery never fired", **common)
+    fired = len((out / "faults.jsonl").read_text().splitlines()) if (out / "faults.jsonl").exists() else 1
+    if case.planned_faults is not None and fired != len(case.planned_faults):
+        return Outcome(case, "FAILED", f"{fired} of {len(case.planned_faults)} planned faults fired", **common)
+    if case.spec.misplaced_data:
+        stop = f"the data position was not restored: step {case.step}"
+        if rc != 0 and "DataPositionError" in log and stop in log:
+            return Outcome(case, "stopped", f"stopped by the data check at the replayed step {case.step}, announced",
+                           **common)
+        return Outcome(case, "FAILED", f"exit {rc}, a restart on other data was not stopped at step {case.step}: "
+                                       f"{failure_lines(log)}", **common)
+    if rc != 0:
+        return Outcome(case, "FAILED", f"exit {rc}: {failure_lines(log)}", **common)
+    if "falling back to the insurance checkpoint" in log:
+        k = insurance_iteration(out)
+        if k is None:
+            return Outcome(case, "FAILED", "fell back to insurance, but the recovery reports do not name one "
+                                           "insurance iteration", **common)
+        resumed = resume_baseline(case, run=out, work=work, steps=steps, config=config, insurance_step=k)
+        if resumed is None:
+            return Outcome(case, "FAILED", f"the failure-free run resumed from insurance {k} failed", **common)
+        diff = compare_fallback(base, resumed, out, insurance_step=k)
+        return Outcome(case, "FAILED" if diff else "fallback",
+                       diff or f"announced fallback to insurance {k}, bit-exact with the failure-free run resumed "
+                               "from it", **common)
+    if case.spec.shrink:
+        diff = compare_resized(base, out, fault_step=case.step)
+        if not diff and "in-process recovery gives up" in log:
+            diff = "in-process recovery gave up instead of shrinking"
+        return Outcome(case, "FAILED" if diff else "resized",
+                       diff or "shrank in process: the global batch's samples kept, losses within 1e-4", **common)
+    diff = compare(base, out)
+    if case.inprocess and not diff and "in-process recovery gives up" in log:
+        return Outcome(case, "fallback", "in-process recovery gave up (announced); the restart path recovered "
+                                         "exactly", **common)
+    return Outcome(case, "FAILED" if diff else "exact", diff, **common)
+
+
+def resume_baseline(case: Case, *, run: Path, work: Path, steps: int, config: Path, insurance_step: int,
+                    timeout: float = 420) -> Path | None:
+    """The failure-free run of ``case``'s configuration resumed from insurance checkpoint ``insurance_step`` (its
+    output directory; None if it failed): a job given a copy of that one checkpoint from ``run``'s insurance
+    directory (written before the fault, by training identical to the failure-free run's), whose every rank is killed
+    in step 0's forward pass, before any snapshot exists: its restart finds nothing in memory and loads the insurance,
+    in fresh processes of launcher attempt 1, as the fallback did. One per configuration and step, reused by later
+    cases."""
+    flavour = f"{'distopt' if case.dist_opt else 'replicated'}-tp{case.tp}"
+    out = work / f"resumed-{flavour}-from{insurance_step}"
+    if len(list(out.glob("final.rank*.json"))) == WORLD:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    name = f"iter_{insurance_step:07d}"
+    insurance = out / "insurance"
+    shutil.copytree(run / "insurance" / name, insurance / name)
+    flags = ["--nodes", str(NODES), "--tp", str(case.tp), *case.flavour_args, "--insurance-dir", str(insurance),
+             "--kill", ",".join(map(str, range(WORLD))) + ":0", "--kill-phase", "forward"] + \
+        ([] if case.dist_opt else ["--no-dist-opt"])
+    rc, _ = _torchrun(out, flags, job_id=f"campaign-resumed-{flavour}-{insurance_step}", store=work / "store-resumed",
+                      config=config, steps=steps, timeout=timeout, max_restarts=1, insurance_every=10**6)
+    return out if rc == 0 and len(list(out.glob("final.rank*.json"))) == WORLD else None
+
+def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0, base: Path | None = None,
+                 inprocess_spares: int | None = None, report_dir: Path | None = None,
+                 faults: list[dict[str, Any]] | None = None, elastic: bool = False, stuck: bool = False,
+                 grow_back: bool = False) -> Path:
+    """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
+    middle of streaming leaves a replica really half written. ``base``: that section as written before (the
+    campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares),
+    ``report_dir`` (where the recovery timeline goes), ``faults`` (``fault_injection.faults``: the faults the recipe
+    injects itself), ``elastic`` (``elastic.enabled``) and ``stuck`` (the hang and abort bounds of the CPU job files,
+    ``detector.hang_timeout_s`` 3 s and ``inprocess.abort_timeout_s`` 10 s, for a stuck training thread) and
+    ``grow_back`` (``inprocess.grow_back``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = base.read_text() if base is not None else (
+        f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
+        "  store:\n    cleanup_on_success: true\n  transport:\n    chunk_mb: 0.0625\n")
+    if stuck:
+        if "  detector:\n" not in text:
+            raise ValueError("write_config: stuck=True needs the campaign's detector section in base")
+        text = text.replace("  detector:\n", "  detector:\n    hang_timeout_s: 3.0\n", 1)
+    if inprocess_spares is not None:
+        text += f"  inprocess:\n    enabled: true\n    spares: {inprocess_spares}\n"
+        if stuck:
+            text += "    abort_timeout_s: 10.0\n"
+        if grow_back:
+            text += "    grow_back: true\n"
+    if report_dir is not None:
+        text += f"  report:\n    dir: {json.dumps(str(report_dir))}\n"
+    if faults:
+        text += f"  fault_injection:\n    enabled: true\n    faults: {json.dumps(faults)}\n"
+    if elastic:
+        text += "  elastic:\n    enabled: true\n"
+    path.write_text(text)
+    return path
+
+
+def source_version() -> str:
+    """The commit the campaign runs (``git describe --always --dirty`` of the checkout), or ``unknown``."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=CHECKOUT, capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+def _settings(args: argparse.Namespace, kinds: Sequence[str]) -> dict[str, Any]:
+    return {"seed": args.seed, "faults": args.faults, "steps": args.steps, "kinds": list(kinds),
+            "detector_timeout_s": args.detector_timeout, "detector_interval_s": args.detector_interval,
+            "insurance_every": args.insurance_every, "insurance_where_needed": args.insurance_where_needed,
+            "source": source_version()}
+
+
+def resume_point(work: Path, settings: dict[str, Any], cases: Sequence[Case]) -> list[Outcome]:
+    """The outcomes of the campaign in ``work`` that a ``--resume`` keeps. Refuses (ValueError, with what differs)
+    when that campaign ran other settings or another commit, or recorded a case that is not the one drawn now:
+    the table of a resumed campaign must be the table of one campaign."""
+    meta = work / "campaign.json"
+    if not meta.exists():
+        raise ValueError(f"--resume: {meta} does not exist; start the campaign without --resume")
+    before = json.loads(meta.read_text())
+    differ = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+    if differ:
+        raise ValueError("--resume: the campaign in " + str(work) + " ran with other settings or source: "
+                         + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in differ.items())
+                         + "; check out that commit and pass the same options, or start a new campaign")
+    done = load_outcomes(work / "outcomes.jsonl")
+    for position, o in enumerate(done):
+        if position >= len(cases) or o.case != cases[position]:
+            raise ValueError(f"--resume: recorded case {o.case} is not case {position} of this campaign")
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.campaign",
+                                 description="randomized faults against the tiny mcore GPT recipe on 4 CPU ranks, and "
+                                             "a table (tools/campaign/__init__.py says what each kind does)")
+    ap.add_argument("--faults", type=int, default=24, help="number of randomized faults")
+    ap.add_argument("--seed", type=int, default=7, help="reproduces the campaign")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {', '.join(KINDS)}")
+    ap.add_argument("--detector-timeout", type=float, default=3.0, help="detector.timeout_s (the bound)")
+    ap.add_argument("--detector-interval", type=float, default=0.5, help="detector.interval_s")
+    ap.add_argument("--insurance-every", type=int, default=2,
+                    help="megatron-core distributed checkpoint every N steps in every run (the insurance)")
+    ap.add_argument("--insurance-where-needed", action="store_true",
+                    help="write the insurance only in the cases no in-memory version can cover, or may not by timing "
+                         "(the failure-free runs and every other case run without it, and then fail where they would "
+                         "fall back): a "
+                         "dist_checkpointing save costs ~3 s here, a third of a case")
+    ap.add_argument("--only", default="",
+                    help="comma-separated case numbers (from 1) of the draw to run, the others skipped: reproduces "
+                         "cases of a long campaign with the same ranks, steps and damage")
+    ap.add_argument("--out", type=Path, default=Path("runs/campaign"))
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the stopped campaign in --out (same options and commit): keep its recorded "
+                         "outcomes and run the cases it has not")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: the table of the campaign recorded in --out (its campaign.json and "
+                         "outcomes.jsonl), with its own settings")
+    ap.add_argument("--results", type=Path, default=None, metavar="PATH",
+                    help="also write the campaign as one JSON document (settings and commit, machine, verdict, the "
+                         "table's rows, every outcome) to PATH")
+    args = ap.parse_args(argv)
+    if args.report:
+        try:
+            settings = json.loads((args.out / "campaign.json").read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--report: no campaign recorded in {args.out}: {e}")
+        return _finish(args.out, settings, load_outcomes(args.out / "outcomes.jsonl"), args.results)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        ap.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    try:
+        only = sorted({int(n) for n in args.only.split(",") if n.strip()})
+    except ValueError:
+        ap.error(f"--only takes case numbers separated by commas, not {args.only!r}")
+    if only and not 1 <= only[0] <= only[-1] <= args.faults:
+        ap.error(f"--only: case numbers run from 1 to --faults ({args.faults}), not {only}")
+    work = args.out
+    cases = draw_cases(args.faults, args.seed, steps=args.steps, kinds=kinds)
+    if only:
+        cases = [c for c in cases if c.index + 1 in only]
+    settings = _settings(args, kinds)
+    if only:
+        settings["only"] = only  # absent otherwise: a campaign recorded before --only existed still resumes
+    results = work / "outcomes.jsonl"
+    if args.resume:
+        try:
+            outcomes = resume_point(work, settings, cases)
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"campaign: resuming at case {len(outcomes)} of {len(cases)} (source {settings['source']})", flush=True)
+    else:
+        outcomes = []
+        results.unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "campaign.json").write_text(json.dumps(settings, indent=1) + "\n")
+    config = write_config(work / "nckpt.yaml", interval_s=args.detector_interval, timeout_s=args.detector_timeout)
+    todo = cases[len(outcomes):]
+    bases: dict[tuple[bool, int, bool], Path] = {}
+    for flavour, case in sorted({c.flavour: c for c in todo}.items(), reverse=True):
+        dist_opt, tp, fixed = flavour
+        name = f"{'distopt' if dist_opt else 'replicated'}-tp{tp}{'-nodropout' if fixed else ''}"
+        out = work / f"baseline-{name}"
+        bases[flavour] = out
+        if args.resume and len(list(out.glob("final.rank*.json"))) == WORLD:
+            continue  # the failure-free run of the stopped campaign (deterministic: the same run again)
+        shutil.rmtree(out, ignore_errors=True)  # an earlier campaign's run in the same --out: its lines would stay
+        flags = ["--nodes", str(NODES), "--tp", str(tp), *case.flavour_args] + ([] if dist_opt else ["--no-dist-opt"])
+        rc, log = _torchrun(out, flags, job_id=f"campaign-base-{name}", store=work / "store",
+                            config=config, steps=args.steps, timeout=420, max_restarts=0,
+                            insurance_every=0 if args.insurance_where_needed else args.insurance_every)
+        if rc != 0:
+            print(f"campaign: the failure-free run failed (exit {rc}); see {out / 'torchrun.log'}", file=sys.stderr)
+            return 1
+    for case in todo:
+        insure = args.insurance_every if case.may_fall_back or not args.insurance_where_needed else 0
+        o = run_case(case, base=bases[case.flavour], work=work, steps=args.steps, config=config,
+                     insurance_every=insure)
+        outcomes.append(o)
+        with open(results, "a") as f:
+            f.write(json.dumps(asdict(o)) + "\n")
+        print(f"[{case.index + 1}/{args.faults}] {case.kind:20s} rank {case.rank} step {case.step} {case.phase:9s} "
+              f"tp{case.tp} {'distopt' if case.dist_opt else 'replicated':10s} -> {o.result} "
+              + (f"(detected in {o.detection_s:.2f} s) " if o.detection_s is not None else "")
+              + (f"(MTTR {o.mttr_s:.2f} s) " if o.mttr_s is not None else "")
+              + f"{o.wall_s:.0f} s {o.detail}", flush=True)
+    return _finish(work, settings, outcomes, args.results)
+
+
+def _finish(work: Path, settings: dict[str, Any], outcomes: Sequence[Outcome], results: Path | None) -> int:
+    """Print the table of ``outcomes`` under the settings it ran with, keep it in ``<work>/table.md``, write the
+    results document to ``results`` (when given); 1 if a case FAILED."""
+    from tools.bench.machine import machine_info
+
+    picked = f" (cases {settings['only']} of {settings['faults']})" if settings.get("only") else ""
+    print(f"\nseed {settings['seed']}, {len(outcomes)} faults{picked}, detector timeout "
+          f"{settings['detector_timeout_s']:g} s / interval {settings['detector_interval_s']:g} s, source "
+          f"{settings['source']}\n")
+    table = summarize(outcomes)
+    print(table)
+    (work / "table.md").write_text(table + "\n")
+    if results is not None:
+        document = results_document(settings, outcomes, machine=machine_info(work))
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"\nresults: {results}")
+    return 0 if all(o.result != "FAILED" for o in outcomes) else 1
+
