@@ -11,7 +11,11 @@ sent. The rules:
   a launcher started.
 * **Elastic shrink** (an :class:`~neighbor_ckpt.recovery.reshard.ElasticPolicy`): when spares run out, the world
   shrinks to the largest size the policy allows; the ranks below it keep their numbers, holes below it are filled by
-  the survivors numbered highest first (backfill), and survivors beyond it become idle spares.
+  the survivors numbered highest first (backfill), and survivors beyond it become idle spares. An idle survivor's
+  host store takes no part in the reshard, so when the survivors' nodes say what they hold (``holdings``), the
+  survivors kept are ones whose nodes hold every old rank's snapshot of one iteration, the newest such: a survivor
+  whose node holds the only copy of a lost rank's replica stays, one whose snapshot its successor also holds may go
+  idle. Without holdings, or when no choice covers an iteration, the order above decides.
 * Otherwise the generation cannot go on in process: :class:`GiveUp` says why, and every process falls back to the
   launcher's restart.
 """
@@ -20,11 +24,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import AbstractSet, Mapping, Optional, Sequence
 
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
 
-__all__ = ["Assignment", "GiveUp", "initial_assignment", "next_assignment"]
+__all__ = ["Assignment", "GiveUp", "Holdings", "covering", "initial_assignment", "next_assignment"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,15 @@ def initial_assignment(processes: int, spares: int) -> Assignment:
                       spares=tuple(range(active, processes)), filled={})
 
 
+Holdings = Mapping[int, AbstractSet[tuple[int, int]]]
+"""Process index -> the (old rank, iteration) snapshots its node's host store holds of the previous layout (own and
+replica copies, committed)."""
+
+
 def next_assignment(prev: Assignment, members: frozenset[int] | set[int], *,
-                    elastic: Optional[ElasticPolicy] = None) -> Assignment | GiveUp:
-    """The assignment of the generation after ``prev`` whose barrier admitted ``members`` (process indices)."""
+                    elastic: Optional[ElasticPolicy] = None, holdings: Optional[Holdings] = None) -> Assignment | GiveUp:
+    """The assignment of the generation after ``prev`` whose barrier admitted ``members`` (process indices);
+    ``holdings`` (a shrink: which survivors stay active) as in the module docstring."""
     members = frozenset(members)
     survivors = {p: r for p, r in prev.ranks.items() if p in members}
     lost = sorted(r for p, r in prev.ranks.items() if p not in members)
@@ -109,11 +119,34 @@ def next_assignment(prev: Assignment, members: frozenset[int] | set[int], *,
     world = elastic.world_size(active)
     if world is None:
         return GiveUp(f"no hot spare left and no smaller world to continue with: {elastic.why_not(active)}")
-    keep = {p: r for p, r in ranks.items() if r < world}
-    beyond = sorted((p for p, r in ranks.items() if r >= world), key=lambda p: -ranks[p])
+    order = sorted((p for p, r in ranks.items() if r < world), key=lambda p: ranks[p]) + \
+        sorted((p for p, r in ranks.items() if r >= world), key=lambda p: -ranks[p])
+    chosen = covering(order, world, holdings or {}, owners=prev.world_size) or order[:world]
+    keep = {p: ranks[p] for p in chosen if ranks[p] < world}
     holes = sorted(set(range(world)) - set(keep.values()))
-    for r, p in zip(holes, beyond):
+    for r, p in zip(holes, [p for p in order if p in chosen and p not in keep]):
         keep[p] = r
-    left_idle = tuple(sorted(set(spares) | set(beyond[len(holes):])))
+    left_idle = tuple(sorted(set(spares) | (set(order) - set(chosen))))
     filled = {r: p for r, p in filled.items() if keep.get(p) == r}
     return Assignment(world_size=world, ranks=keep, spares=left_idle, filled=filled, shrunk_from=prev.world_size)
+
+
+def covering(order: Sequence[int], world: int, holdings: Holdings, *, owners: int) -> Optional[list[int]]:
+    """``world`` processes of ``order`` (the preferred first) whose nodes together hold a snapshot of every old rank
+    ``0..owners-1`` at one iteration, the newest iteration any such choice covers; the first ``world`` of ``order``
+    when they do. None: no choice covers an iteration (or nothing is known)."""
+    held = {p: holdings.get(p, frozenset()) for p in order}
+    for it in sorted({i for copies in held.values() for _, i in copies}, reverse=True):
+        holders = {o: [p for p in order if (o, it) in held[p]] for o in range(owners)}
+        if not all(holders.values()):
+            continue
+        if all(set(h) & set(order[:world]) for h in holders.values()):
+            return list(order[:world])
+        chosen: list[int] = []
+        for o in sorted(holders, key=lambda o: len(holders[o])):  # the only holder of a rank first
+            if not set(holders[o]) & set(chosen):
+                chosen.append(holders[o][0])
+        if len(chosen) <= world:
+            rest = [p for p in order if p not in chosen]
+            return [p for p in order if p in chosen or p in rest[:world - len(chosen)]]
+    return None

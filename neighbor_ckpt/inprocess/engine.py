@@ -68,6 +68,7 @@ from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assig
 from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationFailure, GenerationStore, Members,
                                                 QuorumLost, gate)
 from neighbor_ckpt.inprocess.engine_memory import EngineMemory, proc_info
+from neighbor_ckpt.inprocess.holdings import holdings_of, local_holdings
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
 from neighbor_ckpt.inprocess.store_auth import TUNNEL_THREAD, read_token, tunnel_ports
 from neighbor_ckpt.inprocess.stores import CLIENT_THREAD, StoreAddresses, StoreSet, StoresLost
@@ -523,6 +524,8 @@ class InprocessRecovery(EngineMemory):
             # after a store failover, the next generation needs a majority of the last one's members that may still
             # run: a minority cut off with a standby of its own must not go on beside the others
             last = self._members if self.stores.epoch != formed_on else frozenset()
+            if generation > 0:
+                self._publish_holdings(main, generation)
             self._joining = generation
             try:
                 members = main.join(generation, expected=expected, timeout_s=self._barrier_timeout(), quorum_of=last)
@@ -534,7 +537,7 @@ class InprocessRecovery(EngineMemory):
             self._generation, self._members, self._members_record = generation, members.members, members
             self.event("initialize")
             if generation > 0:
-                assignment = self._next(assignment, members)
+                assignment = self._next(main, assignment, members)
             self._assignment = assignment
             if self.process == min(members.members):
                 main.publish_assignment(generation, assignment)
@@ -568,13 +571,29 @@ class InprocessRecovery(EngineMemory):
                 return -1, assignment, set()
             return g + 1, assignment, (set(members.members) | set(main.ready())) - main.dead().keys()
 
-    def _next(self, prev: Assignment, members: Members) -> Assignment:
+    def _publish_holdings(self, main: GenerationStore, generation: int) -> None:
+        """With elastic shrink: which snapshots this node holds, for the choice of the survivors a shrink keeps."""
+        cfg = self.snapshots
+        if self.elastic is None or cfg is None or not cfg.enabled:
+            return
+        try:
+            held = local_holdings(cfg.resolved_store_dir(), cfg.resolved_job_id())
+        except Exception as e:  # noqa: BLE001 - best effort: without it a shrink keeps the survivors in rank order
+            logger.warning("%s: could not say which snapshots this node holds: %s", self._name(), e)
+            return
+        main.publish_holdings(generation, held)
+
+    def _next(self, main: GenerationStore, prev: Assignment, members: Members) -> Assignment:
         """The gate (identical on every process: the same canonical members, the same rules), then the ranks."""
         g = members.generation
         why = gate(members, max_restarts=getattr(self.config, "max_restarts", None))
         if why is not None:
             raise _GiveUp(why)
-        nxt = next_assignment(prev, members.members, elastic=self.elastic)
+        held = None
+        lost = [p for p in prev.ranks if p not in members.members]
+        if self.elastic is not None and len(lost) > len(members.members - set(prev.ranks)):  # no spare for each: shrink
+            held = holdings_of(main.holdings(g, members.members), world_size=prev.world_size)
+        nxt = next_assignment(prev, members.members, elastic=self.elastic, holdings=held)
         if isinstance(nxt, GiveUp):
             raise _GiveUp(nxt.reason)
         if nxt.shrunk_from is not None:

@@ -219,6 +219,16 @@ class GenerationStore:
         if entry:
             self.store.append("dead", entry)
 
+    def holdings(self, generation: int, processes: Iterable[int]) -> dict[int, bytes]:
+        """What each of ``processes`` published of its node's snapshots before joining ``generation`` (absent: none
+        published)."""
+        found = {p: self._get(key("gen", generation, "holds", p)) for p in sorted(processes)}
+        return {p: raw for p, raw in found.items() if raw is not None}
+
+    def publish_holdings(self, generation: int, raw: str) -> None:
+        """This process's node's snapshots (:mod:`neighbor_ckpt.inprocess.holdings`), before it joins ``generation``."""
+        self.store.set(key("gen", generation, "holds", self.process), raw)
+
     def publish_assignment(self, generation: int, assignment: Assignment) -> None:
         """The generation's ranks, for processes that join later (a replacement) and for the launchers (is a process
         that died active, or an idle spare?). Every member computes the same; any may write it."""

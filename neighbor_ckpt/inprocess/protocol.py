@@ -33,6 +33,11 @@ types): nothing read from the store is unpickled.
 ``gen/<g>/failed``
     Why generation ``g`` failed (first ``compare_set`` wins): JSON ``{"by", "kind", "ranks", "reason", "unix"}``;
     ``kind`` in :data:`FAILURE_KINDS`. Every process's monitor waits on this key (the push of a failure).
+``gen/<g>/holds/<p>``
+    With ``elastic.enabled``: which snapshots process ``p``'s node holds, written before it joins generation ``g``
+    (JSON ``[store generation, world size, data-parallel size, [[old rank, iteration], ...]]``, its newest store
+    generation with a committed snapshot): a shrink keeps survivors whose nodes hold a complete version between them
+    (:mod:`neighbor_ckpt.inprocess.holdings`).
 ``gen/<g>/listen/<p>``
     The gloo listeners of process ``p``'s groups in generation ``g`` (``"host:port,..."``, published once its groups
     exist): a survivor's abort shuts down its own side of connections to them too (a peer that is stopped or stuck

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
+from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, covering, initial_assignment, next_assignment
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
 
 
@@ -67,6 +67,52 @@ def test_elastic_shrink_leaves_survivors_beyond_the_allowed_size_idle() -> None:
     policy = ElasticPolicy(model_parallel=1, min_data_parallel=1, batch_micro_batches=8)
     a = next_assignment(initial_assignment(4, 0), {0, 1, 3}, elastic=policy)
     assert isinstance(a, Assignment) and a.world_size == 2 and dict(a.ranks) == {0: 0, 1: 1} and a.spares == (3,)
+
+
+def _ring_holdings(world: int, alive: set[int], iterations: tuple[int, ...] = (3, 4)) -> dict[int, frozenset]:
+    """What each live process's node holds with one process per node and the ring r -> r + 1: its own snapshots and
+    its predecessor's replicas, of each iteration."""
+    return {p: frozenset((o, it) for o in (p, (p - 1) % world) for it in iterations) for p in alive}
+
+
+@pytest.mark.parametrize("lost", [0, 1, 2, 3])
+def test_a_shrink_keeps_the_survivors_whose_nodes_hold_every_old_ranks_newest_snapshot(lost: int) -> None:
+    """4 ranks, one per node, ring 0 -> 1 -> 2 -> 3 -> 0, DP 2 after the loss: an idle survivor's store takes no
+    part in the reshard, so the two kept must hold every old rank's snapshot between them, whichever rank was lost
+    (the lost rank's replica is on its successor only; the successor's own copy is on it and its successor)."""
+    policy = ElasticPolicy(model_parallel=1, min_data_parallel=1, batch_micro_batches=8)
+    alive = {0, 1, 2, 3} - {lost}
+    holdings = _ring_holdings(4, alive)
+    a = next_assignment(initial_assignment(4, 0), alive, elastic=policy, holdings=holdings)
+    assert isinstance(a, Assignment) and a.world_size == 2 and sorted(a.ranks.values()) == [0, 1]
+    held = set().union(*(holdings[p] for p in a.ranks))
+    assert {(o, 4) for o in range(4)} <= held, (lost, dict(a.ranks))
+    assert set(a.spares) == alive - set(a.ranks)
+    assert all(r == p for p, r in a.ranks.items() if p < 2), "a survivor below the new size keeps its number"
+
+
+def test_a_shrink_keeps_the_usual_survivors_when_they_hold_everything_and_the_newest_coverable_iteration_wins(
+        ) -> None:
+    policy = ElasticPolicy(model_parallel=1, min_data_parallel=1, batch_micro_batches=8)
+    # lost 0: the usual choice (1 -> rank 1, 3 -> rank 0) holds 0 (its replica on 1), 1, 2 (replica on 3) and 3
+    a = next_assignment(initial_assignment(4, 0), {1, 2, 3}, elastic=policy, holdings=_ring_holdings(4, {1, 2, 3}))
+    assert isinstance(a, Assignment) and dict(a.ranks) == {1: 1, 3: 0} and a.spares == (2,)
+    # iteration 4 of old rank 2 is nowhere: the newest the survivors can cover together is 3
+    holdings = _ring_holdings(4, {0, 1, 2}, iterations=(3,))
+    holdings[2] = holdings[2] | {(1, 4), (2, 4)}
+    holdings[0] = holdings[0] | {(0, 4)}
+    a = next_assignment(initial_assignment(4, 0), {0, 1, 2}, elastic=policy, holdings=holdings)
+    assert isinstance(a, Assignment)
+    assert {(o, 3) for o in range(4)} <= set().union(*(holdings[p] for p in a.ranks))
+
+
+def test_a_shrink_without_holdings_or_without_a_covering_choice_keeps_the_usual_order() -> None:
+    policy = ElasticPolicy(model_parallel=1, min_data_parallel=1, batch_micro_batches=8)
+    usual = next_assignment(initial_assignment(4, 0), {0, 1, 2}, elastic=policy)
+    assert isinstance(usual, Assignment) and dict(usual.ranks) == {0: 0, 1: 1} and usual.spares == (2,)
+    nothing_of_3 = {p: frozenset((p, 4) for _ in range(1)) for p in (0, 1, 2)}  # old rank 3's snapshot is nowhere
+    assert next_assignment(initial_assignment(4, 0), {0, 1, 2}, elastic=policy, holdings=nothing_of_3) == usual
+    assert covering([0, 1, 2], 2, nothing_of_3, owners=4) is None
 
 
 def test_elastic_gives_up_when_no_smaller_world_fits() -> None:
