@@ -133,20 +133,33 @@ def next_assignment(prev: Assignment, members: frozenset[int] | set[int], *,
 
 def covering(order: Sequence[int], world: int, holdings: Holdings, *, owners: int) -> Optional[list[int]]:
     """``world`` processes of ``order`` (the preferred first) whose nodes together hold a snapshot of every old rank
-    ``0..owners-1`` at one iteration, the newest iteration any such choice covers; the first ``world`` of ``order``
-    when they do. None: no choice covers an iteration (or nothing is known)."""
-    held = {p: holdings.get(p, frozenset()) for p in order}
-    for it in sorted({i for copies in held.values() for _, i in copies}, reverse=True):
-        holders = {o: [p for p in order if (o, it) in held[p]] for o in range(owners)}
-        if not all(holders.values()):
+    ``0..owners-1`` at one iteration, the newest iteration such a choice covers; the first ``world`` of ``order`` when
+    they do. None: no choice found (or nothing is known). A greedy cover, linear in the copies held: the only holder
+    of an old rank first, then for each old rank not yet held the holder that holds the most of those left."""
+    by_iteration: dict[int, dict[int, list[int]]] = {}  # iteration -> process -> old ranks its node holds
+    for p in order:
+        for o, it in holdings.get(p, ()):
+            if 0 <= o < owners:
+                by_iteration.setdefault(it, {}).setdefault(p, []).append(o)
+    usual = set(order[:world])
+    for it in sorted(by_iteration, reverse=True):
+        covers = by_iteration[it]
+        holders: dict[int, list[int]] = {}
+        for p in order:  # each old rank's holders, in the order preferred
+            for o in covers.get(p, ()):
+                holders.setdefault(o, []).append(p)
+        if len(holders) < owners:
             continue
-        if all(set(h) & set(order[:world]) for h in holders.values()):
+        if all(any(p in usual for p in h) for h in holders.values()):
             return list(order[:world])
-        chosen: list[int] = []
-        for o in sorted(holders, key=lambda o: len(holders[o])):  # the only holder of a rank first
-            if not set(holders[o]) & set(chosen):
-                chosen.append(holders[o][0])
+        chosen: set[int] = set()
+        held: set[int] = set()
+        for o in [o for o in range(owners) if len(holders[o]) == 1] + list(range(owners)):
+            if o not in held:
+                p = max(holders[o], key=lambda q: sum(x not in held for x in covers[q]))  # first of equals
+                chosen.add(p)
+                held.update(covers[p])
         if len(chosen) <= world:
-            rest = [p for p in order if p not in chosen]
-            return [p for p in order if p in chosen or p in rest[:world - len(chosen)]]
+            rest = set([p for p in order if p not in chosen][:world - len(chosen)])
+            return [p for p in order if p in chosen or p in rest]
     return None

@@ -106,6 +106,15 @@ def test_a_shrink_keeps_the_usual_survivors_when_they_hold_everything_and_the_ne
     assert {(o, 3) for o in range(4)} <= set().union(*(holdings[p] for p in a.ranks))
 
 
+def test_the_cover_of_a_large_ring_that_must_halve_takes_every_other_survivor() -> None:
+    """1024 ranks, rank 0 lost, half of them must go on: only every other survivor (1, 3, 5, ...) holds every old
+    rank between them, and the greedy cover finds it (each holder chosen for the most old ranks not yet held)."""
+    world = 1024
+    holdings = _ring_holdings(world, set(range(1, world)))
+    chosen = covering(list(range(1, world)), world // 2, holdings, owners=world)
+    assert chosen == list(range(1, world, 2))
+
+
 def test_a_shrink_without_holdings_or_without_a_covering_choice_keeps_the_usual_order() -> None:
     policy = ElasticPolicy(model_parallel=1, min_data_parallel=1, batch_micro_batches=8)
     usual = next_assignment(initial_assignment(4, 0), {0, 1, 2}, elastic=policy)
