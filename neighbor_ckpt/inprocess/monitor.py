@@ -171,7 +171,9 @@ class Monitor:
         self.gens, self.state, self.progress, self._listener = gens, state, progress, listener
         self.stores = stores
         """The process's :class:`~neighbor_ckpt.inprocess.stores.StoreSet` (None: one store, no failover): after
-        every move to another store the peers get a new ``timeout_s`` (their heartbeats start again there)."""
+        every move to another store a peer is silent only once it has had the time a live process needs to follow
+        (:attr:`~neighbor_ckpt.inprocess.stores.StoreSet.move_bound_s`) and then ``timeout_s`` (its heartbeats start
+        again there)."""
         self._epoch = None if stores is None else stores.epoch
         self.every_round = every_round
         """Called after each round's beat (the engine keeps the peers' listeners in memory)."""
@@ -243,13 +245,19 @@ class Monitor:
         failed = self.gens.failure(gen)
         now = time.monotonic()
         if self.stores is not None and self.stores.epoch != self._epoch:
-            self._epoch, self._watch = self.stores.epoch, None  # every peer starts again on the new store
-            self._grace_until = now + self.timeout_s
+            self.moved(self.stores.epoch, now)
         # Silent peers are looked for after a failure too: the next generation's barrier waits for every process
         # not declared dead, and a process killed without a launcher to report it is found only this way.
         self._silent_peer(gen, members - dead.keys(), now)
         if failed is None and active is not None and inside and self.gens.process in active:
             self._hang(gen, active, now)
+
+    def moved(self, epoch: int, now: float) -> None:
+        """This process now uses store ``epoch``: every peer starts again there, and is not looked at before it has
+        had the time to follow (a peer whose operation was in flight on the lost store: the campaign saw a healthy
+        process declared silent, and fenced, 8.5 s after the move with a 3 s + 3 s allowance)."""
+        self._epoch, self._watch = epoch, None
+        self._grace_until = now + max(self.timeout_s, getattr(self.stores, "move_bound_s", 0.0))
 
     def _fenced(self, dead: Mapping[int, str]) -> None:
         why = dead.get(self.gens.process)

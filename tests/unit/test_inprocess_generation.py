@@ -200,3 +200,23 @@ def test_the_majority_after_a_failover_counts_only_the_processes_that_may_still_
     assert exited(raw) == {3} and exited(None) == set()
     assert quorum(frozenset({0, 1, 2, 3}), exited(raw)) == 2, "of 0, 1, 2: two (0 may still run elsewhere)"
     assert quorum(frozenset({0, 1, 2, 3}), set()) == 3
+
+
+def test_after_a_store_move_a_peer_is_silent_only_once_a_live_process_could_have_followed(store: Any) -> None:
+    """A healthy peer whose store operation was in flight on the lost store reaches the promoted one up to
+    ``StoreSet.move_bound_s`` later (the campaign saw one declared silent, and fenced, 8.5 s after the move with the
+    old 3 s + 3 s allowance): after a move the watch starts when that bound has passed, then waits ``timeout_s``."""
+    from types import SimpleNamespace
+
+    from neighbor_ckpt.inprocess.monitor import Monitor
+
+    gens = GenerationStore(store(), process=1)
+    stores = SimpleNamespace(epoch=1, move_bound_s=8.0)
+    monitor = Monitor(gens, state=lambda: (0, frozenset({0, 1}), None, False), progress=lambda: (0, None, "idle"),
+                      listener=None, interval_s=0.5, timeout_s=3.0, hang_timeout_s=None, stores=stores)
+    monitor.moved(1, now=100.0)
+    assert monitor._silent_peer(0, frozenset({0, 1}), 100.5) is None
+    assert monitor._silent_peer(0, frozenset({0, 1}), 110.5) is None, "declared within the time to follow + timeout_s"
+    assert 0 not in gens.dead()
+    record = monitor._silent_peer(0, frozenset({0, 1}), 111.5)
+    assert record is not None and record.kind == "silent" and 0 in gens.dead()
