@@ -328,6 +328,10 @@ class StoreSet:
         self._answered = False
         self._follower: Optional[threading.Thread] = None
         self._closed = False
+        self._settled = False
+        self._callbacks: list[Callable[[int, int, str], None]] = []
+        self.history: list[tuple[int, int, str, float]] = []
+        """``(old epoch, new epoch, why, unix)`` of every move."""
 
     @property
     def move_bound_s(self) -> float:
@@ -335,10 +339,6 @@ class StoreSet:
         lost store is given up after ``timeout_s``, and the follower looks for a promoted store every
         :data:`FOLLOW_EVERY_S`. Its heartbeat may lapse that long on the new store without the process being dead."""
         return self.timeout_s + FOLLOW_EVERY_S
-        self._settled = False
-        self._callbacks: list[Callable[[int, int, str], None]] = []
-        self.history: list[tuple[int, int, str, float]] = []
-        """``(old epoch, new epoch, why, unix)`` of every move."""
 
     # -- clients ------------------------------------------------------------------------------------------------
 

@@ -220,3 +220,12 @@ def test_after_a_store_move_a_peer_is_silent_only_once_a_live_process_could_have
     assert 0 not in gens.dead()
     record = monitor._silent_peer(0, frozenset({0, 1}), 111.5)
     assert record is not None and record.kind == "silent" and 0 in gens.dead()
+
+
+def test_a_store_set_says_how_long_a_live_process_may_take_to_follow_a_move() -> None:
+    from neighbor_ckpt.inprocess.stores import FOLLOW_EVERY_S, StoreAddresses, StoreSet
+
+    stores = StoreSet(StoreAddresses.parse("127.0.0.1:1,127.0.0.1:2", "test"), run_id="r", timeout_s=6.0)
+    assert stores.move_bound_s == 6.0 + FOLLOW_EVERY_S
+    stores.on_failover(lambda old, new, why: None)  # the set is whole after the bound was added
+    stores.close()
