@@ -361,8 +361,8 @@ class FaultInjectionConfig:
     """Inject the planned faults. Never on in production."""
 
     target: Literal["rank", "store_node"] | None = None
-    """One-fault form: what is killed, ``rank`` (the default) or ``store_node`` (issue 29: the node hosting the
-    store; accepted here, refused by the injectors until the store fails over)."""
+    """One-fault form: what is killed, ``rank`` (the default) or ``store_node`` (the node hosting the store in use;
+    in process only, injected by ``recipes/mcore_gpt_plain_loop.py``, refused by the other injectors)."""
 
     rank: int | None = None
     """One-fault form: the rank that is killed (default 1)."""

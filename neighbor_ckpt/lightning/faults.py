@@ -11,8 +11,8 @@ beside it, or takes it as ``generation``). On the restart path the whole job res
 the faults of the earliest planned step fire.
 
 With ``replace_store`` the victim restarts with an empty host store, as a replacement node would; with ``permanent``
-its launcher agent is killed with it (its node is gone: no restart brings it back). ``target: store_node`` (issue 29)
-is refused here until the store fails over.
+its launcher agent is killed with it (its node is gone: no restart brings it back). ``target: store_node`` is
+refused here: only the plain megatron-core recipe injects it, in process.
 
 Phases: ``forward`` (start of the training batch), ``backward`` (when the first gradient is computed: a tensor
 hook, so it fires inside megatron-core's forward-backward too) and ``optimizer`` (Lightning's
@@ -63,7 +63,7 @@ class FaultInjector(*callback_bases()):  # type: ignore[misc]
             among the trainer's callbacks, else 0).
 
     Raises:
-        ConfigError: a planned fault's ``target`` is ``store_node`` (not implemented yet).
+        ConfigError: a planned fault's ``target`` is ``store_node`` (injected by the plain megatron-core recipe only).
     """
 
     def __init__(self, config: NeighborCkptConfig, generation: int | None = None) -> None:

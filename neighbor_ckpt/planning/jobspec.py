@@ -263,7 +263,7 @@ class JobSpec:
     framework: Literal["nemo", "bridge"] = "nemo"
     """Which training framework ``neighbor-ckpt launch`` runs: ``nemo`` (NeMo 2, ``recipes/nemo_pretrain.py``; a job
     file without the key) or ``bridge`` (Megatron-Bridge 0.3.1's ``pretrain``, ``recipes/bridge_pretrain.py``: the
-    tiny presets, restart path only)."""
+    tiny presets, on the restart path or in process)."""
 
     recipe: Literal["gpt", "llama"] = "gpt"
     """Which recipe builds the NeMo objects (``recipes/nemo_pretrain.py``)."""
