@@ -324,7 +324,7 @@ def mismatch_message(*, rank: int, step: int, expected: int, actual: int, source
             f"user_state and load it after recover(), or build the sampler from result.next_step / the consumed "
             f"samples; give the loader and its sampler their own torch.Generator (DataLoader(shuffle=True) draws its "
             f"shuffle seed from the global RNG when its iterator is created, after recover() restored that RNG). "
-            f"See README 'Data position in plain loops'. To train on anyway set neighbor_ckpt.data_check: warn.")
+            f"See docs/data-position.md. To train on anyway set neighbor_ckpt.data_check: warn.")
 
 
 @dataclass(frozen=True)
@@ -560,7 +560,7 @@ class DataCheck:
                f"its per-sample fingerprints {actual:016x} over every rank, recorded before the failure "
                f"{exp.total:016x}, from the previous layout's input records). Training on would silently diverge "
                f"from the run without the failure. Resume the loader from the consumed samples at the new "
-               f"data-parallel size (the global batch is kept: README 'Elastic'). To train on anyway set "
+               f"data-parallel size (the global batch is kept: docs/failures.md). To train on anyway set "
                f"neighbor_ckpt.data_check: warn.")
         self._stop_or_warn(iteration, msg, expected=exp.total, actual=actual)
 

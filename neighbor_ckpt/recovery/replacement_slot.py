@@ -1,7 +1,7 @@
 """A restarted rank whose node lost its store starts preparing its receive slot before it builds its model.
 
 The recovery's pull of a replaced rank lands in a slot file that must first be made and faulted in, which costs about
-as much as the transfer itself (BENCHMARKS section 6). Started in the checkpointer's constructor, right before
+as much as the transfer itself (docs/benchmarks.md section 6). Started in the checkpointer's constructor, right before
 ``recover()``, that preparation races the pull and gains nothing (measured). Started here, right after
 ``prepare_torchrun_restart()`` and before the model is built (seconds for a real model), it is done when the pull
 comes. The slot is staged (:func:`~neighbor_ckpt.snapshot.store.stage_own_slot`) with the capacities this rank

@@ -2,7 +2,7 @@
 
 A rank whose host store is empty (a replaced node, an activated hot spare) pulls its state from its ring successor
 into a new slot file. Making that memory costs about as much as the transfer (tmpfs zeroes each page on its first
-touch; BENCHMARKS section 6), so the checkpointer prepares the slot in the background while the rest of the job gets
+touch; docs/benchmarks.md section 6): the checkpointer prepares the slot in the background while the job gets
 ready (:meth:`~neighbor_ckpt.snapshot.store.HostStore.prefault`). Its capacities have to be known before the
 recovery's exchange says them, so every rank publishes the capacities of its own slots once (:class:`SlotCapacities`)
 in a store that outlives its process:

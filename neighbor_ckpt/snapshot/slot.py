@@ -232,7 +232,7 @@ class SlotFile:
     def fault_in(self) -> None:
         """Write every page of the mapping once (each page's first byte, rewritten with its own value), so that the
         kernel allocates and zeroes it now: ``posix_fallocate`` on tmpfs reserves the pages but zeroes each on its
-        first touch, about as slow as the copy that follows (BENCHMARKS section 6). Content is unchanged."""
+        first touch, about as slow as the copy that follows (docs/benchmarks.md section 6). Content is unchanged."""
         pages = torch.frombuffer(self._buf, dtype=torch.uint8)[::PAGE]  # torch: the GIL is free while pages fault
         pages.copy_(pages.clone())
 

@@ -8,7 +8,7 @@ broke CI), ``kill-optimizer`` and ``kill-replaced-store`` (test_mcore_recovery.p
 with a replaced store, quick tier), ``kill-bitflip`` (test_lightning_recovery.py's flipped byte),
 ``lose-adjacent-pair`` (test_lightning_recovery.py's rank and successor losing their stores, test_nemo_recovery.py's
 fallback to NeMo's disk checkpoint), ``inproc-kill`` (test_inprocess_recovery.py's kill with a hot spare, quick
-tier). The full randomized campaign (README) runs every kind with more faults."""
+tier). The full randomized campaign (docs/campaign.md) runs every kind with more faults."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ exits 75, and our launchers restart the whole job (``TORCHELASTIC_RESTART_COUNT=
 bit for bit from the host stores.
 
 ``python -m tests.e2e.test_inprocess_recovery --runs 3 --fault kill|raise|stop|block``: the MTTR (fault to the end of
-the first step completed after it, on the slowest rank) and its phases, per run and the median (BENCHMARKS)."""
+the first step completed after it, on the slowest rank) and its phases, per run and the median (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The BENCHMARKS.md figures are drawn from the committed raw results (nothing measured, nothing timed)."""
+"""The docs/benchmarks.md figures are drawn from the committed raw results (nothing measured, nothing timed)."""
 
 from __future__ import annotations
 

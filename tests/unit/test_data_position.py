@@ -1,4 +1,4 @@
-"""Data position in plain loops (README "Data position in plain loops"): the recommended loader (torchdata's
+"""Data position in plain loops (docs/data-position.md): the recommended loader (torchdata's
 StatefulDataLoader with its own generators, its state carried by the snapshot's pickle-free codec) resumes exactly;
 the shuffle-seed trap (``DataLoader(shuffle=True)`` created after ``recover()`` restored the global RNG) does not, and
 the checkpointer's data check notices it at the replayed step, across a real restart of the process; the Lightning

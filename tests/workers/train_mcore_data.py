@@ -8,7 +8,7 @@ that optimizer step, first attempt only), NCKPT_CONFIG (a YAML file with a neigh
   ``DataLoader(dataset, shuffle=True)``, its iterator created after ``recover()``. Its shuffle seed comes from the
   global RNG, which ``recover()`` restored, and it starts at the beginning of an epoch: after a restart every step
   gets other batches;
-* ``stateful``: README's "Data position in plain loops": torchdata's ``StatefulDataLoader`` with its own generators,
+* ``stateful``: docs/data-position.md: torchdata's ``StatefulDataLoader`` with its own generators,
   its ``state_dict()`` in every snapshot's ``user_state``, loaded after ``recover()``: the exact batches.
 
 With OBSERVE=1 (default) the data iterator handed to ``forward_backward_func`` is wrapped by

@@ -1,4 +1,4 @@
-"""The figures of BENCHMARKS.md, drawn from the benchmarks' raw JSON (and, for goodput, from the planner)::
+"""The figures of docs/benchmarks.md, drawn from the benchmarks' raw JSON (and, for goodput, from the planner)::
 
     python -m tools.bench.plots --compare benchmarks/results/compare_h100_2026-11-24.json \\
         --micro benchmarks/results/micro_cpu_2026-11-24.json --out benchmarks

@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 notes.append("input fingerprint: NeighborCheckpointer.observe_input (xxh3-64 of the first "
                              "micro-batch's token ids, sampled beyond 16 KiB, + one store into the memory-mapped "
                              "input record) against snapshot(), the training thread's CPU time per step, one process "
-                             "(README 'Data position in plain loops'); median of per-step ratios (both calls of one "
+                             "(docs/data-position.md); median of per-step ratios (both calls of one "
                              f"step): {paired}; on the wall clock (with the GIL waits): {wall}.")
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()

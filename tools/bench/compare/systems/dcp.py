@@ -17,7 +17,7 @@ def _optimizer_shard(tr: Trainer, rank: int) -> dict[str, Any]:
     """This rank's unique optimizer tensors (fp32 main-param shard + Adam moments), as the neighbor adapter sees
     them, under per-rank keys. The adapter's ``model/`` weight entries are left out: the weights are already under the
     state dict's ``model`` key, and per-rank copies of them would make DCP write the weights once more per DP rank.
-    (The CPU figures of BENCHMARKS.md dated 2026-11-22 were measured before this fix and the one in
+    (The CPU figures of docs/benchmarks.md dated 2026-11-22 were measured before this fix and the one in
     :class:`DcpAsync`: DCP then saved the weights once per rank extra and no Adam moments.)"""
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
     from neighbor_ckpt.snapshot.razor import StateKind
