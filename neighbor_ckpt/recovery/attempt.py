@@ -15,12 +15,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["AttemptInfo", "launcher_restart_count"]
+__all__ = ["AttemptInfo", "RESTART_COUNT_ENV", "launcher_restart_count"]
+
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""The launcher-level restart count, as torchrun (and our launcher, which speaks its protocol) sets it."""
 
 
 def launcher_restart_count() -> int:
     """``TORCHELASTIC_RESTART_COUNT`` (0 when unset: the first attempt, or no torchelastic launcher)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
 
 
 @dataclass(frozen=True)
