@@ -67,8 +67,8 @@ from neighbor_ckpt.inprocess.abort import (GenerationAborted, SocketBaseline, ab
 from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
 from neighbor_ckpt.inprocess.engine_state import Attempt, EngineState
 from neighbor_ckpt.inprocess.failover_replay import ReplayFacts, replay
-from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationFailure, GenerationStore, Members,
-                                                QuorumLost, gate)
+from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fault, Fenced, GenerationFailure, GenerationStore,
+                                                Members, QuorumLost, gate)
 from neighbor_ckpt.inprocess.holdings import holdings_of, local_holdings
 from neighbor_ckpt.inprocess.hygiene import ProcessState, check
 from neighbor_ckpt.inprocess.identity import ProcessIdentity
@@ -612,7 +612,7 @@ class InprocessRecovery:
         att = Attempt(iteration=generation, rank=rank, world_size=assignment.world_size,
                       initial_rank=self.process, assignment=assignment)
         spare = self.process >= self.active_world_size
-        self._attempt_info = self._make_attempt_info(generation, activated_spare=spare and not self._was_active)
+        self._attempt_info = self._make_attempt_info(main, generation, activated_spare=spare and not self._was_active)
         self._was_active = True
         if self._attempt_info.activated_spare:
             logger.info("neighbor_ckpt: hot spare (process %d) takes rank %d's place in generation %d", self.process,
@@ -651,6 +651,8 @@ class InprocessRecovery:
             # A collective that lost its peer (a killed process: its launcher's report is on its way) does not make
             # this process the one at fault: the record then names nobody.
             lost_peer = PEER_LOST.search(error) is not None
+            if not lost_peer:  # this process's own failure: the fault is now (a lost peer's is its witness's)
+                main.record_fault(generation, Fault(time.time(), f"exception on {self.state.name()}"))
             record = main.fail(generation, kind="exception", ranks=() if lost_peer else (self.process,),
                                reason=f"{self.state.name()}: " + ("a collective lost a peer: " if lost_peer else "") + error)
             if record.kind == "exception" and main.won(record):
@@ -662,16 +664,28 @@ class InprocessRecovery:
         self._check_hygiene(generation)
         return _FAILED
 
-    def _make_attempt_info(self, generation: int, *, activated_spare: bool) -> AttemptInfo:
+    def _make_attempt_info(self, main: GenerationStore, generation: int, *, activated_spare: bool) -> AttemptInfo:
+        """The attempt for the checkpointer: after a failure, when its fault happened (the earliest witness, read
+        from the store), when this process noticed it and when its abort ended (the recovery timeline's events)."""
+        if generation == 0:
+            return AttemptInfo(launch=self.launch, inprocess=0, activated_spare=activated_spare,
+                               progress_sink=self.watch_progress)
         prev = self.state.events_of(generation - 1)
         starts = [e["unix"] for e in prev if e["name"] == "abort_start"]
         ends = [e["unix"] for e in prev if e["name"] == "abort_end"]
         failed = [f.unix for f in self.state.failures_of(generation - 1)]
         noticed = min(starts) if starts else (min(failed) if failed else None)
+        try:
+            faults = main.faults(generation - 1)
+        except Exception as e:  # noqa: BLE001 - the timeline then starts at the newest snapshot, as it says
+            logger.warning("%s: when generation %d's fault happened is unknown: %s", self.state.name(),
+                           generation - 1, e)
+            faults = []
+        fault = faults[0] if faults else None
         return AttemptInfo(launch=self.launch, inprocess=generation, activated_spare=activated_spare,
-                           failure_noticed_unix=noticed if generation > 0 else None,
-                           abort_end_unix=max(ends) if ends and generation > 0 else None,
-                           progress_sink=self.watch_progress)
+                           failure_noticed_unix=noticed, abort_end_unix=max(ends) if ends else None,
+                           fault_unix=None if fault is None else fault.unix,
+                           fault_what=None if fault is None else fault.what, progress_sink=self.watch_progress)
 
     def _finalize(self) -> None:
         """After a failed attempt: its clean-ups (last first), megatron-core's parallel state, the process group."""
