@@ -651,7 +651,9 @@ class InprocessRecovery:
             # A collective that lost its peer (a killed process: its launcher's report is on its way) does not make
             # this process the one at fault: the record then names nobody.
             lost_peer = PEER_LOST.search(error) is not None
-            if not lost_peer:  # this process's own failure: the fault is now (a lost peer's is its witness's)
+            if not lost_peer and not self.state.failures_of(generation):
+                # this process's own failure, the first sign of it: the fault is now (a lost peer's is its witness's;
+                # an exception after the generation's failure is the abort's)
                 main.record_fault(generation, Fault(time.time(), f"exception on {self.state.name()}"))
             record = main.fail(generation, kind="exception", ranks=() if lost_peer else (self.process,),
                                reason=f"{self.state.name()}: " + ("a collective lost a peer: " if lost_peer else "") + error)

@@ -444,7 +444,10 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
             phases[name] = None  # start unknown
             known = end
             continue
-        if end < known - _SKEW_NOTE_S:
+        if end < known - _SKEW_NOTE_S and name == "detect" and detect_from.startswith("the fault"):
+            # a survivor's collective can lose the dead peer before its launcher sees the exit: nothing to detect
+            notes.append(f"a survivor noticed the failure {known - end:.3f} s before {detect_from[11:]}: detect 0")
+        elif end < known - _SKEW_NOTE_S:
             notes.append(f"{end_event} is {known - end:.3f} s before the previous event (clock skew between "
                          f"nodes?): {name} clamped to 0")
         phases[name] = max(0.0, end - known)
