@@ -82,7 +82,7 @@ from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
 from neighbor_ckpt.runtime.procs import flush_logs, stall_report
 
-__all__ = ["InprocessRecovery", "Attempt", "FALLBACK_EXIT_CODE"]
+__all__ = ["InprocessRecovery", "FALLBACK_EXIT_CODE"]
 
 logger = logging.getLogger(__name__)
 
