@@ -47,7 +47,6 @@ its progress tag to the monitor.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -62,20 +61,20 @@ import torch.distributed as dist
 from neighbor_ckpt.config import DetectorConfig, InprocessConfig, NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import protocol
-from neighbor_ckpt.inprocess.abort import (GenerationAborted, SocketBaseline, abort_gloo, abort_nccl, clear_pending,
-                                           interrupt_thread)
+from neighbor_ckpt.inprocess.abort import GenerationAborted, SocketBaseline, clear_pending
 from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
 from neighbor_ckpt.inprocess.engine_state import Attempt, EngineState
 from neighbor_ckpt.inprocess.failover_replay import ReplayFacts, replay
+from neighbor_ckpt.inprocess.generation_abort import GenerationAbort
 from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fault, Fenced, GenerationFailure, GenerationStore,
                                                 Members, QuorumLost, gate)
 from neighbor_ckpt.inprocess.holdings import holdings_of, local_holdings
-from neighbor_ckpt.inprocess.hygiene import ProcessState, check
+from neighbor_ckpt.inprocess.hygiene import HygieneGuard
 from neighbor_ckpt.inprocess.identity import ProcessIdentity
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
 from neighbor_ckpt.inprocess.peer_listeners import PeerListeners
 from neighbor_ckpt.inprocess.spare_slot import SPARE_SLOT_THREAD, SpareSlot
-from neighbor_ckpt.inprocess.store_auth import TUNNEL_THREAD, tunnel_ports
+from neighbor_ckpt.inprocess.store_auth import TUNNEL_THREAD
 from neighbor_ckpt.inprocess.store_clients import StoreClients, open_stores
 from neighbor_ckpt.inprocess.stores import CLIENT_THREAD, StoreAddresses, StoreSet, StoresLost
 from neighbor_ckpt.recovery.attempt import AttemptInfo
@@ -93,9 +92,6 @@ PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
                        r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
 """What a collective raises when a peer process died (gloo's, NCCL's words)."""
 
-HYGIENE_TRIES = 4
-"""Looks at the process's threads after a failed generation, 0.5 s apart, before it is declared not clean."""
-
 LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener", CLIENT_THREAD,
                     TUNNEL_THREAD, "neighbor_ckpt-abort-watchdog", SPARE_SLOT_THREAD, "neighbor-ckpt-prefault-",
                     "TMonitor", "tqdm_monitor")
@@ -103,14 +99,6 @@ LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-
 progress-bar monitor (one per process, started by
 the first progress bar; tqdm 4.70 names it ``tqdm_monitor``, older releases ``TMonitor``: a Megatron-Bridge survivor
 failed the hygiene check on it)."""
-
-REINTERRUPT_S = 1.0
-"""How long the exception raised into the training thread may take to get it out of the training function before
-it is raised again."""
-
-ABORT_GRACE_S = 0.1
-"""After the socket abort, how long the training thread may take to leave a freed collective on its own before an
-exception is raised into it (a thread in Python code, or in a C call the sockets do not free)."""
 
 
 class InprocessRecovery:
@@ -151,6 +139,12 @@ class InprocessRecovery:
         """The generations as this process knows them, shared with the collaborators below."""
         self.clients = StoreClients(stores, prefix=identity.prefix, connect_timeout_s=config.barrier_timeout_s)
         self.listeners = PeerListeners(self.state)
+        self.aborts = GenerationAbort(self.state, listeners=self.listeners, clients=self.clients,
+                                      store_ports=frozenset(p for _, p in identity.stores.addresses),
+                                      abort_timeout_s=config.abort_timeout_s, stuck_after_s=self.detector.timeout_s)
+        self.hygiene = HygieneGuard(allowed_prefixes=LIFETIME_THREADS,
+                                    rss_limit_bytes=int(config.hygiene_rss_growth_mib * 2**20),
+                                    reabort=self.aborts.abort_gloo)
         self.spare_slot = None if snapshots is None else SpareSlot(
             snapshots, ranks=identity.active_world_size, launch_store=stores.torch_address,
             idle=lambda: self.state.current is None, name=self.state.name)
@@ -161,11 +155,8 @@ class InprocessRecovery:
         self._listener: Optional[FailureListener] = None
         self._main_tid: Optional[int] = None
         self._progress_source: Optional[Callable[[], Tag]] = None
-        self._aborted: set[int] = set()
         self._attempt_info: Optional[AttemptInfo] = None
         self._was_active = False
-        self._hygiene: Any = None
-        self._rss_reference: Optional[tuple[int, int]] = None
 
     @classmethod
     def from_config(cls, config: "NeighborCkptConfig | InprocessConfig", *, model_parallel: int = 1,
@@ -349,84 +340,13 @@ class InprocessRecovery:
 
     def _on_failure(self, failed: GenerationFailure) -> None:
         """Listener thread: the current generation failed. An active process aborts its groups and, if the training
-        thread does not leave the training function on its own, raises into it."""
+        thread does not leave the training function on its own, raises into it (:mod:`~neighbor_ckpt.inprocess.
+        generation_abort`)."""
         self.state.add_failure(failed)
         logger.warning("%s: generation %d failed (%s by %s): %s", self.state.name(), failed.generation, failed.kind,
                        failed.by, failed.reason)
         if self.state.inside and failed.generation == self.state.generation:
-            self._abort(failed.generation)
-            deadline = time.monotonic() + ABORT_GRACE_S
-            while self.state.inside and time.monotonic() < deadline:
-                time.sleep(0.005)
-            # Still inside: in Python code, or in a C call the sockets do not free. Raise into it; again only if a
-            # handler of the training function swallowed it (a bare ``except BaseException``).
-            stuck_at = time.monotonic() + max(2 * REINTERRUPT_S, self.detector.timeout_s)
-            while self.state.inside and failed.generation == self.state.generation and self._main_tid is not None:
-                if time.monotonic() > stuck_at:
-                    self._stuck(failed.generation)
-                    return
-                interrupt_thread(self._main_tid, GenerationAborted)
-                deadline = time.monotonic() + REINTERRUPT_S
-                while self.state.inside and time.monotonic() < deadline:
-                    time.sleep(0.01)
-
-    def _stuck(self, generation: int) -> None:
-        """The training thread did not leave the training function after the abort and the raised exception: it
-        is stuck in a C call (or swallows every exception). This process declares itself dead; its launcher kills
-        it and a spare takes its rank in the next generation."""
-        reason = (f"{self.state.name()}: the training thread is still inside the training function "
-                  f"{max(2 * REINTERRUPT_S, self.detector.timeout_s):g} s after generation {generation}'s abort "
-                  "(stuck in a C call)")
-        logger.error("%s: declaring this process dead; its launcher replaces it", reason)
-        self._listener.gens.report_death((self.process,), kind="hung", reason=reason)  # on the listener's thread
-
-    def _cleanup_stuck(self, generation: int) -> None:
-        """The failed attempt's abort and clean-up have not returned after ``inprocess.abort_timeout_s`` (a thread
-        that blocks the clean-up on a connection the abort did not reach): this process declares itself dead, so the
-        next generation forms without it (a spare takes its rank) instead of waiting for it until
-        ``inprocess.barrier_timeout_s`` ends the job. Its launcher kills it. On the watching thread, with a store
-        connection of its own (the others may be inside a blocking wait)."""
-        reason = (f"{self.state.name()}: the clean-up of generation {generation} has not returned after "
-                  f"{self.config.abort_timeout_s:g} s (inprocess.abort_timeout_s)")
-        logger.error("%s: declaring this process dead; its launcher replaces it", reason)
-        try:
-            GenerationStore(self.clients.view("stall"), process=self.process).report_death(
-                (self.process,), kind="hung", reason=reason)
-        except Exception as e:  # noqa: BLE001 - the barrier timeout then ends the job, as before
-            logger.error("%s: could not declare this process dead: %s", self.state.name(), e)
-
-    def _abort(self, generation: int) -> None:
-        """Shut down the sockets of this generation's process groups (once per generation)."""
-        with self.state.lock:
-            if generation in self._aborted:
-                return
-            self._aborted.add(generation)
-        self.event("abort_start")
-        try:
-            self._abort_gloo(generation)
-            abort_nccl(timeout_s=self.config.abort_timeout_s)
-        except Exception as e:  # noqa: BLE001 - the finalisation destroys the groups anyway
-            logger.warning("%s: abort of generation %d: %s: %s", self.state.name(), generation, type(e).__name__, e)
-        self.event("abort_end")
-
-    def _abort_gloo(self, generation: int) -> None:
-        """Shut down this process's side of ``generation``'s gloo connections: those it accepted, and those to the
-        peers' listeners it knows (read again each time: a peer that moved to a new store late publishes late)."""
-        if self.listeners.baseline is None:
-            return
-        try:
-            store = self.clients.view("main" if threading.get_ident() == self._main_tid else "listener")
-            peers = self.listeners.peers(generation, store)
-        except Exception as e:  # noqa: BLE001 - our accepted side is still closed; the kill does the rest
-            logger.warning("%s: peers' listeners unreadable: %s", self.state.name(), e)
-            peers = frozenset()
-        abort_gloo(self.listeners.baseline, keep_ports={p for _, p in self.store_list.addresses} | tunnel_ports(),
-                   peer_listeners=peers)
-
-    def _name(self) -> str:
-        a = self.state.assignment
-        r = None if a is None else a.rank_of(self.process)
-        return f"process {self.process}" + ("" if r is None else f" (rank {r})")
+            self.aborts.free_training_thread(failed.generation, report_death=self._listener.gens.report_death)
 
     # -- a store failover ---------------------------------------------------------------------------------------
 
@@ -462,7 +382,7 @@ class InprocessRecovery:
         """Call ``fn(attempt)`` in generation after generation until the job completes. Returns ``fn``'s value
         (None on a spare never used); raises ``SystemExit(FALLBACK_EXIT_CODE)`` after one log line when in-process
         recovery gives up, ``SystemExit(EXIT_FENCED)`` when this process was declared dead."""
-        self._main_tid = threading.get_ident()
+        self._main_tid = self.aborts.main_tid = threading.get_ident()
         main = self._main_gens = GenerationStore(self.clients.view("main"), process=self.process)
         self._monitor_gens = GenerationStore(self.clients.view("monitor"), process=self.process)
         first = main.current() if self.process >= self.world_size else 0
@@ -478,7 +398,7 @@ class InprocessRecovery:
         # collection, so a generation's clean-up collects only what the generation made.
         gc.collect()
         gc.freeze()
-        self._hygiene = ProcessState.capture()
+        self.hygiene.capture()
         main.announce_ready()
         self._listener.start()
         monitor.start()
@@ -660,8 +580,8 @@ class InprocessRecovery:
             if record.kind == "exception" and main.won(record):
                 logger.error("%s: generation %d failed here: %s", self.state.name(), generation, error)
         with stall_report(f"{self.state.name()}: the clean-up of generation {generation}", self.config.abort_timeout_s, logger,
-                          then=lambda: self._cleanup_stuck(generation)):
-            self._abort(generation)  # free the peers (if the monitor has not yet)
+                          then=lambda: self.aborts.cleanup_stuck(generation)):
+            self.aborts.abort(generation)  # free the peers (if the monitor has not yet)
             self._finalize()
         self._check_hygiene(generation)
         return _FAILED
@@ -719,32 +639,13 @@ class InprocessRecovery:
         self._progress_source = None
 
     def _check_hygiene(self, generation: int) -> None:
-        """Off the training path (between the finalisation and the next barrier): a process that leaks threads or
-        memory across generations exits and is replaced. Thread names are compared with those before generation 0;
-        resident memory with the process after the first failed generation (the growth over the next five at most
-        ``inprocess.hygiene_rss_growth_mib``). Threads that finish on their own (a timeline picture being drawn)
-        get a moment to do so."""
-        limit = int(self.config.hygiene_rss_growth_mib * 2**20)
-        if self._rss_reference is None:
-            # Resident memory is measured from the first failed generation on: generation 0 builds what stays for
-            # the process's life (the host slots' mappings, allocator arenas, lazily imported modules).
-            self._rss_reference = (generation, ProcessState.capture().rss_bytes)
-        first, rss = self._rss_reference
-        baseline = dataclasses.replace(self._hygiene, rss_bytes=rss)
-        for attempt in range(HYGIENE_TRIES):
-            result = check(baseline, max(1, generation - first), allowed_prefixes=LIFETIME_THREADS,
-                           rss_limit_bytes=limit)
-            if result.ok or not result.extra_threads or attempt == HYGIENE_TRIES - 1:
-                break
-            time.sleep(0.5)
-            try:  # a thread of the failed generation may still wait on a peer whose listener this abort missed
-                self._abort_gloo(generation)
-            except Exception as e:  # noqa: BLE001 - the look below decides
-                logger.warning("%s: repeated abort of generation %d: %s", self.state.name(), generation, e)
+        """A process that leaks threads or memory across generations exits (its launcher brings a new one back as a
+        spare): :class:`~neighbor_ckpt.inprocess.hygiene.HygieneGuard`."""
+        result = self.hygiene.is_clean(generation, name=self.state.name())
         if not result.ok:
             logger.error("%s: not clean after generation %d (%s): exiting with status %d; the launcher starts a new "
-                         "process in its place, which joins as a spare", self.state.name(), generation, result.summary(),
-                         protocol.EXIT_HYGIENE)
+                         "process in its place, which joins as a spare", self.state.name(), generation,
+                         result.summary(), protocol.EXIT_HYGIENE)
             flush_logs()
             os._exit(protocol.EXIT_HYGIENE)
 
