@@ -487,7 +487,7 @@ class NeighborCheckpointer:
                           recovery_start=started, reconcile_end=reconcile_end,
                           transfer_end=reconcile_end + ph.get("transfer", 0.0), restore_end=time.time(),
                           abort_end=att.abort_end_unix, activated_spare=1.0 if att.activated_spare else 0.0,
-                          prepared_slot_wait=self._prepared_slot_wait())
+                          prepared_slot_wait=self._prepared_slot_wait(), fault=att.fault_unix)
         per_rank = gather_rank_events(mine, self.group)
         self.reporter.begin_timeline(per_rank, outcome=report.outcome, iteration=report.iteration,
                                      recovery_phases=ph,

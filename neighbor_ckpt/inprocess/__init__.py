@@ -8,7 +8,13 @@ a lost rank's number), and call the training function again, which rebuilds its 
 parallel state, model and optimizer, and calls :meth:`~neighbor_ckpt.NeighborCheckpointer.recover` (the spare's store
 is empty: it pulls the lost rank's unique state from the ring successor).
 
-* :mod:`~neighbor_ckpt.inprocess.engine` — :class:`InprocessRecovery`: the run loop, the abort, the fallback;
+* :mod:`~neighbor_ckpt.inprocess.engine` — :class:`InprocessRecovery`: the run loop, the abort, the fallback; built
+  from its collaborators: :mod:`~neighbor_ckpt.inprocess.identity` (who this process is: the one place that reads
+  the launch's environment), :mod:`~neighbor_ckpt.inprocess.engine_state` (the generations as this process knows
+  them, shared by the parts below), :mod:`~neighbor_ckpt.inprocess.store_clients` (one bounded view per thread),
+  :mod:`~neighbor_ckpt.inprocess.peer_listeners` (the gloo listeners for the abort),
+  :mod:`~neighbor_ckpt.inprocess.failover_replay` (what a new store must be told),
+  :mod:`~neighbor_ckpt.inprocess.spare_slot` (a hot spare's slot, staged while it idles);
 * :mod:`~neighbor_ckpt.inprocess.generation` — generations over the store: barrier, failure records, fencing;
 * :mod:`~neighbor_ckpt.inprocess.assignment` — the rank assignment, a pure function;
 * :mod:`~neighbor_ckpt.inprocess.monitor` — the failure detector's thread in process (heartbeats, silent peers, stuck
@@ -27,6 +33,7 @@ May import: the checkpointer and everything below it, :mod:`megatron_patches`; n
 :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``).
 """
 
-from neighbor_ckpt.inprocess.engine import FALLBACK_EXIT_CODE, Attempt, InprocessRecovery
+from neighbor_ckpt.inprocess.engine import FALLBACK_EXIT_CODE, InprocessRecovery
+from neighbor_ckpt.inprocess.engine_state import Attempt
 
 __all__ = ["InprocessRecovery", "Attempt", "FALLBACK_EXIT_CODE"]

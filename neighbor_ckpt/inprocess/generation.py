@@ -30,7 +30,7 @@ from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.inprocess.assignment import Assignment
 from neighbor_ckpt.inprocess.protocol import FAILURE_KINDS, key
 
-__all__ = ["GenerationStore", "Members", "GenerationFailure", "Fenced", "BarrierTimeout", "QuorumLost", "parse_list",
+__all__ = ["GenerationStore", "Members", "GenerationFailure", "Fault", "Fenced", "BarrierTimeout", "QuorumLost", "parse_list",
            "parse_dead", "exited", "quorum", "gate"]
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,32 @@ class GenerationFailure:
         return cls(generation=generation, by=str(d.get("by", "?")), kind=str(d.get("kind", "?")),
                    ranks=tuple(int(r) for r in d.get("ranks", ())), reason=str(d.get("reason", "")),
                    unix=float(d.get("unix", 0.0)))
+
+
+@dataclass(frozen=True)
+class Fault:
+    """When a generation's fault happened, as one witness saw it: a launcher the exit of its process, a monitor the
+    last heartbeat of a silent peer or the last move of a stuck rank's progress, a process its own exception. The
+    recovery timeline's *detect* starts at the earliest (:mod:`neighbor_ckpt.report.timeline`)."""
+
+    unix: float
+    what: str
+    """Which event, in words (``exit of process 1 seen by its launcher``)."""
+
+    def to_entry(self) -> str:
+        return f"{self.unix:.6f} {self.what.replace(';', ',')};"
+
+    @classmethod
+    def parse_entries(cls, raw: bytes | str | None) -> list["Fault"]:
+        """``"<unix> <what>;"`` entries; a garbled one is skipped."""
+        out = []
+        for entry in _text(raw).split(";") if raw is not None else []:
+            when, _, what = entry.strip().partition(" ")
+            try:
+                out.append(cls(float(when), what))
+            except ValueError:
+                continue
+        return out
 
 
 def gate(members: Members, *, max_restarts: Optional[int]) -> Optional[str]:
@@ -234,11 +260,12 @@ class GenerationStore:
         that died active, or an idle spare?). Every member computes the same; any may write it."""
         self.store.set(key("gen", generation, "assignment"), assignment.to_json())
 
-    def report_death(self, processes: Iterable[int], *, kind: str, reason: str, by: Optional[str] = None) -> \
-            Optional[GenerationFailure]:
+    def report_death(self, processes: Iterable[int], *, kind: str, reason: str, by: Optional[str] = None,
+                     fault: Optional[Fault] = None) -> Optional[GenerationFailure]:
         """``processes`` are dead: list them in ``dead`` and, if one of them is active in the current generation,
-        record the generation's failure (the push every survivor waits for). An idle spare's death fails nothing: the
-        job goes on, the spare is no longer counted. Returns the generation's failure record, if one was recorded."""
+        record the generation's failure (the push every survivor waits for) and, given, when the fault happened as
+        the reporter knows it. An idle spare's death fails nothing: the job goes on, the spare is no longer counted.
+        Returns the generation's failure record, if one was recorded."""
         processes = tuple(processes)
         self.declare_dead(processes, f"{kind}: {reason}")
         g = self.current()
@@ -247,7 +274,17 @@ class GenerationStore:
             logger.warning("%s: idle spare(s) %s lost (%s): the job goes on without them", by or self.name,
                            list(processes), reason)
             return None
+        if fault is not None:
+            self.record_fault(g, fault)
         return self.fail(g, kind=kind, ranks=processes, reason=reason, by=by)
+
+    def record_fault(self, generation: int, fault: Fault) -> None:
+        """When ``generation``'s fault happened, as one witness knows it (``gen/<g>/faults``; the earliest counts)."""
+        self.store.append(key("gen", generation, "faults"), fault.to_entry())
+
+    def faults(self, generation: int) -> list[Fault]:
+        """Every witness's time of ``generation``'s fault, earliest first (empty: none recorded)."""
+        return sorted(Fault.parse_entries(self._get(key("gen", generation, "faults"))), key=lambda f: f.unix)
 
     def fail(self, generation: int, *, kind: str, ranks: Iterable[int] = (), reason: str,
              by: Optional[str] = None) -> GenerationFailure:

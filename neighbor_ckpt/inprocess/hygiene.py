@@ -41,15 +41,17 @@ Usage::
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import logging
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
-__all__ = ["ProcessState", "HygieneBaseline", "HygieneResult", "compare", "check", "RSS_LIMIT_BYTES",
+__all__ = ["ProcessState", "HygieneBaseline", "HygieneResult", "HygieneGuard", "compare", "check", "RSS_LIMIT_BYTES",
            "RSS_WINDOW_GENERATIONS", "rss_allowance"]
 
 logger = logging.getLogger(__name__)
@@ -200,3 +202,55 @@ def check(baseline: ProcessState, generations_done: int, *, allowed_prefixes: It
                      cuda_slack_bytes=cuda_slack_bytes)
     (logger.info if result.ok else logger.error)("%s", result.summary())
     return result
+
+
+LOOKS = 4
+"""Looks at the process's threads after a failed generation, 0.5 s apart, before it is declared not clean."""
+
+
+class HygieneGuard:
+    """One process's hygiene across its generations: the state before generation 0 and, from the first failed
+    generation on, its resident memory; :meth:`is_clean` after each failed generation.
+
+    Args:
+        allowed_prefixes: names of threads that may outlive a generation (the engine's own, for the process's life).
+        rss_limit_bytes: how much resident memory may grow over :data:`RSS_WINDOW_GENERATIONS` failed generations
+            (``inprocess.hygiene_rss_growth_mib``).
+        reabort: called between two looks with the failed generation: a thread of it may still wait on a peer whose
+            listener the first abort missed.
+    """
+
+    def __init__(self, *, allowed_prefixes: Iterable[str], rss_limit_bytes: int,
+                 reabort: Callable[[int], None]) -> None:
+        self.allowed_prefixes, self.rss_limit_bytes = tuple(allowed_prefixes), rss_limit_bytes
+        self.reabort = reabort
+        self._baseline: ProcessState | None = None
+        self._rss_reference: tuple[int, int] | None = None
+
+    def capture(self) -> None:
+        """The process before generation 0 (after its imports and the engine's own threads)."""
+        self._baseline = ProcessState.capture()
+
+    def is_clean(self, generation: int, *, name: str = "this process") -> HygieneResult:
+        """Off the training path (between the finalisation and the next barrier): thread names are compared with
+        those before generation 0; resident memory with the process after the first failed generation. Threads
+        that finish on their own (a timeline picture being drawn) get a moment to do so."""
+        if self._baseline is None:
+            raise RuntimeError("HygieneGuard.is_clean before capture()")
+        if self._rss_reference is None:
+            # Resident memory is measured from the first failed generation on: generation 0 builds what stays for
+            # the process's life (the host slots' mappings, allocator arenas, lazily imported modules).
+            self._rss_reference = (generation, ProcessState.capture().rss_bytes)
+        first, rss = self._rss_reference
+        baseline = dataclasses.replace(self._baseline, rss_bytes=rss)
+        for look in range(LOOKS):
+            result = check(baseline, max(1, generation - first), allowed_prefixes=self.allowed_prefixes,
+                           rss_limit_bytes=self.rss_limit_bytes)
+            if result.ok or not result.extra_threads or look == LOOKS - 1:
+                break
+            time.sleep(0.5)
+            try:
+                self.reabort(generation)
+            except Exception as e:  # noqa: BLE001 - the look below decides
+                logger.warning("%s: repeated abort of generation %d: %s", name, generation, e)
+        return result

@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from neighbor_ckpt.inprocess import protocol
-from neighbor_ckpt.inprocess.generation import GenerationStore, parse_dead
+from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
                                                    describe_exit, exit_status, parse_args)
 from neighbor_ckpt.inprocess.protocol import key
@@ -373,11 +373,14 @@ class Launcher:
                 pass
 
     def _declare(self, att: _Attempt, index: int, reason: str) -> None:
-        """``dead`` + the current generation's failure: the push every survivor waits for."""
+        """``dead`` + the current generation's failure: the push every survivor waits for; the fault's time is when
+        this launcher saw the exit (the recovery timeline's *detect* starts there)."""
+        seen = Fault(time.time(), f"exit of process {index} seen by its launcher ({self.plan.name})")
+
         def write(s: Any) -> None:
             # an idle spare's death fails no generation (GenerationStore.report_death): the job goes on without it
             GenerationStore(s, process=-1, name=self.plan.name).report_death(
-                (index,), kind="exited", reason=reason, by=self.plan.name)
+                (index,), kind="exited", reason=reason, by=self.plan.name, fault=seen)
 
         att.dead.setdefault(index, f"exited: {reason}")
         self._later(att.number, write)

@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
-from neighbor_ckpt.inprocess.generation import GenerationFailure, GenerationStore
+from neighbor_ckpt.inprocess.generation import Fault, GenerationFailure, GenerationStore
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
 from neighbor_ckpt.runtime.detector import PAUSED, ProgressClock, Watch
 from neighbor_ckpt.runtime.procs import flush_logs
@@ -286,7 +286,8 @@ class Monitor:
             return None  # already declared (its launcher saw it go), or the job is over and it left
         reason = f"process {peer} sent no heartbeat for {length:.1f} s (detector.timeout_s {self.timeout_s:g})"
         logger.error("%s: %s: declaring it dead (its launcher kills it)", self.gens.name, reason)
-        record = self.gens.report_death((peer,), kind="silent", reason=reason)
+        last_beat = Fault(time.time() - length, f"last heartbeat of process {peer} seen by {self.gens.name}")
+        record = self.gens.report_death((peer,), kind="silent", reason=reason, fault=last_beat)
         if record is not None and self.gens.won(record):
             self.decisions.append(record)
         return record
@@ -313,9 +314,11 @@ class Monitor:
             where = ", ".join(f"process {p} (rank {active[p]}) at {tags[p][2]} #{tags[p][0]}" for p in blame)
             reason = (f"no progress for {stalled:.1f} s (detector.hang_timeout_s {self.hang_timeout_s:g}); lagging: "
                       f"{where}")
+            self.gens.record_fault(gen, Fault(time.time() - stalled, f"last progress seen by {self.gens.name}"))
             return self._decide(gen, kind="hung", culprits=blame, reason=reason)
         reason = (f"no progress on any rank for {stalled:.1f} s (detector.hang_timeout_s {self.hang_timeout_s:g}), "
                   "every progress tag equal: the same ranks re-form")
+        self.gens.record_fault(gen, Fault(time.time() - stalled, f"last progress seen by {self.gens.name}"))
         return self._decide(gen, kind="hang_all", culprits=(), reason=reason)
 
     def _decide(self, gen: int, *, kind: str, culprits: tuple[int, ...], reason: str) -> GenerationFailure:

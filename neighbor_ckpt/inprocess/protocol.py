@@ -33,6 +33,10 @@ types): nothing read from the store is unpickled.
 ``gen/<g>/failed``
     Why generation ``g`` failed (first ``compare_set`` wins): JSON ``{"by", "kind", "ranks", "reason", "unix"}``;
     ``kind`` in :data:`FAILURE_KINDS`. Every process's monitor waits on this key (the push of a failure).
+``gen/<g>/faults``
+    Append-only ``"<unix> <what>;"`` per witness of generation ``g``'s fault: a launcher that saw its process exit, a
+    monitor that found a peer silent (its last heartbeat) or a rank stuck (its last progress), a process whose own
+    training function raised. The earliest is when the fault happened; the recovery timeline's *detect* starts there.
 ``gen/<g>/holds/<p>``
     With ``elastic.enabled``: which snapshots process ``p``'s node holds, written before it joins generation ``g``
     (JSON ``[store generation, world size, data-parallel size, [[old rank, iteration], ...]]``, its newest store

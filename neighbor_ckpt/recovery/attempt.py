@@ -15,12 +15,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["AttemptInfo", "launcher_restart_count"]
+__all__ = ["AttemptInfo", "RESTART_COUNT_ENV", "launcher_restart_count"]
+
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""The launcher-level restart count, as torchrun (and our launcher, which speaks its protocol) sets it."""
 
 
 def launcher_restart_count() -> int:
     """``TORCHELASTIC_RESTART_COUNT`` (0 when unset: the first attempt, or no torchelastic launcher)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class AttemptInfo:
     began its abort; None: not known, or this process was not part of it)."""
     abort_end_unix: float | None = None
     """In-process restarts: when this process's abort of the previous attempt ended (its process groups freed)."""
+    fault_unix: float | None = None
+    """In-process restarts: when the previous attempt's fault happened, as its earliest witness saw it (a launcher the
+    exit of its process, a monitor a silent peer's last heartbeat; None: unknown). The recovery timeline's *detect*
+    starts here."""
+    fault_what: str | None = None
+    """Which event :attr:`fault_unix` is, in words (``exit of process 1 seen by its launcher (node1)``)."""
     progress_sink: Callable[[Callable[[], tuple[int, int | None, str]]], None] | None = \
         field(default=None, compare=False, repr=False)
     """In process: where the checkpointer hands its progress tag (the engine's monitor thread is the failure

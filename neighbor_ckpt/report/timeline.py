@@ -16,9 +16,17 @@ first_step     restore done                           end of the first training 
 =============  =====================================  ======================================================
 
 An in-process recovery (:mod:`neighbor_ckpt.inprocess`: the surviving processes stay, a hot spare may take a lost
-rank's place) has no new processes; its *restart* and *rendezvous* are replaced by (:data:`PHASES_INPROCESS`):
+rank's place) has no new processes; its *detect* starts at the fault, and its *restart* and *rendezvous* are replaced
+by (:data:`PHASES_INPROCESS`; the JSON's ``detect_from`` names the event *detect* starts at):
 
 =============  =====================================  ======================================================
+detect         the fault, as its earliest witness     the engine began its abort on the earliest survivor
+               saw it (a launcher the exit of its
+               process, a monitor a silent peer's
+               last heartbeat or a stuck rank's last
+               progress, a process its own
+               exception: ``gen/<g>/faults``); the
+               newest snapshot when none recorded it
 abort          failure noticed (the engine began      every survivor's process groups aborted (blocked
                its abort on the earliest survivor)    collectives freed; latest survivor)
 reform         abort done                             recovery began on every rank (clean-ups, rank
@@ -106,9 +114,11 @@ EVENTS: tuple[str, ...] = ("last_snapshot", "failure_noticed", "process_start", 
 PHASES_INPROCESS: tuple[str, ...] = ("detect", "abort", "reform", "reconcile", "transfer", "restore", "first_step")
 """The MTTR breakdown of an in-process recovery (no new process: abort and re-form instead of restart + rendezvous)."""
 
-EVENTS_INPROCESS: tuple[str, ...] = ("last_snapshot", "failure_noticed", "abort_end", "recovery_start",
+EVENTS_INPROCESS: tuple[str, ...] = ("fault", "failure_noticed", "abort_end", "recovery_start",
                                      "reconcile_end", "transfer_end", "restore_end", "first_step_end")
-"""Job-wide events that bound :data:`PHASES_INPROCESS`."""
+"""Job-wide events that bound :data:`PHASES_INPROCESS`. ``fault``: when the fault happened, as its earliest witness
+saw it (the engine knows it: a launcher saw the exit, a monitor the last heartbeat); the newest committed snapshot
+when no witness recorded it (:attr:`RecoveryTimeline.detect_from` says which)."""
 
 MODE_RESTART = "restart"
 MODE_INPROCESS = "in-process"
@@ -183,6 +193,8 @@ class RankEvents:
     prepared_slot_wait: float | None = None
     """Seconds (not a time) this rank's recovery waited for the receive slot it prepared in advance to be ready (None:
     no prepared slot received its pull)."""
+    fault: float | None = None
+    """In-process recovery: when the fault happened, as the engine's earliest witness saw it (None: unknown)."""
 
     def to_tensor(self) -> torch.Tensor:
         """float64 tensor, NaN for None (the all-gather payload)."""
@@ -245,6 +257,11 @@ class RecoveryTimeline:
     """Data-parallel size of the restored snapshots (None: unknown, nothing restored)."""
     data_parallel_after: int | None = None
     """Data-parallel size the job continues with (differs after an elastic reshard)."""
+    detect_from: str = "the newest committed snapshot"
+    """The event *detect* starts at: the fault as its witness saw it (``exit of process 1 seen by its launcher``),
+    or the newest committed snapshot when the fault's time is unknown."""
+    last_snapshot: float | None = None
+    """The newest committed snapshot on any rank (unix seconds)."""
     path_png: Path | None = None
     path_json: Path | None = None
 
@@ -315,6 +332,8 @@ class RecoveryTimeline:
             "mttr_s": self.total_s,
             "phases_s": {p: self.phases.get(p) for p in self.phase_names},
             "events_unix": {e: self.events.get(e) for e in self.event_names},
+            "detect_from": self.detect_from,
+            "last_snapshot_unix": self.last_snapshot,
             "process_group_ready_unix": self.process_group_ready,
             "prepared_slot_wait_s": self.prepared_slot_wait_s,
             "notes": list(self.notes),
@@ -336,8 +355,9 @@ _DEFINITIONS = {
 }
 
 _DEFINITIONS_INPROCESS = {
-    "detect": "the in-process engine's abort began on the earliest survivor (or its failure event) - newest "
-              "committed snapshot on any rank",
+    "detect": "the in-process engine's abort began on the earliest survivor (or its failure event) - the fault as its "
+              "earliest witness saw it (a launcher the exit, a monitor the last heartbeat; detect_from says which; the "
+              "newest committed snapshot when unknown)",
     "abort": "every survivor's process groups aborted (latest survivor) - failure noticed",
     "reform": "latest recovery start - abort done (clean-ups, rank re-assignment, process group, parallel state, "
               "model and optimizer rebuilt in the same processes)",
@@ -385,7 +405,13 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
         raise ValueError(f"timeline mode {mode!r}: expected {MODE_RESTART!r} or {MODE_INPROCESS!r}")
     record = attempt.record if isinstance(attempt, AttemptInfo) else attempt
     spares = tuple(i for i, r in enumerate(per_rank) if r.activated_spare == 1.0)
+    fault = _agg([r.fault for r in per_rank], "min")
+    detect_from = "the newest committed snapshot"
+    if mode == MODE_INPROCESS and fault is not None:
+        what = attempt.fault_what if isinstance(attempt, AttemptInfo) else None
+        detect_from = f"the fault: {what}" if what else "the fault"
     events: dict[str, float | None] = {
+        "fault": fault if fault is not None else last_snapshot,
         "last_snapshot": last_snapshot,
         "failure_noticed": noticed,
         "process_start": _agg([r.process_start for r in per_rank], "max"),
@@ -397,7 +423,7 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
         "first_step_end": first_step_end,
     }
     notes: list[str] = []
-    if events["last_snapshot"] is None:
+    if events["last_snapshot"] is None and not detect_from.startswith("the fault"):
         notes.append("no committed snapshot carries a commit time: detect unknown, the timeline starts at the "
                      "first known event")
     names = PHASES_INPROCESS if mode == MODE_INPROCESS else PHASES
@@ -418,7 +444,10 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
             phases[name] = None  # start unknown
             known = end
             continue
-        if end < known - _SKEW_NOTE_S:
+        if end < known - _SKEW_NOTE_S and name == "detect" and detect_from.startswith("the fault"):
+            # a survivor's collective can lose the dead peer before its launcher sees the exit: nothing to detect
+            notes.append(f"a survivor noticed the failure {known - end:.3f} s before {detect_from[11:]}: detect 0")
+        elif end < known - _SKEW_NOTE_S:
             notes.append(f"{end_event} is {known - end:.3f} s before the previous event (clock skew between "
                          f"nodes?): {name} clamped to 0")
         phases[name] = max(0.0, end - known)
@@ -428,7 +457,8 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
                             events={e: events[e] for e in event_names}, phases=phases, notes=tuple(notes),
                             mode=mode, restarted_ranks=restarted, spare_ranks=spares, process_group_ready=pg_ready,
                             per_rank=tuple(per_rank), recovery_phases=dict(recovery_phases or {}),
-                            data_parallel_before=data_parallel[0], data_parallel_after=data_parallel[1])
+                            data_parallel_before=data_parallel[0], data_parallel_after=data_parallel[1],
+                            detect_from=detect_from, last_snapshot=last_snapshot)
 
 
 # -- files ---------------------------------------------------------------------------------------------------

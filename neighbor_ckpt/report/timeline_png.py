@@ -82,8 +82,9 @@ def render_png(timeline: Mapping[str, Any], path: Path) -> None:
             x = t - origin
             ax.axvline(x, color="black", linestyle="--", linewidth=0.8)
             ax.text(x, 0.33, f" {label} ", fontsize=7, va="bottom", ha="right" if x > 0.7 * total else "left")
-    start_label = "last snapshot" if events.get("last_snapshot") is not None else "first known event"
-    ax.set_xlabel(f"seconds since the {start_label}", fontsize=8)
+    start_label = timeline.get("detect_from") or (
+        "the last snapshot" if events.get("last_snapshot") is not None else "the first known event")
+    ax.set_xlabel(f"seconds since {start_label}", fontsize=8)
     iteration, spares = timeline.get("iteration"), timeline.get("spare_ranks") or []
     what = f"iteration {iteration}" if iteration is not None else "-"
     spare = f", hot spare for rank(s) {list(spares)}" if spares else ""

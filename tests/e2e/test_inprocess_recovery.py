@@ -134,6 +134,11 @@ def check_inprocess(base: RunResult, res: RunResult, *, kind: str) -> dict[str, 
     assert tl["spare_used"] is spare_used and tl["spare_ranks"] == ([1] if spare_used else []), tl
     assert list(tl["phases_s"]) == ["detect", "abort", "reform", "reconcile", "transfer", "restore", "first_step"]
     assert (res.out / "reports" / "recovery_timeline.attempt0.1.png").exists(), "PNG drawn before close() returned"
+    # detect starts at the fault as its earliest witness saw it, never before the fault itself
+    witness = {"kill": "exit of process 1 seen by its launcher", "stop": "last heartbeat of process 1",
+               "raise": "exception on process 1"}.get(kind, "")
+    assert tl["detect_from"].startswith(f"the fault: {witness}"), tl["detect_from"]
+    assert tl["events_unix"]["fault"] >= fault["unix"] - 0.05, (tl["events_unix"], fault)
     # the launchers all finished the job (none was stopped, none restarted the job)
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
     m = mttr(res)
@@ -425,6 +430,12 @@ def test_grow_back_a_replacement_takes_the_second_lost_rank(inprocess_baseline: 
     rep = res.report(2, 2)
     assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", 6, "replica"), rep
     assert "in-process recovery gives up" not in res.log
+    # two recoveries, two timelines, each from its own fault: the launcher's observed exit of the killed process
+    for attempt, fault_file, victim in (("0.1", "fault.json", 1), ("0.2", "fault2.rank2.json", 2)):
+        tl, fault = timeline(res, attempt), load(res.out / fault_file)
+        assert tl["detect_from"].startswith(f"the fault: exit of process {victim} seen by its launcher"), tl
+        assert fault["unix"] - 0.05 <= tl["events_unix"]["fault"] <= tl["events_unix"]["first_step_end"], tl
+        assert tl["mttr_s"] == pytest.approx(tl["events_unix"]["first_step_end"] - tl["events_unix"]["fault"]), tl
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
 
 

@@ -130,9 +130,9 @@ def test_timeline_clamps_events_out_of_order() -> None:
 def test_rank_events_round_trip_through_the_gather_tensor() -> None:
     ev = rank_events(snap=None)
     t = ev.to_tensor()
-    assert t.dtype == torch.float64 and t.numel() == len(dataclasses.fields(RankEvents)) == 11
+    assert t.dtype == torch.float64 and t.numel() == len(dataclasses.fields(RankEvents)) == 12
     assert RankEvents.from_tensor(t) == ev
-    inproc = dataclasses.replace(ev, abort_end=T0 + 1.0, activated_spare=1.0, prepared_slot_wait=0.125)
+    inproc = dataclasses.replace(ev, abort_end=T0 + 1.0, activated_spare=1.0, prepared_slot_wait=0.125, fault=T0 + 0.5)
     assert RankEvents.from_tensor(inproc.to_tensor()) == inproc
 
 
