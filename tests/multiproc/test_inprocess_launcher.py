@@ -205,7 +205,7 @@ def test_a_process_listed_dead_is_sigkilled_by_its_launcher_even_when_stopped(la
     run.env(0)
     os.kill(victim["pid"], signal.SIGSTOP)  # a detector found it silent
     run.store().append("dead", "1:silent: no heartbeat for 2.0 s;")
-    _wait("the stopped process to be killed", lambda: _gone(victim["pid"], victim["start"]), timeout=10)
+    _wait("the stopped process to be killed", lambda: _gone(victim["pid"], victim["start"]), timeout=120)
     time.sleep(0.5)  # its launcher saw it exit: declared already, nothing more written
     assert run.get("dead") == "1:silent: no heartbeat for 2.0 s;" and run.get("gen/0/failed") is None
     assert "listed dead (silent: no heartbeat for 2.0 s): SIGKILL" in (run.tmp / "launcher.node1.log").read_text()
