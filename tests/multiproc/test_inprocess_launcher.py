@@ -219,7 +219,7 @@ def test_sigkill_of_a_launcher_takes_its_processes_with_it_and_sigterm_stops_the
     other = run.env(2)
     run.launchers["node0"].kill()  # the node is lost
     assert run.wait("node0") == -signal.SIGKILL
-    _wait("node0's processes to die with it", lambda: all(_gone(p["pid"], p["start"]) for p in lost), timeout=10)
+    _wait("node0's processes to die with it", lambda: all(_gone(p["pid"], p["start"]) for p in lost), timeout=120)
     run.launchers["node1"].terminate()
     assert run.wait("node1") == 128 + signal.SIGTERM, run.logs()
     assert _gone(other["pid"], other["start"])

@@ -15,7 +15,7 @@ log = logging.getLogger("test-stall")
 
 
 def _blocked_here(release: threading.Event) -> None:
-    release.wait(5)
+    release.wait(120)
 
 
 def test_a_block_that_overruns_logs_every_threads_stack_then_calls_then(caplog: pytest.LogCaptureFixture) -> None:
