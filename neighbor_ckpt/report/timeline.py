@@ -49,7 +49,7 @@ Where each time comes from:
   all-reduce of the others).
 
 The per-rank events are exchanged with one all-gather of a small float64 tensor at the end of the recovery
-flow (all ranks take part in it anyway); rank 0 computes and writes the timeline. The PNG is drawn on a thread of
+flow (all ranks take part in it anyway); rank 0 computes and writes the timeline. The PNG is drawn in a process of
 its own (matplotlib takes ~1.6 s on a slow core: not on the training thread, inside the first step after a
 recovery); :func:`wait_for_renders` waits for it (the checkpointer's ``close(success=True)`` does, and so does a
 normal interpreter exit, at most :data:`RENDER_WAIT_S`: the drawing process dies with the one that started it).

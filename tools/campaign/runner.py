@@ -163,13 +163,12 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
     in-process case counts as recovered by the restart path only when a restart attempt really ran (its recovery
     reports exist): a give-up line alone (a late replacement that gave up, say) does not make one."""
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
-    all_recoveries = _recoveries(out, log, None)
     detection = None
-    if case.signal == "SIGSTOP" and detected and (out / "fault.json").exists():
+    seen_in_log = case.signal == "SIGSTOP" and bool(detected) and (out / "fault.json").exists()
+    if seen_in_log:  # the hang's detection: from the victim's stop to the first detection line
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
-        if all_recoveries and all_recoveries[0]["file"] == "log":
-            all_recoveries[0]["detection_s"] = detection
-    elif case.signal in ("SIGSTOP", "block") and case.inprocess:
+    all_recoveries = _recoveries(out, log, detection)
+    if not seen_in_log and case.signal in ("SIGSTOP", "block") and case.inprocess:
         detection = next((r["detection_s"] for r in all_recoveries if r["detection_s"] is not None), None)
     mttr = next((r["mttr_s"] for r in all_recoveries if r["mttr_s"] is not None), None)
     common = dict(detection_s=detection, mttr_s=mttr, wall_s=wall, recoveries=tuple(all_recoveries))
