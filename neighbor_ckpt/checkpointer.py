@@ -675,7 +675,10 @@ class NeighborCheckpointer:
     def close(self, *, success: bool = True) -> None:
         """Stop the engine, transport and failure detector; on success, optionally remove the host store.
 
-        ``success=True`` is collective (a barrier): call it on every rank at the end of training."""
+        ``success=True`` is collective (a barrier): call it on every rank at the end of training; it also waits
+        (bounded) for a recovery timeline's picture still being drawn. ``success=False`` does not wait for it (the
+        in-process engine closes a failed attempt's checkpointer inside the next recovery); a normal interpreter exit
+        does (:func:`~neighbor_ckpt.report.timeline.wait_for_renders`)."""
         if self._closed:
             return
         self._closed = True

@@ -57,13 +57,15 @@ Where each time comes from:
   all-reduce of the others).
 
 The per-rank events are exchanged with one all-gather of a small float64 tensor at the end of the recovery
-flow (all ranks take part in it anyway); rank 0 computes and writes the timeline. The PNG is drawn on a thread of
+flow (all ranks take part in it anyway); rank 0 computes and writes the timeline. The PNG is drawn in a process of
 its own (matplotlib takes ~1.6 s on a slow core: not on the training thread, inside the first step after a
-recovery); :func:`wait_for_renders` waits for it (the checkpointer's ``close`` does).
+recovery); :func:`wait_for_renders` waits for it (the checkpointer's ``close(success=True)`` does, and so does a
+normal interpreter exit, at most :data:`RENDER_WAIT_S`: the drawing process dies with the one that started it).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -101,6 +103,7 @@ __all__ = [
     "process_start_unix",
     "write_timeline",
     "wait_for_renders",
+    "RENDER_WAIT_S",
     "COMMIT_TIME_KEY",
 ]
 
@@ -464,8 +467,13 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
 # -- files ---------------------------------------------------------------------------------------------------
 
 
-_renders: list[subprocess.Popen] = []
+RENDER_WAIT_S = 30.0
+"""How long :func:`wait_for_renders` waits by default, and a normal interpreter exit waits, for the pictures still
+being drawn (about 1-2 s after the first step of a recovery; longer on a loaded machine)."""
+
+_renders: list[tuple[subprocess.Popen, Path]] = []
 _renders_lock = threading.Lock()
+_exit_hook_pid: int | None = None
 
 
 def _have_matplotlib() -> bool:
@@ -476,21 +484,38 @@ def _have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def wait_for_renders(timeout: float | None = 30.0) -> None:
-    """Wait for the PNGs being drawn in the background (:func:`write_timeline`), ``timeout`` seconds each."""
+def wait_for_renders(timeout: float | None = RENDER_WAIT_S) -> bool:
+    """Wait for the PNGs being drawn in the background (:func:`write_timeline`), at most ``timeout`` seconds in all
+    (None: until they are drawn). True when every picture is drawn (or its drawing ended with its one error line);
+    False when the wait gave up (one warning line per picture: its drawing process dies with this one)."""
     with _renders_lock:
         pending, _renders[:] = list(_renders), []
-    for proc in pending:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    done = True
+    for proc, path_png in pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            proc.wait(timeout)
+            proc.wait(left)
         except subprocess.TimeoutExpired:
-            logger.warning("neighbor_ckpt: the recovery timeline's picture is still being drawn (pid %d)", proc.pid)
+            done = False
+            logger.warning("neighbor_ckpt: gave up waiting %.0f s for the recovery timeline's picture %s (pid %d, "
+                           "still drawing); its JSON is written", timeout, path_png, proc.pid)
+    return done
+
+
+def _wait_at_exit() -> None:
+    """At a normal interpreter exit: the pictures still being drawn are finished first (bounded), since their
+    processes die with this one (a short program that ends right after a recovery still gets its PNG)."""
+    if os.getpid() == _exit_hook_pid:  # not in a forked child: its parent's drawings are not its own
+        wait_for_renders(RENDER_WAIT_S)
 
 
 def _render_in_background(path_json: Path, path_png: Path) -> None:
     """Draw ``path_png`` from ``path_json`` in a process of its own (:mod:`neighbor_ckpt.report.timeline_png`):
-    matplotlib then shares no GIL with the training thread; it dies with this process. Its one error line goes to
-    this process's stderr."""
+    matplotlib then shares no GIL with the training thread; it dies with this process (a killed rank leaves nothing
+    behind), so :func:`wait_for_renders` and a normal interpreter exit wait for it. Its one error line goes to this
+    process's stderr."""
+    global _exit_hook_pid
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
@@ -502,7 +527,10 @@ def _render_in_background(path_json: Path, path_png: Path) -> None:
         logger.warning("neighbor_ckpt: could not start drawing the recovery timeline %s: %s", path_png, e)
         return
     with _renders_lock:
-        _renders[:] = [p for p in _renders if p.poll() is None] + [proc]
+        _renders[:] = [(p, png) for p, png in _renders if p.poll() is None] + [(proc, path_png)]
+        if _exit_hook_pid != os.getpid():
+            _exit_hook_pid = os.getpid()
+            atexit.register(_wait_at_exit)
 
 
 def write_timeline(timeline: RecoveryTimeline, directory: Path, *, png: bool = True,

@@ -83,6 +83,8 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
     assert "bit-exact with the failure-free run resumed from it" in by_kind["lose-dp-group"]["detail"]
     two = by_kind["inproc-two-faults"]["case"]
     assert len((_case_dir(tmp_path, two) / "faults.jsonl").read_text().splitlines()) == 2
+    recovered = by_kind["inproc-two-faults"]["recoveries"]
+    assert len(recovered) == 2 and all(r["mttr_s"] is not None for r in recovered), "each recovery is timed"
     assert "continuing on" in _log(tmp_path, by_kind["inproc-shrink"]["case"])
     assert "DataPositionError" in _log(tmp_path, by_kind["data-misplaced"]["case"])
     # The startup window (the CI flake of an earlier version): the victim dies with its first snapshot half copied,

@@ -205,7 +205,7 @@ def test_a_process_listed_dead_is_sigkilled_by_its_launcher_even_when_stopped(la
     run.env(0)
     os.kill(victim["pid"], signal.SIGSTOP)  # a detector found it silent
     run.store().append("dead", "1:silent: no heartbeat for 2.0 s;")
-    _wait("the stopped process to be killed", lambda: _gone(victim["pid"], victim["start"]), timeout=10)
+    _wait("the stopped process to be killed", lambda: _gone(victim["pid"], victim["start"]), timeout=120)
     time.sleep(0.5)  # its launcher saw it exit: declared already, nothing more written
     assert run.get("dead") == "1:silent: no heartbeat for 2.0 s;" and run.get("gen/0/failed") is None
     assert "listed dead (silent: no heartbeat for 2.0 s): SIGKILL" in (run.tmp / "launcher.node1.log").read_text()
@@ -219,7 +219,7 @@ def test_sigkill_of_a_launcher_takes_its_processes_with_it_and_sigterm_stops_the
     other = run.env(2)
     run.launchers["node0"].kill()  # the node is lost
     assert run.wait("node0") == -signal.SIGKILL
-    _wait("node0's processes to die with it", lambda: all(_gone(p["pid"], p["start"]) for p in lost), timeout=10)
+    _wait("node0's processes to die with it", lambda: all(_gone(p["pid"], p["start"]) for p in lost), timeout=120)
     run.launchers["node1"].terminate()
     assert run.wait("node1") == 128 + signal.SIGTERM, run.logs()
     assert _gone(other["pid"], other["start"])

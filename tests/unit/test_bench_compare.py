@@ -205,3 +205,29 @@ def test_no_bench_module_is_over_800_lines() -> None:
     bench = REPO / "tools" / "bench"
     sizes = {str(p.relative_to(bench)): len(p.read_text().splitlines()) for p in bench.rglob("*.py")}
     assert max(sizes.values()) < 800, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_an_alternative_whose_package_is_missing_is_skipped_in_one_line_and_the_run_says_what_it_compares() -> None:
+    from tools.bench.compare.cli import plan_line
+
+    names = ["base", "neighbor", "dcp_async", "lightning_save", "nvrx_local", "nvrx_local_repl"]
+    kept, skipped = systems.runnable(names, installed=lambda package: package != "nvidia_resiliency_ext")
+    assert kept == ["base", "neighbor", "dcp_async", "lightning_save"]
+    assert skipped == {"nvrx_local": "needs nvidia_resiliency_ext, not installed",
+                       "nvrx_local_repl": "needs nvidia_resiliency_ext, not installed"}
+    assert systems.runnable(names, installed=lambda package: True) == (names, {})
+    lines = plan_line(kept, skipped).splitlines()
+    assert lines == ["tools.bench.compare: skipped nvrx_local: needs nvidia_resiliency_ext, not installed",
+                     "tools.bench.compare: skipped nvrx_local_repl: needs nvidia_resiliency_ext, not installed",
+                     "tools.bench.compare: comparing base, neighbor, dcp_async, lightning_save "
+                     "(alternatives: dcp_async, lightning_save)"]
+    assert "Traceback" not in plan_line(kept, skipped)
+
+
+def test_the_table_lists_a_skipped_alternative_with_its_reason() -> None:
+    args = argparse.Namespace(threads=1, layers=2, heads=4, seq=32, vocab=128, micro_batches=2,
+                              micro_batch_size=2, steps=10, block=5, warmup=3)
+    info = {"nproc": 2, "cpu_model": "test", "torch": "x", "store_root": "/dev/shm", "other_cpu_frac": 0.0}
+    res = _result()
+    res["main"]["skipped"] = {"nvrx_local_repl": "needs nvidia_resiliency_ext, not installed"}
+    assert "* nvrx_local_repl: skipped: needs nvidia_resiliency_ext, not installed" in tables.render(res, info, args)

@@ -466,3 +466,94 @@ def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_
         with pytest.raises(SystemExit):
             campaign.main(["--faults", "6", "--seed", "5", "--only", bad, "--out", str(tmp_path / "x")])
     assert "--only" in capsys.readouterr().err
+
+
+# -- the judge of an in-process case: restart attempts and every recovery ----------------------------------------
+
+
+def _inprocess_run(tmp_path: Path, *, kind: str = "inproc-kill") -> tuple[Case, Path, Path]:
+    """A finished in-process case whose losses and finals equal its failure-free run's (the judge reads files)."""
+    case = next(c for c in draw_cases(40, 2027, steps=6) if c.kind == kind)
+    base = _write_run(tmp_path / "base", {0: [(0, 2.5, 0), (1, 2.25, 0)]}, {"params": "x"})
+    run = _write_run(tmp_path / "run", {0: [(0, 2.5, 0), (1, 2.25, 0)]}, {"params": "x"})
+    (run / "fault.json").write_text(json.dumps({"unix": 1_700_000_000.0}))
+    if case.planned_faults is not None:
+        (run / "faults.jsonl").write_text("".join(json.dumps({"n": i}) + "\n" for i in range(len(case.planned_faults))))
+    return case, base, run
+
+
+def _timeline(run: Path, attempt: object, name: str, *, t0: float, mttr: float, detect: float) -> None:
+    (run / "reports").mkdir(exist_ok=True)
+    (run / "reports" / name).write_text(json.dumps({
+        "attempt": attempt, "mode": "in-process", "mttr_s": mttr, "phases_s": {"detect": detect, "abort": 0.1},
+        "events_unix": {"last_snapshot": t0, "failure_noticed": t0 + detect}}))
+
+
+def _judge(case: Case, base: Path, run: Path, log: str) -> Outcome:
+    from tools.campaign.runner import judge_run
+
+    return judge_run(case, out=run, rc=0, log=log, wall=1.0, base=base, work=run.parent, steps=6,
+                     config=run / "nckpt.yaml")
+
+
+def test_a_give_up_line_without_a_restart_attempt_is_not_counted_as_a_restart(tmp_path: Path) -> None:
+    from tools.campaign.judge import restart_attempts
+    from tools.campaign.runner import GAVE_UP
+
+    case, base, run = _inprocess_run(tmp_path)
+    (run / "report.rank0.attempt0.json").write_text("{}")
+    (run / "report.rank0.attempt0.1.json").write_text("{}")  # the in-process recovery: no restart
+    _timeline(run, "0.1", "recovery_timeline.attempt0.1.json", t0=100.0, mttr=0.5, detect=0.05)
+    log = f"[node1] neighbor_ckpt: {GAVE_UP}: the replacement started after the job completed\n"
+    assert restart_attempts(run) == []
+    o = _judge(case, base, run, log)
+    assert o.result == "exact" and "no restart attempt ran" in o.detail and recovery_mode(o) == "in-process"
+    # the same line with a restart attempt that ran (its recovery reports): the restart path recovered
+    (run / "report.rank1.attempt1.json").write_text("{}")
+    assert restart_attempts(run) == [1]
+    o = _judge(case, base, run, log)
+    assert o.result == "fallback" and recovery_mode(o) == "restart"
+    assert _judge(case, base, run, "").result == "exact", "no give-up line: the restart reports alone change nothing"
+
+
+def test_every_recovery_of_a_case_has_its_mttr_and_detection_in_order_however_its_timelines_are_named(
+        tmp_path: Path) -> None:
+    case, base, run = _inprocess_run(tmp_path, kind="inproc-two-faults")
+    # two recoveries of one launch; names that sort the other way round than the recoveries happened
+    _timeline(run, "0.2", "recovery_timeline.attempt0.2.json", t0=200.0, mttr=0.7, detect=0.06)
+    _timeline(run, "0.1", "recovery_timeline.attempt0.1.r1.json", t0=100.0, mttr=0.5, detect=0.05)
+    (run / "reports" / "recovery_timeline.attempt0.3.json.tmp").write_text("{")  # being written: not a timeline
+    o = _judge(case, base, run, "")
+    assert o.result == "exact" and o.mttr_s == 0.5
+    assert [(r["attempt"], r["mttr_s"], r["detection_s"]) for r in o.recoveries] == [("0.1", 0.5, 0.05),
+                                                                                   ("0.2", 0.7, 0.06)]
+    from tools.campaign.report import mttrs
+
+    assert mttrs(o) == [0.5, 0.7]
+    row = {r["kind"]: r for r in summary([o])}["inproc-two-faults"]
+    assert row["mttr_s"]["in-process"] == {"n": 2, "median": 0.6, "max": 0.7}, "both recoveries are timed"
+    # kept through the outcomes file, as a resumed campaign or --report reads it
+    (tmp_path / "outcomes.jsonl").write_text(json.dumps(dataclasses.asdict(o)) + "\n")
+    (back,) = load_outcomes(tmp_path / "outcomes.jsonl")
+    assert back == o and mttrs(back) == [0.5, 0.7]
+
+
+def test_an_outcome_recorded_before_every_recovery_was_kept_still_loads_and_counts_its_one_mttr(tmp_path: Path) -> None:
+    case = draw_cases(1, 3, steps=6)[0]
+    old = {k: v for k, v in dataclasses.asdict(Outcome(case, "exact", mttr_s=2.0)).items() if k != "recoveries"}
+    (tmp_path / "outcomes.jsonl").write_text(json.dumps(old) + "\n")
+    (o,) = load_outcomes(tmp_path / "outcomes.jsonl")
+    assert o.recoveries == () and summary([o])[-1]["mttr_s"][recovery_mode(o)] == {"n": 1, "median": 2.0, "max": 2.0}
+
+
+def test_a_restart_path_case_takes_its_mttrs_from_the_log_and_its_hang_detection_from_the_fault(tmp_path: Path) -> None:
+    case = next(c for c in draw_cases(40, 2027, steps=6) if c.kind == "hang")
+    base = _write_run(tmp_path / "base", {0: [(0, 2.5, 0), (1, 2.25, 0)]}, {"params": "x"})
+    run = _write_run(tmp_path / "run", {0: [(0, 2.5, 0), (1, 2.25, 0)]}, {"params": "x"})
+    (run / "fault.json").write_text(json.dumps({"unix": 1_700_000_000.0}))
+    log = ("[rank0] neighbor_ckpt: detected a failure (silent) at unix 1700000003.25\n"
+           "[rank0] neighbor_ckpt: recovery MTTR 9.50 s = ...\n")
+    o = _judge(case, base, run, log)
+    assert o.result == "exact" and o.detection_s == pytest.approx(3.25) and o.mttr_s == 9.5
+    assert [(r["mttr_s"], r["file"]) for r in o.recoveries] == [(9.5, "log")]
+    assert o.recoveries[0]["detection_s"] == pytest.approx(3.25)

@@ -78,5 +78,5 @@ def test_check_on_this_process_fails_on_a_leaked_thread_and_passes_once_it_is_go
         assert check(baseline, 1, allowed_prefixes=("leaked-",)).ok
     finally:
         stop.set()
-        leaked.join(5)
+        leaked.join(120)
     assert check(baseline, 1).ok

@@ -30,6 +30,8 @@ from neighbor_ckpt.report.timeline import (EVENTS, EVENTS_INPROCESS, PHASES, PHA
                                            compute_timeline, newest_commit_unix, wait_for_renders, write_timeline)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RENDER_LIMIT_S = 300.0
+"""How long a test waits for a picture being drawn in the background (generous: a loaded machine is slow)."""
 T0 = 1_700_000_000.0
 
 
@@ -226,9 +228,10 @@ def test_write_timeline_draws_the_png_in_a_process_of_its_own(tmp_path: Path) ->
     tl = compute_timeline([rank_events()], first_step_end=T0 + 7.0, attempt=4, outcome="restored", iteration=2)
     out = write_timeline(tl, tmp_path)
     assert out.path_json is not None and json.loads(out.path_json.read_text())["png"] == str(out.path_png)
-    (proc,) = timeline_mod._renders
+    ((proc, png),) = timeline_mod._renders
     assert proc.args[1:5] == ["-m", "neighbor_ckpt.report.timeline_png", "--parent", str(os.getpid())]
-    wait_for_renders()
+    assert png == out.path_png
+    assert wait_for_renders(timeout=RENDER_LIMIT_S), f"the picture was not drawn within {RENDER_LIMIT_S} s"
     assert proc.returncode == 0 and not timeline_mod._renders
     assert out.path_png is not None and out.path_png.read_bytes()[:8] == PNG_MAGIC
     assert not list(tmp_path.glob("*.tmp")), "the picture is renamed into place"
@@ -452,7 +455,8 @@ def test_reporter_timeline_after_the_first_step(tmp_path: Path, caplog: pytest.L
         tl = rep.finish_timeline(T0 + 7.0, step=8)
     assert not rep.timeline_pending and tl is not None
     assert tl.path_png == tmp_path / "reports" / "recovery_timeline.attempt1.png"
-    wait_for_renders()  # drawn off the calling (training) thread
+    # drawn off the calling (training) thread
+    assert wait_for_renders(timeout=RENDER_LIMIT_S), f"the picture was not drawn within {RENDER_LIMIT_S} s"
     assert tl.path_png.read_bytes()[:8] == PNG_MAGIC and tl.path_json is not None and tl.path_json.exists()
     assert any(r.getMessage().startswith("neighbor_ckpt: recovery MTTR 7.00 s") and str(tl.path_png) in r.getMessage()
                for r in caplog.records)
@@ -529,7 +533,9 @@ import torch, torch.distributed as dist
 from neighbor_ckpt import NeighborCkptConfig
 from neighbor_ckpt.adapters import TorchOptimizerAdapter
 from neighbor_ckpt.checkpointer import NeighborCheckpointer
+from neighbor_ckpt.report import timeline
 
+timeline.RENDER_WAIT_S = __RENDER_LIMIT_S__  # the exit waits for the picture; the test's bound, not the product's, on a slow machine
 logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s", stream=sys.stdout)
 tmp = Path(sys.argv[1]); fail = sys.argv[2] == "fail"
 dist.init_process_group("gloo", init_method=f"file://{tmp}/pg{os.environ['TORCHELASTIC_RESTART_COUNT']}",
@@ -558,7 +564,7 @@ if fail:
     ckpt.on_failure("RuntimeError: injected")
     ckpt.close(success=False)
 else:
-    ckpt.close(success=False)
+    ckpt.close(success=False)  # no wait here: the interpreter's exit waits for the picture
     tl = ckpt.last_timeline
     out["timeline"] = None if tl is None else {"phases": dict(tl.phases), "png": str(tl.path_png),
                                                "json": str(tl.path_json), "notes": list(tl.notes)}
@@ -571,7 +577,8 @@ def _run_job(tmp_path: Path, mode: str, attempt: int) -> tuple[dict[str, Any], s
     env = dict(os.environ, TORCHELASTIC_RESTART_COUNT=str(attempt), PYTHONPATH=str(Path(__file__).parents[2]))
     env.pop("NEIGHBOR_CKPT_STORE_DIR", None)
     env.pop("NEIGHBOR_CKPT_JOB_ID", None)
-    proc = subprocess.run([sys.executable, "-c", _JOB, str(tmp_path), mode], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _JOB.replace("__RENDER_LIMIT_S__", repr(RENDER_LIMIT_S)), str(tmp_path), mode], env=env,
+                          capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -596,6 +603,8 @@ def test_checkpointer_reports_status_and_writes_the_timeline_after_recovery(tmp_
     assert tl is not None and tl["notes"] == []
     assert all(v is not None and v >= 0 for v in tl["phases"].values())
     assert Path(tl["png"]) == tmp_path / "reports" / "recovery_timeline.attempt1.png"
+    # The job process ended right after close(): its exit waited for the picture (whose process dies with it).
+    assert Path(tl["png"]).exists(), "the job exited without drawing its recovery timeline's picture:\n" + log[-3000:]
     assert Path(tl["png"]).read_bytes()[:8] == PNG_MAGIC
     data = json.loads(Path(tl["json"]).read_text())
     assert data["outcome"] == "restored" and data["iteration"] == 5
@@ -621,3 +630,21 @@ def test_lightning_report_dir_never_lands_in_the_package_sources(tmp_path: Path)
     repo = Path(__file__).parents[2]  # a run from the repository root without a logger
     assert default_report_dir(repo) == repo / "neighbor_ckpt_reports"
     assert not (default_report_dir(repo) / "__init__.py").exists()
+
+
+def test_the_wait_for_a_picture_is_bounded_and_says_when_it_gives_up(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from neighbor_ckpt.report import timeline as timeline_mod
+
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a drawing that never ends
+    try:
+        with timeline_mod._renders_lock:
+            timeline_mod._renders.append((stuck, tmp_path / "t.png"))
+        with caplog.at_level(logging.WARNING, logger="neighbor_ckpt.report.timeline"):
+            assert not wait_for_renders(timeout=0.0)
+        assert any("gave up waiting" in r.getMessage() and str(tmp_path / "t.png") in r.getMessage()
+                   for r in caplog.records)
+        assert not timeline_mod._renders
+    finally:
+        stuck.kill()
+        stuck.wait()

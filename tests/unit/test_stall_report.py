@@ -15,7 +15,7 @@ log = logging.getLogger("test-stall")
 
 
 def _blocked_here(release: threading.Event) -> None:
-    release.wait(5)
+    release.wait(120)
 
 
 def test_a_block_that_overruns_logs_every_threads_stack_then_calls_then(caplog: pytest.LogCaptureFixture) -> None:
@@ -24,7 +24,7 @@ def test_a_block_that_overruns_logs_every_threads_stack_then_calls_then(caplog: 
     other.start()
     with caplog.at_level(logging.WARNING, logger="test-stall"):
         with stall_report("the clean-up", 0.05, log, then=called.set):
-            assert called.wait(5), "then() runs after the report, while the block still runs"
+            assert called.wait(120), "then() runs after the report, while the block still runs"
     release.set()
     other.join()
     (rec,) = [r for r in caplog.records if "has taken more than" in r.getMessage()]

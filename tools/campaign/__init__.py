@@ -37,8 +37,10 @@ steps before the fault exact, the later ones within 1e-4 and on the same samples
 ``FAILED``
 (anything else: divergence, a crash, a hang past the deadline). For hangs the table also gives the detection
 time: from the moment the victim stopped (``fault.json``) to the first rank's detection log line. An in-process case
-whose recovery gave up (announced) and that the restart path then recovered exactly is a ``fallback`` too; its MTTR
-is the recovery timeline's (fault to the first completed step).
+whose recovery gave up (announced) and that the restart path then recovered exactly is a ``fallback`` too, when a
+restart attempt really ran (its recovery reports exist; a give-up line alone is no restart). Every recovery of a case
+is kept with its MTTR and detection (``Outcome.recoveries``, from its recovery timelines, fault to the first completed
+step); the table's MTTR columns count every recovery.
 
 Cases are drawn from ``random.Random(seed)``: the seed reproduces the campaign. Usage::
 

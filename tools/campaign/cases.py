@@ -265,8 +265,14 @@ class Outcome:
     """``exact``, ``resized``, ``fallback``, ``stopped`` or ``FAILED`` (the package's docstring says when)."""
     detail: str = ""
     detection_s: float | None = None
+    """The hang's detection time (the first recovery's; None: not a hang, or unknown)."""
     mttr_s: float | None = None
+    """The first recovery's MTTR (every recovery's: :attr:`recoveries`)."""
     wall_s: float = 0.0
+    recoveries: tuple[dict[str, Any], ...] = ()
+    """Every recovery of the case, in order: ``attempt``, ``mode``, ``mttr_s`` and ``detection_s`` (the ``detect``
+    phase of its timeline; None where unknown), and where they come from (``file``: a recovery timeline, or ``log``:
+    the MTTR line of a run whose timelines are elsewhere). Empty in outcomes recorded before it existed."""
 
 
 def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequence[str] = KINDS) -> list[Case]:

@@ -9,7 +9,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "compare_fallback", "compare_resized", "failure_lines", "insurance_iteration"]
+__all__ = ["compare", "compare_fallback", "compare_resized", "failure_lines", "insurance_iteration", "recoveries",
+           "restart_attempts"]
+
+_REPORT_RE = re.compile(r"^report\.rank\d+\.attempt(\d+)(?:\.\d+)*\.json$")
 
 
 def _losses_by_attempt(out: Path) -> dict[int, dict[int, list[tuple[int, str]]]]:
@@ -97,6 +100,51 @@ def insurance_iteration(run: Path) -> int | None:
         if rep.get("outcome") == "insurance" and rep.get("iteration") is not None:
             its.add(int(rep["iteration"]))
     return its.pop() if len(its) == 1 else None
+
+
+def _launch_of(attempt: Any) -> int | None:
+    """The launcher attempt of a record's ``attempt`` (``3`` or ``"<launch>.<in-process restart>"``)."""
+    try:
+        return int(str(attempt).split(".")[0])
+    except ValueError:
+        return None
+
+
+def _timelines(run: Path) -> list[dict[str, Any]]:
+    """Every recovery timeline rank 0 wrote to ``<run>/reports`` (``recovery_timeline.*.json``, however many per
+    attempt), in the order the recoveries happened (their first known event; the file name breaks ties)."""
+    found = []
+    for path in (run / "reports").glob("recovery_timeline.*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # half written: a job killed while writing it
+        if not isinstance(data, dict):
+            continue
+        times = [t for t in (data.get("events_unix") or {}).values() if isinstance(t, (int, float))]
+        found.append((min(times) if times else float("inf"), path.name, data))
+    return [dict(data, file=name) for _, name, data in sorted(found, key=lambda x: (x[0], x[1]))]
+
+
+def restart_attempts(run: Path) -> list[int]:
+    """The launcher attempts after the first (restart count >= 1) that really ran in ``run``: a process of that
+    attempt wrote its recovery report (``report.rank<R>.attempt<N>[.<M>].json``) or rank 0 its recovery timeline."""
+    launches = {int(m.group(1)) for p in run.glob("report.rank*.attempt*.json") if (m := _REPORT_RE.match(p.name))}
+    launches.update(n for t in _timelines(run) if (n := _launch_of(t.get("attempt"))) is not None)
+    return sorted(n for n in launches if n >= 1)
+
+
+def recoveries(run: Path) -> list[dict[str, Any]]:
+    """One entry per recovery of ``run`` (every recovery timeline, in order): ``attempt``, ``mode`` (``in-process``
+    or ``restart``), ``mttr_s`` (the timeline's MTTR) and ``detection_s`` (its ``detect`` phase; None: unknown), and
+    the timeline's ``file``."""
+    out = []
+    for t in _timelines(run):
+        mttr, detect = t.get("mttr_s"), (t.get("phases_s") or {}).get("detect")
+        out.append({"attempt": t.get("attempt"), "mode": t.get("mode"),
+                    "mttr_s": None if mttr is None else float(mttr),
+                    "detection_s": None if detect is None else float(detect), "file": t["file"]})
+    return out
 
 
 def compare_fallback(base: Path, resumed: Path, run: Path, *, insurance_step: int) -> str:

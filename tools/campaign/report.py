@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from .cases import KINDS, Case, Outcome
 
-__all__ = ["MODES", "RESULTS", "load_outcomes", "recovery_mode", "results_document", "summarize", "summary"]
+__all__ = ["MODES", "RESULTS", "load_outcomes", "mttrs", "recovery_mode", "results_document", "summarize", "summary"]
 
 RESULTS = ("exact", "resized", "fallback", "stopped", "FAILED")
 """The outcomes a case can have, in table order (:class:`~tools.campaign.cases.Outcome`)."""
@@ -24,12 +24,20 @@ checkpoint)."""
 
 
 def recovery_mode(outcome: Outcome) -> str | None:
-    """The :data:`MODES` entry ``outcome`` recovered by; None when it did not recover (``stopped``, ``FAILED``)."""
+    """The :data:`MODES` entry ``outcome`` recovered by; None when it did not recover (``stopped``, ``FAILED``). A
+    ``restart`` of an in-process case is one whose restart attempt ran (:func:`~tools.campaign.runner.judge_run`)."""
     if outcome.result == "fallback":
         return "restart" if "gave up" in outcome.detail else "insurance"
     if outcome.result in ("exact", "resized"):
         return "in-process" if outcome.case.inprocess else "restart"
     return None
+
+
+def mttrs(outcome: Outcome) -> list[float]:
+    """The MTTR of every recovery of ``outcome`` (:attr:`Outcome.recoveries`; an outcome recorded before they were
+    kept: its one ``mttr_s``)."""
+    every = [float(r["mttr_s"]) for r in outcome.recoveries if r.get("mttr_s") is not None]
+    return every or ([outcome.mttr_s] if outcome.mttr_s is not None else [])
 
 
 def _spread(values: Sequence[float]) -> dict[str, float | int] | None:
@@ -40,7 +48,8 @@ def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     """One row per kind drawn (in :data:`~tools.campaign.cases.KINDS` order) and a last one for ``all``: the number of
     cases, the count of each of :data:`RESULTS`, ``unexpected`` (fallbacks where an in-memory version should have
     existed: not a failure, nothing wrong was loaded, but a rollback further than needed), the detection times of
-    hangs and, per :data:`MODES` entry, the MTTRs (each ``{"n", "median", "max"}`` in seconds, or None)."""
+    hangs and, per :data:`MODES` entry, the MTTRs of every recovery of its cases (a two-fault case counts twice; each
+    ``{"n", "median", "max"}`` in seconds, or None)."""
     rows = []
     for kind in [k for k in KINDS if any(o.case.kind == k for o in outcomes)] + ["all"]:
         mine = [o for o in outcomes if kind in ("all", o.case.kind)]
@@ -48,7 +57,7 @@ def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
         row.update({r: sum(o.result == r for o in mine) for r in RESULTS})
         row["unexpected"] = sum(o.result == "fallback" and not o.case.may_fall_back for o in mine)
         row["detection_s"] = _spread([o.detection_s for o in mine if o.detection_s is not None])
-        row["mttr_s"] = {mode: _spread([o.mttr_s for o in mine if o.mttr_s is not None and recovery_mode(o) == mode])
+        row["mttr_s"] = {mode: _spread([m for o in mine if recovery_mode(o) == mode for m in mttrs(o)])
                          for mode in MODES}
         rows.append(row)
     return rows
@@ -60,7 +69,7 @@ def _cell(spread: dict[str, float | int] | None, digits: int) -> str:
 
 def summarize(outcomes: Sequence[Outcome]) -> str:
     """The campaign table (markdown) of :func:`summary`: outcome counts per kind, detection times (median / max) and
-    the MTTR (median / max) of each recovery mode."""
+    the MTTR (median / max, over every recovery) of each recovery mode."""
     lines = ["| fault | cases | exact | resized | fallback | (unexpected) | stopped | FAILED | detection s (median / max) "
              "| MTTR s in process (median / max) | MTTR s restart (median / max) | MTTR s insurance (median / max) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -93,7 +102,8 @@ def results_document(settings: dict[str, Any], outcomes: Sequence[Outcome], *,
 
 
 def _outcome_from_json(record: dict[str, Any]) -> Outcome:
-    return Outcome(**{**record, "case": Case(**record["case"])})
+    return Outcome(**{**record, "case": Case(**record["case"]),
+                      "recoveries": tuple(record.get("recoveries") or ())})
 
 
 def load_outcomes(path: Path) -> list[Outcome]:

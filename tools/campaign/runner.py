@@ -23,11 +23,12 @@ from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
 from neighbor_ckpt.snapshot.store import rank_dir
 
 from .cases import KINDS, NODES, SPARES, WORLD, Case, Outcome, draw_cases
-from .judge import compare, compare_fallback, compare_resized, failure_lines, insurance_iteration
-from .report import load_outcomes, results_document, summarize
+from .judge import (compare, compare_fallback, compare_resized, failure_lines, insurance_iteration, recoveries,
+                    restart_attempts)
+from .report import load_outcomes, mttrs, results_document, summarize
 
-__all__ = ["RECIPE", "inprocess_job", "main", "resume_baseline", "resume_point", "run_case", "source_version",
-           "write_config"]
+__all__ = ["RECIPE", "GAVE_UP", "inprocess_job", "judge_run", "main", "resume_baseline", "resume_point", "run_case",
+           "source_version", "write_config"]
 
 RECIPE = RECIPES_DIR / "mcore_gpt_plain_loop.py"
 """The recipe every case runs (the package's, ``recipes/`` in the checkout)."""
@@ -36,6 +37,8 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 _DETECTED_RE = re.compile(r"detected a failure \((\w+)\) at unix ([0-9.]+)")
 _MTTR_RE = re.compile(r"recovery MTTR ([0-9.]+) s")
+GAVE_UP = "in-process recovery gives up"
+"""The engine's announcement that an in-process recovery gave up (the launch then stops for the restart path)."""
 
 
 def _free_port() -> int:
@@ -116,22 +119,17 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
     return rc, log.read_text(errors="replace")
 
 
-def _timeline_mttr(out: Path) -> float | None:
-    """The MTTR of the recovery timeline rank 0 wrote (in process: fault to the first completed step)."""
-    for path in sorted((out / "reports").glob("recovery_timeline.*.json")):
-        value = json.loads(path.read_text()).get("mttr_s")
-        if value is not None:
-            return float(value)
-    return None
+def _recoveries(out: Path, log: str, hang_detection: float | None) -> list[dict[str, Any]]:
+    """Every recovery of a case: its recovery timelines (in process, and the restart attempts of an in-process case:
+    ``<out>/reports``), else the MTTR lines of the log (the restart path writes its timelines beside the host store),
+    the first with the hang's ``hang_detection``."""
+    found = recoveries(out)
+    if found:
+        return found
+    return [{"attempt": None, "mode": None, "mttr_s": float(m.group(1)),
+             "detection_s": hang_detection if i == 0 else None, "file": "log"}
+            for i, m in enumerate(_MTTR_RE.finditer(log))]
 
-
-def _timeline_detect(out: Path) -> float | None:
-    """The ``detect`` phase of the recovery timeline rank 0 wrote (in process: fault to the failure's record)."""
-    for path in sorted((out / "reports").glob("recovery_timeline.*.json")):
-        value = (json.loads(path.read_text()).get("phases_s") or {}).get("detect")
-        if value is not None:
-            return float(value)
-    return None
 
 def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, timeout: float = 420,
              insurance_every: int = 0) -> Outcome:
@@ -154,15 +152,28 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
         rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
                             config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
                             insurance_every=insurance_every)
-    wall = time.time() - t0
+    return judge_run(case, out=out, rc=rc, log=log, wall=time.time() - t0, base=base, work=work, steps=steps,
+                     config=config)
+
+
+def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Path, work: Path, steps: int,
+              config: Path) -> Outcome:
+    """The outcome of ``case``'s run in ``out`` (exit status ``rc``, launcher output ``log``, ``wall`` seconds), judged
+    against the failure-free run ``base``; a fallback to insurance runs the failure-free run resumed from it. An
+    in-process case counts as recovered by the restart path only when a restart attempt really ran (its recovery
+    reports exist): a give-up line alone (a late replacement that gave up, say) does not make one."""
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
     detection = None
-    if case.signal == "SIGSTOP" and detected and (out / "fault.json").exists():
+    seen_in_log = case.signal == "SIGSTOP" and bool(detected) and (out / "fault.json").exists()
+    if seen_in_log:  # the hang's detection: from the victim's stop to the first detection line
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
-    elif case.signal in ("SIGSTOP", "block") and case.inprocess:
-        detection = _timeline_detect(out)
-    mttr = [float(m.group(1)) for m in _MTTR_RE.finditer(log)] or [x for x in [_timeline_mttr(out)] if x is not None]
-    common = dict(detection_s=detection, mttr_s=mttr[0] if mttr else None, wall_s=wall)
+    all_recoveries = _recoveries(out, log, detection)
+    if not seen_in_log and case.signal in ("SIGSTOP", "block") and case.inprocess:
+        detection = next((r["detection_s"] for r in all_recoveries if r["detection_s"] is not None), None)
+    mttr = next((r["mttr_s"] for r in all_recoveries if r["mttr_s"] is not None), None)
+    common = dict(detection_s=detection, mttr_s=mttr, wall_s=wall, recoveries=tuple(all_recoveries))
+    gave_up = case.inprocess and GAVE_UP in log
+    restarted = bool(restart_attempts(out))
     if not (out / "fault.json").exists():
         return Outcome(case, "FAILED", "the fault never fired", **common)
     if case.recovery_rank is not None and not (out / "fault.recovery.json").exists():
@@ -191,17 +202,20 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
         return Outcome(case, "FAILED" if diff else "fallback",
                        diff or f"announced fallback to insurance {k}, bit-exact with the failure-free run resumed "
                                "from it", **common)
+    no_restart = ("; a process announced that its in-process recovery gives up, but no restart attempt ran"
+                  if gave_up and not restarted else "")
     if case.spec.shrink:
         diff = compare_resized(base, out, fault_step=case.step)
-        if not diff and "in-process recovery gives up" in log:
+        if not diff and gave_up and restarted:
             diff = "in-process recovery gave up instead of shrinking"
         return Outcome(case, "FAILED" if diff else "resized",
-                       diff or "shrank in process: the global batch's samples kept, losses within 1e-4", **common)
+                       diff or "shrank in process: the global batch's samples kept, losses within 1e-4" + no_restart,
+                       **common)
     diff = compare(base, out)
-    if case.inprocess and not diff and "in-process recovery gives up" in log:
+    if not diff and gave_up and restarted:
         return Outcome(case, "fallback", "in-process recovery gave up (announced); the restart path recovered "
                                          "exactly", **common)
-    return Outcome(case, "FAILED" if diff else "exact", diff, **common)
+    return Outcome(case, "FAILED" if diff else "exact", diff or no_restart.removeprefix("; "), **common)
 
 
 def resume_baseline(case: Case, *, run: Path, work: Path, steps: int, config: Path, insurance_step: int,
@@ -392,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{case.index + 1}/{args.faults}] {case.kind:20s} rank {case.rank} step {case.step} {case.phase:9s} "
               f"tp{case.tp} {'distopt' if case.dist_opt else 'replicated':10s} -> {o.result} "
               + (f"(detected in {o.detection_s:.2f} s) " if o.detection_s is not None else "")
-              + (f"(MTTR {o.mttr_s:.2f} s) " if o.mttr_s is not None else "")
+              + (f"(MTTR {', '.join(f'{m:.2f}' for m in mttrs(o))} s) " if mttrs(o) else "")
               + f"{o.wall_s:.0f} s {o.detail}", flush=True)
     return _finish(work, settings, outcomes, args.results)
 

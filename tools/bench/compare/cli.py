@@ -19,7 +19,7 @@ import tools.bench.compare as _package
 from tools.bench.compare.gpt import CPU_SHAPE, GPU_SHAPE, HEADS, HIDDEN, LAYERS, SEQ, SHAPE_KEYS, VOCAB
 from tools.bench.compare.projection import projection
 from tools.bench.compare.runner import one_line
-from tools.bench.compare.systems import VARIANTS
+from tools.bench.compare.systems import ALTERNATIVES, VARIANTS, runnable
 from tools.bench.compare.tables import render
 from tools.bench.compare.worker import profile_worker, train_worker
 
@@ -78,6 +78,16 @@ def _machine(store_root: Path, device: str = "cpu") -> dict[str, Any]:
         info["device"] = "cuda"
         info.update(_gpu_info())
     return info
+
+
+def plan_line(variants: list[str], skipped: dict[str, str]) -> str:
+    """What a run will compare, in one line per skipped variant and one for the run: ``skipped nvrx_local: needs
+    nvidia_resiliency_ext, not installed`` ... ``comparing base, neighbor, dcp_async (alternatives: dcp_async)``."""
+    alternatives = [v for v in variants if v in ALTERNATIVES]
+    lines = [f"tools.bench.compare: skipped {name}: {why}" for name, why in skipped.items()]
+    lines.append(f"tools.bench.compare: comparing {', '.join(variants)} (alternatives: "
+                 f"{', '.join(alternatives) if alternatives else 'none'})")
+    return "\n".join(lines)
 
 
 def resolve_args(args: argparse.Namespace, gpu_count: int = 0) -> None:
@@ -175,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in variants if v not in VARIANTS]
     if bad or "base" not in variants:
         ap.error(f"--variants: unknown {bad}" if bad else "--variants must include base")
+    variants, skipped = runnable(variants)
+    if not (args.from_json or args.profile_snapshot):
+        print(plan_line(variants, skipped), flush=True)
     scales = [int(x) for x in args.scales.split(",") if x.strip()]
 
     base_dir = Path(args.store_dir)
@@ -232,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                         p.kill()
                 raise TimeoutError(f"benchmark did not finish within {args.timeout:.0f} s")
         res = json.loads(Path(cfg["out"]).read_text())
+        res["main"]["skipped"] = skipped
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         print(f"tools.bench.compare: failed: {one_line(e)}", file=sys.stderr)

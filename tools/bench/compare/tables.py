@@ -107,6 +107,8 @@ def render(res: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) 
                       _fmt_bytes(r["bytes_per_save_job"]), _cpu_cell(r["cpu"].get("process"), base_cpu, name)])
     out.append(md_table(hdr, table))
     out.append("")
+    for name, why in main.get("skipped", {}).items():
+        out.append(f"* {name}: skipped: {why}")
     for name, why in main["failed"].items():
         out.append(f"* {name}: could not run here: {why}")
     for name in order:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Callable, Sequence
+
 from tools.bench.compare.systems.base import Base
 from tools.bench.compare.systems.dcp import DcpAsync
 from tools.bench.compare.systems.lightning_write import LightningSave
@@ -33,5 +36,28 @@ CLASSES: dict[str, type[Variant]] = {"base": Base, "neighbor": Neighbor, "dcp_as
                                      "nvrx_local": NvrxLocal, "nvrx_local_repl": NvrxLocalRepl,
                                      "neighbor_local": NeighborLocal, "neighbor_nosum": NeighborNoSum}
 
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def runnable(names: Sequence[str], *, installed: Callable[[str], bool] = _installed
+             ) -> tuple[list[str], dict[str, str]]:
+    """``names`` split into the variants whose packages (:attr:`Variant.requires`) are installed, in order, and the
+    others, each with the reason it is skipped (``"needs nvidia_resiliency_ext, not installed"``). ``installed``:
+    whether a top-level package can be imported (looked up, not imported)."""
+    kept: list[str] = []
+    skipped: dict[str, str] = {}
+    for name in names:
+        missing = [p for p in CLASSES[name].requires if not installed(p)]
+        if missing:
+            skipped[name] = f"needs {', '.join(missing)}, not installed"
+        else:
+            kept.append(name)
+    return kept, skipped
+
+
 __all__ = ["ALTERNATIVES", "CLASSES", "DESCRIPTIONS", "DIAGNOSTICS", "VARIANTS", "Base", "DcpAsync", "LightningSave",
-           "McoreAsync", "Neighbor", "NeighborLocal", "NeighborNoSum", "NvrxLocal", "NvrxLocalRepl", "Variant"]
+           "McoreAsync", "Neighbor", "NeighborLocal", "NeighborNoSum", "NvrxLocal", "NvrxLocalRepl", "Variant",
+           "runnable"]

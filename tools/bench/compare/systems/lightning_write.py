@@ -10,6 +10,7 @@ from neighbor_ckpt.runtime.procs import dir_bytes
 
 class LightningSave(Variant):
     name = "lightning_save"
+    requires = ("lightning",)
 
     def setup(self) -> None:
         import lightning

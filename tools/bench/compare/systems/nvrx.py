@@ -13,6 +13,7 @@ from neighbor_ckpt.runtime.procs import dir_bytes
 class NvrxLocal(Variant):
     name = "nvrx_local"
     replicate = False
+    requires = ("nvidia_resiliency_ext",)
 
     def setup(self) -> None:
         from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict

@@ -26,6 +26,10 @@ class Variant:
 
     name = "?"
     mode_note = ""
+    requires: tuple[str, ...] = ()
+    """Top-level packages the system needs beyond the benchmark's own (torch, megatron-core); when one is not
+    installed the variant is skipped with one line, before any rank starts (:func:`~tools.bench.compare.systems.
+    runnable`)."""
 
     def __init__(self, tr: Trainer, root: Path, rank: int, world: int, tag: str) -> None:
         self.tr, self.root, self.rank, self.world, self.tag = tr, root / tag, rank, world, tag
