@@ -133,8 +133,8 @@ class NeighborCheckpoint(Callback):
     def __init__(self, config: NeighborCkptConfig | None = None, *, bridge_config: Any = None) -> None:
         super().__init__()
 
-        def refuse(config: NeighborCkptConfig) -> None:
-            if config.enabled and (config.insurance.every_n_steps or config.insurance.dirpath):
+        def refuse(cfg: NeighborCkptConfig) -> None:
+            if cfg.enabled and (cfg.insurance.every_n_steps or cfg.insurance.dirpath):
                 raise ConfigError("neighbor_ckpt.insurance under Megatron-Bridge: Bridge's own checkpoint "
                                   "(checkpoint.save, save_interval, checkpoint.load) is the insurance; leave "
                                   "neighbor_ckpt.insurance.every_n_steps at 0 and dirpath unset")
