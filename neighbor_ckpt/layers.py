@@ -72,8 +72,9 @@ LAYERS: tuple[Layer, ...] = (
     # -- framework glue
     _layer("neighbor_ckpt.inprocess", "in-place recovery: our engine, launcher, store host, rank assignment",
            *_CORE, "neighbor_ckpt.checkpointer", "megatron_patches"),
-    _layer("neighbor_ckpt.glue", "insurance, resume and data-position policy shared by every framework callback "
-           "(no framework, so no megatron_patches)", *_CORE, "neighbor_ckpt.checkpointer"),
+    _layer("neighbor_ckpt.glue", "what every framework callback shares: its set-up, the insurance, resume and "
+           "data-position policy, the state adapters, the RNG (no framework, so no megatron_patches)",
+           *_CORE, "neighbor_ckpt.checkpointer"),
     _layer("neighbor_ckpt.lightning", "the Lightning / NeMo 2 callback: thin, over the glue", *_THIN_GLUE),
     _layer("neighbor_ckpt.bridge", "the Megatron-Bridge callback: thin, over the glue", *_THIN_GLUE),
     _layer("neighbor_ckpt", "the public entry points (package __init__, lazy re-exports)", *_GLUE,
