@@ -39,6 +39,10 @@ _FOUNDATION = (_ERRORS, "neighbor_ckpt.validation", "neighbor_ckpt.config")
 _CORE = (*_FOUNDATION, "neighbor_ckpt.runtime", "neighbor_ckpt.snapshot", "neighbor_ckpt.recovery",
          "neighbor_ckpt.planning", "neighbor_ckpt.report", "neighbor_ckpt.adapters")
 _GLUE = (*_CORE, "neighbor_ckpt.checkpointer", "megatron_patches", "neighbor_ckpt.inprocess", "neighbor_ckpt.glue")
+_THIN_GLUE = (_ERRORS, "neighbor_ckpt.config", "neighbor_ckpt.checkpointer", "neighbor_ckpt.glue",
+              "neighbor_ckpt.inprocess", "megatron_patches")
+"""What a framework callback reaches: the checkpointer, the shared glue, the in-process engine and the megatron-core
+patches (plus the errors and the configuration); never the core behind them."""
 _LIBRARY = (*_GLUE, "neighbor_ckpt.lightning", "neighbor_ckpt.bridge", "neighbor_ckpt")
 
 LAYERS: tuple[Layer, ...] = (
@@ -68,10 +72,11 @@ LAYERS: tuple[Layer, ...] = (
     # -- framework glue
     _layer("neighbor_ckpt.inprocess", "in-place recovery: our engine, launcher, store host, rank assignment",
            *_CORE, "neighbor_ckpt.checkpointer", "megatron_patches"),
-    _layer("neighbor_ckpt.glue", "insurance, resume and data-position policy shared by every framework callback "
-           "(no framework, so no megatron_patches)", *_CORE, "neighbor_ckpt.checkpointer"),
-    _layer("neighbor_ckpt.lightning", "the Lightning / NeMo 2 callback", *_GLUE),
-    _layer("neighbor_ckpt.bridge", "the Megatron-Bridge callback", *_GLUE),
+    _layer("neighbor_ckpt.glue", "what every framework callback shares: its set-up, the insurance, resume and "
+           "data-position policy, the state adapters, the RNG (no framework, so no megatron_patches)",
+           *_CORE, "neighbor_ckpt.checkpointer"),
+    _layer("neighbor_ckpt.lightning", "the Lightning / NeMo 2 callback: thin, over the glue", *_THIN_GLUE),
+    _layer("neighbor_ckpt.bridge", "the Megatron-Bridge callback: thin, over the glue", *_THIN_GLUE),
     _layer("neighbor_ckpt", "the public entry points (package __init__, lazy re-exports)", *_GLUE,
            "neighbor_ckpt.lightning", "neighbor_ckpt.bridge"),
     # -- the top of the house: what runs the library

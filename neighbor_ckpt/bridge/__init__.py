@@ -11,7 +11,8 @@ In process (hot spares, ``pretrain`` called again in the surviving processes wit
 :func:`check_bridge_config` holds the refusals (pure; it reads the ``ConfigContainer`` only). Importing this package
 imports no Megatron-Bridge; ``NeighborCheckpoint`` imports it on first use.
 
-May import (:data:`neighbor_ckpt.layers.LAYERS`): the glue, the checkpointer, the core and ``megatron_patches``.
+May import (:data:`neighbor_ckpt.layers.LAYERS`): :mod:`neighbor_ckpt.glue`, the checkpointer,
+:mod:`neighbor_ckpt.inprocess`, ``megatron_patches``, the errors and the configuration; nothing else of the library.
 """
 
 from __future__ import annotations

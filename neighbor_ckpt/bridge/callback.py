@@ -55,12 +55,11 @@ from neighbor_ckpt.bridge.checks import check_bridge_config
 from neighbor_ckpt.checkpointer import NeighborCheckpointer, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.glue import Session, disk_checkpoint_wins
-from neighbor_ckpt.report.status import resolve_status_interval
-from neighbor_ckpt.runtime.detector import PAUSED
-from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
-from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
-from neighbor_ckpt.snapshot.rng import capture_rng, restore_rng
+from neighbor_ckpt.glue import rng
+from neighbor_ckpt.glue.adapters import megatron_adapter
+from neighbor_ckpt.glue.insurance import disk_checkpoint_wins
+from neighbor_ckpt.glue.session import Session
+from neighbor_ckpt.glue.setup import set_up_callback
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +132,18 @@ class NeighborCheckpoint(Callback):
 
     def __init__(self, config: NeighborCkptConfig | None = None, *, bridge_config: Any = None) -> None:
         super().__init__()
-        if config is not None and not isinstance(config, NeighborCkptConfig):
-            raise ConfigError(f"NeighborCheckpoint expects a NeighborCkptConfig, got {type(config).__name__}; "
-                              "build one with NeighborCkptConfig.from_yaml(...) or NeighborCkptConfig(...)")
-        self.config = config or NeighborCkptConfig()
-        if self.config.enabled and (self.config.insurance.every_n_steps or self.config.insurance.dirpath):
-            raise ConfigError("neighbor_ckpt.insurance under Megatron-Bridge: Bridge's own checkpoint "
-                              "(checkpoint.save, save_interval, checkpoint.load) is the insurance; leave "
-                              "neighbor_ckpt.insurance.every_n_steps at 0 and dirpath unset")
-        if bridge_config is not None:
-            check_bridge_config(bridge_config)
+
+        def refuse(cfg: NeighborCkptConfig) -> None:
+            if cfg.enabled and (cfg.insurance.every_n_steps or cfg.insurance.dirpath):
+                raise ConfigError("neighbor_ckpt.insurance under Megatron-Bridge: Bridge's own checkpoint "
+                                  "(checkpoint.save, save_interval, checkpoint.load) is the insurance; leave "
+                                  "neighbor_ckpt.insurance.every_n_steps at 0 and dirpath unset")
+            if bridge_config is not None:
+                check_bridge_config(bridge_config)
+
+        # The configuration checked (Bridge's refusals first); torchrun's restart and a replaced node's slot prepared
+        # before pretrain creates the process group.
+        self.config = set_up_callback(config, refuse=refuse)
         self.attempt: Any = None
         """Which attempt this is, for the checkpointer (None: the launcher's restart count); in process, the
         generation's ``AttemptInfo`` (:meth:`begin_attempt`)."""
@@ -154,8 +155,6 @@ class NeighborCheckpoint(Callback):
         if self.config.enabled:
             from megatron_patches.bridge import on_data_init
 
-            prepare_torchrun_restart()  # before pretrain creates the process group
-            prepare_replacement_slot(self.config)  # a replaced node's receive slot, while the model is built
             self._event = on_data_init(self._on_data_init)
 
     def _new_attempt_state(self) -> None:
@@ -164,7 +163,7 @@ class NeighborCheckpoint(Callback):
         """Insurance, resume and data-position policy (:mod:`neighbor_ckpt.glue`); owns the checkpointer."""
         self.winner: str | None = None
         """After the recovery: ``"in-memory"``, ``"bridge-checkpoint"`` or None (a fresh start)."""
-        self._pending_rng: dict[str, Any] | None = None
+        self._pending_rng = rng.PendingRng()
         self._dp_size = 1
 
     def begin_attempt(self, attempt: Any = None) -> None:
@@ -207,14 +206,11 @@ class NeighborCheckpoint(Callback):
         if self.session.checkpointer is not None:
             self._reset_attempt()  # pretrain called again (in process: the next generation): a new attempt
         check_bridge_config(ev.cfg)
-        if not dist.is_available() or not dist.is_initialized():
-            logger.warning("NeighborCheckpoint: torch.distributed is not initialized (single-process run); disabled")
-            self.config.enabled = False
+        if not self.session.distributed():
             return
         from megatron.core import parallel_state
 
         from megatron_patches import install_hooks, mcore_groups
-        from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
 
         cfg = ev.cfg
         groups = mcore_groups()
@@ -224,24 +220,21 @@ class NeighborCheckpoint(Callback):
         insurance = self.session.framework_insurance(
             lambda: load_dir if loaded else None, lambda _path: int(loaded) - 1,
             announce="Megatron-Bridge's own checkpoint (checkpoint.load), already loaded, is the insurance:")
-        ckpt = self.session.start(adapter=MegatronOptimizerAdapter(ev.model, ev.optimizer), insurance=insurance,
+        ckpt = self.session.start(adapter=megatron_adapter(ev.model, ev.optimizer), insurance=insurance,
                                   dp_group=groups.dp_group, model_parallel_coord=groups.coord, attempt=self.attempt,
                                   capture_rng_state=False, global_batch=cfg.train.global_batch_size,
                                   micro_batch_size=cfg.train.micro_batch_size)
         # The wait point before the first gradient collective, step tags on the optimizer step, and every micro-batch
         # megatron-core's forward-backward draws to the data check (train() takes get_forward_backward_func() later).
         self._hooks = install_hooks(ckpt, ev.optimizer)
-        rep = self.config.report
-        report_dir = Path(rep.dir) if rep.dir else (
-            Path(cfg.checkpoint.save) / "neighbor_ckpt_reports" if rep.timeline and cfg.checkpoint.save else None)
-        ckpt.reporter.attach(every_n_steps=resolve_status_interval(rep.status_every_n_steps, cfg.logger.log_interval),
-                             report_dir=report_dir)
+        self.session.attach_reporting(log_interval=cfg.logger.log_interval, default_report_dir=lambda: (
+            Path(cfg.checkpoint.save) / "neighbor_ckpt_reports" if cfg.checkpoint.save else None))
         resume = self.session.recover()
         restored = resume.result.iteration
         if resume.framework_loads:
             self.winner = "bridge-checkpoint"
             self.session.resumed_at(int(ev.train_state.step) - 1)
-            self._pending_rng = capture_rng()  # as Bridge's load left it: re-set after the iterators draw from it
+            self._pending_rng.keep_current()  # as Bridge's load left it: re-set after the iterators draw from it
             _announce("no complete in-memory version: Megatron-Bridge's checkpoint %s stands (iteration %d, %d steps "
                       "done)", load_dir, int(loaded) - 1, int(loaded))
             return
@@ -251,7 +244,7 @@ class NeighborCheckpoint(Callback):
                                                                              disk_step=int(loaded) - 1):
             ev.reload()  # Bridge's checkpoint is newer: loaded again over the in-memory version, announced
             self.winner = "bridge-checkpoint"
-            self._pending_rng = capture_rng()
+            self._pending_rng.keep_current()
             self.session.resumed_at(int(ev.train_state.step) - 1)
             _announce("Megatron-Bridge's checkpoint %s (iteration %d) is newer than the in-memory version (iteration "
                       "%d): loaded again over it", load_dir, int(loaded) - 1, restored)
@@ -277,7 +270,7 @@ class NeighborCheckpoint(Callback):
             # current one, which Bridge's own checkpoint load may have set already: start from zero
             scheduler.num_steps = 0
             scheduler.load_state_dict(state["scheduler"])
-        self._pending_rng = state.get("rng")
+        self._pending_rng.keep(state.get("rng"))
 
     def _training_state(self, context: Any) -> dict[str, Any]:
         """What a snapshot of the step just completed carries: ``train_state`` as Bridge leaves it after this event
@@ -299,13 +292,13 @@ class NeighborCheckpoint(Callback):
             "floating_point_operations_so_far": ts.floating_point_operations_so_far
             + flop_utils.num_floating_point_operations(cfg, batch),
             "scheduler": context.scheduler.state_dict() if context.scheduler is not None else None,
-            "rng": capture_rng(),
+            "rng": rng.capture(),
         }
 
     # -- per step --------------------------------------------------------------------------------------------
 
     def on_train_start(self, context: Any) -> None:
-        self._apply_pending_rng()
+        self._pending_rng.apply()
         ckpt = self.checkpointer
         if ckpt is not None and self.config.report.log_metrics:
             if self._tensorboard is None:
@@ -313,13 +306,8 @@ class NeighborCheckpoint(Callback):
             if self._tensorboard is not None:
                 ckpt.reporter.attach(loggers=[self._tensorboard])
 
-    def _apply_pending_rng(self) -> None:
-        if self._pending_rng is not None:
-            restore_rng(self._pending_rng)
-            self._pending_rng = None
-
     def on_train_step_start(self, context: Any) -> None:
-        self._apply_pending_rng()
+        self._pending_rng.apply()
         if self.checkpointer is not None:
             self.checkpointer.mark("forward")
 
@@ -328,12 +316,10 @@ class NeighborCheckpoint(Callback):
         self.session.step_completed(context.state.train_state.step, lambda: self._training_state(context))
 
     def on_eval_start(self, context: Any) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.mark(PAUSED)  # no step tags during evaluation: the hang clock stops
+        self.session.evaluation_started()  # no step tags during evaluation: the hang clock stops
 
     def on_eval_end(self, context: Any) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.mark("validated")
+        self.session.evaluation_ended()
 
     def on_train_end(self, context: Any) -> None:
         self._remove_hooks()

@@ -28,7 +28,7 @@ What each generation does (:func:`run_pretrain`; :func:`attach` is the part arou
 A spare must be hot when it is activated: import Megatron-Bridge (``pretrain``, the forward step) before
 :func:`run_pretrain`.
 
-May import: the checkpointer and everything below it, :mod:`neighbor_ckpt.inprocess`, :mod:`megatron_patches`.
+May import: what :mod:`neighbor_ckpt.bridge` may (:mod:`neighbor_ckpt.inprocess`, :mod:`megatron_patches` among it).
 """
 
 from __future__ import annotations

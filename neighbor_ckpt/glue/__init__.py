@@ -9,8 +9,14 @@ callback beside it).
 * :mod:`~neighbor_ckpt.glue.insurance`: our own insurance checkpoints (names, when one is due, which are kept), which
   iteration a framework checkpoint holds, and which wins when an in-memory version and a framework checkpoint are
   both there (the newer iteration, announced).
+* :func:`~neighbor_ckpt.glue.setup.set_up_callback`: the set-up every framework callback does when it is built
+  (the configuration checked, torchrun's restart and a replaced node's slot prepared).
+* :mod:`~neighbor_ckpt.glue.adapters`: the state adapter for the framework's optimizer; :mod:`~neighbor_ckpt.glue.rng`:
+  the RNG states a training state carries and applies once; :mod:`~neighbor_ckpt.glue.faults`: what fault injection
+  does to a process.
 
-The framework callback keeps only its plumbing: its hooks, reading and writing the framework's objects.
+The framework callback keeps only its plumbing: its hooks, reading and writing the framework's objects. It reaches the
+library through this package, the checkpointer, :mod:`neighbor_ckpt.inprocess` and ``megatron_patches`` only.
 
 May import: :mod:`neighbor_ckpt.checkpointer` and everything below it. Never :mod:`neighbor_ckpt.lightning`,
 ``bridge``, ``inprocess`` or ``cli``, nor a training framework (Lightning, NeMo, Megatron-Bridge, megatron-core).

@@ -2,10 +2,13 @@
 
 A framework callback (Lightning / NeMo 2 today, Megatron-Bridge next) calls, in this order::
 
+    config = set_up_callback(config)                             # in the callback's __init__ (glue.setup)
     session = Session(config, name="NeighborCheckpoint")
+    if not session.distributed(): return                         # a single-process run: the callback turns off
     insurance = session.own_insurance(files, load_file)          # our insurance checkpoints, or
     insurance = session.framework_insurance(path_of, step_of, announce="Bridge loads its checkpoint")  # or theirs
     session.start(adapter=..., insurance=insurance, ...)         # builds the NeighborCheckpointer (collective)
+    session.attach_reporting(log_interval=..., default_report_dir=...)   # the framework's interval, loggers, dirs
     resume = session.recover()                                   # collective; before the framework's data iterators
     if resume.state is not None:                                 # apply it (loops, schedulers, RNG) ...
         pos = resume.data_position                               # ... and the data position
@@ -15,6 +18,7 @@ A framework callback (Lightning / NeMo 2 today, Megatron-Bridge next) calls, in 
     ...
     if session.step_completed(step, training_state):             # after each optimizer step
         if session.insurance_due(step): <the framework saves ``session.insurance.path(step)``>
+    session.evaluation_started() ... session.evaluation_ended()  # around validation: the hang clock stops
     callback.state_dict()  -> session.checkpoint_state()         # inside the framework's checkpoints
     callback.load_state_dict(d) -> session.load_checkpoint_state(d)
 
@@ -35,12 +39,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
 
 from neighbor_ckpt.checkpointer import InsuranceLoader, NeighborCheckpointer, Phase, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.glue.insurance import InsuranceFiles
+from neighbor_ckpt.report.status import resolve_status_interval
+from neighbor_ckpt.runtime.detector import PAUSED
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +211,15 @@ class Session:
 
     # -- start and recovery ------------------------------------------------------------------------------
 
+    def distributed(self) -> bool:
+        """Whether torch.distributed is initialized. In a single-process run it is not: a warning says so, the
+        callback turns off (``config.enabled = False``) and this returns False."""
+        if dist.is_available() and dist.is_initialized():
+            return True
+        logger.warning("%s: torch.distributed is not initialized (single-process run); disabled", self.name)
+        self.config.enabled = False
+        return False
+
     def start(self, *, adapter: Any, insurance: InsuranceLoader | None, attempt: Any = None,
               **kwargs: Any) -> NeighborCheckpointer:
         """Build the checkpointer (collective: every rank). ``kwargs`` go to :class:`NeighborCheckpointer`; the
@@ -212,6 +229,29 @@ class Session:
             kwargs["attempt"] = attempt
         self.checkpointer = NeighborCheckpointer(self.config, adapter=adapter, insurance=insurance, **kwargs)
         return self.checkpointer
+
+    def attach_reporting(self, *, log_interval: int | None, default_report_dir: Callable[[], Path | None],
+                         loggers: Sequence[Any] | None = None, process_group_ready: float | None = None) -> None:
+        """Hand the framework's reporting to the checkpointer's reporter (after :meth:`start`, on every rank).
+
+        Args:
+            log_interval: the framework's log interval in steps: the status line's, unless
+                ``report.status_every_n_steps`` sets one.
+            default_report_dir: where the recovery timeline goes when ``report.dir`` is unset (None: the reporter's
+                default); called only then, and only with ``report.timeline`` on (on every rank: it may be a
+                framework collective).
+            loggers: the framework's metric loggers (none when ``report.log_metrics`` is off; None: left as they are).
+            process_group_ready: when the framework's process group was ready (unix time), for the timeline.
+        """
+        if self.checkpointer is None:
+            raise NeighborCkptError(f"{self.name}: attach_reporting() before start()")
+        rep = self.config.report
+        report_dir = Path(rep.dir) if rep.dir else (default_report_dir() if rep.timeline else None)
+        if loggers is not None:
+            loggers = list(loggers) if rep.log_metrics else []
+        self.checkpointer.reporter.attach(every_n_steps=resolve_status_interval(rep.status_every_n_steps, log_interval),
+                                          loggers=loggers, report_dir=report_dir,
+                                          process_group_ready=process_group_ready)
 
     def recover(self) -> Resume:
         """Collective: run the recovery and say what the framework applies.
@@ -245,3 +285,13 @@ class Session:
         self.last_state = training_state()
         ckpt.snapshot(step, user_state=self.last_state)
         return True
+
+    def evaluation_started(self) -> None:
+        """Validation / evaluation begins: no step tags until it ends, so the hang clock stops."""
+        if self.checkpointer is not None:
+            self.checkpointer.mark(PAUSED)
+
+    def evaluation_ended(self) -> None:
+        """Validation / evaluation ended: the hang clock runs again."""
+        if self.checkpointer is not None:
+            self.checkpointer.mark("validated")

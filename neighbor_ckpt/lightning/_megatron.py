@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from neighbor_ckpt.adapters.base import StateAdapter
 from neighbor_ckpt.errors import NeighborCkptError
-from neighbor_ckpt.glue import iteration_from_name
+from neighbor_ckpt.glue.insurance import iteration_from_name
 
 __all__ = ["is_megatron_strategy", "MegatronSetup", "megatron_setup", "nemo_checkpoint_step"]
 
@@ -25,11 +24,13 @@ def is_megatron_strategy(strategy: Any) -> bool:
 
 @dataclass(frozen=True)
 class MegatronSetup:
-    adapter: StateAdapter
+    model_chunks: list[Any]
+    """The strategy's model chunks (megatron-core ``DistributedDataParallel`` wrappers)."""
+    optimizer: Any
+    """NeMo's optimizer: the megatron-core optimizer it steps is inside (:func:`neighbor_ckpt.glue.adapters.
+    megatron_adapter` unwraps it)."""
     dp_group: Any
     coord: tuple[int, ...]
-    optimizer: Any
-    """The megatron-core optimizer NeMo steps (its ``step`` gets the step tags)."""
     batch: tuple[int, int] | None = None
     """``(global_batch_size, micro_batch_size)`` of NeMo's Megatron sampler (None without one, or with a batch-size
     ramp-up): the checkpointer refuses a data-parallel size that does not divide it and reports the batch it keeps."""
@@ -39,7 +40,6 @@ def megatron_setup(trainer: Any) -> MegatronSetup:
     from megatron_patches import check_versions, mcore_groups
     from megatron_patches.distopt_load import fix_fp32_distopt_load
     from megatron_patches.nemo_data import constant_global_batch
-    from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
 
     check_versions(require_nemo=True)
     fix_fp32_distopt_load()  # so that falling back to NeMo's disk checkpoint works for fp32 models too
@@ -47,9 +47,9 @@ def megatron_setup(trainer: Any) -> MegatronSetup:
     if len(optimizers) != 1:
         raise NeighborCkptError(f"NeighborCheckpoint supports exactly one optimizer, MegatronStrategy has "
                                 f"{len(optimizers)}")
-    adapter = MegatronOptimizerAdapter(list(trainer.strategy.model), optimizers[0])
     groups = mcore_groups()
-    return MegatronSetup(adapter, groups.dp_group, groups.coord, adapter.optimizer, constant_global_batch(trainer))
+    return MegatronSetup(list(trainer.strategy.model), optimizers[0], groups.dp_group, groups.coord,
+                         constant_global_batch(trainer))
 
 
 def nemo_checkpoint_step(trainer: Any, path: Any) -> int:

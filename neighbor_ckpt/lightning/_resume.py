@@ -16,13 +16,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from neighbor_ckpt.glue.insurance import checkpoint_consumed_samples as disk_checkpoint_consumed_samples
-from neighbor_ckpt.glue.insurance import checkpoint_step as disk_checkpoint_step
 from neighbor_ckpt.glue.insurance import disk_checkpoint_wins
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["disk_checkpoint_step", "disk_checkpoint_consumed_samples", "skip_pending_disk_restore"]
+__all__ = ["skip_pending_disk_restore"]
 
 
 def skip_pending_disk_restore(trainer: Any, restored_step: int) -> None:

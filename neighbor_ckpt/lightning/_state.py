@@ -14,25 +14,20 @@ from typing import Any
 
 import torch
 
-from neighbor_ckpt.adapters import StateAdapter, TorchOptimizerAdapter, ZeroOptimizerAdapter
 from neighbor_ckpt.errors import NeighborCkptError
-from neighbor_ckpt.glue import DataPosition
-from neighbor_ckpt.snapshot.rng import capture_rng
+from neighbor_ckpt.glue import rng
+from neighbor_ckpt.glue.session import DataPosition
 
-__all__ = ["adapter_for", "training_state", "apply_training_state", "load_insurance_checkpoint"]
+__all__ = ["single_optimizer", "training_state", "apply_training_state", "load_insurance_checkpoint"]
 
 
-def adapter_for(trainer: Any, pl_module: Any) -> StateAdapter:
-    """The state adapter of a plain Lightning strategy's single optimizer (ZeRO or a torch optimizer)."""
+def single_optimizer(trainer: Any) -> Any:
+    """The one optimizer of a plain Lightning strategy (its state adapter: :func:`neighbor_ckpt.glue.adapters.
+    data_parallel_adapter`)."""
     if len(trainer.optimizers) != 1:
         raise NeighborCkptError(f"NeighborCheckpoint supports exactly one optimizer, the module configured "
                                 f"{len(trainer.optimizers)}")
-    opt = trainer.optimizers[0]
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(opt, ZeroRedundancyOptimizer):
-        return ZeroOptimizerAdapter(pl_module, opt)
-    return TorchOptimizerAdapter(pl_module, opt)
+    return trainer.optimizers[0]
 
 
 def _mark_batch_completed(fit_loop_state: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +46,7 @@ def training_state(trainer: Any, *, megatron: bool) -> dict[str, Any]:
     state = {
         "fit_loop": _mark_batch_completed(trainer.fit_loop.state_dict()),
         "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
-        "rng": capture_rng(),
+        "rng": rng.capture(),
         "batches_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
     }
     if megatron:

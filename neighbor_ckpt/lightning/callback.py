@@ -48,25 +48,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from typing_extensions import override
 
-from neighbor_ckpt.adapters import pin_bucket_layout
 from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.glue import InsuranceFiles, Session
+from neighbor_ckpt.glue import rng
+from neighbor_ckpt.glue.adapters import data_parallel_adapter, megatron_adapter
+from neighbor_ckpt.glue.insurance import InsuranceFiles
+from neighbor_ckpt.glue.session import Session
+from neighbor_ckpt.glue.setup import set_up_callback
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._data import install_skip, uninstall_skip
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy, megatron_setup, nemo_checkpoint_step
 from neighbor_ckpt.lightning._resume import skip_pending_disk_restore
-from neighbor_ckpt.lightning._state import adapter_for, apply_training_state, load_insurance_checkpoint, training_state
-from neighbor_ckpt.report.status import resolve_status_interval
-from neighbor_ckpt.report.timeline import RecoveryTimeline
-from neighbor_ckpt.runtime.detector import PAUSED
-from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
-from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
-from neighbor_ckpt.snapshot.rng import restore_rng
+from neighbor_ckpt.lightning._state import (apply_training_state, load_insurance_checkpoint, single_optimizer,
+                                           training_state)
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +88,12 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
 
     def __init__(self, config: NeighborCkptConfig | None = None) -> None:
         super().__init__()
-        if config is not None and not isinstance(config, NeighborCkptConfig):
-            raise ConfigError(f"NeighborCheckpoint expects a NeighborCkptConfig, got {type(config).__name__}; "
-                              "build one with NeighborCkptConfig.from_yaml(...) or NeighborCkptConfig(...)")
-        self.config = config or NeighborCkptConfig()
+        # The configuration checked; torchrun's restart and a replaced node's slot prepared before the strategy
+        # creates its process group (the trainer has not connected yet).
+        self.config = set_up_callback(config)
         self.session = Session(self.config, name="NeighborCheckpoint", framework="Lightning")
         """Insurance, resume and data-position policy (:mod:`neighbor_ckpt.glue`); owns the checkpointer."""
-        self._pending_rng: dict[str, Any] | None = None
+        self._pending_rng = rng.PendingRng()
         self._skip_batches = 0
         self._megatron = False
         self._hooks: Any = None
@@ -105,10 +101,6 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self.attempt: Any = None
         """Which attempt this is, for the checkpointer (``attempt=``); set by in-process recovery
         (:mod:`neighbor_ckpt.lightning.inprocess`), else None: the launcher's restart count."""
-        if self.config.enabled:
-            # Must happen before the strategy creates its process group (the trainer has not connected yet).
-            prepare_torchrun_restart()
-            prepare_replacement_slot(self.config)  # a replaced node's receive slot, while the model is built
 
     @property
     def checkpointer(self) -> NeighborCheckpointer | None:
@@ -125,9 +117,10 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         return self.session.last_recovery
 
     @property
-    def last_timeline(self) -> RecoveryTimeline | None:
-        """MTTR breakdown of the recovery of this run (global rank 0, from the end of the first resumed step;
-        ``.phases``, ``.path_png``, ``.path_json``). None on other ranks, and when nothing was recovered."""
+    def last_timeline(self) -> Any:
+        """MTTR breakdown of the recovery of this run, a :class:`~neighbor_ckpt.report.timeline.RecoveryTimeline`
+        (global rank 0, from the end of the first resumed step; ``.phases``, ``.path_png``, ``.path_json``). None on
+        other ranks, and when nothing was recovered."""
         return self.checkpointer.last_timeline if self.checkpointer is not None else None
 
     # -- set-up and recovery ----------------------------------------------------------------------------
@@ -140,11 +133,7 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
 
     @override
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if not self.config.enabled:
-            return
-        if not dist.is_available() or not dist.is_initialized():
-            logger.warning("NeighborCheckpoint: torch.distributed is not initialized (single-process run); disabled")
-            self.config.enabled = False
+        if not self.config.enabled or not self.session.distributed():
             return
         files = InsuranceFiles.from_config(self.config.insurance, trainer.default_root_dir)
         self._megatron = is_megatron_strategy(trainer.strategy)
@@ -156,22 +145,23 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
                                   "(distributed checkpoint) as the insurance checkpoint and leave "
                                   "neighbor_ckpt.insurance.every_n_steps at 0")
             mc = megatron_setup(trainer)
+            adapter = megatron_adapter(mc.model_chunks, mc.optimizer)
             # Insurance under NeMo: the distributed checkpoint AutoResume points the trainer at (trainer.ckpt_path),
             # which Lightning loads right after on_fit_start.
             insurance = self.session.framework_insurance(lambda: trainer.ckpt_path,
                                                          lambda path: nemo_checkpoint_step(trainer, path),
                                                          announce="NeMo loads its distributed checkpoint")
             batch = {} if mc.batch is None else {"global_batch": mc.batch[0], "micro_batch_size": mc.batch[1]}
-            ckpt = self.session.start(adapter=mc.adapter, dp_group=mc.dp_group, model_parallel_coord=mc.coord,
+            ckpt = self.session.start(adapter=adapter, dp_group=mc.dp_group, model_parallel_coord=mc.coord,
                                       insurance=insurance, attempt=self.attempt, **batch)
             # NeMo runs backward inside training_step (no on_before_backward): the wait point and the step tags
             # come from mcore's gradient collectives and the mcore optimizer's step; the data check's input from
             # the data iterator handed to mcore's forward-backward function.
-            self._hooks = install_hooks(ckpt, mc.optimizer)
+            self._hooks = install_hooks(ckpt, adapter.optimizer)  # the megatron-core optimizer inside NeMo's wrapper
         else:
             # Same DDP bucket layout in every run, so the first step after a restart reduces like the original.
-            pin_bucket_layout(trainer.strategy.model)
-            self.session.start(adapter=adapter_for(trainer, pl_module), attempt=self.attempt,
+            adapter = data_parallel_adapter(trainer.strategy.model, pl_module, single_optimizer(trainer))
+            self.session.start(adapter=adapter, attempt=self.attempt,
                                insurance=self.session.own_insurance(
                                    files, lambda path: load_insurance_checkpoint(trainer, self, path)))
         self._attach_reporting(trainer)
@@ -179,7 +169,8 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         # resume.framework_loads: NeMo's own resume loads everything (weights, optimizer, loops, data position) right
         # after this hook.
         if resume.state is not None:
-            self._pending_rng, self._skip_batches = apply_training_state(trainer, resume.state)
+            rng_state, self._skip_batches = apply_training_state(trainer, resume.state)
+            self._pending_rng.keep(rng_state)
             self.session.resumed_at(trainer.global_step)
             if resume.in_memory:
                 skip_pending_disk_restore(trainer, trainer.global_step)
@@ -190,15 +181,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
     def _attach_reporting(self, trainer: Any) -> None:
         """The trainer's log interval, loggers and log directory for the checkpointer's reporter (all ranks:
         ``trainer.log_dir`` is a broadcast)."""
-        assert self.checkpointer is not None  # noqa: S101
-        rep = self.config.report
-        report_dir = Path(rep.dir) if rep.dir else None
-        if report_dir is None and rep.timeline:
-            report_dir = default_report_dir(self._log_dir(trainer))
-        self.checkpointer.reporter.attach(
-            every_n_steps=resolve_status_interval(rep.status_every_n_steps, trainer.log_every_n_steps),
-            loggers=list(trainer.loggers) if rep.log_metrics else [], report_dir=report_dir,
-            process_group_ready=self._group_ready)
+        self.session.attach_reporting(log_interval=trainer.log_every_n_steps,
+                                      default_report_dir=lambda: default_report_dir(self._log_dir(trainer)),
+                                      loggers=trainer.loggers, process_group_ready=self._group_ready)
 
     @staticmethod
     def _log_dir(trainer: Any) -> str:
@@ -221,7 +206,7 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._apply_pending_rng()
+        self._pending_rng.apply()
         if self.checkpointer is not None:
             self.checkpointer.mark("forward")
             # Under MegatronStrategy the micro-batches are drawn inside NeMo's data step, from the data iterator
@@ -229,16 +214,11 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
             if not self._megatron:
                 self.checkpointer.observe_input(batch)
 
-    def _apply_pending_rng(self) -> None:
-        if self._pending_rng is not None:
-            restore_rng(self._pending_rng)
-            self._pending_rng = None
-
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         # A restore at the last batch of an epoch resumes at the epoch boundary: apply the RNG here, before the
         # next epoch's dataloader iterator draws its seed, exactly as the uninterrupted run did.
-        self._apply_pending_rng()
+        self._pending_rng.apply()
         uninstall_skip(trainer.train_dataloader)
 
     @override
@@ -249,13 +229,11 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
 
     @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.mark(PAUSED)  # no step tags during validation: the hang clock stops
+        self.session.evaluation_started()  # no step tags during validation: the hang clock stops
 
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.mark("validated")
+        self.session.evaluation_ended()
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

@@ -23,34 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import signal
 from typing import Any
 
-from neighbor_ckpt.config import FaultSpec, NeighborCkptConfig
+from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.glue.faults import empty_host_store, fire
 from neighbor_ckpt.lightning._compat import callback_bases
-from neighbor_ckpt.runtime.failpoints import lose_node
-from neighbor_ckpt.snapshot.store import rank_dir
 
-__all__ = ["FaultInjector", "fire"]
+__all__ = ["FaultInjector"]
 
 logger = logging.getLogger(__name__)
 
 
 def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def fire(fault: FaultSpec, rank: int, phase: str) -> None:
-    """Inject ``fault`` into this process now (rank ``rank``, in ``phase``): log it, flush the logs, lose the node if
-    ``permanent``, send the signal."""
-    sig = getattr(signal, fault.signal)
-    logger.warning("fault injection: %s of rank %d in the %s phase of step %d", fault.signal, rank, phase, fault.step)
-    for h in logging.getLogger().handlers:
-        h.flush()
-    if fault.permanent and sig == signal.SIGKILL:
-        lose_node()  # its node is gone: no restart brings this rank back
-    os.kill(os.getpid(), sig)
 
 
 class FaultInjector(*callback_bases()):  # type: ignore[misc]
@@ -84,9 +69,7 @@ class FaultInjector(*callback_bases()):  # type: ignore[misc]
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         rank = int(os.environ.get("RANK", "0"))
         if self.faults and self._launch > 0 and rank in self.config.fault_injection.replaced_ranks():
-            d = rank_dir(self.config.resolved_store_dir(), self.config.resolved_job_id(), rank)
-            if d.exists():
-                shutil.rmtree(d)
+            d = empty_host_store(self.config, rank)
             logger.warning("fault injection: rank %d restarts on a 'replaced node': its host store %s was emptied",
                            rank, d)
 

@@ -40,7 +40,7 @@ waiting for a process its launcher declared dead (one that died while importing)
 it at construction): that fix re-hosts torchrun's rendezvous store on rank 0 for launcher restarts; in process the
 group lives on the external store, and rank 0 must not host anything the survivors need.
 
-May import: the checkpointer and everything below it, :mod:`neighbor_ckpt.inprocess`; never :mod:`neighbor_ckpt.cli`.
+May import: what :mod:`neighbor_ckpt.lightning` may (:mod:`neighbor_ckpt.inprocess` among it); never :mod:`neighbor_ckpt.cli`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The recipes and job files that ship with the package (package data of the wheel).
 
-* ``nemo_pretrain.py``: NeMo 2 pre-training driven by one job file (what ``neighbor-ckpt launch`` runs under torchrun).
+* ``nemo_pretrain.py``: NeMo 2 pre-training driven by one job file (what ``neighbor-ckpt launch`` runs under torchrun);
+  ``bridge_pretrain.py`` the same under Megatron-Bridge; both start through ``entry.py`` (command line, job file, the
+  in-process engine).
 * ``mcore_gpt_plain_loop.py``: a hand-written megatron-core loop with the plain-loop API; its :func:`build_gpt` is
   the model, optimizer and scheduler that the benchmarks (``tools/bench``) and the test workers train.
 * ``lightning_ddp_demo.py``: plain Lightning DDP with the callback.

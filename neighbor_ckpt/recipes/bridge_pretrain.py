@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.planning.jobspec import JobSpec, load_job
+from neighbor_ckpt.planning.jobspec import JobSpec
+from neighbor_ckpt.recipes.entry import InprocessJob, start_recipe
 
 logger = logging.getLogger("recipes.bridge_pretrain")
 
@@ -263,19 +264,10 @@ def _label(attempt: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, required=True, help="job file (configs/*.yaml), already resolved")
-    ap.add_argument("--run-dir", type=Path, required=True, help="logs, reports and Bridge checkpoints go here")
-    ap.add_argument("--record", action="store_true", help="write per-step losses, reports and final fingerprints")
-    ap.add_argument("--inprocess-store", metavar="HOST:PORT", default=None,
-                    help="in-process recovery: the store host (default: what our launcher sets)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[rank{_rank()}] %(levelname)s %(name)s: %(message)s")
-    job = load_job(args.config)
-    if job.trainer.accelerator == "cpu":
-        from megatron_patches import enable_cpu
-
-        enable_cpu(nemo=False)  # before Megatron-Bridge is imported
+    job, args = start_recipe(argv, description=__doc__.splitlines()[0], nemo=False,
+                             run_dir_help="logs, reports and Bridge checkpoints go here",
+                             record_help="write per-step losses, reports and final fingerprints",
+                             log_format="%(levelname)s %(name)s: %(message)s")
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
@@ -293,37 +285,19 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace, forward_step: Any) ->
     ``ConfigContainer`` per generation, the callbacks built once; exits with the engine's fallback status when
     in-process recovery gives up (the launchers then restart the job)."""
     from neighbor_ckpt.bridge.inprocess import run_pretrain
-    from neighbor_ckpt.inprocess import InprocessRecovery
 
-    t_start = time.time()
-    p, t = job.parallelism, job.trainer
-    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store=args.inprocess_store, model_parallel=p.tensor * p.pipeline * p.context,
-                                           batch_micro_batches=t.global_batch_size // t.micro_batch_size)
-    if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:
-        raise ConfigError(f"in-process recovery: {inproc.world_size} processes were started, the job needs "
-                          f"{job.world_size} ranks + {job.neighbor_ckpt.inprocess.spares} spare(s); start it with "
-                          f"`neighbor-ckpt launch`")
+    engine = InprocessJob(job, args)
     if job.neighbor_ckpt.elastic.enabled:
         raise ConfigError("config.neighbor_ckpt.elastic.enabled under framework: bridge: the Bridge recipe keeps its "
                           "world size in process (a hot spare fills a lost rank); turn elastic off")
     cbs = callbacks(job, args.run_dir, record=args.record)  # once: the same instances in every generation
-    launch = _attempt()
-    out = args.run_dir / "record"
-    suffix = f".launch{launch}" if launch else ""
 
     def make(attempt: Any) -> Any:
-        if args.record:
-            (out / f"attempt.initial{inproc.initial_rank}.iter{attempt.iteration}{suffix}.json").write_text(
-                json.dumps({"pid": os.getpid(), "rank": attempt.rank, "world_size": attempt.world_size,
-                            "initial_rank": inproc.initial_rank, "iteration": attempt.iteration, "launch": launch}))
+        engine.record_attempt(attempt)
         return build_config(job, args.run_dir)
 
-    try:
-        run_pretrain(inproc, make, forward_step, cbs)
-    finally:
-        if args.record:
-            (out / f"events.initial{inproc.initial_rank}{suffix}.json").write_text(json.dumps(
-                {"pid": os.getpid(), "start": t_start, "events": inproc.events}, indent=1))
+    with engine.recording_events():
+        run_pretrain(engine.inproc, make, forward_step, cbs)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neighbor_ckpt.planning.jobspec import JobSpec, load_job
+from neighbor_ckpt.planning.jobspec import JobSpec
+from neighbor_ckpt.recipes.entry import InprocessJob, start_recipe
 
 logger = logging.getLogger("recipes.nemo_pretrain")
 
@@ -327,20 +328,10 @@ class _Record:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, required=True, help="job file (configs/*.yaml), already resolved")
-    ap.add_argument("--run-dir", type=Path, required=True, help="logs, reports and NeMo checkpoints go here")
-    ap.add_argument("--record", action="store_true", help="write per-step losses and final fingerprints")
-    ap.add_argument("--inprocess-store", metavar="HOST:PORT", default=None,
-                    help="in-process recovery: the store host (default: what our launcher sets)")
-    args = ap.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(name)s %(levelname)s %(message)s")
-    job = load_job(args.config)
-    if job.trainer.accelerator == "cpu":
-        from megatron_patches import enable_cpu
-
-        enable_cpu()
+    job, args = start_recipe(argv, description=__doc__.splitlines()[0], nemo=True,
+                             run_dir_help="logs, reports and NeMo checkpoints go here",
+                             record_help="write per-step losses and final fingerprints",
+                             log_format="%(name)s %(levelname)s %(message)s")
     import fiddle as fdl
     import torch
 
@@ -368,26 +359,13 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
     import fiddle as fdl
     import torch
 
-    from neighbor_ckpt.errors import ConfigError
-    from neighbor_ckpt.inprocess import InprocessRecovery
     from neighbor_ckpt.lightning import inprocess as lip
 
     t_start = time.time()
     build_recipe(job, args.run_dir)  # every import the attempts need, now: a spare must be hot when it is activated
-    p, t = job.parallelism, job.trainer
-    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store=args.inprocess_store,
-                                           model_parallel=p.tensor * p.pipeline * p.context,
-                                           batch_micro_batches=t.global_batch_size // t.micro_batch_size)
-    if inproc.world_size != job.world_size + job.neighbor_ckpt.inprocess.spares:
-        raise ConfigError(f"in-process recovery: {inproc.world_size} processes were started, the job needs "
-                          f"{job.world_size} ranks + {job.neighbor_ckpt.inprocess.spares} spare(s); start it with "
-                          f"`neighbor-ckpt launch`")
+    engine = InprocessJob(job, args, started=t_start)
     lip.prepare_process()  # the slowest process's imports: generation 0's barrier waits inprocess.barrier_timeout_s
-    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    out = args.run_dir / "record"
-    if args.record:
-        out.mkdir(parents=True, exist_ok=True)
-    suffix = f".launch{launch}" if launch else ""
+    t, launch, out = job.trainer, engine.launch, engine.out
 
     # One planned fault fires in generation 0 and is not injected again: a later generation that resumed before its
     # step (a kill in the backward phase may restore the iteration before) would otherwise fire it once more on the
@@ -408,18 +386,11 @@ def main_inprocess(job: JobSpec, args: argparse.Namespace) -> None:
             trainer.callbacks.append(_Record.callback(out, attempt=launch + attempt.iteration, label=label))
             if job.neighbor_ckpt.fault_injection.enabled and inject and launch == 0:
                 trainer.callbacks.insert(0, _Record.fault_clock(out, job, generation=attempt.iteration))
-            (out / f"attempt.initial{inproc.initial_rank}.iter{attempt.iteration}{suffix}.json").write_text(
-                json.dumps({"pid": os.getpid(), "rank": attempt.rank, "world_size": attempt.world_size,
-                            "initial_rank": inproc.initial_rank, "iteration": attempt.iteration,
-                            "launch": launch}))
+            engine.record_attempt(attempt)
         return trainer, fn
 
-    try:
-        lip.run_trainer(inproc, make)
-    finally:
-        if args.record:
-            (out / f"events.initial{inproc.initial_rank}{suffix}.json").write_text(json.dumps(
-                {"pid": os.getpid(), "start": t_start, "events": inproc.events}, indent=1))
+    with engine.recording_events():
+        lip.run_trainer(engine.inproc, make)
 
 
 if __name__ == "__main__":

@@ -142,11 +142,12 @@ class Ckpt:  # what begin_attempt closes: the previous attempt's checkpointer
 
 cb = NeighborCheckpoint(NeighborCkptConfig())
 first = cb.session
-cb.session.checkpointer, cb.winner, cb._pending_rng = Ckpt(), "in-memory", {"torch": 1}
+cb.session.checkpointer, cb.winner = Ckpt(), "in-memory"
+cb._pending_rng.keep({"torch": 1})
 cb.begin_attempt(AttemptInfo(launch=0, inprocess=1, activated_spare=True))
 out["closed_with"] = Ckpt.closed
 out["new_session"] = cb.session is not first and cb.session.checkpointer is None
-out["cleared"] = cb.winner is None and cb._pending_rng is None
+out["cleared"] = cb.winner is None and cb._pending_rng.state is None
 out["attempt"] = [cb.attempt.inprocess, cb.attempt.activated_spare]
 out["listener_kept"] = mb.data_init_installed()
 cb.close()

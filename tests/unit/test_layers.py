@@ -203,6 +203,26 @@ def test_megatron_patches_may_import_only_the_errors():
     assert layer.may_import == {"neighbor_ckpt.errors"}
 
 
+def units_imported_by(root: Path, unit: str) -> set[str]:
+    """The units of ours the modules of ``unit`` import (its own not counted)."""
+    ours, found = _ours(root), set()
+    for path in sorted((root / Path(*unit.split("."))).rglob("*.py")):
+        module, is_package = module_name(path.relative_to(root))
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found |= {unit_of(t) for _, t in imported_modules(tree, module, is_package, root) if t.split(".")[0] in ours}
+    return found - {unit}
+
+
+@pytest.mark.parametrize("unit", ["neighbor_ckpt.lightning", "neighbor_ckpt.bridge"])
+def test_the_framework_glue_reaches_the_library_through_the_glue_only(unit):
+    # Thin glue: a framework callback talks to the checkpointer, the shared glue, the in-process engine and the
+    # megatron-core patches (plus the errors and the configuration); its row allows exactly what it imports.
+    [layer] = [la for la in LAYERS if la.unit == unit]
+    assert layer.may_import == {"neighbor_ckpt.errors", "neighbor_ckpt.config", "neighbor_ckpt.checkpointer",
+                                "neighbor_ckpt.glue", "neighbor_ckpt.inprocess", "megatron_patches"}
+    assert units_imported_by(REPO, unit) == layer.may_import
+
+
 # -- the checker itself catches what it must ---------------------------------------------------------------------
 
 
