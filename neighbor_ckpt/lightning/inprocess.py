@@ -4,7 +4,7 @@ The training entry point (``trainer.fit``, NeMo's ``llm.pretrain``) is called ag
 contained failure; each attempt builds its own trainer, strategy and model (imports, the host store and the host
 slots stay). Usage::
 
-    inproc = InprocessRecovery(spares=1, store_host=host, store_port=port)
+    inproc = InprocessRecovery.from_config(job.neighbor_ckpt, ranks=job.world_size)  # under `neighbor-ckpt launch`
     prepare_process()                         # once, before the first attempt (after the imports)
 
     def make(attempt):                        # -> (trainer, entry point), built anew for every attempt

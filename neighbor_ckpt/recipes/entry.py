@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 
 __all__ = ["start_recipe", "InprocessJob"]
@@ -59,8 +58,8 @@ class InprocessJob:
         started: when the recipe started (unix time; default: now), written with the events.
 
     Raises:
-        ConfigError: the launch started another number of processes than the job's ranks and spares (it was not
-            started with ``neighbor-ckpt launch``).
+        ConfigError: the launch is not the job file's (its ranks or spares differ: it was not started with
+            ``neighbor-ckpt launch`` and this job file), see :meth:`InprocessRecovery.from_config`.
     """
 
     def __init__(self, job: JobSpec, args: argparse.Namespace, *, started: float | None = None) -> None:
@@ -68,14 +67,10 @@ class InprocessJob:
 
         self.started = time.time() if started is None else started
         p, t = job.parallelism, job.trainer
-        self.inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store=args.inprocess_store,
+        self.inproc = InprocessRecovery.from_config(job.neighbor_ckpt, store=args.inprocess_store, ranks=job.world_size,
                                                     model_parallel=p.tensor * p.pipeline * p.context,
                                                     batch_micro_batches=t.global_batch_size // t.micro_batch_size)
-        spares = job.neighbor_ckpt.inprocess.spares
-        if self.inproc.world_size != job.world_size + spares:
-            raise ConfigError(f"in-process recovery: {self.inproc.world_size} processes were started, the job needs "
-                              f"{job.world_size} ranks + {spares} spare(s); start it with `neighbor-ckpt launch`")
-        self.launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.launch = self.inproc.launch
         """The launcher's restart count (in process, generations count inside one launch)."""
         self.record = bool(args.record)
         self.out = args.run_dir / "record"
