@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from neighbor_ckpt.config import effective_user
-from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, SnapshotMismatchError, TransportError
+from neighbor_ckpt.errors import (ConfigError, HostMemoryError, SnapshotCorruptError, SnapshotMismatchError,
+                                  TransportError)
 from neighbor_ckpt.runtime.private_files import make_private_dirs
 from neighbor_ckpt.snapshot.slot import (FORMAT_VERSION, HEADER_ALLOWANCE_BYTES, MAGIC, MARKER, MARKER_BYTES,
                                          MARKER_MAGIC, MIN_EXTRAS_BYTES, PAGE, PREAMBLE, PREAMBLE_BYTES,
@@ -85,6 +86,9 @@ def generation_dir(root: Path, job_id: str, generation: int = 0) -> Path:
     """Directory of one generation of a job's store: ``<root>/<user>/<job_id>`` (generation 0), or its ``g<k>``
     subdirectory. A new generation begins when the data-parallel layout changes (an elastic reshard: every rank's
     number and shard may change, so the previous layout's slots stay apart until the new one is complete)."""
+    if not job_id or "/" in job_id or "\0" in job_id or job_id in (".", ".."):
+        raise ConfigError(f"neighbor_ckpt.job_id {job_id!r} cannot name a directory of the host store (it is empty, "
+                          f"'.' or '..', or holds '/' or NUL): choose another job id")
     d = Path(root) / _user() / job_id
     return d if generation == 0 else d / f"{GENERATION_PREFIX}{generation}"
 
