@@ -308,13 +308,12 @@ class NeighborCheckpointer:
         """A rank whose store holds no own slot (a replaced node, an activated hot spare) will pull its state into
         a new one: start making it now, in the background, with the capacities this rank published before its
         failure (:mod:`neighbor_ckpt.runtime.launch_store`), so its memory is there when the pull starts."""
-        if not self.config.enabled:
+        if not self.config.enabled or self.store.has_files(ROLE_OWN):
             return
         caps = self.slot_capacities.lookup(self.topology.rank)
-        if caps is not None:  # an image of this rank pulled from a peer may be no larger (HostStore.ensure_pulled)
-            self.store.pull_bounds[ROLE_OWN] = caps
-        if caps is None or self.store.has_files(ROLE_OWN):
-            return  # a first launch (nothing published yet), or a store that holds this rank's slots
+        if caps is None:
+            return  # a first launch: nothing published yet
+        self.store.pull_bounds[ROLE_OWN] = caps  # the image pulled into it may be no larger (HostStore.ensure_pulled)
         if self.store.prefault(ROLE_OWN, header_cap=caps[0], payload_cap=caps[1], extras_cap=caps[2]):
             preparing = self.store.preparing
             if preparing is not None and preparing.staged:
