@@ -313,6 +313,7 @@ class NeighborCheckpointer:
         caps = self.slot_capacities.lookup(self.topology.rank)
         if caps is None:
             return  # a first launch: nothing published yet
+        self.store.pull_bounds[ROLE_OWN] = caps  # the image pulled into it may be no larger (HostStore.ensure_pulled)
         if self.store.prefault(ROLE_OWN, header_cap=caps[0], payload_cap=caps[1], extras_cap=caps[2]):
             preparing = self.store.preparing
             if preparing is not None and preparing.staged:

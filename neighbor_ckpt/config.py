@@ -33,6 +33,7 @@ from neighbor_ckpt.errors import CallOrderError, ConfigError
 from neighbor_ckpt.validation import Problems, check_tree, check_types, checked, deferred, from_dict, to_dict
 
 __all__ = [
+    "DEFAULT_STORE_DIR", "LEGACY_STORE_DIR", "effective_user", "expand_store_dir",
     "StoreConfig",
     "RingConfig",
     "TransportConfig",
@@ -59,6 +60,11 @@ __all__ = [
 ]
 
 STORE_DIR_ENV = "NEIGHBOR_CKPT_STORE_DIR"
+DEFAULT_STORE_DIR = "/dev/shm/neighbor_ckpt-{user}"
+"""The default store root: one per user (``{user}`` is the process's user name), made 0700 by its first job, so no
+user can create another's root before it (:mod:`neighbor_ckpt.snapshot.userdir`)."""
+LEGACY_STORE_DIR = "/dev/shm/neighbor_ckpt"
+"""The default store root of earlier releases, shared by all users (``neighbor-ckpt inspect [--cleanup]`` finds it)."""
 JOB_ID_ENV = "NEIGHBOR_CKPT_JOB_ID"
 LAUNCH_ID_ENV = "NEIGHBOR_CKPT_LAUNCH_ID"
 """Set by :mod:`neighbor_ckpt.runtime.launch_identity` in every worker of a torchrun launch without a run id: the
@@ -68,6 +74,21 @@ TRANSPORT_KINDS = ("gloo", "gloo_split")
 """The transports ``neighbor_ckpt.transport.kind`` accepts: the kinds registered in
 :mod:`neighbor_ckpt.snapshot.transport_kinds` (named here so that validating a config imports no layer above it; a test
 keeps the two the same)."""
+
+def effective_user() -> str:
+    """The name of this process's effective user (its passwd entry, not ``$USER``), or ``uid<N>`` without one."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (KeyError, ImportError):
+        return f"uid{os.geteuid()}"
+
+
+def expand_store_dir(value: str | os.PathLike[str]) -> Path:
+    """A ``store.dir`` value as a path: ``{user}`` replaced by :func:`effective_user`."""
+    return Path(str(value).replace("{user}", effective_user()))
+
 
 UNUSABLE_RUN_IDS = frozenset({"", "none"})
 """Values of TORCHELASTIC_RUN_ID that name no launch: plain ``torchrun`` (no ``--rdzv-id``, no ``--standalone``)
@@ -79,9 +100,11 @@ sets ``none`` for every launch, so a new launch would share the job id, and the 
 class StoreConfig:
     """Host store: shared-memory slots that hold this rank's snapshots and its predecessor's replicas."""
 
-    dir: str = "/dev/shm/neighbor_ckpt"
-    """Root directory of the host store; the job's files go to ``<dir>/<user>/<job_id>/rank<r>/``.
-    Must be on a memory-backed filesystem (``/dev/shm``) for speed; overridden by NEIGHBOR_CKPT_STORE_DIR."""
+    dir: str = DEFAULT_STORE_DIR
+    """Root directory of the host store; the job's files go to ``<dir>/<user>/<job_id>/rank<r>/``. ``{user}`` stands
+    for the process's user name. Must be on a memory-backed filesystem (``/dev/shm``) for speed; overridden by
+    NEIGHBOR_CKPT_STORE_DIR. A root shared by several users must belong to root and be sticky (like ``/tmp``): a root
+    that belongs to another user is refused (:class:`~neighbor_ckpt.errors.StoreDirError`)."""
 
     versions: int = 2
     """Snapshot versions kept per rank, own and replica alike. Two is enough to absorb the one-iteration
@@ -649,8 +672,8 @@ class NeighborCkptConfig:
     # -- resolved values ----------------------------------------------------------------------
 
     def resolved_store_dir(self) -> Path:
-        """The store root after the environment override."""
-        return Path(os.environ.get(STORE_DIR_ENV) or self.store.dir)
+        """The store root after the environment override, ``{user}`` expanded (:func:`expand_store_dir`)."""
+        return expand_store_dir(os.environ.get(STORE_DIR_ENV) or self.store.dir)
 
     def resolved_job_id(self) -> str:
         """The job namespace after the environment override and launcher defaults (:func:`decide_job_id`).

@@ -6,9 +6,11 @@
   installed package's (``neighbor_ckpt/recipes``).
 * ``neighbor-ckpt plan CONFIG [key.path=value ...]`` prints, per rank class, the bytes snapshotted per iteration,
   the host memory needed, the predicted copy and network time, and whether the snapshot hides in an iteration.
-* ``neighbor-ckpt inspect STORE_DIR`` lists every slot file under a host store: role, owner, iteration,
-  sizes, job, and whether header, commit marker and checksums validate. It reads headers as JSON and never
-  unpickles anything.
+* ``neighbor-ckpt inspect [STORE_DIR]`` lists every slot file under a host store (default: this user's store root):
+  role, owner, iteration, sizes, job, and whether header, commit marker and checksums validate. It reads headers as
+  JSON and never unpickles anything, and never follows a link or opens another user's file. A store this user left
+  under the shared default root of earlier releases (``/dev/shm/neighbor_ckpt/<user>``) is named in one line;
+  ``--cleanup`` removes it.
 * ``neighbor-ckpt demo [...]``: the 4-rank kill-and-recover demo (``scripts/demo``).
 
 The benchmarks and the fault campaign are not part of the package: they live in the checkout's ``tools/``
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from neighbor_ckpt.errors import ConfigError, SnapshotCorruptError, SnapshotMismatchError
+from neighbor_ckpt.errors import ConfigError, SnapshotCorruptError, SnapshotMismatchError, StoreDirError
 from neighbor_ckpt.snapshot.slot import SlotFile
 
 __all__ = ["main", "inspect_store"]
@@ -35,9 +37,12 @@ def inspect_store(root: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for path in sorted(Path(root).rglob("*.slot")):
         role = path.name.split(".")[0]
-        row: dict[str, Any] = {"path": str(path), "role": role, "file_bytes": path.stat().st_size}
+        row: dict[str, Any] = {"path": str(path), "role": role, "file_bytes": path.lstat().st_size}
         try:
             slot = SlotFile.open(path)
+        except StoreDirError as e:
+            rows.append(dict(row, status=f"refused: {e}"))
+            continue
         except (SnapshotCorruptError, SnapshotMismatchError) as e:
             rows.append(dict(row, status=f"unusable: {e}"))
             continue
@@ -59,8 +64,40 @@ def inspect_store(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _legacy_store(cleanup: bool) -> None:
+    """One line about this user's store under the shared default root of earlier releases, if there is one;
+    ``cleanup``: remove it (and say so, in one line)."""
+    import shutil
+
+    from neighbor_ckpt.config import LEGACY_STORE_DIR, effective_user
+    from neighbor_ckpt.snapshot.userdir import legacy_user_dir
+
+    old = legacy_user_dir(effective_user(), LEGACY_STORE_DIR)
+    if old is None:
+        return
+    files = [p for p in old.rglob("*") if p.is_file() and not p.is_symlink()]
+    mib = sum(p.lstat().st_size for p in files) / 2**20
+    if cleanup:
+        shutil.rmtree(old)  # never follows a link (rmtree works through descriptors)
+        print(f"removed {old}: a store of an earlier release under its shared default root ({len(files)} files, "
+              f"{mib:.1f} MiB)")
+    else:
+        print(f"{old}: a store of an earlier release under its shared default root ({len(files)} files, {mib:.1f} "
+              f"MiB), listed below; jobs no longer use it: `neighbor-ckpt inspect --cleanup` removes it")
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    rows = inspect_store(args.store_dir)
+    from neighbor_ckpt.config import LEGACY_STORE_DIR, NeighborCkptConfig, effective_user
+
+    if args.store_dir is None:  # this user's default store, and what an earlier release left under the old one
+        if not args.json:
+            _legacy_store(args.cleanup)
+        args.store_dir = NeighborCkptConfig().resolved_store_dir()
+        rows = inspect_store(args.store_dir)
+        if not args.cleanup:
+            rows += inspect_store(Path(LEGACY_STORE_DIR) / effective_user())
+    else:
+        rows = inspect_store(args.store_dir)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -94,8 +131,10 @@ def _launch(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         if plan.inprocess:
+            from neighbor_ckpt.config import expand_store_dir
+
             procs = launch.inprocess_processes(plan, store_port=29650,
-                                               store_root=Path(plan.job.neighbor_ckpt.store.dir))
+                                               store_root=expand_store_dir(plan.job.neighbor_ckpt.store.dir))
             for cmd, env in procs.agents:
                 print(" ".join([*(f"{k}={v}" for k, v in env), *cmd]) + " &")
             return 0
@@ -144,8 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("inspect", help="list the versions held by a host store and check them")
-    p.add_argument("store_dir", type=Path)
+    p.add_argument("store_dir", type=Path, nargs="?", default=None,
+                   help="default: this user's store root (NEIGHBOR_CKPT_STORE_DIR, else /dev/shm/neighbor_ckpt-USER)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--cleanup", action="store_true",
+                   help="remove this user's store left under the shared default root of earlier releases "
+                        "(/dev/shm/neighbor_ckpt/USER)")
     sub.add_parser("demo", help="4 CPU ranks, a real kill and a bit-exact recovery", add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "demo":

@@ -209,6 +209,7 @@ class Launcher:
         self._signal: Optional[int] = None
         self._att: Optional[_Attempt] = None
         self._host: Optional[subprocess.Popen] = None
+        self._started: dict[int, Optional[str]] = {}  # pid -> its NEIGHBOR_CKPT_STORE_DIR (staged slots: _drop_staged)
 
     # -- store ------------------------------------------------------------------------------------------------
 
@@ -334,7 +335,19 @@ class Launcher:
                                 preexec_fn=lambda: _child_setup(parent))
         child = _Child(index=index, local_rank=local_rank, proc=proc, replaces=replaces)
         att.children[index] = child
+        self._started[proc.pid] = env.get("NEIGHBOR_CKPT_STORE_DIR")
         return child
+
+    def _drop_staged(self, pids: Sequence[int]) -> None:
+        """Remove the slots these processes staged as idle hot spares: a spare SIGKILLed, or stopped by this
+        launcher's SIGTERM, runs no clean-up of its own, and a staged slot is a full slot of /dev/shm."""
+        from neighbor_ckpt.config import DEFAULT_STORE_DIR, expand_store_dir
+        from neighbor_ckpt.snapshot.store import remove_staged_slots
+
+        for pid in pids:
+            root = expand_store_dir(self._started.get(pid) or DEFAULT_STORE_DIR)
+            for path in remove_staged_slots(root, [pid]):
+                logger.info("removed %s, staged by process %d, which exited", path, pid)
 
     def _report(self, att: _Attempt) -> None:
         info = json.dumps({"pid": self.pid, "processes": sorted(att.children)})
@@ -392,6 +405,7 @@ class Launcher:
                 continue
             del att.children[index]
             _signal_group(child.proc, signal.SIGKILL)  # what it started in its session goes with it
+            self._drop_staged([child.proc.pid])
             att.exited += 1
             self._later(att.number, lambda s: s.add("exited", 1))
             how = describe_exit(code)
@@ -630,6 +644,7 @@ class Launcher:
             self.stores.close()
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)
+            self._drop_staged(list(self._started))
             if self._host is not None and self._host.poll() is None:
                 self._host.terminate()
                 try:

@@ -74,6 +74,7 @@ import xxhash
 
 from neighbor_ckpt.errors import DataPositionError
 from neighbor_ckpt.runtime.atomic_json import write_atomic_json
+from neighbor_ckpt.runtime.private_files import open_private, read_private
 
 logger = logging.getLogger(__name__)
 
@@ -250,9 +251,9 @@ class InputRecord:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         size = RING * _ENTRY.size
-        self.existed = self.path.exists()
+        self.existed = os.path.lexists(self.path)
         """Whether the file was there before (False: a new store, e.g. a replaced node's, or a first start)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT, 0o600, what="input record")  # no link, this user's
         try:
             os.fchmod(fd, 0o600)
             if os.fstat(fd).st_size != size:
@@ -356,8 +357,8 @@ any node found)."""
 def read_mark(path: Path, step: int) -> tuple[int, InputMark | None]:
     """Read another process's input record without changing it: (what was found, the step's mark or None)."""
     try:
-        raw = Path(path).read_bytes()
-    except OSError:
+        raw = read_private(path, what="input record")
+    except OSError:  # absent, or a link or another user's file (StoreDirError): nothing of it read
         return _NO_RECORD, None
     if len(raw) != RING * _ENTRY.size:
         return _NO_RECORD, None
@@ -433,7 +434,7 @@ class DataCheck:
         mismatch (a later restart would only walk back through older versions and stop again). A marker of another
         launch (attempt 0 now), or with the check not ``error``, is removed."""
         try:
-            data = json.loads(self.stopped_path.read_text())
+            data = json.loads(read_private(self.stopped_path, what="data-position stop marker"))
             marked, message = int(data["attempt"]), str(data["message"])
         except FileNotFoundError:
             return

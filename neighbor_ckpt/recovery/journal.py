@@ -22,7 +22,9 @@ import math
 import os
 from pathlib import Path
 
+from neighbor_ckpt.errors import StoreDirError
 from neighbor_ckpt.runtime.atomic_json import write_atomic_json
+from neighbor_ckpt.runtime.private_files import read_private
 
 __all__ = ["RESTORE_JOURNAL", "EVENTS_FILE", "RestoreJournal", "record_failure_event", "take_failure_event",
            "read_failure_input"]
@@ -60,8 +62,11 @@ class RestoreJournal:
 
         An unreadable journal is reported and ignored: it guards against a loop, it must not stop a restore."""
         try:
-            return int(json.loads(self.path.read_text())["iteration"])
+            return int(json.loads(read_private(self.path, what="restore journal"))["iteration"])
         except FileNotFoundError:
+            return None
+        except StoreDirError as e:  # a link or another user's file: refused, nothing of it read
+            logger.error("rank %d: refusing the restore journal: %s", self.rank, e)
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("rank %d: ignoring unreadable restore journal %s: %s", self.rank, self.path, e)
@@ -106,7 +111,10 @@ def take_failure_event(path: Path, *, not_after: float) -> float | None:
     Returns its time, or None when absent, unreadable, or not earlier than ``not_after`` (this process'
     start: an event can only come from before it). Deleted even when unusable, so it is never read twice."""
     try:
-        raw = path.read_bytes()
+        raw = read_private(path, what="failure event")
+    except StoreDirError as e:
+        logger.error("refusing the failure event: %s", e)
+        return None
     except OSError:
         return None
     try:

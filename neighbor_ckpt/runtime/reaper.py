@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from neighbor_ckpt.runtime.atomic_json import write_atomic_json
+from neighbor_ckpt.runtime.private_files import read_private
 from neighbor_ckpt.runtime.procs import boot_id, group_members, process_start
 
 __all__ = ["PROCESS_FILE", "this_process", "reap_previous", "record"]
@@ -43,7 +44,7 @@ def reap_previous(rank_dir: Path, *, rank: int) -> int:
     """SIGKILL the orphaned process group of the process recorded in ``rank_dir``; returns how many processes were
     in it (0: nothing to do). Never raises: a record that cannot be read or trusted is left alone."""
     try:
-        rec = json.loads((Path(rank_dir) / PROCESS_FILE).read_text())
+        rec = json.loads(read_private(Path(rank_dir) / PROCESS_FILE, what="process record"))
         pid, pgid, boot = int(rec["pid"]), int(rec["pgid"]), str(rec["boot_id"])
     except FileNotFoundError:
         return 0

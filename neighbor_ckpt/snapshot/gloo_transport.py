@@ -130,7 +130,8 @@ def pull_image(store: HostStore, role: str, src: int, group: dist.ProcessGroup, 
     iteration = int(meta[1])
     hcap, pcap, ecap, nseg = (int(x) for x in meta[2:6])
     idx = store.slot_for_write(role) if index is None else index
-    slot = store.ensure(role, idx, header_cap=hcap, payload_cap=pcap, extras_cap=ecap)
+    # capacities off the wire: checked against what the slot's owner published before anything is allocated
+    slot = store.ensure_pulled(role, idx, header_cap=hcap, payload_cap=pcap, extras_cap=ecap, src=src)
     slot.invalidate()
     hashers: dict[int, tuple[int, xxhash.xxh3_64]] = {}  # segment offset -> (length, running hash)
     pending: tuple[dist.Work, torch.Tensor, xxhash.xxh3_64 | None] | None = None

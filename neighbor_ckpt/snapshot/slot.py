@@ -10,7 +10,8 @@ Layout of one slot file (all integers little-endian)::
 
 A slot is *committed* only when its marker matches its header; the marker is zeroed before any byte of
 a new version is written and written last. A slot is *trusted* only after its payload and extras
-checksums verify. Nothing here unpickles anything: headers are JSON, tensors are raw bytes. Files are mode 0600.
+checksums verify. Nothing here unpickles anything: headers are JSON, tensors are raw bytes. Files are mode 0600,
+opened without following links and only when this user owns them.
 
 The slots of one rank, and where they live, are :mod:`neighbor_ckpt.snapshot.store`'s.
 """
@@ -33,6 +34,7 @@ import xxhash
 
 from neighbor_ckpt.snapshot import codec as _codec
 from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, SnapshotMismatchError
+from neighbor_ckpt.runtime.private_files import create_private, open_private, replace_private
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +184,9 @@ class SlotFile:
         slot does not pay for allocating its pages."""
         size = slot_file_size(header_cap, payload_cap, extras_cap)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = create_private(tmp, what="slot file")
         _shape(fd, tmp, size, (header_cap, payload_cap, extras_cap), reserve=True, fchmod=True)
-        os.replace(tmp, path)
+        replace_private(tmp, path)
         return cls.open(path)
 
     @classmethod
@@ -193,16 +195,18 @@ class SlotFile:
         its pages already faulted in, its mappings closed): moved to ``path``, cut or grown to the new size (the
         pages it keeps stay in memory), its preamble rewritten. As :meth:`create` otherwise."""
         size = slot_file_size(header_cap, payload_cap, extras_cap)
-        os.replace(source, path)
-        fd = os.open(path, os.O_RDWR)
+        replace_private(source, path)
+        fd = open_private(path, os.O_RDWR, what="slot file")
         grows = size > os.fstat(fd).st_size
         _shape(fd, path, size, (header_cap, payload_cap, extras_cap), reserve=grows, fchmod=False)
         return cls.open(path)
 
     @classmethod
     def open(cls, path: Path) -> SlotFile:
-        """Map an existing slot file after checking its preamble and size."""
-        fd = os.open(path, os.O_RDWR)
+        """Map an existing slot file after checking its preamble and size. Opened relative to its checked directory,
+        never through a link (:func:`~neighbor_ckpt.runtime.private_files.open_private`): a link, or a file another
+        user owns, is a :class:`~neighbor_ckpt.errors.StoreDirError` and nothing of it is read."""
+        fd = open_private(path, os.O_RDWR, what="slot file")
         try:
             size = os.fstat(fd).st_size
             if size < PREAMBLE_BYTES:

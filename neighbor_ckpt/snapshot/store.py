@@ -8,7 +8,6 @@ here for the modules that handle slots and stores together.
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
 import os
@@ -22,7 +21,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from neighbor_ckpt.errors import HostMemoryError, SnapshotCorruptError, SnapshotMismatchError
+from neighbor_ckpt.config import effective_user
+from neighbor_ckpt.errors import (ConfigError, HostMemoryError, SnapshotCorruptError, SnapshotMismatchError,
+                                  TransportError)
+from neighbor_ckpt.runtime.private_files import make_private_dirs
 from neighbor_ckpt.snapshot.slot import (FORMAT_VERSION, HEADER_ALLOWANCE_BYTES, MAGIC, MARKER, MARKER_BYTES,
                                          MARKER_MAGIC, MIN_EXTRAS_BYTES, PAGE, PREAMBLE, PREAMBLE_BYTES,
                                          SegmentChecksums, SlotFile, SlotHeader, checksum, extras_capacity,
@@ -35,11 +37,16 @@ __all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "
            "HEADER_ALLOWANCE_BYTES", "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir",
            "generation_dir", "store_generations", "remove_generations", "pick_slot_for_write", "encode_meta",
            "SegmentChecksums", "PreparedSlot", "stage_own_slot", "take_staged_slot", "discard_staged_slot",
-           "discard_staged_slots", "checksum", "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE", "PREAMBLE_BYTES",
+           "discard_staged_slots", "staged_slot_files", "remove_staged_slots", "STAGED_PREFIX", "checksum",
+           "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE", "PREAMBLE_BYTES",
            "MARKER_BYTES", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
 
 COMMIT_TIME_KEY = "committed_unix"
 """Header ``meta`` key of a slot's commit time (wall clock): where a recovery timeline starts."""
+
+STAGED_PREFIX = "staged-"
+"""A staged slot is ``<job dir>/staged-<pid>.own.slot`` (:func:`stage_own_slot`): ``<pid>`` is its process's."""
+
 
 ROLE_OWN = "own"
 ROLE_REPLICA = "replica"
@@ -67,10 +74,8 @@ class SlotRef:
 
 
 def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no passwd entry in some containers
-        return f"uid{os.getuid()}"
+    """This process's user name (its passwd entry, not ``$USER``): the name of its directory under the root."""
+    return effective_user()
 
 
 GENERATION_PREFIX = "g"
@@ -81,6 +86,9 @@ def generation_dir(root: Path, job_id: str, generation: int = 0) -> Path:
     """Directory of one generation of a job's store: ``<root>/<user>/<job_id>`` (generation 0), or its ``g<k>``
     subdirectory. A new generation begins when the data-parallel layout changes (an elastic reshard: every rank's
     number and shard may change, so the previous layout's slots stay apart until the new one is complete)."""
+    if not job_id or "/" in job_id or "\0" in job_id or job_id in (".", ".."):
+        raise ConfigError(f"neighbor_ckpt.job_id {job_id!r} cannot name a directory of the host store (it is empty, "
+                          f"'.' or '..', or holds '/' or NUL): choose another job id")
     d = Path(root) / _user() / job_id
     return d if generation == 0 else d / f"{GENERATION_PREFIX}{generation}"
 
@@ -148,12 +156,12 @@ class HostStore:
         """This generation's directory (the job directory for generation 0)."""
         self.dir = rank_dir(self.root, job_id, rank, generation)
         private_user_dir(self.root, self.user_dir.name)  # no link, this user's, 0700 (snapshot/userdir.py)
-        # Below the private user directory nobody else can add a link or a directory.
-        dirs = list(dict.fromkeys((self.job_dir, self.gen_dir, self.dir)))
-        for d in dirs:
-            d.mkdir(mode=0o700, exist_ok=True)
-        for d in dirs:
-            os.chmod(d, 0o700)
+        # Made and checked relative to the user directory, one name at a time (runtime/private_files.py).
+        make_private_dirs(self.dir)
+        self.pull_bounds: dict[str, tuple[int, int, int]] = {}
+        """Per role, the largest capacities (header, payload, extras) a slot pulled from a peer may ask for: what the
+        slot's owner published (:class:`~neighbor_ckpt.runtime.launch_store.SlotCapacities`). A role without one
+        is bounded by the filesystem's free space only (:meth:`preflight`)."""
         self._slots: dict[tuple[str, int], SlotFile] = {}
         self._prefault: PreparedSlot | None = None
         self._prefault_lock = threading.Lock()
@@ -177,10 +185,10 @@ class HostStore:
         if key in self._slots:
             return self._slots[key]
         p = self.path(role, index)
-        if not p.exists():
+        if not os.path.lexists(p):
             return None
         try:
-            s = SlotFile.open(p)
+            s = SlotFile.open(p)  # a link or another user's file: StoreDirError, nothing read
         except (SnapshotCorruptError, SnapshotMismatchError) as e:
             logger.warning("rank %d: ignoring unusable slot file: %s", self.rank, e)
             return None
@@ -206,6 +214,19 @@ class HostStore:
                             extras_cap=extras_cap)
         self._slots[(role, index)] = s
         return s
+
+    def ensure_pulled(self, role: str, index: int, *, header_cap: int, payload_cap: int, extras_cap: int,
+                      src: int) -> SlotFile:
+        """:meth:`ensure` for an image a peer announced (its capacities came over the network): refused with
+        :class:`~neighbor_ckpt.errors.TransportError`, before anything is allocated, when they exceed what the
+        slot's owner published for ``role`` (:attr:`pull_bounds`)."""
+        bound = self.pull_bounds.get(role)
+        caps = (header_cap, payload_cap, extras_cap)
+        if bound is not None and any(c > b for c, b in zip(caps, bound)):
+            raise TransportError(
+                f"rank {self.rank}: rank {src} announced a {role} image of capacities {caps} (header, payload, "
+                f"extras bytes), larger than the {bound} its owner published: refused before allocating it")
+        return self.ensure(role, index, header_cap=header_cap, payload_cap=payload_cap, extras_cap=extras_cap)
 
     def prefault(self, role: str, *, header_cap: int, payload_cap: int, extras_cap: int) -> bool:
         """Prepare the slot the first write of ``role`` lands in, in a background thread: create it with these
@@ -241,7 +262,7 @@ class HostStore:
 
     def has_files(self, role: str) -> bool:
         """Whether any slot file of ``role`` exists (committed or not)."""
-        return any(self.path(role, i).exists() for i in range(self.versions))
+        return any(os.path.lexists(self.path(role, i)) for i in range(self.versions))
 
     def wait_prepared(self) -> PreparedSlot | None:
         """Wait for the slot :meth:`prefault` prepares and take it into this store (once, whichever thread asks);
@@ -448,8 +469,7 @@ def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int
         try:
             private_user_dir(root, _user())
             job_dir = generation_dir(root, job_id)
-            job_dir.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(job_dir, 0o700)
+            make_private_dirs(job_dir)
             need = slot_file_size(header_cap, payload_cap, extras_cap)
             st = os.statvfs(job_dir)
             if need > st.f_bavail * st.f_frsize:
@@ -460,7 +480,7 @@ def stage_own_slot(root: Path, job_id: str, *, header_cap: int, payload_cap: int
             logger.info("neighbor_ckpt: cannot stage an own slot under %s: %s", root, e)
             return False
         pf = PreparedSlot((ROLE_OWN, 0), (header_cap, payload_cap, extras_cap),
-                          job_dir / f"staged-{os.getpid()}.{ROLE_OWN}.slot", staged=True, staged_when=when)
+                          job_dir / f"{STAGED_PREFIX}{os.getpid()}.{ROLE_OWN}.slot", staged=True, staged_when=when)
         pf.thread = threading.Thread(target=pf.run, name="neighbor-ckpt-prefault-staged", daemon=True)
         if not _staged:
             atexit.register(discard_staged_slots)
@@ -495,6 +515,31 @@ def discard_staged_slots() -> int:
                     pf.staged_when)
         discard_staged_slot(pf)
     return len(pending)
+
+
+def staged_slot_files(root: Path, pids: Sequence[int] | None = None) -> list[Path]:
+    """The staged slots of this user's jobs under ``root`` on this node (:func:`stage_own_slot`), of the processes
+    ``pids`` (None: of every process)."""
+    udir = Path(root) / _user()
+    prefixes = None if pids is None else tuple(f"{STAGED_PREFIX}{int(p)}." for p in pids)
+    out = []
+    for p in udir.glob(f"*/{STAGED_PREFIX}*.slot*"):  # .slot.tmp: killed while it was being made
+        if prefixes is None or p.name.startswith(prefixes):
+            out.append(p)
+    return sorted(out)
+
+
+def remove_staged_slots(root: Path, pids: Sequence[int]) -> list[Path]:
+    """Delete the staged slots of the processes ``pids`` under ``root`` (a hot spare SIGKILLed or stopped before it
+    ran its own clean-up: its launcher calls this); returns what was removed. Never raises."""
+    removed = []
+    for p in staged_slot_files(root, pids):
+        try:
+            p.unlink()
+            removed.append(p)
+        except OSError as e:
+            logger.warning("neighbor_ckpt: could not remove the staged slot %s: %s", p, e)
+    return removed
 
 
 def pick_slot_for_write(iterations: Sequence[int | None], *, role: str = "", keep: set[int] | None = None) -> int:

@@ -1,21 +1,22 @@
 """The per-user directory under the store root, made safely on a node that other users share.
 
-The store root (``store.dir``, ``/dev/shm/neighbor_ckpt`` by default) holds one directory per user:
-``<root>/<user>/``, mode 0700, and everything of this user's jobs lies below it (slot files are 0600). On a node
-that several users share, the root is made like ``/tmp``: whoever creates it first creates it sticky and writable
-by all (mode 1777), so every user can make a directory of their own there and nobody but the root's owner can
-rename or remove another user's.
+The store root (``store.dir``; by default ``/dev/shm/neighbor_ckpt-<user>``, one per user) holds one directory per
+user: ``<root>/<user>/``, mode 0700, and everything of this user's jobs lies below it (slot files are 0600). A root
+this process creates is its user's own, mode 0700. A root that several users share must be made by root, sticky and
+writable by all (mode 1777, like ``/tmp``): nobody but root can then rename or remove another user's directory in it.
 
 :func:`private_user_dir` opens both directories without following links (``O_NOFOLLOW``) and checks what it
 opened through the file descriptor (owner, type, mode), so a link or a directory that someone else created in its
 place is refused with :class:`~neighbor_ckpt.errors.StoreDirError` instead of being written into, and a mode is
-only ever changed through the descriptor (``fchmod``), never by a path that could lead elsewhere.
+only ever changed through the descriptor (``fchmod``), never by a path that could lead elsewhere. The checked user
+directory then anchors every later open below it (:mod:`neighbor_ckpt.runtime.private_files`): each file and
+directory is opened relative to the one above it, never through a link, and must be this user's.
 
 Refused:
     the root or the user directory is a symbolic link, or not a directory;
     the user directory belongs to another user;
-    the root belongs to another user (neither this one nor root) and is not sticky: its owner's other users could
-    not keep their directories there (and a root that others can write without the sticky bit, whoever owns it).
+    the root belongs to another user (neither this one nor root): its owner could replace this user's directory;
+    a root that others can write without the sticky bit, whoever owns it.
 """
 
 from __future__ import annotations
@@ -26,20 +27,25 @@ import os
 import stat
 from pathlib import Path
 
+from neighbor_ckpt.config import LEGACY_STORE_DIR
 from neighbor_ckpt.errors import StoreDirError
+from neighbor_ckpt.runtime.private_files import FIX_STORE_DIR, add_anchor, owner_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["private_user_dir", "SHARED_ROOT_MODE", "USER_DIR_MODE"]
+__all__ = ["private_user_dir", "legacy_user_dir", "SHARED_ROOT_MODE", "OWN_ROOT_MODE", "USER_DIR_MODE"]
 
 SHARED_ROOT_MODE = 0o1777
-"""Mode of a store root this process creates: every user may add a directory, nobody may remove another's."""
+"""Mode of a store root several users share (made by root): every user may add a directory, nobody may remove
+another's."""
+
+OWN_ROOT_MODE = 0o700
+"""Mode of a store root this process creates: its user's own."""
 
 USER_DIR_MODE = 0o700
 """Mode of a user's directory under the root."""
 
-_FIX = ("set neighbor_ckpt.store.dir (or NEIGHBOR_CKPT_STORE_DIR) to a directory of your own, e.g. "
-        "/dev/shm/neighbor_ckpt-$USER")
+_FIX = FIX_STORE_DIR
 
 
 def _open_dir(path: Path, what: str) -> int:
@@ -54,19 +60,13 @@ def _open_dir(path: Path, what: str) -> int:
         raise StoreDirError(f"cannot open the {what} {path}: {err.strerror}; {_FIX}") from err
 
 
-def _owner_name(uid: int) -> str:
-    try:
-        import pwd
-
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (KeyError, ImportError):
-        return f"uid {uid}"
+_owner_name = owner_name
 
 
 def _check_root(root: Path) -> None:
     root.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(root, SHARED_ROOT_MODE)
+        os.mkdir(root, OWN_ROOT_MODE)
         created = True
     except FileExistsError:
         created = False
@@ -75,21 +75,21 @@ def _check_root(root: Path) -> None:
         st = os.fstat(fd)
         me = os.geteuid()
         if created and st.st_uid == me:
-            os.fchmod(fd, SHARED_ROOT_MODE)  # mkdir's mode went through the umask
-            logger.info("created the shared store root %s (mode 1777: each user keeps a 0700 directory in it)", root)
+            os.fchmod(fd, OWN_ROOT_MODE)  # mkdir's mode went through the umask
+            logger.info("created the store root %s (mode 0700, this user's own)", root)
             return
         sticky = bool(st.st_mode & stat.S_ISVTX)
         others_write = bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+        if st.st_uid not in (me, 0):
+            raise StoreDirError(
+                f"the store root {root} belongs to {_owner_name(st.st_uid)} (mode {stat.S_IMODE(st.st_mode):04o}), "
+                f"not to this user ({_owner_name(me)}) nor to root: its owner could rename or replace this user's "
+                f"directory in it; {_FIX}, or ask its owner to remove it")
         if others_write and not sticky:
             raise StoreDirError(
                 f"the store root {root} (owner {_owner_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}) is "
                 f"writable by other users without the sticky bit: any of them could replace this user's directory; "
                 f"{_FIX}")
-        if st.st_uid not in (me, 0) and not sticky:
-            raise StoreDirError(
-                f"the store root {root} belongs to {_owner_name(st.st_uid)} (mode {stat.S_IMODE(st.st_mode):04o}), "
-                f"not to this user ({_owner_name(me)}), and is not a shared sticky directory: it cannot hold a "
-                f"directory of this user's; {_FIX}, or ask its owner to remove it")
     finally:
         os.close(fd)
 
@@ -124,4 +124,23 @@ def private_user_dir(root: Path, user: str) -> Path:
             os.fchmod(fd, USER_DIR_MODE)
     finally:
         os.close(fd)
+    add_anchor(udir)
+    return udir
+
+
+def legacy_user_dir(user: str, legacy_root: Path | str = LEGACY_STORE_DIR) -> Path | None:
+    """This user's directory under the shared default root of earlier releases (``/dev/shm/neighbor_ckpt``), when
+    there is one that is a directory (not a link) of this user's; None otherwise. Only ``neighbor-ckpt inspect``
+    looks there: jobs no longer write under it."""
+    udir = Path(legacy_root) / user
+    try:
+        fd = os.open(udir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return None
+    finally:
+        os.close(fd)
+    add_anchor(udir)
     return udir

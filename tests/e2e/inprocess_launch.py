@@ -262,10 +262,11 @@ def _run(spec: dict[str, Any]) -> int:
     out = Path(spec["out"])
     if "config" in spec:  # a job file, as `neighbor-ckpt launch CONFIG OVERRIDES --record` plans it
         from neighbor_ckpt.cli.launch import inprocess_processes, plan_launch, write_run_dir
+        from neighbor_ckpt.config import expand_store_dir
 
         plan = plan_launch(spec["config"], spec["overrides"], run_dir=Path(spec["run_dir"]), record=True)
         write_run_dir(plan)
-        root = Path(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
+        root = expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
         procs = inprocess_processes(plan, store_port=free_ports(plan.processes), store_root=root)
     else:
         procs = inprocess_commands(spec["program"], active=spec["active"], spares=spec["spares"],

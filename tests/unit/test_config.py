@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pwd
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ def write_yaml(tmp_path: Path, text: str) -> Path:
 def test_defaults():
     c = NeighborCkptConfig()
     assert c.enabled is True and c.job_id is None
-    assert c.store == StoreConfig(dir="/dev/shm/neighbor_ckpt", versions=2, checksum="xxh3", extras_capacity_mb=None,
+    assert c.store == StoreConfig(dir="/dev/shm/neighbor_ckpt-{user}", versions=2, checksum="xxh3", extras_capacity_mb=None,
                                   cleanup_on_success=True)
     assert c.ring == RingConfig(policy="cross_node")
     assert c.transport == TransportConfig(enabled=True, chunk_mb=16.0, timeout_s=120.0, wait_for_replica=True,
@@ -41,7 +43,7 @@ def test_defaults():
                                         kill_local=True)
     assert c.inprocess == InprocessConfig(enabled=False, spares=0, max_restarts=10, barrier_timeout_s=300.0,
                                           abort_timeout_s=60.0, hygiene_rss_growth_mib=50.0)
-    assert c.resolved_store_dir() == Path("/dev/shm/neighbor_ckpt")
+    assert c.resolved_store_dir() == Path(f"/dev/shm/neighbor_ckpt-{pwd.getpwuid(os.geteuid()).pw_name}")
     assert c.resolved_job_id() == "default"
 
 

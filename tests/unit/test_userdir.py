@@ -28,14 +28,14 @@ def _mode(p: Path) -> int:
     return stat.S_IMODE(os.lstat(p).st_mode)
 
 
-def test_a_new_root_is_shared_and_sticky_and_the_user_directory_private(tmp_path: Path) -> None:
+def test_a_new_root_is_this_users_own_and_the_user_directory_private(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
         udir = private_user_dir(tmp_path / "root", "alice")
     finally:
         os.umask(old)
     assert udir == tmp_path / "root" / "alice"
-    assert _mode(tmp_path / "root") == 0o1777
+    assert _mode(tmp_path / "root") == 0o700  # nobody else can make a directory in it, nor pre-create it
     assert _mode(udir) == 0o700
 
 
@@ -100,17 +100,29 @@ def test_a_root_another_user_owns_without_the_sticky_bit_is_refused(tmp_path: Pa
     root = tmp_path / "root"
     root.mkdir(mode=0o755)
     os.chown(root, OTHER_UID, OTHER_UID)
-    with pytest.raises(StoreDirError, match=f"belongs to uid {OTHER_UID}.*not a shared sticky directory"):
+    with pytest.raises(StoreDirError, match=f"belongs to uid {OTHER_UID}.*nor to root.*neighbor_ckpt.store.dir"):
         private_user_dir(root, "alice")
     assert not (root / "alice").exists()
 
 
 @needs_root
-def test_a_shared_sticky_root_another_user_created_is_used(tmp_path: Path) -> None:
+def test_a_shared_sticky_root_another_user_created_is_refused(tmp_path: Path) -> None:
+    """Its owner could rename this user's directory in it and put another in its place: only root's will do."""
     root = tmp_path / "root"
     root.mkdir()
     os.chmod(root, 0o1777)
     os.chown(root, OTHER_UID, OTHER_UID)
+    with pytest.raises(StoreDirError, match=f"belongs to uid {OTHER_UID}.*neighbor_ckpt.store.dir"):
+        private_user_dir(root, "alice")
+    assert not (root / "alice").exists()
+
+
+def test_a_shared_sticky_root_of_roots_is_used(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    os.chmod(root, 0o1777)
+    if os.lstat(root).st_uid != 0:
+        pytest.skip("a directory owned by root needs root (CI runs as root)")
     udir = private_user_dir(root, "alice")
     assert os.lstat(udir).st_uid == os.geteuid() and _mode(udir) == 0o700
 

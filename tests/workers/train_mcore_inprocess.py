@@ -388,6 +388,11 @@ def kill_idle_spare_at(step: int) -> None:
             if any(line.endswith("}") and json.loads(line)["step"] >= step for line in lines):
                 break
             time.sleep(0.05)
+        if os.environ.get("KILL_IDLE_SPARE_WHEN_STAGED"):  # ...and once its staged slot is there (bounded wait)
+            staged = f"*/*/staged-{os.getpid()}.own.slot"
+            deadline = time.monotonic() + 120
+            while not any(Path(os.environ["NEIGHBOR_CKPT_STORE_DIR"]).glob(staged)) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if inproc.current is None and LAUNCH_ATTEMPT == 0:
             write_json(f"fault.spare{INITIAL_RANK}.json", {"initial_rank": INITIAL_RANK, "step": step,
                                                            "unix": time.time(), "pid": os.getpid()})
