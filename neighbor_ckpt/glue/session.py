@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from neighbor_ckpt.checkpointer import InsuranceLoader, NeighborCheckpointer, Phase, RecoveryResult
+from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase
+from neighbor_ckpt.recovery.recoverer import InsuranceLoader, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.glue.insurance import InsuranceFiles

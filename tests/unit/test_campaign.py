@@ -404,7 +404,7 @@ def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_of_our_lau
         tmp_path: Path) -> None:
     from neighbor_ckpt.cli.launch import LAUNCHER
     from neighbor_ckpt.config import NeighborCkptConfig
-    from neighbor_ckpt.inprocess.launcher import parse_args
+    from neighbor_ckpt.inprocess.launcher_plan import parse_args
 
     base = write_config(tmp_path / "campaign.yaml", interval_s=0.5, timeout_s=3.0)
     own = write_config(tmp_path / "case" / "nckpt.yaml", base=base, inprocess_spares=SPARES,
