@@ -7,7 +7,7 @@ imported):
 * ``from M import name`` of a module of ours names the module that defines ``name`` (a ``def``, a ``class``, an
   assignment, or a submodule of that name), except the names a package ``__init__`` offers as public API;
 * a package ``__init__``'s public API (its ``__all__`` and lazy ``__getattr__`` names) is :data:`PUBLIC_API`, and every
-  name of it is shown in README.md or docs/;
+  name of it is shown in README.md or docs/; a tool package offers only its entry point (:data:`ENTRY_POINTS`);
 * a module's ``__all__`` lists only what the module defines.
 """
 
@@ -20,8 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("neighbor_ckpt", "megatron_patches")
-"""The top-level packages whose names are checked (the library)."""
+OURS = ("neighbor_ckpt", "megatron_patches", "tools")
+"""The top-level packages whose names are checked: the library and the tools around it."""
 SCANNED = ("neighbor_ckpt", "megatron_patches", "tools", "tests")
 """The folders whose imports are checked."""
 
@@ -34,7 +34,12 @@ PUBLIC_API: dict[str, frozenset[str]] = {
     "neighbor_ckpt.inprocess": frozenset({"InprocessRecovery"}),
     "megatron_patches": frozenset({"enable_cpu", "mcore_groups", "install_hooks"}),
 }
-"""What each package ``__init__`` offers: the names README shows imported from the package."""
+"""What each package ``__init__`` of the library offers: the names README shows imported from the package."""
+ENTRY_POINTS: dict[str, frozenset[str]] = {
+    "tools.bench.micro": frozenset({"main"}),
+    "tools.bench.compare": frozenset({"main"}),
+}
+"""What a tool package offers: the entry point ``tools/bench/__main__.py`` calls. The tools are no API."""
 
 PENDING_IMPORTS: frozenset[tuple[str, str, str]] = frozenset({
     ("neighbor_ckpt/lightning/_state.py", "neighbor_ckpt.adapters", "StateAdapter"),
@@ -59,6 +64,10 @@ PENDING_EXPORTS: dict[str, frozenset[str]] = {
     "neighbor_ckpt.bridge": frozenset({"check_bridge_config", "ALLOWED_OPTIMIZERS"}),
 }
 """``__all__`` names of ``lightning/`` and ``bridge/`` that their rework removes; never add one."""
+
+
+def _offered(package: str) -> frozenset[str]:
+    return PUBLIC_API.get(package, frozenset()) | ENTRY_POINTS.get(package, frozenset())
 
 
 @dataclass(frozen=True)
@@ -182,7 +191,7 @@ def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
                     continue
                 if name in _defined(module.path) or _module(f"{source}.{name}") is not None:
                     continue
-                if module.is_package and name in PUBLIC_API.get(source, ()):
+                if module.is_package and name in _offered(source):
                     continue
                 if (rel, source, name) in PENDING_IMPORTS:
                     pending_seen.add((rel, source, name))
@@ -208,15 +217,16 @@ def test_a_package_init_offers_only_the_public_api_readme_shows() -> None:
     problems: list[str] = []
     for package in _packages():
         offered = set(_all(package.path)) | _lazy(package.path)
-        extra = offered - PUBLIC_API.get(package.name, frozenset()) - PENDING_EXPORTS.get(package.name, frozenset())
+        extra = offered - _offered(package.name) - PENDING_EXPORTS.get(package.name, frozenset())
         extra -= _defined(package.path)  # what the __init__ defines itself (neighbor_ckpt.recipes' paths)
-        missing = PUBLIC_API.get(package.name, frozenset()) - offered
+        missing = _offered(package.name) - offered
         rel = package.path.relative_to(ROOT).as_posix()
         if extra:
             problems.append(f"{rel}: offers {sorted(extra)}, which README does not show as {package.name}'s API: "
                             "take them out of __all__ (and their users import them from the defining module)")
         if missing:
-            problems.append(f"{rel}: PUBLIC_API says it offers {sorted(missing)}, but its __all__ does not")
+            problems.append(f"{rel}: PUBLIC_API / ENTRY_POINTS say it offers {sorted(missing)}, but its __all__ "
+                            "does not")
     assert not problems, "\n".join(problems)
 
 

@@ -33,5 +33,4 @@ CLASSES: dict[str, type[Variant]] = {"base": Base, "neighbor": Neighbor, "dcp_as
                                      "nvrx_local": NvrxLocal, "nvrx_local_repl": NvrxLocalRepl,
                                      "neighbor_local": NeighborLocal, "neighbor_nosum": NeighborNoSum}
 
-__all__ = ["ALTERNATIVES", "CLASSES", "DESCRIPTIONS", "DIAGNOSTICS", "VARIANTS", "Base", "DcpAsync", "LightningSave",
-           "McoreAsync", "Neighbor", "NeighborLocal", "NeighborNoSum", "NvrxLocal", "NvrxLocalRepl", "Variant"]
+__all__ = ["ALTERNATIVES", "CLASSES", "DESCRIPTIONS", "DIAGNOSTICS", "VARIANTS"]
