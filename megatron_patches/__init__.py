@@ -28,19 +28,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_patches._versions import SUPPORTED, check_versions
-from megatron_patches.groups import McoreGroups, mcore_groups
-from megatron_patches.hooks import MegatronHooks, install_hooks
-from megatron_patches.step_tags import StepTags, tag_optimizer_steps
-from megatron_patches.traffic import TrafficHooks, mark_training_traffic
+# The API README shows; everything else is imported from its module. check_versions stays only while
+# neighbor_ckpt/lightning/_megatron.py imports it from here (tests/unit/test_no_reexports.py: PENDING_IMPORTS).
+from megatron_patches._versions import check_versions
+from megatron_patches.groups import mcore_groups
+from megatron_patches.hooks import install_hooks
 
-__all__ = ["SUPPORTED", "check_versions", "enable_cpu", "CpuPatch", "McoreGroups", "mcore_groups", "MegatronHooks",
-           "install_hooks", "StepTags", "tag_optimizer_steps", "TrafficHooks", "mark_training_traffic"]
+__all__ = ["enable_cpu", "mcore_groups", "install_hooks"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("enable_cpu", "CpuPatch"):
-        from megatron_patches import cpu
+    if name == "enable_cpu":
+        from megatron_patches.cpu import enable_cpu
 
-        return getattr(cpu, name)
+        return enable_cpu
     raise AttributeError(f"module 'megatron_patches' has no attribute {name!r}")

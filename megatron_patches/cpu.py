@@ -114,7 +114,6 @@ from .device_mode import CPU, CudaToCpuMode
 
 __all__ = [
     "CpuPatch",
-    "CudaToCpuMode",
     "FusedAdamSemanticsAdam",
     "PATCHED_ATTRIBUTES",
     "active_patch",

@@ -22,7 +22,7 @@ hooks first (``install_hooks`` before ``get_forward_backward_func()``), or wrap 
 
 Reversible: :meth:`DataIteratorHook.remove` (idempotent); the schedules are restored when the last hook is removed,
 by identity (a wrapper somebody installed over ours is left alone, and ours then only passes through). Version
-checked: megatron-core 0.15 and 0.16 (:func:`megatron_patches.check_versions`), and each schedule must take a
+checked: megatron-core 0.15 and 0.16 (:func:`megatron_patches._versions.check_versions`), and each schedule must take a
 keyword ``data_iterator``.
 """
 

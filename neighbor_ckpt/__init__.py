@@ -4,7 +4,10 @@ Public entry points:
 
 * :class:`NeighborCheckpoint` — the Lightning callback (``lightning.pytorch`` and ``pytorch_lightning``);
 * :class:`NeighborCheckpointer` — the plain-loop API (``recover`` / ``snapshot`` / ``close``);
-* :class:`NeighborCkptConfig` — configuration (YAML section ``neighbor_ckpt:``).
+* :class:`NeighborCkptConfig` — configuration (YAML section ``neighbor_ckpt:``);
+* :func:`prepare_torchrun_restart` — a plain loop's torchrun restart fix, before ``init_process_group``.
+
+Everything else is imported from the module that defines it (the errors from :mod:`neighbor_ckpt.errors`).
 """
 
 from __future__ import annotations
@@ -13,19 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.runtime.torchrun import prepare_torchrun_restart
-from neighbor_ckpt.errors import (ConfigError, HostMemoryError, NeighborCkptError, NoRecoverableStateError,
-                                  SnapshotCorruptError, SnapshotError, SnapshotMismatchError, TopologyError,
-                                  TransportError)
 
 if TYPE_CHECKING:
     from neighbor_ckpt.checkpointer import NeighborCheckpointer
     from neighbor_ckpt.lightning.callback import NeighborCheckpoint
 
-__all__ = [
-    "NeighborCheckpoint", "NeighborCheckpointer", "NeighborCkptConfig", "NeighborCkptError", "ConfigError",
-    "HostMemoryError", "NoRecoverableStateError", "SnapshotCorruptError", "SnapshotError",
-    "SnapshotMismatchError", "TopologyError", "TransportError", "prepare_torchrun_restart",
-]
+__all__ = ["NeighborCheckpoint", "NeighborCheckpointer", "NeighborCkptConfig", "prepare_torchrun_restart"]
 
 __version__ = "0.1.0"
 

@@ -74,7 +74,7 @@ from neighbor_ckpt.validation import validate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NeighborCheckpointer", "RecoveryResult", "Phase", "InsuranceLoader", "check_setup", "elastic_cannot_shrink"]
+__all__ = ["NeighborCheckpointer", "Phase", "check_setup", "elastic_cannot_shrink"]
 
 
 class Phase(str, enum.Enum):

@@ -43,7 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from neighbor_ckpt.checkpointer import InsuranceLoader, NeighborCheckpointer, Phase, RecoveryResult
+from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase
+from neighbor_ckpt.recovery.recoverer import InsuranceLoader, RecoveryResult
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.glue.insurance import InsuranceFiles

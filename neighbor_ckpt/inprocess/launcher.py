@@ -88,9 +88,7 @@ from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_c
                                                    describe_exit, exit_status, parse_args)
 from neighbor_ckpt.inprocess.protocol import key
 
-__all__ = ["LauncherPlan", "Action", "classify_exit", "parse_dead", "describe_exit", "exit_status",
-           "child_env", "child_command", "parse_args", "Launcher", "main", "EXIT_STORE_LOST",
-           "EXIT_LAUNCHER_ERROR"]
+__all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR"]
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ paper's formulas did not survive text extraction):
   bottleneck: the parameter count cancels).
 
 Failure/goodput arithmetic (FlashRecovery eq. 1-4, FFTrainer eq. 3-5, Table 2) is in
-:mod:`neighbor_ckpt.planning.goodput` and re-exported here. Inputs are checked with
+:mod:`neighbor_ckpt.planning.goodput`. Inputs are checked with
 :mod:`neighbor_ckpt.validation`: every problem of a call is one line of one ``ConfigError``.
 """
 
@@ -49,21 +49,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from neighbor_ckpt.planning.goodput import (LossBreakdown, cluster_mtbf, goodput_loss, loss_breakdown, mfu_loss,
-                                       min_goodput_loss, monte_carlo_p_unrecoverable, node_failure_probability,
-                                       optimal_interval, p_cluster_failure, p_k_node_failures, p_recovery,
-                                       p_unrecoverable, ring_nodes_for)
 from neighbor_ckpt.snapshot.razor import Disposition, StateKind, disposition
-from neighbor_ckpt.snapshot.store import MIN_EXTRAS_BYTES, store_bytes_per_rank
+from neighbor_ckpt.snapshot.slot import MIN_EXTRAS_BYTES
+from neighbor_ckpt.snapshot.store import store_bytes_per_rank
 from neighbor_ckpt.validation import Problems, validate
 
 __all__ = [
     "ModelShape", "Hardware", "Parallelism", "RankClassPlan", "JobPlan", "plan_job", "PRESETS", "HARDWARE",
     "OPTIMIZER_STATE_BYTES",
-    # re-exported from goodput
-    "LossBreakdown", "cluster_mtbf", "loss_breakdown", "goodput_loss", "mfu_loss", "optimal_interval",
-    "min_goodput_loss", "p_cluster_failure", "node_failure_probability", "p_k_node_failures", "ring_nodes_for",
-    "p_unrecoverable", "monte_carlo_p_unrecoverable", "p_recovery",
 ]
 
 log = logging.getLogger(__name__)

@@ -198,7 +198,7 @@ def callbacks(job: JobSpec, run_dir: Path, *, record: bool) -> list[Any]:
             ts = context.state.train_state
             self.start_step = ts.step  # where this generation resumed
             if any(f.phase == "optimizer" for f in planned) and _attempt() == 0:
-                from megatron_patches import tag_optimizer_steps
+                from megatron_patches.step_tags import tag_optimizer_steps
 
                 def enter() -> None:
                     for i in self._due(ts, "optimizer"):

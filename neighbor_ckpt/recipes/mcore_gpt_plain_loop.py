@@ -666,7 +666,7 @@ def _damage_own_store(config: Any, args: argparse.Namespace) -> None:
 
 def _inside_optimizer_step(optimizer: Any, ckpt: Any, call: Any) -> None:
     """Fault injection: ``call(step)`` once this rank is inside each optimizer step (after the step tag)."""
-    from megatron_patches import tag_optimizer_steps
+    from megatron_patches.step_tags import tag_optimizer_steps
 
     tag_optimizer_steps(optimizer, on_enter=lambda: call(0 if ckpt.last_iteration is None
                                                          else ckpt.last_iteration + 1), on_exit=lambda: None)

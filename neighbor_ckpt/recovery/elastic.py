@@ -50,8 +50,8 @@ from neighbor_ckpt.recovery.reshard import (Copy, Piece, RankLayout, ReshardPlan
                                             VersionChoice, choose_version, plan_reshard)
 from neighbor_ckpt.snapshot import codec
 from neighbor_ckpt.snapshot.razor import StateKind, plan_shards
-from neighbor_ckpt.snapshot.store import (ROLE_OWN, ROLE_REPLICA, SlotFile, SlotHeader, generation_dir,
-                                          remove_generations, store_generations)
+from neighbor_ckpt.snapshot.slot import SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.store import ROLE_OWN, ROLE_REPLICA, generation_dir, remove_generations, store_generations
 from neighbor_ckpt.snapshot.topology import Topology
 from neighbor_ckpt.snapshot.transport import NeighborTransport
 

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
 from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, RecoveryDecision, decode_row, \
     encode_row, reconcile
-from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, \
-    SlotHeader
+from neighbor_ckpt.snapshot.slot import SegmentChecksums, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import Topology
 from neighbor_ckpt.snapshot.transport import NeighborTransport
 

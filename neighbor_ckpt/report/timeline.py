@@ -84,7 +84,8 @@ import torch.distributed as dist
 
 from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.runtime.procs import process_start
-from neighbor_ckpt.snapshot.store import COMMIT_TIME_KEY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile
+from neighbor_ckpt.snapshot.slot import SlotFile
+from neighbor_ckpt.snapshot.store import COMMIT_TIME_KEY, ROLE_OWN, ROLE_REPLICA, HostStore
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,6 @@ __all__ = [
     "write_timeline",
     "wait_for_renders",
     "RENDER_WAIT_S",
-    "COMMIT_TIME_KEY",
 ]
 
 PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "reconcile", "transfer", "restore", "first_step")

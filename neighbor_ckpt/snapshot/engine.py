@@ -43,8 +43,8 @@ import torch
 from neighbor_ckpt.snapshot import codec as _codec
 from neighbor_ckpt.runtime import failpoints
 from neighbor_ckpt.snapshot.razor import Disposition, PlannedTensor, ShardPlan
-from neighbor_ckpt.snapshot.store import (ROLE_LAZY, ROLE_OWN, HostStore, SlotFile, SlotHeader, encode_meta,
-                                          extras_capacity, pick_slot_for_write)
+from neighbor_ckpt.snapshot.slot import SlotFile, SlotHeader, extras_capacity
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, HostStore, encode_meta, pick_slot_for_write
 from neighbor_ckpt.snapshot.transport import NeighborTransport
 
 logger = logging.getLogger(__name__)

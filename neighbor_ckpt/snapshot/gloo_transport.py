@@ -42,7 +42,8 @@ import xxhash
 
 from neighbor_ckpt.errors import TopologyError, TransportError
 from neighbor_ckpt.runtime import failpoints
-from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore, SegmentChecksums, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.slot import SegmentChecksums, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.store import ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import Topology
 from neighbor_ckpt.snapshot.transport import NeighborTransport, Pulled, TrafficGate
 

@@ -2,8 +2,8 @@
 they live, and the slot a replaced rank prepares before its recovery pulls into it.
 
 Directory: ``<root>/<user>/<job_id>/rank<r>/`` (mode 0700), files mode 0600, so snapshots are private to
-the user and namespaced per job. One file's format is :mod:`neighbor_ckpt.snapshot.slot`'s; its names are re-exported
-here for the modules that handle slots and stores together.
+the user and namespaced per job. One file's format is :mod:`neighbor_ckpt.snapshot.slot`'s (import its names from
+there).
 """
 
 from __future__ import annotations
@@ -22,24 +22,17 @@ import numpy as np
 import torch
 
 from neighbor_ckpt.config import effective_user
-from neighbor_ckpt.errors import (ConfigError, HostMemoryError, SnapshotCorruptError, SnapshotMismatchError,
-                                  TransportError)
+from neighbor_ckpt.errors import ConfigError, HostMemoryError, SnapshotCorruptError, SnapshotMismatchError, TransportError
 from neighbor_ckpt.runtime.private_files import make_private_dirs
-from neighbor_ckpt.snapshot.slot import (FORMAT_VERSION, HEADER_ALLOWANCE_BYTES, MAGIC, MARKER, MARKER_BYTES,
-                                         MARKER_MAGIC, MIN_EXTRAS_BYTES, PAGE, PREAMBLE, PREAMBLE_BYTES,
-                                         SegmentChecksums, SlotFile, SlotHeader, checksum, extras_capacity,
-                                         slot_file_size)
+from neighbor_ckpt.snapshot.slot import HEADER_ALLOWANCE_BYTES, MIN_EXTRAS_BYTES, SlotFile, SlotHeader, slot_file_size
 from neighbor_ckpt.snapshot.userdir import private_user_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlotFile", "SlotHeader", "HostStore", "SlotRef", "FORMAT_VERSION", "MIN_EXTRAS_BYTES",
-           "HEADER_ALLOWANCE_BYTES", "extras_capacity", "slot_file_size", "store_bytes_per_rank", "rank_dir",
-           "generation_dir", "store_generations", "remove_generations", "pick_slot_for_write", "encode_meta",
-           "SegmentChecksums", "PreparedSlot", "stage_own_slot", "take_staged_slot", "discard_staged_slot",
-           "discard_staged_slots", "staged_slot_files", "remove_staged_slots", "STAGED_PREFIX", "checksum",
-           "MAGIC", "MARKER", "MARKER_MAGIC", "PAGE", "PREAMBLE", "PREAMBLE_BYTES",
-           "MARKER_BYTES", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
+__all__ = ["HostStore", "SlotRef", "store_bytes_per_rank", "rank_dir", "generation_dir", "store_generations",
+           "remove_generations", "pick_slot_for_write", "encode_meta", "PreparedSlot", "stage_own_slot",
+           "take_staged_slot", "discard_staged_slot", "discard_staged_slots", "staged_slot_files", "remove_staged_slots",
+           "STAGED_PREFIX", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
 
 COMMIT_TIME_KEY = "committed_unix"
 """Header ``meta`` key of a slot's commit time (wall clock): where a recovery timeline starts."""

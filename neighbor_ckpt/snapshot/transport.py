@@ -32,7 +32,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from neighbor_ckpt.snapshot.store import HostStore, SegmentChecksums, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.slot import SegmentChecksums, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.store import HostStore
 from neighbor_ckpt.snapshot.topology import Topology
 
 __all__ = ["NeighborTransport", "TrafficGate", "Pulled"]

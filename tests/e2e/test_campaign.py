@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import campaign
+from tools.campaign import cases, runner
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core")
@@ -29,7 +29,7 @@ SEED = 149
 (distributed and replicated optimizer): the hang strikes a distributed-optimizer rank in its backward pass, a
 replicated-optimizer rank restarts with its newest snapshot truncated (its weights come from a survivor's lazy
 backup), and the lost DP group is the whole job (no snapshot anywhere: the insurance checkpoint)."""
-KINDS = tuple(k for k in campaign.KINDS if k != "inproc-hang")
+KINDS = tuple(k for k in cases.KINDS if k != "inproc-hang")
 COVERED_ELSEWHERE = ("kill-forward", "kill-backward", "kill-optimizer", "kill-replaced-store", "kill-bitflip",
                      "lose-adjacent-pair", "inproc-kill")
 """Kinds whose drawn case CI does not run: a dedicated end-to-end test covers each (module docstring)."""
@@ -49,14 +49,14 @@ def _log(root: Path, c: dict) -> str:
 def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announced(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     kinds = KINDS
-    rc = campaign.main(["--faults", str(len(kinds)), "--seed", str(SEED), "--steps", "6", "--kinds", ",".join(kinds),
+    rc = runner.main(["--faults", str(len(kinds)), "--seed", str(SEED), "--steps", "6", "--kinds", ",".join(kinds),
                         "--only", ",".join(map(str, RUN)), "--insurance-where-needed", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     outcomes = [json.loads(line) for line in (tmp_path / "outcomes.jsonl").read_text().splitlines()]
     assert rc == 0, out
     assert [o["case"]["kind"] for o in outcomes] == [k for k in kinds if k not in COVERED_ELSEWHERE]
     for o in outcomes:
-        case = campaign.Case(**o["case"])
+        case = cases.Case(**o["case"])
         # Only the cases no in-memory version can cover may fall back, and they must say so (and then train what the
         # failure-free run resumed from the same insurance checkpoint trains, bit for bit); a shrink keeps the global
         # batch; a restart on misplaced data stops at the replayed step. A kill during the recovery after a kill
@@ -90,8 +90,8 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
     # The startup window (the CI flake of an earlier version): the victim dies with its first snapshot half copied,
     # before any replica exists; no complete version anywhere and no insurance yet. The job starts over, announced,
     # and trains exactly what the failure-free run did.
-    first = campaign.Case(index=len(kinds), kind="kill-mid-copy", rank=1, step=0, dist_opt=True, phase="copy")
-    o = campaign.run_case(first, base=tmp_path / "baseline-distopt-tp1", work=tmp_path, steps=6,
+    first = cases.Case(index=len(kinds), kind="kill-mid-copy", rank=1, step=0, dist_opt=True, phase="copy")
+    o = runner.run_case(first, base=tmp_path / "baseline-distopt-tp1", work=tmp_path, steps=6,
                           config=tmp_path / "nckpt.yaml", insurance_every=2)
     assert o.result == "exact", o
     assert "starting over from the initial state because" in _log(tmp_path, asdict(first))

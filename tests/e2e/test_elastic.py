@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from neighbor_ckpt.snapshot.store import SlotFile
+from neighbor_ckpt.snapshot.slot import SlotFile
 from tests.conftest import Baselines, RunResult, run_torchrun
 from tests.e2e.inprocess_launch import (assert_no_orphans, attempts, failures, launch_config, launch_inprocess,
                                         launcher_exits, timeline)

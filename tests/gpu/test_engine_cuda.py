@@ -17,10 +17,11 @@ from torch import nn
 
 from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter
 from neighbor_ckpt.snapshot.engine import SnapshotEngine, header_capacity
-from neighbor_ckpt.snapshot.store import MIN_EXTRAS_BYTES
+from neighbor_ckpt.snapshot.slot import MIN_EXTRAS_BYTES
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
 from neighbor_ckpt.recovery.flow import read_tensors
-from neighbor_ckpt.snapshot.store import PREAMBLE_BYTES, ROLE_OWN, HostStore, SlotFile
+from neighbor_ckpt.snapshot.slot import PREAMBLE_BYTES, SlotFile
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore
 from tests.gpu.conftest import CUDA_ONLY, on_tmpfs
 
 pytestmark = [pytest.mark.gpu, CUDA_ONLY]

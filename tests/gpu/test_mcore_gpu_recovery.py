@@ -2,7 +2,7 @@
 under ``torchrun --max-restarts 1``, SIGKILLed at step 3 and restarted. World 1: every byte of state is unique
 (DESIGN.md's razor), so the restarted rank restores iteration 2 from its own page-locked slot and recomputes
 step 3; every loss (the recomputed ones too) and the final parameters / optimizer state equal the failure-free run
-(:func:`tools.campaign.compare`)."""
+(:func:`tools.campaign.judge.compare`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.gpu.conftest import CUDA_ONLY, on_tmpfs
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, CUDA_ONLY]
 pytest.importorskip("megatron.core")
 
-from tools.campaign import compare  # noqa: E402
+from tools.campaign.judge import compare  # noqa: E402
 
 RECIPE = REPO / "recipes" / "mcore_gpt_plain_loop.py"
 STEPS = 6

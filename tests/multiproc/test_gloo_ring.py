@@ -271,7 +271,7 @@ def _many_bad_copies(rank: int, world: int, tmp: Path) -> None:
 
 
 def _iteration(path: Path) -> int:
-    from neighbor_ckpt.snapshot.store import SlotFile
+    from neighbor_ckpt.snapshot.slot import SlotFile
 
     s = SlotFile.open(path)
     try:
@@ -281,7 +281,7 @@ def _iteration(path: Path) -> int:
 
 
 def _flip_payload(path: Path) -> None:
-    from neighbor_ckpt.snapshot.store import SlotFile
+    from neighbor_ckpt.snapshot.slot import SlotFile
 
     s = SlotFile.open(path)
     off = s.payload_off + 17

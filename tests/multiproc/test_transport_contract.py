@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from neighbor_ckpt.config import TransportConfig
 from neighbor_ckpt.recovery.flow import read_tensors
-from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore, SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.slot import SlotFile, SlotHeader
+from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import Topology, build_topology
 from neighbor_ckpt.snapshot.transport import NeighborTransport, Pulled
 from neighbor_ckpt.snapshot.transport_kinds import make_transport, transport_kinds

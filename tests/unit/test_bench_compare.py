@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from tools.bench import compare
-from tools.bench.compare import gpt, stats, systems, tables
+from tools.bench.compare import cli, gpt, stats, systems, tables
 from tools.bench.compare.runner import Runner
+from tools.bench.compare.systems.base import Base
+from tools.bench.compare.systems.variant import Variant
 from tools.bench.compare.projection import projection
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,36 +85,36 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_cpu_defaults_are_the_recipe_shape_and_the_old_protocol() -> None:
     a = _args()
-    compare.resolve_args(a, gpu_count=0)
+    cli.resolve_args(a, gpu_count=0)
     assert (a.world, a.steps, a.warmup, a.block, a.scales, a.scale_steps) == (4, 20, 3, 5, "2,4", 20)
     assert {k: getattr(a, k) for k in gpt.SHAPE_KEYS} == gpt.CPU_SHAPE
     assert (a.hidden, a.layers, a.heads, a.seq, a.vocab) == (64, 2, 4, 32, 128)  # recipes/mcore_gpt_plain_loop.py
     q = _args("--quick")
-    compare.resolve_args(q, gpu_count=8)  # GPUs on the machine change nothing in cpu mode
+    cli.resolve_args(q, gpu_count=8)  # GPUs on the machine change nothing in cpu mode
     assert (q.world, q.steps, q.scales) == (4, 8, "2")
 
 
 def test_cuda_defaults_gpu_shape_short_protocol_one_rank_per_gpu() -> None:
     a = _args("--device", "cuda")
-    compare.resolve_args(a, gpu_count=1)
+    cli.resolve_args(a, gpu_count=1)
     assert a.world == 1  # every visible GPU; 1 is allowed with cuda
     assert (a.steps, a.warmup, a.block, a.scales) == (8, 2, 4, "")  # no scaling runs unless --scales is given
     assert (a.hidden, a.layers, a.heads, a.seq, a.vocab, a.micro_batch_size, a.micro_batches) == (
         1024, 16, 16, 2048, 32768, 4, 4)
     b = _args("--device", "cuda", "--hidden", "512", "--world", "2", "--scales", "2", "--quick")
-    compare.resolve_args(b, gpu_count=8)
+    cli.resolve_args(b, gpu_count=8)
     assert (b.hidden, b.layers, b.world, b.scales, b.steps) == (512, 16, 2, "2", 4)  # flags override
 
 
 def test_world_validation_depends_on_the_device() -> None:
     with pytest.raises(ValueError, match="--world >= 2"):
-        compare.resolve_args(_args("--world", "1"), gpu_count=8)  # cpu: a DP ring needs 2 ranks
+        cli.resolve_args(_args("--world", "1"), gpu_count=8)  # cpu: a DP ring needs 2 ranks
     with pytest.raises(ValueError, match="no CUDA device"):
-        compare.resolve_args(_args("--device", "cuda"), gpu_count=0)
+        cli.resolve_args(_args("--device", "cuda"), gpu_count=0)
     with pytest.raises(ValueError, match="1..2"):
-        compare.resolve_args(_args("--device", "cuda", "--world", "3"), gpu_count=2)
+        cli.resolve_args(_args("--device", "cuda", "--world", "3"), gpu_count=2)
     with pytest.raises(ValueError, match="--steps >= 1"):
-        compare.resolve_args(_args("--device", "cuda", "--steps", "0"), gpu_count=1)
+        cli.resolve_args(_args("--device", "cuda", "--steps", "0"), gpu_count=1)
 
 
 def test_gpu_shape_is_about_a_quarter_billion_params_and_3_gb_of_unique_state() -> None:
@@ -150,7 +152,7 @@ def test_cpu_render_has_no_gpu_lines_and_cuda_render_names_the_card_and_the_d2h_
 
 
 def test_a_variant_that_fails_setup_is_dropped_from_every_per_variant_table() -> None:
-    class Broken(systems.Variant):
+    class Broken(Variant):
         name = "dcp_async"
 
         def setup(self) -> None:
@@ -161,7 +163,7 @@ def test_a_variant_that_fails_setup_is_dropped_from_every_per_variant_table() ->
 
     with tempfile.TemporaryDirectory() as d:
         tr = argparse.Namespace(device="cpu")
-        variants = {"base": systems.Base(tr, Path(d), 0, 1, "base"),  # type: ignore[arg-type]
+        variants = {"base": Base(tr, Path(d), 0, 1, "base"),  # type: ignore[arg-type]
                     "dcp_async": Broken(tr, Path(d), 0, 1, "dcp")}  # type: ignore[arg-type]
         runner = Runner(tr, variants, {"verbose": False}, "main")  # type: ignore[arg-type]
         runner._agree = lambda err: err  # type: ignore[method-assign]  # one rank, no process group
@@ -190,7 +192,7 @@ def test_every_variant_is_one_registered_system_module() -> None:
     assert set(systems.ALTERNATIVES) | set(systems.DIAGNOSTICS) | {"base", "neighbor"} == set(systems.VARIANTS)
     modules = {cls.__module__.rsplit(".", 1)[1] for cls in systems.CLASSES.values()}
     assert modules == {"base", "neighbor", "dcp", "mcore_dist", "lightning_write", "nvrx"}
-    assert all(issubclass(cls, systems.Variant) and cls.name == name for name, cls in systems.CLASSES.items())
+    assert all(issubclass(cls, Variant) and cls.name == name for name, cls in systems.CLASSES.items())
 
 
 def test_help_parses_without_launching_anything(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,9 @@ import math
 import pytest
 
 from tools.bench import micro
-from tools.bench.micro import MiB, RESTORE_PHASES, Row, phase_summary, restore_rows, row_cells
+from tools.bench.micro.common import MiB, Row
+from tools.bench.micro.report import row_cells
+from tools.bench.micro.restore import RESTORE_PHASES, phase_summary, restore_rows
 
 
 def _restore_result(lost: list[float], raw: list[float], local: list[float], copy: list[float]) -> dict:

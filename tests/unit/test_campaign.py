@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tools.campaign import (KINDS, RECIPE, SPARES, WORLD, Case, Outcome, compare, compare_fallback, dp_ring,
-                            draw_cases, inprocess_job, insurance_iteration, load_outcomes, recovery_mode,
-                            results_document, resume_point, summarize, summary, write_config)
+from tools.campaign.cases import KINDS, SPARES, WORLD, Case, Outcome, dp_ring, draw_cases
+from tools.campaign.judge import compare, compare_fallback, insurance_iteration
+from tools.campaign.report import load_outcomes, recovery_mode, results_document, summarize, summary
+from tools.campaign.runner import RECIPE, inprocess_job, resume_point, write_config
 from neighbor_ckpt.snapshot.topology import build_topology
 
 
@@ -376,7 +377,7 @@ def test_a_restart_on_misplaced_data_must_end_in_the_data_checks_stop() -> None:
 
 
 def test_a_shrink_is_judged_on_its_samples_exact_before_the_fault_and_close_after(tmp_path: Path) -> None:
-    from tools.campaign import compare_resized
+    from tools.campaign.judge import compare_resized
 
     def run(name: str, recs: dict[int, list[tuple[int, int, float, list[int]]]]) -> Path:
         out = tmp_path / name
@@ -404,7 +405,7 @@ def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_of_our_lau
         tmp_path: Path) -> None:
     from neighbor_ckpt.cli.launch import LAUNCHER
     from neighbor_ckpt.config import NeighborCkptConfig
-    from neighbor_ckpt.inprocess.launcher import parse_args
+    from neighbor_ckpt.inprocess.launcher_plan import parse_args
 
     base = write_config(tmp_path / "campaign.yaml", interval_s=0.5, timeout_s=3.0)
     own = write_config(tmp_path / "case" / "nckpt.yaml", base=base, inprocess_spares=SPARES,
@@ -441,7 +442,6 @@ def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``--only 2,4`` runs cases 2 and 4 exactly as drawn among all ``--faults`` (same rank, step, damage), needs only
     their failure-free configurations, and a resume keeps to that selection."""
-    import tools.campaign as campaign
     from tools.campaign import runner
 
     ran: list[Case] = []
@@ -458,13 +458,13 @@ def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_
     monkeypatch.setattr(runner, "_torchrun", fake_torchrun)
     monkeypatch.setattr(runner, "run_case", fake_run_case)
     drawn = draw_cases(6, 5, steps=6)
-    assert campaign.main(["--faults", "6", "--seed", "5", "--steps", "6", "--only", "4,2", "--out", str(tmp_path)]) == 0
+    assert runner.main(["--faults", "6", "--seed", "5", "--steps", "6", "--only", "4,2", "--out", str(tmp_path)]) == 0
     assert ran == [drawn[1], drawn[3]]
     assert len(bases) == len({c.flavour for c in ran})
     assert json.loads((tmp_path / "campaign.json").read_text())["only"] == [2, 4]
     for bad in ("0", "7", "two"):
         with pytest.raises(SystemExit):
-            campaign.main(["--faults", "6", "--seed", "5", "--only", bad, "--out", str(tmp_path / "x")])
+            runner.main(["--faults", "6", "--seed", "5", "--only", bad, "--out", str(tmp_path / "x")])
     assert "--only" in capsys.readouterr().err
 
 

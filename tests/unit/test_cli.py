@@ -64,7 +64,7 @@ INPROC = ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spare
 
 def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(tmp_path: Path) -> None:
     from neighbor_ckpt.cli import launch
-    from neighbor_ckpt.inprocess.launcher import child_env, parse_args
+    from neighbor_ckpt.inprocess.launcher_plan import child_env, parse_args
     from neighbor_ckpt.inprocess.protocol import ENV_STORE_TOKEN
 
     plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", INPROC, run_dir=tmp_path / "run")
@@ -108,7 +108,7 @@ def test_inprocess_launchers_run_the_warm_prefixed_command_as_a_whole(monkeypatc
     import sys
 
     from neighbor_ckpt.cli import launch
-    from neighbor_ckpt.inprocess.launcher import child_command, parse_args
+    from neighbor_ckpt.inprocess.launcher_plan import child_command, parse_args
 
     monkeypatch.setenv(launch.WORKER_PREFIX_ENV, "python3 /x/client.py")
     procs = launch.inprocess_commands(["train.py", "--steps", "3"], active=2, spares=0, max_restarts=0,

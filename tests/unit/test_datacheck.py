@@ -292,7 +292,7 @@ def test_observed_iterator_hands_every_item_on_and_observes_it():
 
 
 def test_bench_rows_are_observe_input_over_snapshot_against_one_percent():
-    from tools.bench.micro import fingerprint_rows
+    from tools.bench.micro.fingerprint import fingerprint_rows
     from tools.bench.micro.fingerprint import TOKEN_SHAPES
 
     samples = {"snapshot": [1e-3, 2e-3, 3e-3], **{f"observe {a}x{b}": [5e-6, 8e-6, 30e-6] for a, b in TOKEN_SHAPES}}
@@ -308,7 +308,7 @@ def test_bench_rows_are_observe_input_over_snapshot_against_one_percent():
 
 
 def test_bench_rows_judge_the_training_threads_cpu_time_and_keep_the_wall_clock_beside_it():
-    from tools.bench.micro import fingerprint_rows
+    from tools.bench.micro.fingerprint import fingerprint_rows
     from tools.bench.micro.fingerprint import TOKEN_SHAPES
 
     samples = {"snapshot": [4e-3] * 3, "snapshot cpu": [1e-3] * 3}

@@ -9,7 +9,8 @@ import pytest
 from neighbor_ckpt.runtime import failpoints
 from neighbor_ckpt.snapshot.damage import damage_newest_slot
 from neighbor_ckpt.errors import SnapshotCorruptError
-from neighbor_ckpt.snapshot.store import HostStore, SlotFile
+from neighbor_ckpt.snapshot.slot import SlotFile
+from neighbor_ckpt.snapshot.store import HostStore
 from tests.unit.test_store import JOB, write
 
 

@@ -19,8 +19,9 @@ from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
 from neighbor_ckpt.recovery.flow import read_tensors
-from neighbor_ckpt.snapshot.store import (FORMAT_VERSION, MAGIC, MARKER, MARKER_MAGIC, PREAMBLE, PREAMBLE_BYTES, ROLE_OWN,
-                                 HostStore, SlotFile, checksum, slot_file_size)
+from neighbor_ckpt.snapshot.slot import (FORMAT_VERSION, MAGIC, MARKER, MARKER_MAGIC, PREAMBLE, PREAMBLE_BYTES,
+                                         SlotFile, checksum, slot_file_size)
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore
 
 TYPED = (SnapshotCorruptError, SnapshotMismatchError)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)

@@ -10,8 +10,9 @@ import pytest
 
 from neighbor_ckpt.config import InsuranceConfig
 from neighbor_ckpt.errors import NeighborCkptError
-from neighbor_ckpt.glue import (DataPosition, InsuranceFiles, Session, checkpoint_consumed_samples, checkpoint_step,
-                                decide_resume, disk_checkpoint_wins, iteration_from_name)
+from neighbor_ckpt.glue.insurance import (InsuranceFiles, checkpoint_consumed_samples, checkpoint_step,
+                                          disk_checkpoint_wins, iteration_from_name)
+from neighbor_ckpt.glue.session import DataPosition, Session, decide_resume
 from neighbor_ckpt.recovery.flow import RecoveryReport
 from neighbor_ckpt.recovery.recoverer import RecoveryResult
 

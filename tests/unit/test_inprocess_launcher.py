@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from neighbor_ckpt.inprocess import protocol
-from neighbor_ckpt.inprocess.launcher import (Action, child_command, child_env, classify_exit,
-                                              describe_exit, exit_status, parse_args, parse_dead)
+from neighbor_ckpt.inprocess.generation import parse_dead
+from neighbor_ckpt.inprocess.launcher_plan import (Action, child_command, child_env, classify_exit, describe_exit,
+                                                   exit_status, parse_args)
 
 BASE = ["--store", "10.0.0.1:29650", "--run-id", "job-1", "--node", "node3", "--first", "3", "--count", "2",
         "--processes", "6", "--spares", "1", "--max-restarts", "2"]

@@ -12,7 +12,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from neighbor_ckpt.glue import InsuranceFiles  # noqa: E402
+from neighbor_ckpt.glue.insurance import InsuranceFiles  # noqa: E402
 from neighbor_ckpt.lightning._state import load_insurance_checkpoint  # noqa: E402
 from neighbor_ckpt.lightning.callback import NeighborCheckpoint  # noqa: E402
 

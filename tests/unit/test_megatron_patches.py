@@ -371,7 +371,7 @@ class _Ckpt:
 
 @needs_mcore
 def test_step_tags_wrap_one_optimizer_instance_and_are_reversible() -> None:
-    from megatron_patches import tag_optimizer_steps
+    from megatron_patches.step_tags import tag_optimizer_steps
 
     class Opt:
         def step(self) -> str:
@@ -392,7 +392,7 @@ def test_step_tags_wrap_one_optimizer_instance_and_are_reversible() -> None:
 def test_traffic_hooks_close_the_gate_during_collectives_wait_first_and_are_reversible() -> None:
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as Group
 
-    from megatron_patches import mark_training_traffic
+    from megatron_patches.traffic import mark_training_traffic
 
     names = ("start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_param_sync")
     before = {n: Group.__dict__[n] for n in names}

@@ -11,9 +11,11 @@ import math
 import pytest
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.planning.planner import (HARDWARE, PRESETS, Parallelism, goodput_loss, loss_breakdown, mfu_loss, min_goodput_loss, monte_carlo_p_unrecoverable, node_failure_probability,
-                                   optimal_interval, p_cluster_failure, p_k_node_failures, p_recovery,
-                                   p_unrecoverable, plan_job, ring_nodes_for)
+from neighbor_ckpt.planning.goodput import (goodput_loss, loss_breakdown, mfu_loss, min_goodput_loss,
+                                            monte_carlo_p_unrecoverable, node_failure_probability, optimal_interval,
+                                            p_cluster_failure, p_k_node_failures, p_recovery, p_unrecoverable,
+                                            ring_nodes_for)
+from neighbor_ckpt.planning.planner import HARDWARE, PRESETS, Parallelism, plan_job
 
 HOUR = 3600.0
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from neighbor_ckpt.snapshot import store as store_mod
-from neighbor_ckpt.snapshot.store import (ROLE_OWN, HostStore, discard_staged_slot, slot_file_size, stage_own_slot,
-                                          take_staged_slot)
+from neighbor_ckpt.snapshot.slot import slot_file_size
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, discard_staged_slot, stage_own_slot, take_staged_slot
 
 CAPS = (8192, 1 << 20, 4096)
 

@@ -65,7 +65,7 @@ def main() -> None:
 
                 neighbor.session.step_completed = lagging  # type: ignore[method-assign]
             if os.environ.get("KILL_RANK") and int(os.environ["KILL_RANK"]) == RANK and attempt() == 0:
-                from megatron_patches import tag_optimizer_steps
+                from megatron_patches.step_tags import tag_optimizer_steps
 
                 kill_step, state = int(os.environ["KILL_STEP"]), context.state
 

@@ -100,7 +100,8 @@ def main() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_patches import install_hooks, mcore_groups, tag_optimizer_steps
+    from megatron_patches import install_hooks, mcore_groups
+    from megatron_patches.step_tags import tag_optimizer_steps
     from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig, prepare_torchrun_restart
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
 

@@ -77,12 +77,13 @@ enable_cpu(nemo=False)
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-from megatron_patches import install_hooks, mcore_groups, tag_optimizer_steps  # noqa: E402
+from megatron_patches import install_hooks, mcore_groups  # noqa: E402
+from megatron_patches.step_tags import tag_optimizer_steps  # noqa: E402
 from neighbor_ckpt import NeighborCkptConfig  # noqa: E402
 from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter  # noqa: E402
 from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
 from neighbor_ckpt.inprocess import InprocessRecovery  # noqa: E402
-from neighbor_ckpt.inprocess import Attempt  # noqa: E402
+from neighbor_ckpt.inprocess.engine_state import Attempt  # noqa: E402
 from neighbor_ckpt.runtime import failpoints  # noqa: E402
 from neighbor_ckpt.runtime.procs import process_start  # noqa: E402
 

@@ -20,7 +20,8 @@ from common import (TinyNet, append_jsonl, attempt, fingerprint, make_dataset, m
                     optimizer_tensors, setup_store_env, write_json)
 
 from neighbor_ckpt import NeighborCkptConfig, prepare_torchrun_restart  # noqa: E402
-from neighbor_ckpt.adapters import TorchOptimizerAdapter, ZeroOptimizerAdapter, pin_bucket_layout  # noqa: E402
+from neighbor_ckpt.adapters import TorchOptimizerAdapter, pin_bucket_layout  # noqa: E402
+from neighbor_ckpt.adapters.torch_optim import ZeroOptimizerAdapter  # noqa: E402
 from neighbor_ckpt.checkpointer import NeighborCheckpointer  # noqa: E402
 from neighbor_ckpt.errors import NeighborCkptError  # noqa: E402
 

@@ -106,7 +106,7 @@ def goodput_curve(out: Path, *, iteration_s: float = 4.5, gpus: int = 1024, gpus
                   measured_pct: Sequence[float] = ()) -> Path:
     """Lost goodput vs the per-iteration overhead of neighbor checkpoints (MTTR 60 s), against disk checkpoints at
     Young's optimal interval (MTTR 15 min), with the planner's formulas (FlashRecovery eq. 1-4)."""
-    from neighbor_ckpt.planning.planner import goodput_loss, min_goodput_loss
+    from neighbor_ckpt.planning.goodput import goodput_loss, min_goodput_loss
 
     plt = _pyplot()
     nodes = gpus // gpus_per_node

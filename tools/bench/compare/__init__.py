@@ -68,6 +68,6 @@ processes): the harness; :mod:`.stats` (medians, bootstrap, the verdict), :mod:`
 
 from __future__ import annotations
 
-from tools.bench.compare.cli import main, resolve_args
+from tools.bench.compare.cli import main
 
-__all__ = ["main", "resolve_args"]
+__all__ = ["main"]  # the entry point (tools/bench/__main__.py); everything else is imported from its module

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import tools.bench.compare as _package
-from tools.bench.compare.gpt import CPU_SHAPE, GPU_SHAPE, HEADS, HIDDEN, LAYERS, SEQ, SHAPE_KEYS, VOCAB
+from neighbor_ckpt.recipes.mcore_gpt_plain_loop import HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from tools.bench.compare.gpt import CPU_SHAPE, GPU_SHAPE, SHAPE_KEYS
 from tools.bench.compare.projection import projection
 from tools.bench.compare.runner import one_line
 from tools.bench.compare.systems import ALTERNATIVES, VARIANTS, runnable

@@ -14,8 +14,8 @@ def projection(measured: dict[str, Any] | None = None, *, gpus: int = 1024, gpu_
     """Planner tables of the full-size job files and goodput of per-iteration neighbor checkpoints vs a 30-minute
     disk checkpoint on ``gpus`` H100s (``measured``: a run's JSON, for the measured overhead ratios)."""
     from neighbor_ckpt.planning.jobspec import load_job
-    from neighbor_ckpt.planning.planner import (goodput_loss, loss_breakdown, optimal_interval, p_recovery, p_unrecoverable,
-                                       ring_nodes_for)
+    from neighbor_ckpt.planning.goodput import (goodput_loss, loss_breakdown, optimal_interval, p_recovery,
+                                                p_unrecoverable, ring_nodes_for)
 
     out: list[str] = []
     from neighbor_ckpt.recipes import CONFIGS_DIR

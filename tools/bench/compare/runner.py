@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from tools.bench.compare.gpt import Trainer
-    from tools.bench.compare.systems import Variant
+    from tools.bench.compare.systems.variant import Variant
 
 
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -16,7 +16,9 @@ from typing import Any
 from tools.bench.compare.gpt import Trainer, fused_adam_without_te
 from tools.bench.compare.runner import Runner
 from tools.bench.compare.stats import best_alternative
-from tools.bench.compare.systems import CLASSES, McoreAsync, Neighbor
+from tools.bench.compare.systems import CLASSES
+from tools.bench.compare.systems.mcore_dist import McoreAsync
+from tools.bench.compare.systems.neighbor import Neighbor
 
 
 def train_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:

@@ -51,16 +51,6 @@ what they share.
 
 from __future__ import annotations
 
-from tools.bench.machine import cpu_sample, foreign_load, machine_info, wait_until_quiet
-from tools.bench.micro.common import GB, MiB, Row, make_metas, make_plan
-from tools.bench.micro.fingerprint import bench_fingerprint, fingerprint_rows
-from tools.bench.micro.report import render, row_cells
-from tools.bench.micro.restore import RESTORE_PHASES, phase_summary, restore_rows
-from tools.bench.micro.staging import bench_staging
-from tools.bench.micro.streaming import bench_stream
 from tools.bench.micro.cli import main
 
-__all__ = ["GB", "MiB", "RESTORE_PHASES", "Row", "bench_fingerprint", "bench_staging", "bench_stream",
-           "fingerprint_rows", "cpu_sample", "foreign_load",
-           "machine_info", "main", "make_metas", "make_plan", "phase_summary", "render", "restore_rows", "row_cells",
-           "wait_until_quiet"]
+__all__ = ["main"]  # the entry point (tools/bench/__main__.py); everything else is imported from its module

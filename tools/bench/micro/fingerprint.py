@@ -41,7 +41,7 @@ def _worker(_: int, cfg: dict[str, Any]) -> None:
     from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from neighbor_ckpt.adapters import ZeroOptimizerAdapter
+    from neighbor_ckpt.adapters.torch_optim import ZeroOptimizerAdapter
     from neighbor_ckpt.config import STORE_DIR_ENV
 
     os.environ[STORE_DIR_ENV] = cfg["store"]

@@ -16,7 +16,8 @@ import torch
 from tools.bench.micro.common import (GB, STAGE_ITERS_FACTOR, Row, ShmBuffer, stat_summary, views_like,
                                                   make_metas, make_plan, make_sources, small_extras)
 from neighbor_ckpt.snapshot.engine import SnapshotEngine
-from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore, checksum
+from neighbor_ckpt.snapshot.slot import checksum
+from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore
 
 
 def bench_staging(args: argparse.Namespace, root: Path) -> tuple[list[Row], dict[str, Any]]:

@@ -58,6 +58,4 @@ def runnable(names: Sequence[str], *, installed: Callable[[str], bool] = _instal
     return kept, skipped
 
 
-__all__ = ["ALTERNATIVES", "CLASSES", "DESCRIPTIONS", "DIAGNOSTICS", "VARIANTS", "Base", "DcpAsync", "LightningSave",
-           "McoreAsync", "Neighbor", "NeighborLocal", "NeighborNoSum", "NvrxLocal", "NvrxLocalRepl", "Variant",
-           "runnable"]
+__all__ = ["ALTERNATIVES", "CLASSES", "DESCRIPTIONS", "DIAGNOSTICS", "VARIANTS", "runnable"]
