@@ -65,6 +65,7 @@ from neighbor_ckpt.config import DetectorConfig, InprocessConfig, NeighborCkptCo
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
+from neighbor_ckpt.inprocess.completion import completed
 from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationFailure, GenerationStore, Members,
                                                 QuorumLost, gate)
 from neighbor_ckpt.inprocess.engine_memory import EngineMemory, proc_info
@@ -467,6 +468,8 @@ class InprocessRecovery(EngineMemory):
         recovery gives up, ``SystemExit(EXIT_FENCED)`` when this process was declared dead."""
         from neighbor_ckpt.inprocess.hygiene import ProcessState
 
+        if completed():  # the job completed before this process started (a late replacement): no store to ask
+            return None
         self._main_tid = threading.get_ident()
         main = self._main_gens = GenerationStore(self._store("main"), process=self.process)
         self._monitor_gens = GenerationStore(self._store("monitor"), process=self.process)
