@@ -529,10 +529,11 @@ def bind_stores(procs: InprocessProcesses) -> tuple[InprocessProcesses, dict[int
 
 
 def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = None,
-                  timeout: float | None = None, **kw: Any) -> int:
+                  timeout: float | None = None, bind_ports: bool = True, **kw: Any) -> int:
     """Start the launchers of ``procs`` (environment: ``env`` or this process's, plus each one's additions), wait
     for all of them; returns :func:`launch_status` of their exit statuses. The stores' ports are bound here first
-    and handed down (:func:`bind_stores`). ``timeout``: seconds for the launchers, then
+    and handed down (:func:`bind_stores`; ``bind_ports=False``: each store host binds its own, as the launchers of a
+    cluster do, and one that cannot is its launcher's to report). ``timeout``: seconds for the launchers, then
     :class:`subprocess.TimeoutExpired`; every launcher still running is stopped on the way out (a launcher stops its
     own processes and its store host when it is terminated)."""
     from neighbor_ckpt.inprocess.store_auth import new_token_file
@@ -540,7 +541,7 @@ def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = Non
     new_token_file(procs.token_file)
     base = dict(os.environ if env is None else env)
     agents: list[subprocess.Popen] = []
-    procs, held = bind_stores(procs)
+    procs, held = bind_stores(procs) if bind_ports else (procs, {})
     try:
         for i, (cmd, extra) in enumerate(procs.agents):
             marker = _option(cmd, "--complete-file")

@@ -653,11 +653,8 @@ class Launcher:
             logger.error("%s: its process(es) %s are declared dead and do not start (the spares take them); this "
                          "launcher goes on without them and without its store", self._cannot_start,
                          list(self.plan.indices))
-            if self.plan.host_store == 0:  # the primary will never answer: promote the next store now
-                try:
-                    self.stores.lost(0, self._cannot_start)
-                except Exception as e:  # noqa: BLE001 - StoresLost: said once more below
-                    logger.error("no other store answers: %s", e)
+            # The primary's host (store 0): everyone fails over to store 1 once their first connection gives up; no
+            # early promotion here, which could pick a later standby while store 1's host is still starting.
         try:
             self._call(0, lambda s: s.check(["processes"]))
         except StoreDown as e:
