@@ -37,6 +37,18 @@ under the next attempt's prefix (``launchers``: each adds 1 and waits until it e
 ``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (``exited`` reached ``processes``) without
 ``complete``, the launcher that sees it sets ``giveup`` itself.
 
+**A store host that cannot start** (its port held by another process, say): the launcher says so in one line (the
+node, the store, the port, the cause), declares its processes dead before they start (``dead`` and the current
+generation's failure: the spares take their ranks in the first re-form; counted in ``exited``) and stays in the
+launch without them (restarts, completion), so no barrier waits for them. A single-machine launch binds the stores'
+ports itself and hands each launcher its socket (``--listen-fd``), so this happens only where store hosts bind their
+own ports (a cluster).
+
+**Completion**: once ``complete`` is set the launcher writes the completion marker (``--complete-file``,
+:mod:`~neighbor_ckpt.inprocess.completion`), starts no replacement, and stops a process of its node that was in no
+generation then (a replacement still starting) after ``--detector-timeout`` seconds, unless it exits on its own (a
+process that starts after completion finds the marker and exits 0 without a store).
+
 **Exit status**: 0 once ``complete`` is set and its processes have exited (they get ``--complete-grace`` seconds,
 then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
 :data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (the launcher keeps reaping its

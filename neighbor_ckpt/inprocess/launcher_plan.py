@@ -71,7 +71,8 @@ class LauncherPlan:
     """The address the hosted store listens on (None: its own address in ``stores``, the job's interface)."""
     detector_timeout_s: float = 5.0
     """The job's ``detector.timeout_s`` (``--detector-timeout``): every timeout of the launcher that is about the job's
-    liveness follows from it (:attr:`store_timeout_s`, :attr:`roll_call_s`; docs/timeouts.md)."""
+    liveness follows from it (:attr:`store_timeout_s`; once the job completed, how long a process that never joined a
+    generation gets to exit on its own; docs/timeouts.md)."""
     listen_fd: Optional[int] = None
     """A listening socket this launcher inherited for the store it hosts (``--listen-fd``): a single-machine launch
     binds every store's port before the launchers start and hands it over, so no other process can take it
@@ -108,12 +109,6 @@ class LauncherPlan:
         from neighbor_ckpt.inprocess.stores import store_timeout_for
 
         return store_timeout_for(self.detector_timeout_s)
-
-    @property
-    def roll_call_s(self) -> float:
-        """How long after the first process joined generation 0 a process whose launcher never reached the store
-        (and so never registered it) is declared dead: ``detector.timeout_s``, the time a silent process gets."""
-        return self.detector_timeout_s
 
     @property
     def indices(self) -> range:

@@ -68,7 +68,7 @@ def test_the_launchers_store_timeout_and_completion_marker_follow_the_job() -> N
     plan = parse_args([*BASE, "--", "t.py"])
     assert plan.detector_timeout_s == 5.0 and plan.store_timeout_s == store_timeout_for(5.0) == 10.0
     fast = parse_args([*BASE, "--detector-timeout", "1", "--", "t.py"])
-    assert fast.store_timeout_s == 3.0 and fast.roll_call_s == 1.0  # the floor, as the processes'
+    assert fast.store_timeout_s == 3.0  # the floor, as the processes'
     assert protocol.ENV_COMPLETE_FILE not in child_env(plan, index=3, local_rank=0, attempt=0, launcher_pid=1)
     marked = parse_args([*BASE, "--complete-file", "/run/complete.job-1", "--", "t.py"])
     env = child_env(marked, index=3, local_rank=0, attempt=0, launcher_pid=1)
