@@ -46,8 +46,8 @@ from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
-           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "bind_stores", "LAUNCHER",
-           "free_ports", "ephemeral_ports", "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
+           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "bind_stores",
+           "LAUNCHER", "free_ports", "ephemeral_ports", "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
 
 RECIPE = RECIPES_DIR / "nemo_pretrain.py"
 """The recipe ``launch`` runs: the one inside this installed package (``neighbor_ckpt/recipes``)."""
