@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from neighbor_ckpt.cli.launch import WORKER_PREFIX_ENV, worker_program
+from neighbor_ckpt.cli.launch import free_ports as free_ports_below_ephemeral
 from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
 from tests.warm.client import SOCKET_ENV as WARM_SOCKET_ENV
 
@@ -36,15 +37,15 @@ COLD_ENV = "NEIGHBOR_CKPT_TEST_COLD"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range (:func:`neighbor_ckpt.cli.launch.free_ports`): no other
+    process's outgoing connection can be given it before the test binds it."""
+    return free_ports_below_ephemeral(1)[0]
 
 
 def free_ports(count: int) -> int:
     """A port ``p`` such that ``p .. p + count - 1`` can all be bound now, on every interface (the Slurm script's
     store host listens on the rendezvous port + 1: a free port alone left the next one to chance, and a gloo
-    connection's ephemeral port took it once in CI)."""
+    connection's ephemeral port took it once in CI), below the ephemeral range as :func:`free_port`'s."""
     for _ in range(200):
         base = free_port()
         if base + count - 1 > 65535:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import secrets
 import shlex
 import socket
@@ -40,13 +41,14 @@ from typing import Any, Mapping, Sequence
 
 from neighbor_ckpt.config import expand_store_dir
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.inprocess.completion import marker_path
 from neighbor_ckpt.inprocess.store_auth import TOKEN_FILE
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
-           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "LAUNCHER", "free_ports",
-           "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
+           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "bind_stores",
+           "LAUNCHER", "free_ports", "ephemeral_ports", "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
 
 RECIPE = RECIPES_DIR / "nemo_pretrain.py"
 """The recipe ``launch`` runs: the one inside this installed package (``neighbor_ckpt/recipes``)."""
@@ -144,10 +146,33 @@ def plan_launch(config: str | Path, overrides: Sequence[str] = (), *, run_dir: P
     return LaunchPlan(job=job, run_dir=Path(rd), run_id=run_id, recipe=recipe, record=record)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+PORTS_FROM = 10240
+"""The lowest port :func:`free_ports` picks (below it: the well-known and registered services of a machine)."""
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out for outgoing connections and ``bind(0)``
+    (``/proc/sys/net/ipv4/ip_local_port_range``; Linux's default when it cannot be read)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> int | None:
+    """``port`` (the kernel's choice for 0) when ``host:port`` can be bound now, else None."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return None
         return int(s.getsockname()[1])
+
+
+def _free_port() -> int:
+    return free_ports(1)[0]
 
 
 def _recipe_args(plan: LaunchPlan) -> list[str]:
@@ -190,12 +215,21 @@ def _store_ports(store_port: int | Sequence[int], n: int) -> list[int]:
     return ports[:n]
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now on this machine (a store per simulated node)."""
+def free_ports(n: int, *, host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct ports free now on this machine (a store per simulated node, a rendezvous), none of ``avoid``.
+
+    They are drawn at random *below* the kernel's ephemeral range (:func:`ephemeral_ports`), so that no outgoing
+    connection of another process can be given one of them before it is bound (a port picked with ``bind(0)`` lies in
+    that range: it did happen, and a store host could not start). Each is checked by binding it. Another process can
+    still pick the same port on purpose: :func:`run_inprocess` binds the stores' ports itself before anything starts
+    and takes another port for one that is taken by then. Without room below the range: ports the kernel picks."""
+    low, _ = ephemeral_ports()
+    rng = random.SystemRandom()
     ports: list[int] = []
     while len(ports) < n:
-        p = _free_port()
-        if p not in ports:
+        want = rng.randrange(PORTS_FROM, low) if low - PORTS_FROM >= 16 * n else 0
+        p = _bindable(host, want)
+        if p is not None and p not in ports and p not in avoid:
             ports.append(p)
     return ports
 
@@ -214,15 +248,19 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], st
     return inprocess_commands(_recipe_args(plan), active=plan.job.world_size, spares=plan.spares,
                               max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
                               store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back,
-                              token_file=plan.run_dir / TOKEN_FILE)
+                              token_file=plan.run_dir / TOKEN_FILE,
+                              detector_timeout_s=plan.job.neighbor_ckpt.detector.timeout_s)
 
 
 def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
                        store_port: int | Sequence[int], store_root: Path, host: str = "127.0.0.1",
-                       grow_back: bool = False, token_file: Path | None = None) -> InprocessProcesses:
+                       grow_back: bool = False, token_file: Path | None = None,
+                       detector_timeout_s: float | None = None) -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments):
     ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop.
-    ``token_file``: the launch's store token (default: ``store.token`` in ``store_root``)."""
+    ``token_file``: the launch's store token (default: ``store.token`` in ``store_root``); the completion marker
+    lies beside it (:func:`~neighbor_ckpt.inprocess.completion.marker_path`). ``detector_timeout_s``: the job's
+    ``detector.timeout_s``, which the launchers' timeouts follow (None: the launcher's default, the detector's)."""
     processes = active + spares
     stores = ",".join(f"{host}:{p}" for p in _store_ports(store_port, processes))
     token = Path(token_file) if token_file is not None else Path(store_root) / TOKEN_FILE
@@ -231,7 +269,9 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
                                            node=f"node{i}", first=str(i), count="1", processes=processes,
                                            spares=spares, max_restarts=max_restarts, nodes=processes,
                                            store_root=str(store_root), grow_back=grow_back, host_store=str(i),
-                                           store_listen=host, token_file=str(token))),
+                                           store_listen=host, token_file=str(token),
+                                           complete_file=str(marker_path(token.parent, run_id)),
+                                           detector_timeout_s=detector_timeout_s)),
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                      ("TORCH_CPP_LOG_LEVEL", "error")))
@@ -242,14 +282,19 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
 def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), store: str, run_id: str, node: str,
                      first: str, count: str, processes: int, spares: int, max_restarts: int, nodes: int,
                      store_root: str | None, grow_back: bool = False, host_store: str | None = None,
-                     store_listen: str | None = None, token_file: str | None = None) -> list[str]:
+                     store_listen: str | None = None, token_file: str | None = None, complete_file: str | None = None,
+                     detector_timeout_s: float | None = None) -> list[str]:
     """One node's launcher command line (``first``/``count``/``node``/``store_root``/``host_store`` are text: the
     Slurm script passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
     cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
            "--count", count, "--processes", str(processes), "--spares", str(spares),
            "--max-restarts", str(max_restarts), "--nodes", str(nodes)]
+    if detector_timeout_s is not None:
+        cmd += ["--detector-timeout", f"{detector_timeout_s:g}"]
     if token_file is not None:
         cmd += ["--token-file", token_file]
+    if complete_file is not None:
+        cmd += ["--complete-file", complete_file]
     if host_store is not None:
         cmd += ["--host-store", host_store]
     if store_listen is not None:
@@ -371,7 +416,9 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
                            node="@NODE@", first="@FIRST@", count="@COUNT@", processes=n, spares=plan.spares,
                            max_restarts=lc.max_restarts, nodes=nodes, store_root=store_root,
                            grow_back=plan.job.neighbor_ckpt.inprocess.grow_back, host_store="@HOSTIDX@",
-                           token_file=str(plan.run_dir / TOKEN_FILE))
+                           token_file=str(plan.run_dir / TOKEN_FILE),
+                           complete_file=str(marker_path(plan.run_dir, plan.run_id)),
+                           detector_timeout_s=job.neighbor_ckpt.detector.timeout_s)
     launcher = shlex.join(cmd)
     for token, var in (("@NODE@", '"$NODE"'), ("@FIRST@", '"$FIRST"'), ("@COUNT@", '"$COUNT"'),
                        ("@STORE_ROOT@", '"$STORE_ROOT"'), ("@STORES@", '"$STORES"'), ("@HOSTIDX@", '"$HOSTIDX"')):
@@ -455,24 +502,92 @@ def launch_status(codes: Sequence[int]) -> int:
     return max(codes, key=abs)
 
 
+def _option(cmd: Sequence[str], name: str) -> str | None:
+    """The value of launcher option ``name`` in ``cmd`` (before the program's ``--``), or None."""
+    cmd = list(cmd)
+    end = cmd.index("--") if "--" in cmd else len(cmd)
+    return cmd[cmd.index(name) + 1] if name in cmd[:end] else None
+
+
+def bind_stores(procs: InprocessProcesses) -> tuple[InprocessProcesses, dict[int, socket.socket]]:
+    """Bind the port of every store the launchers of ``procs`` host, now, in this process: the commands to run
+    instead (each launcher gets its store's socket, ``--listen-fd``, which it hands to its store host) and the
+    sockets by launcher. A port taken since it was chosen is replaced by another free one, in every launcher's store
+    list, with one line on stderr: a port another process took never stops a launch, and from here on no other
+    process can take one (it is bound until the store host ends)."""
+    from neighbor_ckpt.inprocess.store_host import listen_socket
+    from neighbor_ckpt.inprocess.stores import StoreAddresses
+
+    first = procs.agents[0][0] if procs.agents else ()
+    stores = list(StoreAddresses.parse(_option(first, "--store") or procs.stores, "--store").addresses)
+    held: dict[int, socket.socket] = {}
+    try:
+        for i, (cmd, _) in enumerate(procs.agents):
+            index = _option(cmd, "--host-store")
+            if index is None:
+                continue
+            h = int(index)
+            host, port = stores[h]
+            listen = _option(cmd, "--store-listen") or host
+            while True:
+                try:
+                    held[i] = listen_socket(listen, port)
+                    break
+                except OSError as e:
+                    new = free_ports(1, host=listen, avoid=[p for _, p in stores])[0]
+                    print(f"neighbor-ckpt launch: store {h} (node {_option(cmd, '--node')}): port {port} was taken "
+                          f"since it was chosen ({e.strerror or e}): port {new} instead", file=sys.stderr, flush=True)
+                    stores[h] = (host, new)
+                    port = new
+    except BaseException:
+        for sock in held.values():
+            sock.close()
+        raise
+    text = StoreAddresses(tuple(stores)).format()
+    agents = []
+    for i, (cmd, extra) in enumerate(procs.agents):
+        cmd = list(cmd)
+        end = cmd.index("--") if "--" in cmd else len(cmd)
+        if "--store" in cmd[:end]:
+            cmd[cmd.index("--store") + 1] = text
+        if i in held:
+            cmd[end:end] = ["--listen-fd", str(held[i].fileno())]
+        agents.append((tuple(cmd), extra))
+    return dataclasses.replace(procs, stores=text, agents=tuple(agents)), held
+
+
 def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = None,
-                  timeout: float | None = None, **kw: Any) -> int:
+                  timeout: float | None = None, bind_ports: bool = True, **kw: Any) -> int:
     """Start the launchers of ``procs`` (environment: ``env`` or this process's, plus each one's additions), wait
-    for all of them; returns :func:`launch_status` of their exit statuses. ``timeout``: seconds for the launchers,
-    then :class:`subprocess.TimeoutExpired`; every launcher still running is stopped on the way out (a launcher
-    stops its own processes and its store host when it is terminated)."""
+    for all of them; returns :func:`launch_status` of their exit statuses. The stores' ports are bound here first
+    and handed down (:func:`bind_stores`; ``bind_ports=False``: each store host binds its own, as the launchers of a
+    cluster do, and one that cannot is its launcher's to report). ``timeout``: seconds for the launchers, then
+    :class:`subprocess.TimeoutExpired`; every launcher still running is stopped on the way out (a launcher stops its
+    own processes and its store host when it is terminated)."""
     from neighbor_ckpt.inprocess.store_auth import new_token_file
 
     new_token_file(procs.token_file)
     base = dict(os.environ if env is None else env)
     agents: list[subprocess.Popen] = []
+    procs, held = bind_stores(procs) if bind_ports else (procs, {})
     try:
-        for cmd, extra in procs.agents:
-            agents.append(subprocess.Popen(list(cmd), env={**base, **dict(extra)}, **kw))
+        for i, (cmd, extra) in enumerate(procs.agents):
+            marker = _option(cmd, "--complete-file")
+            if marker is not None:  # a marker of an earlier launch with this run id must not end this one
+                Path(marker).unlink(missing_ok=True)
+            sock = held.pop(i, None)
+            try:
+                agents.append(subprocess.Popen(list(cmd), env={**base, **dict(extra)},
+                                               pass_fds=() if sock is None else (sock.fileno(),), **kw))
+            finally:
+                if sock is not None:  # the launcher holds it now: closed here, it is the store host's alone
+                    sock.close()
         end = None if timeout is None else time.monotonic() + timeout
         codes = [a.wait(timeout=None if end is None else max(0.0, end - time.monotonic())) for a in agents]
         return launch_status(codes)
     finally:
+        for sock in held.values():
+            sock.close()
         for p in agents:
             if p.poll() is None:
                 p.terminate()

@@ -63,6 +63,7 @@ from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.abort import GenerationAborted, SocketBaseline, clear_pending
 from neighbor_ckpt.inprocess.assignment import Assignment, GiveUp, initial_assignment, next_assignment
+from neighbor_ckpt.inprocess.completion import completed
 from neighbor_ckpt.inprocess.engine_state import Attempt, EngineState
 from neighbor_ckpt.inprocess.failover_replay import ReplayFacts, replay
 from neighbor_ckpt.inprocess.generation_abort import GenerationAbort
@@ -382,6 +383,8 @@ class InprocessRecovery:
         """Call ``fn(attempt)`` in generation after generation until the job completes. Returns ``fn``'s value
         (None on a spare never used); raises ``SystemExit(FALLBACK_EXIT_CODE)`` after one log line when in-process
         recovery gives up, ``SystemExit(EXIT_FENCED)`` when this process was declared dead."""
+        if completed(self.identity.complete_file, self.identity.run_id):
+            return None  # the job completed before this process started (a late replacement): no store to ask
         self._main_tid = self.aborts.main_tid = threading.get_ident()
         main = self._main_gens = GenerationStore(self.clients.view("main"), process=self.process)
         self._monitor_gens = GenerationStore(self.clients.view("monitor"), process=self.process)

@@ -49,6 +49,9 @@ class ProcessIdentity:
     """The launch's store token file (None: the stores have no gate)."""
     node: str = ""
     """The node this process runs on (for its ``proc/<p>`` record)."""
+    complete_file: Optional[Path] = None
+    """Where the launchers write the job's completion marker (:mod:`~neighbor_ckpt.inprocess.completion`; None: no
+    marker, not started by our launcher)."""
 
     def __post_init__(self) -> None:
         if self.processes < 1:
@@ -100,12 +103,13 @@ class ProcessIdentity:
                 "worker of a node when one exits. Or set neighbor_ckpt.inprocess.enabled=false for the restart path")
         what = "--inprocess-store" if store is not None else f"{protocol.ENV_STORE} (our launcher sets it)"
         addresses = StoreAddresses.parse(store if store is not None else env.get(protocol.ENV_STORE, ""), what)
-        token = env.get(protocol.ENV_STORE_TOKEN)
+        token, complete = env.get(protocol.ENV_STORE_TOKEN), env.get(protocol.ENV_COMPLETE_FILE)
         return cls(process=_int(env, protocol.ENV_PROCESS, 0), processes=_int(env, protocol.ENV_PROCESSES, 1),
                    spares=_int(env, protocol.ENV_SPARES, 0), stores=addresses,
                    run_id=env.get(protocol.ENV_RUN_ID) or env.get("NEIGHBOR_CKPT_JOB_ID") or "job",
                    launch=_int(env, RESTART_COUNT_ENV, 0), store_epoch=_int(env, protocol.ENV_STORE_EPOCH, 0),
-                   token_file=Path(token) if token else None, node=env.get(NODE_ID_ENV, ""))
+                   token_file=Path(token) if token else None, node=env.get(NODE_ID_ENV, ""),
+                   complete_file=Path(complete) if complete else None)
 
     def require_spares(self, configured: int) -> None:
         """The job file's ``inprocess.spares`` must be the count the launcher started with (one job file for both)."""

@@ -37,6 +37,18 @@ under the next attempt's prefix (``launchers``: each adds 1 and waits until it e
 ``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (``exited`` reached ``processes``) without
 ``complete``, the launcher that sees it sets ``giveup`` itself.
 
+**A store host that cannot start** (its port held by another process, say): the launcher says so in one line (the
+node, the store, the port, the cause), declares its processes dead before they start (``dead`` and the current
+generation's failure: the spares take their ranks in the first re-form; counted in ``exited``) and stays in the
+launch without them (restarts, completion), so no barrier waits for them. A single-machine launch binds the stores'
+ports itself and hands each launcher its socket (``--listen-fd``), so this happens only where store hosts bind their
+own ports (a cluster).
+
+**Completion**: once ``complete`` is set the launcher writes the completion marker (``--complete-file``,
+:mod:`~neighbor_ckpt.inprocess.completion`), starts no replacement, and stops a process of its node that was in no
+generation then (a replacement still starting) after ``--detector-timeout`` seconds, unless it exits on its own (a
+process that starts after completion finds the marker and exits 0 without a store).
+
 **Exit status**: 0 once ``complete`` is set and its processes have exited (they get ``--complete-grace`` seconds,
 then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
 :data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (the launcher keeps reaping its
@@ -83,6 +95,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from neighbor_ckpt.inprocess import protocol
+from neighbor_ckpt.inprocess.completion import mark_complete
 from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
                                                    describe_exit, exit_status, parse_args)
@@ -152,9 +165,12 @@ class _Attempt:
     regrow: list[tuple[_Child, str, int]] = field(default_factory=list)
     """Dead processes to replace (``grow_back``): the child, how it exited, the generation current at its death."""
     worst: int = 0
+    """The worst status of a process that exited on its own (not stopped by this launcher)."""
     exited: int = 0
     """Processes of this node that exited in this attempt (counted in ``exited``)."""
-    """The worst status of a process that exited on its own (not stopped by this launcher)."""
+    unjoined: set[int] = field(default_factory=set)
+    """Once the job completed: the processes of this node that were in no generation then (stopped after
+    ``detector.timeout_s`` unless they exit on their own)."""
 
 
 def _child_setup(parent: int) -> None:
@@ -174,6 +190,12 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             proc.send_signal(sig)
         except ProcessLookupError:
             pass
+
+
+def _current_members(gens: GenerationStore) -> frozenset[int]:
+    """The processes of the current generation (none before generation 0 formed)."""
+    members = gens.members(gens.current())
+    return frozenset() if members is None else members.members
 
 
 def _last_generation_with(gens: GenerationStore, process: int) -> int:
@@ -208,36 +230,47 @@ class Launcher:
         self._att: Optional[_Attempt] = None
         self._host: Optional[subprocess.Popen] = None
         self._started: dict[int, Optional[str]] = {}  # pid -> its NEIGHBOR_CKPT_STORE_DIR (staged slots: _drop_staged)
+        self._cannot_start: Optional[str] = None
+        """Why this node's processes do not start (its store host could not start), if they do not."""
 
     # -- store ------------------------------------------------------------------------------------------------
 
-    def _host_store(self) -> bool:
-        """Start the store host this launcher runs (``--host-store``) and wait until it listens; False (logged) when
-        it does not."""
+    def _host_store(self) -> Optional[str]:
+        """Start the store host this launcher runs (``--host-store``) and wait until it listens; None when it does
+        (or there is none to run), else why not (the port and the cause)."""
+        from neighbor_ckpt.inprocess.store_host import failed_path
+
         index = self.plan.host_store
         if index is None:
-            return True
+            return None
         port = self.plan.stores[index][1]
         ready = Path(tempfile.mkdtemp(prefix="nckpt-store-host-")) / "ready"
         parent = self.pid
-        self._host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host",
-                                       self.plan.store_listen or self.plan.stores[index][0], "--port", str(port),
-                                       "--parent", str(parent), "--ready", str(ready),
-                                       *(["--token-file", self.plan.token_file] if self.plan.token_file else [])],
-                                      env=self.env,
-                                      preexec_fn=lambda: _child_setup(parent))
+        fd = self.plan.listen_fd
+        where = ["--listen-fd", str(fd)] if fd is not None else \
+            ["--host", self.plan.store_listen or self.plan.stores[index][0], "--port", str(port)]
+        try:
+            self._host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", *where,
+                                           "--parent", str(parent), "--ready", str(ready),
+                                           *(["--token-file", self.plan.token_file] if self.plan.token_file else [])],
+                                          env=self.env, pass_fds=() if fd is None else (fd,),
+                                          preexec_fn=lambda: _child_setup(parent))
+        finally:
+            if fd is not None:  # the store host holds it now: a store host gone must refuse connections at once
+                os.close(fd)
         deadline = time.monotonic() + self.plan.connect_timeout_s
         while not ready.exists():
             if self._host.poll() is not None or time.monotonic() > deadline:
-                logger.error("store %d (port %d): the store host %s: nothing started", index, port,
-                             f"exited with status {self._host.returncode}" if self._host.poll() is not None
-                             else f"did not listen within {self.plan.connect_timeout_s:.0f} s")
-                return False
+                if self._host.poll() is None:
+                    return f"port {port}: the store host did not listen within {self.plan.connect_timeout_s:.0f} s"
+                failed = failed_path(ready)
+                cause = failed.read_text().strip() if failed.exists() else "see its error above"
+                return f"port {port}: the store host exited with status {self._host.returncode} ({cause})"
             time.sleep(0.02)
         self.env[protocol.ENV_STORE_HOST_PID] = str(self._host.pid)
         logger.info("store %d: hosted here (pid %d, port %d)%s", index, self._host.pid, port,
                     " (the primary)" if index == 0 else " (a hot standby)")
-        return True
+        return None
 
     def _stop_host(self, why: str) -> None:
         if self._host is not None and self._host.poll() is None:
@@ -421,8 +454,7 @@ class Launcher:
                 # a process exits 0 only once the job completed: this node knows it even if it cannot read the
                 # store now (a launcher cut off during a failover, when the job ended meanwhile)
                 if att.complete_at is None:
-                    att.complete_at = time.monotonic()
-                    self.stores.settle()
+                    self._completed(att)
             elif action is Action.DECLARED:
                 logger.info("process %d (pid %d) %s; declared dead already (%s)", index, child.proc.pid, how,
                             child.killed or att.dead.get(index, "fenced"))
@@ -464,6 +496,9 @@ class Launcher:
             self._replace(att, child, how)
 
     def _replace(self, att: _Attempt, child: _Child, how: str) -> None:
+        if att.complete_at is not None:
+            logger.info("process %d %s: not replaced, the job completed", child.index, how)
+            return
         if att.replacements >= self.plan.max_replacements:
             logger.error("process %d %s: declared dead, NOT replaced (%d replacements on this node already, "
                          "--max-replacements)", child.index, how, att.replacements)
@@ -496,9 +531,44 @@ class Launcher:
         if giveup is not None and att.giveup is None:
             att.giveup = giveup.decode(errors="replace")
         if complete and att.complete_at is None:
-            att.complete_at = time.monotonic()
-            self.stores.settle()
+            self._completed(att)
             logger.info("the job is complete: waiting for %d process(es) of this node to exit", len(att.children))
+
+    def _completed(self, att: _Attempt) -> None:
+        """The job completed: no more failovers, the completion marker for processes that start from now on, and the
+        processes of this node that never joined a generation (a replacement still starting) are stopped once
+        ``detector.timeout_s`` has passed (:meth:`_stop_unjoined`) unless they exit on their own (the marker)."""
+        att.complete_at = time.monotonic()
+        members = self._try(att.number, lambda s: _current_members(GenerationStore(s, process=-1)))
+        self.stores.settle()
+        if self.plan.complete_file is not None:
+            mark_complete(Path(self.plan.complete_file), self.plan.run_id)
+        if members is not None:
+            att.unjoined = {i for i in att.children if i not in members}
+            if att.unjoined:
+                logger.info("the job is complete: process(es) %s of this node never joined a generation: they exit "
+                            "on their own or are stopped in %.1f s (detector.timeout_s)", sorted(att.unjoined),
+                            self.plan.detector_timeout_s)
+
+    def _stop_unjoined(self, att: _Attempt) -> None:
+        """Once the job completed: SIGTERM the processes of this node that never joined a generation, when
+        ``detector.timeout_s`` has passed since (SIGKILL ``--grace`` seconds later)."""
+        if att.complete_at is None or not att.unjoined:
+            return
+        waited = time.monotonic() - att.complete_at
+        if waited < self.plan.detector_timeout_s:
+            return
+        for index in sorted(att.unjoined):
+            child = att.children.get(index)
+            if child is None or child.proc.poll() is not None:
+                continue
+            if child.killed is None:
+                child.killed = "stopped by its launcher: the job completed before it joined"
+                logger.warning("process %d (pid %d) has not joined a generation %.1f s after the job completed: "
+                               "stopping it", index, child.proc.pid, waited)
+                _signal_group(child.proc, signal.SIGTERM)
+            elif waited > self.plan.detector_timeout_s + self.plan.grace_s:
+                _signal_group(child.proc, signal.SIGKILL)
 
     def _everyone_exited(self, att: _Attempt) -> bool:
         """No process of the launch is left (``exited`` reached ``processes``)."""
@@ -531,11 +601,17 @@ class Launcher:
         att = self._att = _Attempt(number=number)
         n = self.plan.processes
         self._later(number, lambda s: s.compare_set("processes", "", str(n)))
-        for local_rank, index in enumerate(self.plan.indices):
-            self._start(att, index, local_rank)
+        if self._cannot_start is not None:
+            for index in self.plan.indices:  # never started: declared dead at once, counted as exited
+                self._declare(att, index, f"never started: {self._cannot_start}")
+                att.exited += 1
+                self._later(number, lambda s: s.add("exited", 1))
+        else:
+            for local_rank, index in enumerate(self.plan.indices):
+                self._start(att, index, local_rank)
+            logger.info("attempt %d: started process(es) %s (pids %s) of %d", number, list(self.plan.indices),
+                        [c.proc.pid for c in att.children.values()], n)
         self._report(att)
-        logger.info("attempt %d: started process(es) %s (pids %s) of %d", number, list(self.plan.indices),
-                    [c.proc.pid for c in att.children.values()], n)
         while True:
             if self._signal is not None:
                 return _Outcome.SIGNALED
@@ -553,6 +629,7 @@ class Launcher:
             if att.complete_at is not None:
                 if not att.children:
                     return _Outcome.COMPLETE
+                self._stop_unjoined(att)
                 if time.monotonic() - att.complete_at > self.plan.complete_grace_s:
                     logger.warning("the job is complete but %d process(es) still run after %.0f s: stopping them",
                                    len(att.children), self.plan.complete_grace_s)
@@ -597,12 +674,19 @@ class Launcher:
         the launcher's exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
-        if not self._host_store():
-            return EXIT_LAUNCHER_ERROR
+        failed = self._host_store()
+        if failed is not None:
+            self._cannot_start = f"node {self.plan.node} cannot host store {self.plan.host_store}: {failed}"
+            logger.error("%s: its process(es) %s are declared dead and do not start (the spares take them); this "
+                         "launcher goes on without them and without its store", self._cannot_start,
+                         list(self.plan.indices))
+            # The primary's host (store 0): everyone fails over to store 1 once their first connection gives up; no
+            # early promotion here, which could pick a later standby while store 1's host is still starting.
         try:
             self._call(0, lambda s: s.check(["processes"]))
         except StoreDown as e:
-            logger.error("cannot reach a store of %s (%s): nothing started", self.plan.store_address, e)
+            logger.error("node %s cannot reach a store of %s (%s): nothing started", self.plan.node,
+                         self.plan.store_address, e)
             self._stop_host("the launcher did not start")
             return EXIT_LAUNCHER_ERROR
         self.stores.start_following()  # fencing: a newer store promoted while this launcher was cut off

@@ -69,8 +69,17 @@ class LauncherPlan:
     any."""
     store_listen: Optional[str] = None
     """The address the hosted store listens on (None: its own address in ``stores``, the job's interface)."""
-    store_timeout_s: float = 5.0
-    """How long a store operation may go unanswered before the store counts as lost (then: the next one)."""
+    detector_timeout_s: float = 5.0
+    """The job's ``detector.timeout_s`` (``--detector-timeout``): every timeout of the launcher that is about the job's
+    liveness follows from it (:attr:`store_timeout_s`; once the job completed, how long a process that never joined a
+    generation gets to exit on its own; docs/timeouts.md)."""
+    listen_fd: Optional[int] = None
+    """A listening socket this launcher inherited for the store it hosts (``--listen-fd``): a single-machine launch
+    binds every store's port before the launchers start and hands it over, so no other process can take it
+    meanwhile; the store host serves on it. None: the store host binds its address itself (a cluster)."""
+    complete_file: Optional[str] = None
+    """The launch's completion marker (:mod:`~neighbor_ckpt.inprocess.completion`): written once the job completed;
+    a process that starts later finds it and exits 0 without a store."""
     token_file: Optional[str] = None
     """The launch's store token file (:mod:`~neighbor_ckpt.inprocess.store_auth`): the hosted store admits only the
     clients that hold it, and this launcher and its processes present it. None: the stores have no gate."""
@@ -89,6 +98,17 @@ class LauncherPlan:
             raise ValueError("--store: no store")
         if self.host_store is not None and not 0 <= self.host_store < len(self.stores):
             raise ValueError(f"--host-store {self.host_store}: not an index of the {len(self.stores)} store(s)")
+        if self.listen_fd is not None and self.host_store is None:
+            raise ValueError("--listen-fd: a socket for the hosted store, but no --host-store")
+
+    @property
+    def store_timeout_s(self) -> float:
+        """How long a store operation may go unanswered before the store counts as lost (then: the next one): the
+        processes' own (:func:`~neighbor_ckpt.inprocess.stores.store_timeout_for` of ``detector.timeout_s``), so
+        that one launcher's stall never promotes a store the processes still use."""
+        from neighbor_ckpt.inprocess.stores import store_timeout_for
+
+        return store_timeout_for(self.detector_timeout_s)
 
     @property
     def indices(self) -> range:
@@ -131,8 +151,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="host the store of this index of the list (a store host beside this launcher)")
     ap.add_argument("--store-listen", default=None,
                     help="the address the hosted store listens on (default: its address in --store)")
-    ap.add_argument("--store-timeout", type=_positive, default=5.0,
-                    help="seconds a store operation may go unanswered before the next store is used (default 5)")
+    ap.add_argument("--detector-timeout", type=_positive, default=5.0,
+                    help="the job's detector.timeout_s: the store timeout (max(2 x it, 3) s, as the processes') and "
+                         "the roll call follow from it (default 5)")
+    ap.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                    help="an inherited listening socket for the hosted store (a single-machine launch binds it)")
+    ap.add_argument("--complete-file", default=None, metavar="FILE",
+                    help="the launch's completion marker: written once the job completed (processes read it)")
     ap.add_argument("--token-file", default=None, metavar="FILE",
                     help="the launch's store token (a 0600 file; the stores admit only its holders)")
     ap.add_argument("--run-id", required=True, help="the launch's run id (the store namespace)")
@@ -184,9 +209,10 @@ def parse_args(argv: Sequence[str]) -> LauncherPlan:
     nodes = a.nodes if a.nodes is not None else -(-a.processes // max(1, a.count))
     try:
         return LauncherPlan(stores=stores, host_store=a.host_store, store_listen=a.store_listen,
-                            store_timeout_s=a.store_timeout, token_file=a.token_file, run_id=a.run_id, node=a.node, first=a.first,
-                            count=a.count, processes=a.processes, spares=a.spares, max_restarts=a.max_restarts,
-                            nodes=nodes, program=tuple(program), store_root=a.store_root, no_python=a.no_python,
+                            detector_timeout_s=a.detector_timeout, listen_fd=a.listen_fd,
+                            complete_file=a.complete_file, token_file=a.token_file, run_id=a.run_id, node=a.node,
+                            first=a.first, count=a.count, processes=a.processes, spares=a.spares,
+                            max_restarts=a.max_restarts, nodes=nodes, program=tuple(program), store_root=a.store_root, no_python=a.no_python,
                             poll_s=a.poll, grace_s=a.grace, fallback_grace_s=a.fallback_grace,
                             complete_grace_s=a.complete_grace, store_grace_s=a.store_grace,
                             connect_timeout_s=a.connect_timeout, rendezvous_timeout_s=a.rendezvous_timeout,
@@ -221,6 +247,8 @@ def child_env(plan: LauncherPlan, *, index: int, local_rank: int, attempt: int, 
         env[protocol.ENV_STORE_HOSTED] = str(plan.host_store)
     if plan.token_file is not None:
         env[protocol.ENV_STORE_TOKEN] = str(plan.token_file)
+    if plan.complete_file is not None:
+        env[protocol.ENV_COMPLETE_FILE] = str(plan.complete_file)
     return env
 
 

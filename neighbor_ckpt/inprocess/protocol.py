@@ -73,7 +73,7 @@ types): nothing read from the store is unpickled.
 from __future__ import annotations
 
 __all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
-           "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID",
+           "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID", "ENV_COMPLETE_FILE",
            "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
            "launch_prefix", "key"]
 
@@ -107,6 +107,9 @@ ENV_STORE_HOST_PID = "NEIGHBOR_CKPT_INPROCESS_STORE_HOST_PID"
 ENV_STORE_HOSTED = "NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED"
 """The index of the store this process's node hosts (its launcher's store host), if any: fault injection's
 ``store_node`` target."""
+ENV_COMPLETE_FILE = "NEIGHBOR_CKPT_INPROCESS_COMPLETE_FILE"
+"""The path of the launch's completion marker (:mod:`~neighbor_ckpt.inprocess.completion`): written by every launcher
+once the job completed; a process that finds it when it starts has nothing to do and exits 0 without a store."""
 ENV_RUN_ID = "NEIGHBOR_CKPT_INPROCESS_RUN"
 """The launch's run id (the store namespace)."""
 ENV_LAUNCHER = "NEIGHBOR_CKPT_INPROCESS_LAUNCHER"

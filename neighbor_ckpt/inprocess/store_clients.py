@@ -18,9 +18,9 @@ import torch.distributed as dist
 from neighbor_ckpt.config import DetectorConfig, InprocessConfig
 from neighbor_ckpt.inprocess.identity import ProcessIdentity
 from neighbor_ckpt.inprocess.store_auth import read_token
-from neighbor_ckpt.inprocess.stores import StoreSet
+from neighbor_ckpt.inprocess.stores import StoreSet, store_timeout_for
 
-__all__ = ["StoreClients", "open_stores", "STORE_TIMEOUT_MIN_S"]
+__all__ = ["StoreClients", "open_stores"]
 
 
 class StoreClients:
@@ -55,16 +55,12 @@ class StoreClients:
         return self._raw[key]
 
 
-STORE_TIMEOUT_MIN_S = 3.0
-"""The least time a store operation may go unanswered before the store counts as lost (twice
-``detector.timeout_s`` when that is longer)."""
-
-
 def open_stores(identity: ProcessIdentity, *, detector: DetectorConfig, inprocess: InprocessConfig) -> StoreSet:
-    """The launch's stores for process ``identity``: an operation unanswered for twice ``detector.timeout_s`` (at
-    least :data:`STORE_TIMEOUT_MIN_S`) loses its store; the first connection may wait ``inprocess.barrier_timeout_s``
+    """The launch's stores for process ``identity``: an operation unanswered for
+    :func:`~neighbor_ckpt.inprocess.stores.store_timeout_for` ``detector.timeout_s`` (the launchers' rule too) loses
+    its store; the first connection may wait ``inprocess.barrier_timeout_s``
     (the primary may still be starting). Connects nothing yet."""
     return StoreSet(identity.stores, run_id=identity.run_id, epoch=identity.store_epoch,
-                    timeout_s=max(2 * detector.timeout_s, STORE_TIMEOUT_MIN_S),
+                    timeout_s=store_timeout_for(detector.timeout_s),
                     connect_timeout_s=inprocess.barrier_timeout_s, name=f"process {identity.process}",
                     token=read_token(identity.token_file) if identity.token_file is not None else None)

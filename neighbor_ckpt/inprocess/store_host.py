@@ -7,9 +7,12 @@ hot standbys, :mod:`neighbor_ckpt.inprocess.stores`); each lives until it is ter
 with ``--parent`` is gone (its launcher: losing the node loses its store host too)::
 
     python -m neighbor_ckpt.inprocess.store_host --port 29650 [--host 0.0.0.0] [--parent PID] [--ready FILE]
-        [--token-file FILE]
+        [--token-file FILE] [--listen-fd FD]
 
 ``--ready FILE`` is written once the store listens (the launcher waits for it before it starts its processes).
+``--listen-fd FD``: serve on this inherited listening socket instead of binding ``--host:--port``: a single-machine
+launch binds every store's port before anything starts and hands each socket down (launcher, then store host), so no
+other process can take the port between its choice and its use (:func:`neighbor_ckpt.cli.launch.run_inprocess`).
 With ``--token-file`` (every launch's launchers pass it) the store itself listens on the loopback interface only and
 a :class:`~neighbor_ckpt.inprocess.store_auth.Gate` on ``--host:--port`` admits the clients that hold the job's token.
 """
@@ -54,15 +57,23 @@ def listen_socket(host: str, port: int, backlog: int = 16384) -> socket.socket:
     return sock
 
 
+def failed_path(ready: Path) -> Path:
+    """Where a store host that cannot start writes why (one line), beside its ``--ready`` file."""
+    return ready.with_name(ready.name + ".failed")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="0.0.0.0")
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, default=None, help="the port to bind (not with --listen-fd)")
+    ap.add_argument("--listen-fd", type=int, default=None, help="serve on this inherited listening socket")
     ap.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
     ap.add_argument("--ready", type=Path, default=None, help="write this file once the store listens")
     ap.add_argument("--token-file", type=Path, default=None,
                     help="admit only the clients that hold this file's token (store_auth)")
     args = ap.parse_args(argv)
+    if (args.port is None) == (args.listen_fd is None):
+        ap.error("give --port or --listen-fd (one of them)")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s neighbor_ckpt store host (pid {os.getpid()}): %(message)s")
 
@@ -71,7 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     from neighbor_ckpt.inprocess import store_auth
 
     token = None if args.token_file is None else store_auth.read_token(args.token_file)
-    public = listen_socket(args.host, args.port)
+    if args.listen_fd is not None:
+        public = socket.socket(fileno=args.listen_fd)
+        args.host, args.port = public.getsockname()[:2]
+    else:
+        try:
+            public = listen_socket(args.host, args.port)
+        except OSError as e:  # one line for the launcher (it names the node and stops or goes on without this store)
+            why = f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+            logging.getLogger(__name__).error("%s", why)
+            if args.ready is not None:
+                failed_path(args.ready).write_text(why + "\n")
+            return 1
     sock = public if token is None else listen_socket("127.0.0.1", 0)
     host, port = sock.getsockname()[:2]
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,

@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 
 __all__ = ["StoreAddresses", "StoreUnreachable", "StoresLost", "BoundedClient", "StoreSet", "StoreView",
-           "epoch_key", "quiesce", "leave", "CLIENT_THREAD"]
+           "epoch_key", "quiesce", "leave", "store_timeout_for", "CLIENT_THREAD", "STORE_TIMEOUT_MIN_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,18 @@ CLIENT_THREAD = "neighbor_ckpt-store-client"
 
 FOLLOW_EVERY_S = 2.0
 """How often a process or launcher looks whether a store after its own was promoted (fencing after a failover)."""
+
+
+STORE_TIMEOUT_MIN_S = 3.0
+"""The store timeout's floor (:func:`store_timeout_for`): a store operation on a loaded machine can take a second."""
+
+
+def store_timeout_for(detector_timeout_s: float) -> float:
+    """How long a store operation may go unanswered before the store counts as lost, for a job whose
+    ``detector.timeout_s`` is ``detector_timeout_s``: twice it, at least :data:`STORE_TIMEOUT_MIN_S`. The processes'
+    engine and the launchers use this one rule, so a stall one of them sees is never shorter than what the others
+    allow (docs/timeouts.md)."""
+    return max(2.0 * detector_timeout_s, STORE_TIMEOUT_MIN_S)
 
 
 _LIVE: "set[BoundedClient]" = set()

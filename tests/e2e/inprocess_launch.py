@@ -27,6 +27,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,11 +44,16 @@ WORKER = WORKERS / "train_mcore_inprocess.py"
 
 
 def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: float = 600, max_restarts: int = 0,
-                     program: str | list[str] | None = None, grow_back: bool = False, **env: Any) -> RunResult:
+                     program: str | list[str] | None = None, grow_back: bool = False, detector_timeout_s: float = 2.0,
+                     steal_store: int | None = None, hold_store: int | None = None, **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
-    gives up, ``grow_back``: the launchers' ``--grow-back``. ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
+    gives up, ``grow_back``: the launchers' ``--grow-back``, ``detector_timeout_s``: the launchers'
+    ``--detector-timeout`` (the test worker's ``detector.timeout_s``). ``steal_store``: the runner takes that store's
+    port (binds and listens on it for the whole launch) between its choice and the launch's bind; ``hold_store``: the
+    same, and the launchers' store hosts bind their ports themselves (as on a cluster), so that store's host cannot.
+    ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
     fixed for the launch are set here). The workers start warm or cold as ``tests/conftest.py`` decided for this
     test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
     out = tmp / "out"
@@ -60,7 +66,8 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
         argv = shlex.split(program) if isinstance(program, str) else list(program)
     spec = {"program": argv, "active": active, "spares": spares, "max_restarts": max_restarts, "grow_back": grow_back,
             "run_id": f"inproc-{tmp.name}", "store_root": str(tmp / "store"), "ready": str(tmp / "store_host.ready"),
-            "out": str(out), "timeout": timeout}
+            "out": str(out), "timeout": timeout, "detector_timeout_s": detector_timeout_s,
+            "steal_store": steal_store, "hold_store": hold_store}
     spec_path = tmp / "launch.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "tests.e2e.inprocess_launch", str(spec_path)]
@@ -269,22 +276,34 @@ def _run(spec: dict[str, Any]) -> int:
         root = expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
         procs = inprocess_processes(plan, store_port=free_ports(plan.processes), store_root=root)
     else:
+        ports = free_ports(spec["active"] + spec["spares"])
         procs = inprocess_commands(spec["program"], active=spec["active"], spares=spec["spares"],
-                                   max_restarts=spec["max_restarts"], run_id=spec["run_id"],
-                                   store_port=free_ports(spec["active"] + spec["spares"]),
-                                   store_root=Path(spec["store_root"]), grow_back=bool(spec.get("grow_back")))
+                                   max_restarts=spec["max_restarts"], run_id=spec["run_id"], store_port=ports,
+                                   store_root=Path(spec["store_root"]), grow_back=bool(spec.get("grow_back")),
+                                   detector_timeout_s=spec.get("detector_timeout_s"))
+    taken = spec.get("steal_store")
+    if taken is None:
+        taken = spec.get("hold_store")
+    thief = None
+    if taken is not None:  # another process takes that store's port after its choice, for the whole launch
+        thief = socket.socket()
+        thief.bind(("127.0.0.1", int(procs.stores.split(",")[taken].rpartition(":")[2])))
+        thief.listen()
+        print(f"inprocess_launch: port {thief.getsockname()[1]} of store {taken} taken by the runner", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     tracker.start()
     subprocess.Popen = _Recorded  # type: ignore[misc] - this process runs nothing else
     t0 = time.monotonic()
     try:
-        rc = run_inprocess(procs, timeout=float(spec["timeout"]))
+        rc = run_inprocess(procs, timeout=float(spec["timeout"]), bind_ports=spec.get("hold_store") is None)
     except subprocess.TimeoutExpired:
         print(f"inprocess_launch: the launch timed out after {spec['timeout']} s", flush=True)
         rc = 124
     finally:
         subprocess.Popen = real_popen  # type: ignore[misc]
         tracker.stop()
+        if thief is not None:
+            thief.close()
     print(f"inprocess_launch: the launch returned {rc} after {time.monotonic() - t0:.1f} s", flush=True)
     agents = tracker.popens
     for (cmd, _extra), p in zip(procs.agents, agents):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,10 +45,10 @@ plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").exists
 code = plan.get(f"{rank}.{attempt}")
 if code is not None:
     sys.exit(code)
-stop = out / f"stop.{attempt}"
-while not stop.exists():
+stops = (out / f"stop.{attempt}", out / f"stop.{rank}.{attempt}")
+while not any(p.exists() for p in stops):
     time.sleep(0.02)
-sys.exit(int(stop.read_text() or 0))
+sys.exit(int(next(p for p in stops if p.exists()).read_text() or 0))
 '''
 
 
@@ -119,7 +121,8 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Launch]]:
     started: list[Launch] = []
 
     def start(nodes: dict[str, tuple[int, int]], *, processes: int, spares: int = 1, max_restarts: int = 0,
-              plan: Optional[dict[str, int]] = None, extra: tuple[str, ...] = ()) -> Launch:
+              plan: Optional[dict[str, int]] = None, extra: tuple[str, ...] = (),
+              standby: Optional[int] = None, node_extra: Optional[dict[str, tuple[str, ...]]] = None) -> Launch:
         import torch.distributed as dist
 
         (tmp_path / "toy.py").write_text(TOY)
@@ -132,12 +135,15 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Launch]]:
         _wait("the store host", ready.exists)
         client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, use_libuv=True)
         launchers = {}
+        stores = f"127.0.0.1:{port}" + ("" if standby is None else f",127.0.0.1:{standby}")
         for node, (first, count) in nodes.items():
-            cmd = [sys.executable, "-m", "neighbor_ckpt.inprocess.launcher", "--store", f"127.0.0.1:{port}",
+            mine = (node_extra or {}).get(node, ())
+            cmd = [sys.executable, "-m", "neighbor_ckpt.inprocess.launcher", "--store", stores, *mine,
                    "--run-id", RUN, "--node", node, "--first", str(first), "--count", str(count),
                    "--processes", str(processes), "--spares", str(spares), "--max-restarts", str(max_restarts),
                    "--nodes", str(len(nodes)), "--store-root", str(tmp_path / "shm"), "--grace", "3",
-                   "--fallback-grace", "10", "--complete-grace", "10", "--rendezvous-timeout", "60", *extra,
+                   "--fallback-grace", "10", "--complete-grace", "10", "--rendezvous-timeout", "60",
+                   "--detector-timeout", "2", *extra,  # the CPU job files' detector.timeout_s
                    "--", str(tmp_path / "toy.py"), str(tmp_path)]
             with open(tmp_path / f"launcher.{node}.log", "w") as log:
                 launchers[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -279,3 +285,53 @@ def test_a_launcher_whose_store_is_gone_stops_its_processes_and_says_so(launch) 
     assert run.wait("node0") == 69, run.logs()
     assert _gone(toy["pid"], toy["start"])
     assert "has not answered for 2 s: stopping this node's 1 process(es)" in run.logs()
+
+
+def test_once_complete_a_process_that_never_joined_is_stopped_and_no_replacement_starts(launch,
+                                                                                         tmp_path: Path) -> None:
+    """Process 0 is in generation 0; process 1 (a replacement still starting, say) never joined one. Once the job
+    completes, node0's launcher writes the completion marker and, ``--detector-timeout`` later, stops process 1
+    instead of waiting ``--complete-grace`` for it."""
+    marker = tmp_path / f"complete.{RUN}"
+    run = launch({"node0": (0, 2)}, processes=2, extra=("--detector-timeout", "1", "--complete-file", str(marker),
+                                                         "--complete-grace", "600"))
+    assert run.env(0)["env"][protocol.ENV_COMPLETE_FILE] == str(marker)
+    late = run.env(1)
+    run.store().set("gen/0/members", json.dumps({"members": [0], "progressed": True, "hangs": 0}))
+    run.store().set("gen", "0")
+    run.store().set("complete", "0")
+    (run.tmp / "stop.0.0").write_text("0")  # process 0 returns, as a rank does once the job completed
+    assert run.wait("node0") == 0, run.logs()
+    assert marker.read_text().strip() == RUN and oct(marker.stat().st_mode & 0o777) == "0o600"
+    assert _gone(late["pid"], late["start"])
+    log = run.logs()
+    assert "process(es) [1] of this node never joined a generation" in log
+    assert re.search(r"process 1 \(pid \d+\) has not joined a generation [\d.]+ s after the job completed: "
+                     r"stopping it", log), log
+    assert "still run after" not in log, "no wait of --complete-grace"
+
+
+def test_a_launcher_whose_store_host_cannot_listen_declares_its_processes_dead_at_once(launch) -> None:
+    """node1 hosts the standby store on a port another process holds for the whole launch: its store host cannot
+    listen; node1 says so in one line naming the port, declares its process dead (never started: the generation's
+    failure, the spare's cue) and counts it as exited, and stays in the launch, which completes without it."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2, standby=held,
+                     node_extra={"node1": ("--host-store", "1", "--store-listen", "127.0.0.1")})
+        run.env(0)
+        dead = _wait("node1's process declared dead", lambda: run.get("dead"))
+        assert dead.startswith(f"1:exited: never started: node node1 cannot host store 1: port {held}: the store "
+                               "host exited with status 1 (cannot listen on"), dead
+        failed = json.loads(_wait("gen/0/failed", lambda: run.get("gen/0/failed")))
+        assert (failed["by"], failed["kind"], failed["ranks"]) == ("launcher:node1", "exited", [1])
+        _wait("its process counted as exited", lambda: run.get("exited") == "1")
+        assert not (run.tmp / "env.1.0.json").exists(), "the process of a node that cannot start never starts"
+        assert run.launchers["node1"].poll() is None, "the launcher stays in the launch (restarts, completion)"
+        run.complete()
+        assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
+    log = (run.tmp / "launcher.node1.log").read_text()
+    line = f"node node1 cannot host store 1: port {held}"
+    assert line in log and "Address already in use" in log, log

@@ -131,7 +131,7 @@ def make_config() -> NeighborCkptConfig:
     cfg.elastic.enabled = os.environ.get("ELASTIC") == "1"
     cfg.report.dir = str(OUT / "reports")
     # the CPU job files' detector timers (a tiny GPT step is ~0.1 s; a loaded 2-core machine stalls for ~1 s)
-    cfg.detector.interval_s, cfg.detector.timeout_s = 0.2, 2.0
+    cfg.detector.interval_s, cfg.detector.timeout_s = 0.2, float(os.environ.get("DETECTOR_TIMEOUT", "2.0"))
     cfg.detector.hang_timeout_s = float(os.environ.get("HANG_TIMEOUT", "3.0"))
     cfg.inprocess.barrier_timeout_s, cfg.inprocess.abort_timeout_s = 120.0, 10.0  # the CPU job files'
     return cfg
@@ -406,6 +406,17 @@ def kill_idle_spare_at(step: int) -> None:
     threading.Thread(target=watch, name="test-kill-idle-spare", daemon=True).start()
 
 
+def wait_for_completion() -> None:
+    """A replacement that is still starting when the job completes (its imports on a loaded machine, as in a fault
+    campaign's case): it reaches the engine only once its launcher wrote the completion marker."""
+    marker = Path(os.environ["NEIGHBOR_CKPT_INPROCESS_COMPLETE_FILE"])
+    log.info("replacement process %d: waiting for the job to complete (%s) before it starts", INITIAL_RANK, marker)
+    deadline = time.monotonic() + 600
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    write_json(f"late_start.{INITIAL_RANK}.json", {"unix": time.time(), "marker": marker.exists()})
+
+
 def main() -> int:
     global ECHO
     OUT.mkdir(parents=True, exist_ok=True)
@@ -417,6 +428,9 @@ def main() -> int:
              T_IMPORTED - T_START)
     if os.environ.get("KILL_IDLE_SPARE_AT_STEP") and INITIAL_RANK >= inproc.active_world_size:
         kill_idle_spare_at(int(os.environ["KILL_IDLE_SPARE_AT_STEP"]))
+    if os.environ.get("REPLACEMENT_WAITS_FOR_COMPLETION") == "1" and os.environ.get(
+            "NEIGHBOR_CKPT_INPROCESS_REPLACES") is not None:
+        wait_for_completion()
     code = 0
     try:
         ret = inproc.run(train)
