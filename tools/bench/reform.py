@@ -39,6 +39,9 @@ from typing import Any, Sequence
 REPO = Path(__file__).resolve().parents[2]
 PROBE_DIR = Path(__file__).resolve().parent / "reform_probe"
 MODES = ("gated", "open")
+GROUP_MODES = (*MODES, "gated-lazy")
+"""The groups part also runs ``gated-lazy``: the gate on, and megatron-core's groups made with gloo's lazy connection
+(``TORCH_GLOO_LAZY_INIT=1`` around ``initialize_model_parallel`` only: the default group stays eager)."""
 GROUP_PARTS = ("init_process_group", "initialize_model_parallel", "first_all_reduce", "destroy")
 
 # -- groups -----------------------------------------------------------------------------------------------------------
@@ -107,7 +110,7 @@ def _counting_store(inner: Any) -> Any:
     return Counting()
 
 
-def _one_round(store: Any, rank: int, world: int) -> dict[str, Any]:
+def _one_round(store: Any, rank: int, world: int, lazy: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -126,10 +129,13 @@ def _one_round(store: Any, rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     t.append(time.time())
     dist.new_group = counting_new_group
+    if lazy:
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:  # NeMo 2.7.3's call (nemo/lightning/_strategy_lib.py) for TP = PP = CP = EP = 1
         ps.initialize_model_parallel(order="tp-cp-ep-dp-pp", create_gloo_process_groups=True)
     finally:
         dist.new_group = new_group
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
     t.append(time.time())
     x = torch.ones(8)
     dist.all_reduce(x, group=ps.get_data_parallel_group())
@@ -166,9 +172,11 @@ def _worker(args: argparse.Namespace) -> int:
     rec = _one_round(dist.PrefixStore("bench/count/pg/", counting), args.rank, args.world)
     out.append({"round": -1, "mode": "count", "rank": args.rank, "store_ops": counting.ops, **rec})
     for r in range(args.rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+        for mode in (GROUP_MODES if r % 2 == 0 else GROUP_MODES[::-1]):
             barrier(f"{r}/{mode}")
-            rec = _one_round(dist.PrefixStore(f"bench/gen/{r}/{mode}/pg/", clients[mode]), args.rank, args.world)
+            client = clients[mode.split("-")[0]]
+            rec = _one_round(dist.PrefixStore(f"bench/gen/{r}/{mode}/pg/", client), args.rank, args.world,
+                             lazy=mode.endswith("-lazy"))
             out.append({"round": r, "mode": mode, "rank": args.rank, **rec})
     Path(args.out).write_text(json.dumps(out))
     return 0
@@ -209,7 +217,7 @@ def run_groups(rounds: int, world: int) -> dict[str, Any]:
 def summarize_groups(recs: list[dict[str, Any]], world: int) -> dict[str, Any]:
     """Per mode and part: the median over rounds of the slowest rank's seconds (round 0 left out: first calls)."""
     out: dict[str, Any] = {"world": world, "modes": {}}
-    for mode in MODES:
+    for mode in sorted({x["mode"] for x in recs} - {"count"}, key=lambda m: (m not in MODES, m)):
         rounds: dict[int, list[dict[str, Any]]] = {}
         for x in recs:
             if x["mode"] == mode and x["round"] > 0:
