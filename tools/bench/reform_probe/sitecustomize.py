@@ -157,7 +157,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _install() -> None:
-    if not _OUT or any(s in " ".join(sys.argv) for s in _SKIP):
+    argv = " ".join(getattr(sys, "orig_argv", sys.argv))  # with ``-m``, sys.argv lacks the module at start-up
+    if not _OUT or any(s in argv for s in _SKIP):
         return
     sys.meta_path.insert(0, _Finder(_Probe(_OUT)))
 
