@@ -30,6 +30,7 @@ TARGETS: dict[str, tuple[tuple[str, str, str], ...]] = {
                                        ("InprocessRecovery", "_check_hygiene", "engine.hygiene"),
                                        ("InprocessRecovery", "_next", "engine.assignment")),
     "neighbor_ckpt.inprocess.generation": (("GenerationStore", "join", "engine.barrier"),),
+    "neighbor_ckpt.inprocess.engine_state": (),
     "torch.distributed.distributed_c10d": (("", "init_process_group", "torch.init_process_group"),
                                            ("", "new_group", "torch.new_group"),
                                            ("", "destroy_process_group", "torch.destroy_process_group")),
@@ -65,7 +66,8 @@ class _Probe:
                 self.spans.append((label, t0, t1, threading.current_thread().name))
 
     def event(self, engine: object, name: str, when: float) -> None:
-        generation = getattr(getattr(engine, "state", None), "generation", None)
+        state = getattr(engine, "state", engine)
+        generation = getattr(state, "generation", None)
         if generation is None:
             generation = getattr(engine, "_generation", 0)
         self.process = getattr(engine, "process", self.process)
@@ -117,8 +119,10 @@ def _patch(probe: _Probe, name: str, module: object) -> None:
         for _, attr, label in TARGETS[name]:
             if getattr(dist, attr, None) is not getattr(module, attr, None):
                 setattr(dist, attr, getattr(module, attr))
-    if name == "neighbor_ckpt.inprocess.engine":
-        cls = module.InprocessRecovery  # type: ignore[attr-defined]
+    # Every engine event goes through EngineState.event (the abort's included); older engines: InprocessRecovery.event
+    if name == "neighbor_ckpt.inprocess.engine_state" or (
+            name == "neighbor_ckpt.inprocess.engine" and "neighbor_ckpt.inprocess.engine_state" not in sys.modules):
+        cls = getattr(module, "EngineState", None) or module.InprocessRecovery  # type: ignore[attr-defined]
         orig = cls.event
 
         def event(self, name, when=None):  # noqa: ANN001, ANN202
