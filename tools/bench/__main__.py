@@ -1,7 +1,7 @@
 """``python -m tools.bench [--compare | --nemo-step | --generations] [...]``: the micro-benchmark, or with
 ``--compare`` the side-by-side comparison, with ``--nemo-step`` the NeMo step-time benchmark, with ``--generations``
 the in-process engine's cost per generation on one process, with ``--store-gate`` what the store token costs a store
-operation (the rest goes to that one)."""
+operation, with ``--reform`` where an in-process re-form's time goes, gate on and off (the rest goes to that one)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.bench import store_gate
 
         return store_gate.main([a for a in args if a != "--store-gate"])
+    if "--reform" in args:
+        from tools.bench import reform
+
+        return reform.main([a for a in args if a != "--reform"])
     if "--generations" in args:
         from tools.bench import generations
 
