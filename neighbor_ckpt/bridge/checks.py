@@ -22,9 +22,10 @@ def check_bridge_config(cfg: Any) -> None:
             re-enters ``pretrain`` with its own store and reloads its disk checkpoint over ours; ours is
             :mod:`neighbor_ckpt.bridge.inprocess`, and the two cannot both run), Bridge's NVRx local checkpointing
             (``checkpoint.non_persistent_ckpt_type: local``, or ``in_memory``: loaded by Bridge before our restore, so
-            the two would restore over each other; Bridge's persistent checkpoint stays the insurance), a full CUDA graph around
-            ``forward_backward`` (``model.cuda_graph_impl: local`` with ``full_iteration`` in ``cuda_graph_scope``:
-            the step tags and the wait point cannot run inside a captured graph), Megatron FSDP or torch FSDP2
+            the two would restore over each other; Bridge's persistent checkpoint stays the insurance), a full CUDA
+            graph around ``forward_backward`` (``model.cuda_graph_impl: local`` with ``full_iteration`` in
+            ``cuda_graph_scope``: the step tags and the wait point cannot run inside a captured graph), Megatron FSDP
+            or torch FSDP2
             (``dist.use_megatron_fsdp`` / ``dist.use_torch_fsdp2``: parameters are not in megatron-core's DDP buffers
             the adapter reads) and an optimizer outside :data:`ALLOWED_OPTIMIZERS`.
     """

@@ -1,5 +1,5 @@
-"""megatron_patches on megatron-core 0.19 with Megatron-Bridge 0.6: the pairings refused by name, and the Bridge CPU patches
-(applied as Bridge's modules are imported, undone exactly)."""
+"""megatron_patches on megatron-core 0.19 with Megatron-Bridge 0.6: the pairings refused by name, and the Bridge CPU
+patches (applied as Bridge's modules are imported, undone exactly)."""
 
 from __future__ import annotations
 
