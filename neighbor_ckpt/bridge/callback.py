@@ -13,11 +13,11 @@ What happens where (Megatron-Bridge 0.6):
   (:func:`megatron_patches.bridge.on_pretrain_config`: before Bridge could wrap ``_pretrain`` in its own in-process
   restart, which is refused, as is its NVRx local checkpointing: both would restore over ours).
 * **on_data_init_start** (Bridge's own event inside ``setup()``, after the model, optimizer, scheduler and Bridge's own
-  checkpoint load, before the data iterators are built; every rank): the configuration is checked (:func:`~neighbor_ckpt.bridge.checks.check_bridge_config`),
-  the checkpointer is built on the Megatron adapter (the distributed optimizer's fp32 main-param shards and Adam
-  moments, the RNG tracker streams; weights regenerate by all-gather), the wait point, step tags and the data check's
-  input are hooked into megatron-core (:func:`megatron_patches.install_hooks`), and the recovery runs. After a
-  restore, ``train_state`` (step, consumed and skipped train samples, consumed valid samples, the FLOPs counter) and
+  checkpoint load, before the data iterators are built; every rank): the configuration is checked again
+  (:func:`~neighbor_ckpt.bridge.checks.check_bridge_config`), the checkpointer is built on the Megatron adapter (the
+  distributed optimizer's fp32 main-param shards and Adam moments, the RNG tracker streams; weights regenerate by
+  all-gather), the wait point, step tags and the data check's input are hooked into megatron-core
+  (:func:`megatron_patches.install_hooks`), and the recovery runs. After a restore, ``train_state`` (step, consumed and skipped train samples, consumed valid samples, the FLOPs counter) and
   the scheduler are set from the restored state, so the loop and the data iterators start at the restored step and
   sample; the torch RNG is set at ``on_train_start`` (building the data loader's iterator draws from it, as in the
   uninterrupted run).
