@@ -19,8 +19,8 @@ What happens where (Megatron-Bridge 0.6):
   all-gather), the wait point, step tags and the data check's input are hooked into megatron-core
   (:func:`megatron_patches.install_hooks`), and the recovery runs. After a restore, ``train_state`` (step, consumed
   and skipped train samples, consumed valid samples, the FLOPs counter) and the scheduler are set from the restored
-  state, so the loop and the data iterators start at the restored step and sample; the torch RNG is set at ``on_train_start`` (building the data loader's iterator draws from it, as in the
-  uninterrupted run).
+  state, so the loop and the data iterators start at the restored step and sample; the torch RNG is set at
+  ``on_train_start`` (building the data loader's iterator draws from it, as in the uninterrupted run).
 * **which wins**: when Bridge's ``checkpoint.load`` also loaded a checkpoint, the newer iteration wins, announced: an
   in-memory version that is newer is applied over it; a Bridge checkpoint that is newer is loaded again over the
   in-memory version. Bridge's checkpoint is the insurance: when no in-memory version is complete (both copies of a
