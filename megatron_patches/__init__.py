@@ -14,9 +14,10 @@
   ``no_grad`` (NeMo's disk resume, our insurance fallback);
 * :mod:`megatron_patches.nemo_telemetry` — NeMo's OneLogger telemetry spans a failed in-process attempt left open,
   stopped before the next attempt (else its ``on_train_start`` refuses to start);
-* :mod:`megatron_patches.bridge` — Megatron-Bridge 0.3.1: its CPU patches (applied by ``enable_cpu(nemo=False)``
-  before ``import megatron.bridge``) and ``on_data_init``, the event before Bridge builds its data iterators that
-  :class:`neighbor_ckpt.bridge.NeighborCheckpoint` restores in;
+* :mod:`megatron_patches.bridge` — Megatron-Bridge 0.6: its CPU patches (applied by ``enable_cpu(nemo=False)``
+  before ``import megatron.bridge``), ``data_init`` (Bridge's own ``on_data_init_start`` event read into what
+  :class:`neighbor_ckpt.bridge.NeighborCheckpoint` restores in) and ``on_pretrain_config`` (the configuration check
+  at the start of ``pretrain``, before Bridge could wrap it in its own in-process restart);
 * :mod:`megatron_patches.fused_adam` — apex FusedAdam's semantics for mcore's Adam on a GPU image without
   Transformer Engine or apex (the GPU benchmark).
 

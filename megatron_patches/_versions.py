@@ -7,9 +7,10 @@ attributes of ``DistributedOptimizer`` such as ``gbuf_ranges``. Those move betwe
 have not read is refused up front with a message saying what to pin, instead of failing somewhere deep inside a
 training step.
 
-megatron-core 0.15 and 0.16 are both read, but each framework runs on one of them (:data:`MCORE_FOR`): NeMo 2.7.3
-(the last NeMo with the LLM collection) on 0.15, Megatron-Bridge 0.3.1 on 0.16. Any other pairing is refused by
-name; the two live in separate environments (``.venv`` and ``.venv-bridge``, ``scripts/setup``).
+megatron-core 0.15 and 0.19 are both read, but each framework runs on one of them (:data:`MCORE_FOR`): NeMo 2.7.3
+(the last NeMo with the LLM collection) on 0.15 (Python 3.11), Megatron-Bridge 0.6 on 0.19 (Python 3.12: every Bridge
+from 0.4 and megatron-core from 0.17 require it). Any other pairing is refused by name; the two live in separate
+environments (``.venv`` and ``.venv-bridge``, ``scripts/setup``).
 
 Installed versions are read from package metadata (:mod:`importlib.metadata`), never by importing the
 packages: ``import nemo`` alone takes seconds and pulls in Lightning.
@@ -30,15 +31,15 @@ logger = logging.getLogger(__name__)
 
 #: distribution name -> supported release prefixes. "0.15" accepts every 0.15.x; "2.7.3" only 2.7.3.
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "megatron-core": ("0.15", "0.16"),
+    "megatron-core": ("0.15", "0.19"),
     "nemo-toolkit": ("2.7.3",),
-    "megatron-bridge": ("0.3.1",),
+    "megatron-bridge": ("0.6",),
 }
 
 #: framework distribution -> the megatron-core releases it runs on (the pairings tested here).
 MCORE_FOR: dict[str, tuple[str, ...]] = {
     "nemo-toolkit": ("0.15",),
-    "megatron-bridge": ("0.16",),
+    "megatron-bridge": ("0.19",),
 }
 
 _FRAMEWORK = {"nemo-toolkit": "NeMo 2", "megatron-bridge": "Megatron-Bridge"}
@@ -46,18 +47,20 @@ _FRAMEWORK = {"nemo-toolkit": "NeMo 2", "megatron-bridge": "Megatron-Bridge"}
 #: What to install when a distribution is missing or unsupported.
 _INSTALL_HINT: dict[str, str] = {
     "megatron-core": ("pip install 'neighbor-ckpt[megatron]' (pins megatron-core>=0.15,<0.16, for NeMo 2) or "
-                      "'neighbor-ckpt[bridge]' (pins megatron-core>=0.16,<0.17, for Megatron-Bridge)"),
+                      "'neighbor-ckpt[bridge]' (pins megatron-core>=0.19,<0.20, for Megatron-Bridge; Python 3.12)"),
     "nemo-toolkit": "pip install 'neighbor-ckpt[nemo]' (pins nemo-toolkit[llm]==2.7.3)",
-    "megatron-bridge": ("pip install 'neighbor-ckpt[bridge]' and then pip install --no-deps megatron-bridge==0.3.1 "
-                        "(its metadata requires CUDA-only packages)"),
+    "megatron-bridge": ("on Python 3.12: pip install 'neighbor-ckpt[bridge]' and then pip install --no-deps "
+                        "megatron-bridge==0.6.2 (its metadata requires CUDA-only packages); scripts/setup --bridge "
+                        "does both"),
 }
 
 #: What to install when a framework meets a megatron-core it does not run on.
 _PAIR_HINT: dict[str, str] = {
     "nemo-toolkit": ("keep NeMo in an environment with megatron-core 0.15: pip install "
-                     "'neighbor-ckpt[megatron,nemo]'; for Megatron-Bridge on megatron-core 0.16 (an environment "
+                     "'neighbor-ckpt[megatron,nemo]'; for Megatron-Bridge on megatron-core 0.19 (an environment "
                      "without NeMo), call enable_cpu(nemo=False)"),
-    "megatron-bridge": "pip install 'neighbor-ckpt[bridge]' (pins megatron-core>=0.16,<0.17) in Bridge's environment",
+    "megatron-bridge": ("pip install 'neighbor-ckpt[bridge]' (pins megatron-core>=0.19,<0.20) in Bridge's environment "
+                        "(Python 3.12)"),
 }
 
 _RELEASE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)")

@@ -1,44 +1,58 @@
-"""Megatron-Bridge 0.3.1 (on megatron-core 0.16) on CPU-only torch with gloo: what :func:`megatron_patches.enable_cpu`
-adds when megatron-bridge is installed. For smoke runs and tests only, like the rest of the CPU shim.
+"""Megatron-Bridge 0.6 (on megatron-core 0.19, Python 3.12) on CPU-only torch with gloo: what
+:func:`megatron_patches.enable_cpu` adds when megatron-bridge is installed. For smoke runs and tests only, like the rest
+of the CPU shim.
 
-With the megatron-core patches of :mod:`megatron_patches.cpu` in place, four things still stop Bridge's
+With the megatron-core patches of :mod:`megatron_patches.cpu` in place, five things still stop Bridge's
 ``pretrain(cfg, forward_step)`` on a CPU-only machine (measured; ``../shared/notes/cpu-stack.md``). Each is one named
 entry here, version-checked, and undone exactly by :meth:`BridgePatch.disable`:
 
-1. :data:`TE_STAND_IN` -- ``import megatron.bridge`` reaches ``peft/lora_layers.py`` and ``peft/lora.py``, which
-   ``import transformer_engine.pytorch as te`` unconditionally and subclass ``te.Linear`` (and evaluate
-   ``te.ops.Sequential`` annotations) at import time. A CPU machine has no Transformer Engine (and installing it
-   without a GPU driver breaks megatron-core's own try-import). A stand-in package (three empty ``torch.nn.Module``
-   classes) is served to those two modules only, for their import statement only: an import hook on
-   ``sys.meta_path`` answers for ``transformer_engine`` when the importing module is one of :data:`TE_IMPORTERS`, and
-   drops the stand-in from ``sys.modules`` at the next import of anything else. Every other ``HAVE_TE`` check
-   (megatron-core's, modelopt's, Bridge's own) still finds no Transformer Engine. Bridge's LoRA code compares
-   classes with ``te.Linear``, which nothing is, so LoRA falls back to its non-TE paths.
-2. ``allow_no_cuda`` -- ``training.setup.setup`` calls ``training.initialize.initialize_megatron`` without
+1. ``te_stand_in`` (:data:`STAND_INS`) -- ``import megatron.bridge`` reaches ``peft/lora_layers.py``, which
+   ``import transformer_engine.pytorch as te`` unconditionally and evaluates ``te.ops.Sequential`` annotations at
+   import time. A CPU machine has no Transformer Engine (and installing it without a GPU driver breaks megatron-core's
+   own try-import). A stand-in package (empty ``torch.nn.Module`` classes) is served to the importers named in
+   :data:`STAND_INS` only, for their import statement only: an import hook on ``sys.meta_path`` answers for the
+   package when the importing module is one of them, and drops the stand-in from ``sys.modules`` at the next import
+   of anything else. Every other ``HAVE_TE`` check (megatron-core's, modelopt's, Bridge's own) still finds no
+   Transformer Engine. Bridge's LoRA code compares classes with ``te.Linear``, which nothing is, so LoRA falls back
+   to its non-TE paths.
+2. ``nvrx_stand_in`` (:data:`STAND_INS`, only while nvidia-resiliency-ext is not installed) -- ``training/pretrain.py``
+   imports ``CallWrapper`` from ``nvidia_resiliency_ext.inprocess`` for a type annotation. nvidia-resiliency-ext 0.5+
+   wheels need glibc 2.39, and the 0.4.1 that installs on older systems breaks ``import megatron.core`` 0.19 (its
+   ``dist_checkpointing`` asserts nvidia-resiliency-ext >= 0.6 as soon as the async-checkpoint modules import), so the
+   Bridge environment has none; the same import hook serves that one module an empty ``CallWrapper``. Bridge's own
+   in-process restart (the one user of the real package) is refused beside our callback anyway
+   (:func:`neighbor_ckpt.bridge.checks.check_bridge_config`).
+3. ``allow_no_cuda`` -- ``training.setup.setup`` calls ``training.initialize.initialize_megatron`` without
    ``allow_no_cuda=True``, so it asserts ``torch.cuda.is_available()``; the replacement passes ``allow_no_cuda=True``.
-3. ``rng_tracker_seed`` -- ``training.initialize._set_random_seed`` seeds megatron-core's RNG tracker only
+4. ``rng_tracker_seed`` -- ``training.initialize._set_random_seed`` seeds megatron-core's RNG tracker only
    ``if torch.cuda.device_count() > 0`` (dropout then fails: "cuda rng state model-parallel-rng is not added"). The
    replacement seeds it as Bridge does on a GPU, with the same seed (``seed + 100 * pp rank [+ 10 * dp rank]``):
    the gap :mod:`megatron_patches.cpu` closes for NeMo.
-4. ``skip_helpers_build`` -- ``training.initialize.initialize_megatron`` runs ``compile_helpers()`` (``make`` in
+5. ``skip_helpers_build`` -- ``training.initialize.initialize_megatron`` runs ``compile_helpers()`` (``make`` in
    ``megatron/core/datasets``), but the megatron-core wheel ships the built ``helpers_cpp`` and no Makefile, so
    ``make`` fails and it calls ``sys.exit(1)``. The replacement skips the build when ``helpers_cpp`` is importable
    (a wheel-install problem, not a CPU one).
 
-Entries 2-4 patch Bridge modules that are imported after :func:`enable_cpu` (by ``pretrain``): the same import hook
+Entries 3-5 patch Bridge modules that are imported after :func:`enable_cpu` (by ``pretrain``): the same import hook
 patches each right after it is imported (or at once if it already is). Hence the order: ``enable_cpu(nemo=False)``
 before ``import megatron.bridge``. The default GPT provider picks Transformer Engine's layer spec; pass
 megatron-core's local one (``get_gpt_layer_local_spec``).
 
-Not a CPU patch, used on GPUs too: ``data_init_event`` (:func:`on_data_init`), the one event
-:class:`neighbor_ckpt.bridge.NeighborCheckpoint` needs that Megatron-Bridge 0.3.1 lacks: after the model, optimizer,
-scheduler and Bridge's own checkpoint load, before the data iterators are built (where the restore must happen so the
-loop and the iterators start at the restored step and sample). Installed while a listener is registered, version
-checked (0.3.1), undone by identity when the last listener is removed.
+Not a patch, used on GPUs too: :func:`data_init` reads Bridge 0.6's own ``on_data_init_start`` event (after the model,
+optimizer, scheduler and Bridge's own checkpoint load, before the data iterators) into a :class:`DataInit`, whose
+``reload()`` loads Bridge's checkpoint again through Bridge's own checkpoint manager (``create_checkpoint_manager``,
+``CheckpointLoadContext``). Megatron-Bridge 0.3.1 had no such event; the wrappers of ``setup()`` that stood in for it
+are gone with 0.3.1.
+
+Not a CPU patch, used on GPUs too: ``pretrain_config_check`` (:func:`on_pretrain_config`), a look at ``pretrain``'s
+``ConfigContainer`` before ``pretrain`` wraps ``_pretrain`` in nvidia-resiliency-ext's in-process restart, so that
+:class:`neighbor_ckpt.bridge.NeighborCheckpoint` refuses Bridge's in-process restart and local checkpointing before
+either starts (Bridge 0.6 has no callback event that early). Installed while a listener is registered,
+version-checked (0.6), undone by identity when the last listener is removed.
 
 Not a patch either: :func:`reset_global_state`, between in-process generations, drops what a ``pretrain`` that failed
 mid-training left in Bridge's global state (Bridge's own ``destroy_global_state``, which only a ``pretrain`` that
-returns calls), version-checked (0.3.1).
+returns calls), version-checked (0.6).
 """
 
 from __future__ import annotations
@@ -58,17 +72,21 @@ from typing import Any, Callable, Sequence
 
 from neighbor_ckpt.errors import UnsupportedVersionError
 
-__all__ = ["BridgePatch", "PATCHES", "TE_IMPORTERS", "TE_STAND_IN", "apply", "is_installed", "DataInit", "DataInitHook",
-           "on_data_init", "data_init_installed", "reset_global_state", "RESET_VERSIONS"]
+__all__ = ["BridgePatch", "PATCHES", "STAND_INS", "BRIDGE_VERSIONS", "apply", "is_installed", "DataInit", "data_init",
+           "reset_global_state", "on_pretrain_config", "ConfigCheckHook", "config_check_installed"]
 
 logger = logging.getLogger(__name__)
 
 BRIDGE = "megatron-bridge"
-TE_STAND_IN = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops")
-"""The modules of the Transformer Engine stand-in (patch 1)."""
-TE_IMPORTERS = frozenset({"megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora"})
-"""The only modules the stand-in is served to: they import Transformer Engine unconditionally (0.3.1: lora_layers.py
-line 20, lora.py line 21)."""
+BRIDGE_VERSIONS = ("0.6",)
+"""The megatron-bridge releases (prefixes) every entry here was written against and tested with (0.6.2)."""
+
+STAND_INS: dict[str, frozenset[str]] = {
+    "transformer_engine": frozenset({"megatron.bridge.peft.lora_layers"}),
+    "nvidia_resiliency_ext": frozenset({"megatron.bridge.training.pretrain"}),
+}
+"""Stand-in package (patches 1 and 2) -> the only modules it is served to, which import it unconditionally at import
+time (0.6.2: ``peft/lora_layers.py`` line 20, ``training/pretrain.py`` line 19)."""
 
 _SETUP = "megatron.bridge.training.setup"
 _INITIALIZE = "megatron.bridge.training.initialize"
@@ -159,7 +177,7 @@ PATCHES: tuple[BridgeAttr, ...] = (
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Patch 1: the Transformer Engine stand-in
+# Patches 1 and 2: the Transformer Engine and nvidia-resiliency-ext stand-ins
 # --------------------------------------------------------------------------------------------------------------
 
 def _te_modules() -> dict[str, types.ModuleType]:
@@ -179,6 +197,29 @@ def _te_modules() -> dict[str, types.ModuleType]:
     te.pytorch, pytorch.ops = pytorch, ops
     te.__path__, pytorch.__path__ = [], []
     return {m.__name__: m for m in (te, pytorch, ops)}
+
+
+def _nvrx_modules() -> dict[str, types.ModuleType]:
+    doc = "nvidia-resiliency-ext stand-in (megatron_patches.bridge)"
+    nvrx = types.ModuleType("nvidia_resiliency_ext", doc)
+    inprocess = types.ModuleType("nvidia_resiliency_ext.inprocess", doc)
+    inprocess.CallWrapper = type("CallWrapper", (), {
+        "__module__": "megatron_patches.bridge",
+        "__doc__": "nvidia-resiliency-ext stand-in: a type annotation of Bridge's pretrain.py, never instantiated"})
+    nvrx.inprocess = inprocess
+    nvrx.__path__, inprocess.__path__ = [], []
+    return {m.__name__: m for m in (nvrx, inprocess)}
+
+
+def _stand_ins() -> dict[str, tuple[types.ModuleType, frozenset[str]]]:
+    """Module name -> (stand-in, the importers it is served to): Transformer Engine always; nvidia-resiliency-ext only
+    while it is not installed (an installed one is checked by :func:`apply`)."""
+    out = {name: (module, STAND_INS["transformer_engine"]) for name, module in _te_modules().items()}
+    try:
+        importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        out.update({name: (module, STAND_INS["nvidia_resiliency_ext"]) for name, module in _nvrx_modules().items()})
+    return out
 
 
 class _Prebuilt(importlib.abc.Loader):
@@ -221,16 +262,16 @@ class _ImportHook(importlib.abc.MetaPathFinder):
 
     def __init__(self, patch: "BridgePatch") -> None:
         self._patch = patch
-        self._te = _te_modules()
+        self._stand_ins = _stand_ins()
 
     def find_spec(self, name: str, path: Sequence[str] | None, target: types.ModuleType | None = None) \
             -> importlib.machinery.ModuleSpec | None:
-        if name in self._te:
-            if _importer() not in TE_IMPORTERS:
+        if name in self._stand_ins:
+            module, importers = self._stand_ins[name]
+            if _importer() not in importers:
                 return None
-            spec = importlib.util.spec_from_loader(name, _Prebuilt(self._te[name]),
-                                                   is_package=hasattr(self._te[name], "__path__"))
-            logger.debug("megatron_patches.bridge: Transformer Engine stand-in for %s", _importer())
+            spec = importlib.util.spec_from_loader(name, _Prebuilt(module), is_package=hasattr(module, "__path__"))
+            logger.debug("megatron_patches.bridge: %s stand-in for %s", name, _importer())
             return spec
         self.evict()
         if name not in self._patch.pending():
@@ -247,7 +288,7 @@ class _ImportHook(importlib.abc.MetaPathFinder):
 
     def evict(self) -> None:
         """Take the stand-in out of ``sys.modules`` (it was there for one import statement)."""
-        for name, module in self._te.items():
+        for name, (module, _) in self._stand_ins.items():
             if sys.modules.get(name) is module:
                 del sys.modules[name]
 
@@ -288,7 +329,8 @@ class BridgePatch:
                 if original is _MISSING:
                     raise UnsupportedVersionError(
                         f"megatron_patches.bridge: {attr.module}.{attr.name} does not exist in megatron-bridge "
-                        f"{self.version}; these patches were written for megatron-bridge 0.3.1")
+                        f"{self.version}; these patches were written for megatron-bridge "
+                        f"{', '.join(BRIDGE_VERSIONS)}")
                 self._saved.append((module, attr.name, original))
                 setattr(module, attr.name, attr.replacement(original))
             self._done.add(module.__name__)
@@ -314,197 +356,104 @@ class BridgePatch:
             self._done.clear()
 
 
+def _check_nvrx() -> None:
+    """An installed nvidia-resiliency-ext older than 0.6 breaks ``import megatron.core`` 0.19 (an assert in
+    ``dist_checkpointing.strategies.nvrx``): refuse it by name, before anything imports megatron-core."""
+    try:
+        version = importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    release = tuple(int(x) for x in version.split("+")[0].split(".")[:2] if x.isdigit())
+    if release < (0, 6):
+        raise UnsupportedVersionError(
+            f"nvidia-resiliency-ext {version} is installed beside megatron-core 0.19, whose dist_checkpointing refuses "
+            f"any release before 0.6 at import (an assert). Install nvidia-resiliency-ext>=0.6 (its wheels need "
+            f"glibc 2.39) or uninstall it: pip uninstall nvidia-resiliency-ext (megatron_patches then serves Bridge's "
+            f"pretrain.py the one class it imports)")
+
+
 def apply(version: str) -> BridgePatch:
     """Install the Bridge patches for megatron-bridge ``version`` (already checked by
     :func:`megatron_patches._versions.check_versions` with ``require_bridge``). Call before ``import megatron.bridge``:
-    :func:`megatron_patches.enable_cpu` does."""
+    :func:`megatron_patches.enable_cpu` does.
+
+    Raises:
+        UnsupportedVersionError: ``version`` is not one of :data:`BRIDGE_VERSIONS`, or an nvidia-resiliency-ext
+            older than 0.6 is installed (megatron-core 0.19 cannot be imported beside it)."""
+    if not any(version == v or version.startswith(v + ".") for v in BRIDGE_VERSIONS):
+        raise UnsupportedVersionError(f"megatron_patches.bridge: written for megatron-bridge "
+                                      f"{', '.join(v + '.x' for v in BRIDGE_VERSIONS)}, found {version}")
+    _check_nvrx()
     patch = BridgePatch(version)
     try:
         patch._apply()
     except BaseException:
         patch.disable()
         raise
-    logger.info("megatron_patches.bridge: Megatron-Bridge %s CPU patches on (Transformer Engine stand-in for %s; %s)",
-                version, ", ".join(sorted(TE_IMPORTERS)), ", ".join(f"{p.module}.{p.name}" for p in PATCHES))
+    stand_ins = sorted({name.split(".")[0] for name in patch._hook._stand_ins}) if patch._hook else []
+    logger.info("megatron_patches.bridge: Megatron-Bridge %s CPU patches on (stand-ins: %s; %s)", version,
+                ", ".join(stand_ins), ", ".join(f"{p.module}.{p.name}" for p in PATCHES))
     return patch
 
 
 # --------------------------------------------------------------------------------------------------------------
-# data_init_event: an event before Bridge builds its data iterators (0.3.1 has none; 0.5+ has on_data_init_start)
+# data_init: Bridge 0.6's own on_data_init_start event, read into what NeighborCheckpoint restores in
 # --------------------------------------------------------------------------------------------------------------
-
-DATA_INIT_VERSIONS = ("0.3.1",)
-"""The megatron-bridge releases :func:`on_data_init` was written against."""
-DATA_INIT_ATTRS = ("setup_optimizer", "load_checkpoint", "setup_data_iterators")
-"""What :func:`on_data_init` wraps in ``megatron.bridge.training.setup`` (module globals ``setup()`` calls): the
-first captures the model chunks, optimizer and scheduler it builds, the second records Bridge's own checkpoint load
-(the arguments, to load it again, and the step it reached), the third calls the listeners before it runs."""
-
 
 @dataclass
 class DataInit:
-    """What a :func:`on_data_init` listener gets: ``setup()``'s objects after the model, optimizer, scheduler and
-    Bridge's own checkpoint load, before the data iterators exist (they start at ``train_state``'s consumed samples)."""
+    """What :func:`data_init` reads from Bridge's ``on_data_init_start`` context: ``setup()``'s objects after the model,
+    optimizer, scheduler and Bridge's own checkpoint load, before the data iterators exist (they start at
+    ``train_state``'s consumed samples)."""
 
-    cfg: Any
-    """The ``ConfigContainer``."""
-    train_state: Any
-    """``GlobalState.train_state``: what the listener sets is what the data iterators and the loop start from."""
+    state: Any
+    """Bridge's ``GlobalState``."""
     model: list[Any]
     optimizer: Any
     scheduler: Any
     loaded_step: int | None = None
-    """``train_state.step`` right after Bridge's own ``load_checkpoint`` (steps completed); None: it loaded none."""
-    _load: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
+    """``train_state.step`` after Bridge's own checkpoint load (steps completed); None: it loaded none (a fresh start,
+    or a pretrained checkpoint for finetuning, which resets the step to 0)."""
+
+    @property
+    def cfg(self) -> Any:
+        """The ``ConfigContainer``."""
+        return self.state.cfg
+
+    @property
+    def train_state(self) -> Any:
+        """``GlobalState.train_state``: what the listener sets is what the data iterators and the loop start from."""
+        return self.state.train_state
 
     def reload(self) -> None:
-        """Run Bridge's ``load_checkpoint`` again, with the arguments ``setup()`` gave it (model, optimizer,
-        scheduler, train state and RNG back to its checkpoint)."""
-        if self._load is None:
+        """Load Bridge's checkpoint again (model, optimizer, scheduler, train state and RNG back to it), through
+        Bridge's own checkpoint manager, as ``setup()`` loaded it."""
+        if self.loaded_step is None:
             raise RuntimeError("megatron_patches.bridge: Bridge loaded no checkpoint in this setup()")
+        from megatron.bridge.training.checkpointing import CheckpointLoadContext, create_checkpoint_manager
+
         if self.scheduler is not None and hasattr(self.scheduler, "num_steps"):
             # megatron-core's OptimizerParamScheduler.load_state_dict *adds* the loaded step count to the current
             # one (step(increment=num_steps)): loaded a second time, the learning rate would be that of twice the steps
             self.scheduler.num_steps = 0
-        fn, args, kwargs = self._load
-        fn(*args, **kwargs)
+        cfg = self.cfg
+        optimizer = self.optimizer if cfg.checkpoint.load_optim and not cfg.checkpoint.finetune else None
+        create_checkpoint_manager(cfg.checkpoint).load(CheckpointLoadContext(
+            state=self.state, model=self.model, optimizer=optimizer, opt_param_scheduler=self.scheduler,
+            skip_load_to_model_and_opt=cfg.dist.use_torch_fsdp2))
 
 
-_di_lock = threading.Lock()
-_di_listeners: list[Callable[[DataInit], None]] = []
-_di_saved: list[tuple[types.ModuleType, str, Any, Any]] = []
-_di_ctx: dict[str, Any] = {}
-
-
-def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    return dict(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
-
-
-def _wrap_setup_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def setup_optimizer(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        _di_ctx.clear()  # a new setup(): nothing of an earlier one is kept
-        _di_ctx["model"] = _bound(original, args, kwargs).get("model")
-        _di_ctx["optimizer"], _di_ctx["scheduler"] = result
-        return result
-
-    return setup_optimizer
-
-
-def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        state = _bound(original, args, kwargs).get("state")
-        _di_ctx["load"] = (original, args, kwargs)
-        _di_ctx["loaded_step"] = getattr(getattr(state, "train_state", None), "step", None)
-        return result
-
-    return load_checkpoint
-
-
-def _wrap_setup_data_iterators(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def setup_data_iterators(*args: Any, **kwargs: Any) -> Any:
-        listeners = list(_di_listeners)
-        if listeners:
-            a = _bound(original, args, kwargs)
-            model = _di_ctx.get("model")
-            event = DataInit(cfg=a.get("cfg"), train_state=a.get("train_state"),
-                             model=list(model) if model is not None else [], optimizer=_di_ctx.get("optimizer"),
-                             scheduler=_di_ctx.get("scheduler"),
-                             loaded_step=_di_ctx.get("loaded_step") if "load" in _di_ctx else None,
-                             _load=_di_ctx.get("load"))
-            for listener in listeners:
-                listener(event)
-        _di_ctx.clear()
-        return original(*args, **kwargs)
-
-    return setup_data_iterators
-
-
-_DI_WRAPPERS = {"setup_optimizer": _wrap_setup_optimizer, "load_checkpoint": _wrap_load_checkpoint,
-                "setup_data_iterators": _wrap_setup_data_iterators}
-
-
-class DataInitHook:
-    """One listener of :func:`on_data_init`; :meth:`remove` is idempotent and restores ``setup``'s attributes (by
-    identity) when the last listener goes."""
-
-    def __init__(self, listener: Callable[[DataInit], None]) -> None:
-        self._listener = listener
-        self._active = True
-
-    def remove(self) -> None:
-        with _di_lock:
-            if not self._active:
-                return
-            self._active = False
-            for i in range(len(_di_listeners) - 1, -1, -1):
-                if _di_listeners[i] is self._listener:
-                    del _di_listeners[i]
-                    break
-            if not _di_listeners:
-                for module, name, original, wrapper in reversed(_di_saved):
-                    if getattr(module, name, None) is wrapper:
-                        setattr(module, name, original)
-                    else:
-                        logger.debug("megatron_patches.bridge: %s.%s was wrapped again over ours; left in place",
-                                     module.__name__, name)
-                _di_saved.clear()
-                _di_ctx.clear()
-
-
-def data_init_installed() -> bool:
-    """Whether the data-init event's wrappers are in place now."""
-    return bool(_di_saved)
-
-
-def on_data_init(listener: Callable[[DataInit], None]) -> DataInitHook:
-    """Patch ``data_init_event``: call ``listener(DataInit)`` in every Megatron-Bridge ``setup()`` (``pretrain``'s)
-    after the model, optimizer, scheduler and Bridge's own checkpoint load, right before it builds the data iterators
-    -- where Megatron-Bridge 0.5+ fires ``on_data_init_start``. 0.3.1 has no such event, and its ``CallbackManager``
-    rejects unknown events, hence a listener list. Imports ``megatron.bridge.training.setup`` (on CPU: after
-    :func:`megatron_patches.enable_cpu`). Undone by the returned hook's ``remove()``.
-
-    Raises:
-        UnsupportedVersionError: megatron-bridge is not installed or is not 0.3.1, or ``setup`` lacks an attribute.
-    """
-    try:
-        version = importlib.metadata.version(BRIDGE)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise UnsupportedVersionError("megatron_patches.bridge.on_data_init: megatron-bridge is not installed") from e
-    if version not in DATA_INIT_VERSIONS:
-        raise UnsupportedVersionError(
-            f"megatron_patches.bridge.on_data_init: written for megatron-bridge {', '.join(DATA_INIT_VERSIONS)}, "
-            f"found {version} (0.5+ has its own on_data_init_start event)")
-    import importlib as _importlib
-
-    setup = _importlib.import_module(_SETUP)
-    with _di_lock:
-        if not _di_saved:
-            missing = [n for n in DATA_INIT_ATTRS if not callable(getattr(setup, n, None))]
-            if missing:
-                raise UnsupportedVersionError(
-                    f"megatron_patches.bridge.on_data_init: {_SETUP} has no {', '.join(missing)} in megatron-bridge "
-                    f"{version}")
-            for name in DATA_INIT_ATTRS:
-                original = getattr(setup, name)
-                wrapper = _DI_WRAPPERS[name](original)
-                _di_saved.append((setup, name, original, wrapper))
-                setattr(setup, name, wrapper)
-        _di_listeners.append(listener)
-    return DataInitHook(listener)
+def data_init(context: Any) -> DataInit:
+    """The :class:`DataInit` of Bridge's ``on_data_init_start`` callback ``context`` (a ``CallbackContext`` with
+    ``state``, ``model``, ``optimizer`` and ``scheduler``)."""
+    step = int(context.state.train_state.step)
+    return DataInit(state=context.state, model=list(context.model), optimizer=context.optimizer,
+                    scheduler=context.scheduler, loaded_step=step if step > 0 else None)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # reset_global_state: what a failed pretrain leaves behind, dropped between in-process generations
 # --------------------------------------------------------------------------------------------------------------
-
-RESET_VERSIONS = ("0.3.1",)
-"""The megatron-bridge releases :func:`reset_global_state` was written against."""
-
 
 def reset_global_state() -> bool:
     """Drop the process-wide state a ``pretrain`` that failed mid-training leaves behind, so that the next in-process
@@ -516,20 +465,18 @@ def reset_global_state() -> bool:
     num-microbatches calculator (``init_num_microbatches_calculator`` refuses a second one: "num microbatches
     calculator is already initialized"), megatron-core's global memory buffer and model-parallel groups
     (``initialize_model_parallel`` refuses to run twice), and the rerun state machine. A failed one never gets
-    there: the same function is called here (Bridge's in-process wrapper does the same after its abort), plus this
-    module's data-init context (the failed ``setup()``'s model and optimizer, held otherwise until the next one).
+    there: the same function is called here (Bridge's in-process wrapper does the same after its abort).
     Everything else ``pretrain`` uses lives on its ``GlobalState``, made anew by every call.
 
     Raises:
-        UnsupportedVersionError: megatron-bridge is not one of :data:`RESET_VERSIONS`, or lacks the function.
+        UnsupportedVersionError: megatron-bridge is not one of :data:`BRIDGE_VERSIONS`, or lacks the function.
     """
-    _di_ctx.clear()
     if "megatron.bridge.training.initialize" not in sys.modules:
         return False
     version = importlib.metadata.version(BRIDGE)
-    if version not in RESET_VERSIONS:
+    if not any(version == v or version.startswith(v + ".") for v in BRIDGE_VERSIONS):
         raise UnsupportedVersionError(
-            f"megatron_patches.bridge.reset_global_state: written for megatron-bridge {', '.join(RESET_VERSIONS)}, "
+            f"megatron_patches.bridge.reset_global_state: written for megatron-bridge {', '.join(BRIDGE_VERSIONS)}, "
             f"found {version}")
     initialize = sys.modules["megatron.bridge.training.initialize"]
     destroy = getattr(initialize, "destroy_global_state", None)
@@ -538,3 +485,80 @@ def reset_global_state() -> bool:
                                       f"destroy_global_state in megatron-bridge {version}")
     destroy()
     return True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# pretrain_config_check: a look at pretrain's ConfigContainer before Bridge wraps it for its in-process restart
+# --------------------------------------------------------------------------------------------------------------
+
+_PRETRAIN = "megatron.bridge.training.pretrain"
+_cc_lock = threading.Lock()
+_cc_listeners: list[Callable[[Any], None]] = []
+_cc_saved: list[tuple[types.ModuleType, Any, Any]] = []
+
+
+class ConfigCheckHook:
+    """One listener of :func:`on_pretrain_config`; :meth:`remove` is idempotent and restores ``pretrain``'s
+    ``runtime_config_update`` (by identity) when the last listener goes."""
+
+    def __init__(self, listener: Callable[[Any], None]) -> None:
+        self._listener: Callable[[Any], None] | None = listener
+
+    def remove(self) -> None:
+        with _cc_lock:
+            if self._listener is None:
+                return
+            for i in range(len(_cc_listeners) - 1, -1, -1):
+                if _cc_listeners[i] is self._listener:
+                    del _cc_listeners[i]
+                    break
+            self._listener = None
+            if not _cc_listeners:
+                for module, original, wrapper in _cc_saved:
+                    if getattr(module, "runtime_config_update", None) is wrapper:
+                        module.runtime_config_update = original
+                _cc_saved.clear()
+
+
+def on_pretrain_config(listener: Callable[[Any], None]) -> ConfigCheckHook:
+    """Patch ``pretrain_config_check``: call ``listener(cfg)`` at the start of every Megatron-Bridge ``pretrain`` (right
+    after its ``runtime_config_update(cfg)``, before ``pretrain`` wraps ``_pretrain`` in nvidia-resiliency-ext's
+    in-process restart when ``cfg.inprocess_restart.enabled``). Bridge 0.6 has no callback event that early: its first,
+    ``on_data_init_start``, fires inside the wrapped function, where a refusal would be restarted by that wrapper. What
+    the listener raises stops ``pretrain``. Imports ``megatron.bridge.training.pretrain`` (on CPU: after
+    :func:`megatron_patches.enable_cpu`). Undone by the returned hook's ``remove()``.
+
+    Raises:
+        UnsupportedVersionError: megatron-bridge is not one of :data:`BRIDGE_VERSIONS`, or ``pretrain`` has no
+            module global ``runtime_config_update``.
+    """
+    version = importlib.metadata.version(BRIDGE)
+    if not any(version == v or version.startswith(v + ".") for v in BRIDGE_VERSIONS):
+        raise UnsupportedVersionError(f"megatron_patches.bridge.on_pretrain_config: written for megatron-bridge "
+                                      f"{', '.join(BRIDGE_VERSIONS)}, found {version}")
+    import importlib as _importlib
+
+    module = _importlib.import_module(_PRETRAIN)
+    with _cc_lock:
+        if not _cc_saved:
+            original = getattr(module, "runtime_config_update", None)
+            if not callable(original):
+                raise UnsupportedVersionError(f"megatron_patches.bridge.on_pretrain_config: {_PRETRAIN} has no "
+                                              f"runtime_config_update in megatron-bridge {version}")
+
+            @functools.wraps(original)
+            def runtime_config_update(cfg: Any) -> Any:
+                result = original(cfg)
+                for check in list(_cc_listeners):
+                    check(cfg)
+                return result
+
+            _cc_saved.append((module, original, runtime_config_update))
+            module.runtime_config_update = runtime_config_update
+        _cc_listeners.append(listener)
+    return ConfigCheckHook(listener)
+
+
+def config_check_installed() -> bool:
+    """Whether the ``pretrain_config_check`` wrapper is in place now."""
+    return bool(_cc_saved)

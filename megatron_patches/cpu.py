@@ -1,4 +1,4 @@
-"""Run unmodified megatron-core 0.15 / 0.16 training code on CPU-only PyTorch with gloo: for smoke runs and tests only.
+"""Run unmodified megatron-core 0.15 / 0.19 training code on CPU-only PyTorch with gloo: for smoke runs and tests only.
 
 **Never use this on a machine with a GPU.** :func:`enable_cpu` refuses to start when ``torch.cuda.is_available()``
 is True. It exists so that the project's tests can drive the real megatron-core stack (``GPTModel``,
@@ -56,10 +56,10 @@ undone exactly by :meth:`CpuPatch.disable`:
    "CPU RNG state changed within GPU RNG context" warning, which fires on every dropout inside
    ``CudaRNGStatesTracker.fork`` here by construction (see "RNG").
 
-4. Megatron-Bridge 0.3.1 (megatron-core 0.16), when installed: the four patches of :mod:`megatron_patches.bridge`
-   (a Transformer Engine stand-in for the two Bridge modules that import it, CUDA-free ``initialize_megatron``, the
-   RNG tracker seeded on CPU, no datasets-helper build where the wheel ships it), applied as Bridge's modules are
-   imported; so call :func:`enable_cpu` before ``import megatron.bridge``.
+4. Megatron-Bridge 0.6 (megatron-core 0.19), when installed: the five patches of :mod:`megatron_patches.bridge`
+   (stand-ins of Transformer Engine and nvidia-resiliency-ext for the Bridge modules that import them, CUDA-free
+   ``initialize_megatron``, the RNG tracker seeded on CPU, no datasets-helper build where the wheel ships it), applied
+   as Bridge's modules are imported; so call :func:`enable_cpu` before ``import megatron.bridge``.
 
 RNG
     On CPU, dropout draws from the CPU default generator whatever the tracker does: there is no way to hand
@@ -556,7 +556,7 @@ def active_patch() -> CpuPatch | None:
 
 
 def enable_cpu(*, nemo: bool = True, bridge: bool | None = None) -> CpuPatch:
-    """Make unmodified megatron-core 0.15 / 0.16 training code run on CPU-only torch (gloo). **Smoke runs and tests
+    """Make unmodified megatron-core 0.15 / 0.19 training code run on CPU-only torch (gloo). **Smoke runs and tests
     only; never on a GPU machine.**
 
     Checks the installed versions (:func:`megatron_patches._versions.check_versions`), refuses with
@@ -569,7 +569,7 @@ def enable_cpu(*, nemo: bool = True, bridge: bool | None = None) -> CpuPatch:
     With NeMo installed and ``nemo=True``, NeMo and megatron-core must be a pair it runs on (NeMo 2.7.3 on 0.15).
 
     ``bridge``: apply the Megatron-Bridge patches (:mod:`megatron_patches.bridge`); None (default): when
-    megatron-bridge is installed. Bridge must then be 0.3.1 on megatron-core 0.16, else
+    megatron-bridge is installed. Bridge must then be 0.6 on megatron-core 0.19, else
     :class:`~neighbor_ckpt.errors.UnsupportedVersionError` names both; call it before ``import megatron.bridge``.
     """
     global _ACTIVE

@@ -22,7 +22,7 @@ hooks first (``install_hooks`` before ``get_forward_backward_func()``), or wrap 
 
 Reversible: :meth:`DataIteratorHook.remove` (idempotent); the schedules are restored when the last hook is removed,
 by identity (a wrapper somebody installed over ours is left alone, and ours then only passes through). Version
-checked: megatron-core 0.15 and 0.16 (:func:`megatron_patches._versions.check_versions`), and each schedule must take a
+checked: megatron-core 0.15 and 0.19 (:func:`megatron_patches._versions.check_versions`), and each schedule must take a
 keyword ``data_iterator``.
 """
 
@@ -160,7 +160,7 @@ def observe_forward_backward(observe: Callable[[Any], None]) -> DataIteratorHook
     hook is removed (the newest hook's observer is the one called).
 
     Raises:
-        UnsupportedVersionError: megatron-core is not 0.15 or 0.16, or a schedule does not take ``data_iterator``.
+        UnsupportedVersionError: megatron-core is not 0.15 or 0.19, or a schedule does not take ``data_iterator``.
     """
     from megatron_patches._versions import check_versions
 
@@ -175,7 +175,7 @@ def observe_forward_backward(observe: Callable[[Any], None]) -> DataIteratorHook
                 if fn is None or "data_iterator" not in inspect.signature(fn).parameters:
                     raise UnsupportedVersionError(
                         f"megatron-core's {_MODULE}.{name} is missing or takes no data_iterator: this megatron-core "
-                        "is not one megatron_patches.data_iter was written against (0.15, 0.16)")
+                        "is not one megatron_patches.data_iter was written against (0.15, 0.19)")
                 found[name] = fn
             for name, fn in found.items():
                 _originals[name] = fn

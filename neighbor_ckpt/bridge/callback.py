@@ -6,20 +6,21 @@ Example (all a Bridge user adds; on CPU, ``megatron_patches.enable_cpu(nemo=Fals
     pretrain(cfg, forward_step, callbacks=[NeighborCheckpoint()])   # or NeighborCheckpoint(NeighborCkptConfig(...))
     # under `torchrun --max-restarts N`: a restarted attempt resumes by itself
 
-What happens where (Megatron-Bridge 0.3.1):
+What happens where (Megatron-Bridge 0.6):
 
 * **construction** (before ``pretrain`` creates the process group): torchrun's restart is prepared (a fresh
-  rendezvous store per attempt), and a listener is registered on the ``data_init_event`` patch
-  (:func:`megatron_patches.bridge.on_data_init`), which fires inside ``setup()`` after the model, optimizer, scheduler
-  and Bridge's own checkpoint load, before the data iterators are built.
-* **there** (every rank): the configuration is checked (:func:`~neighbor_ckpt.bridge.checks.check_bridge_config`),
-  the checkpointer is built on the Megatron adapter (the distributed optimizer's fp32 main-param shards and Adam
-  moments, the RNG tracker streams; weights regenerate by all-gather), the wait point, step tags and the data check's
-  input are hooked into megatron-core (:func:`megatron_patches.install_hooks`), and the recovery runs. After a
-  restore, ``train_state`` (step, consumed and skipped train samples, consumed valid samples, the FLOPs counter) and
-  the scheduler are set from the restored state, so the loop and the data iterators start at the restored step and
-  sample; the torch RNG is set at ``on_train_start`` (building the data loader's iterator draws from it, as in the
-  uninterrupted run).
+  rendezvous store per attempt), and the configuration check is registered for the start of ``pretrain``
+  (:func:`megatron_patches.bridge.on_pretrain_config`: before Bridge could wrap ``_pretrain`` in its own in-process
+  restart, which is refused, as is its NVRx local checkpointing: both would restore over ours).
+* **on_data_init_start** (Bridge's own event inside ``setup()``, after the model, optimizer, scheduler and Bridge's own
+  checkpoint load, before the data iterators are built; every rank): the configuration is checked again
+  (:func:`~neighbor_ckpt.bridge.checks.check_bridge_config`), the checkpointer is built on the Megatron adapter (the
+  distributed optimizer's fp32 main-param shards and Adam moments, the RNG tracker streams; weights regenerate by
+  all-gather), the wait point, step tags and the data check's input are hooked into megatron-core
+  (:func:`megatron_patches.install_hooks`), and the recovery runs. After a restore, ``train_state`` (step, consumed
+  and skipped train samples, consumed valid samples, the FLOPs counter) and the scheduler are set from the restored
+  state, so the loop and the data iterators start at the restored step and sample; the torch RNG is set at
+  ``on_train_start`` (building the data loader's iterator draws from it, as in the uninterrupted run).
 * **which wins**: when Bridge's ``checkpoint.load`` also loaded a checkpoint, the newer iteration wins, announced: an
   in-memory version that is newer is applied over it; a Bridge checkpoint that is newer is loaded again over the
   in-memory version. Bridge's checkpoint is the insurance: when no in-memory version is complete (both copies of a
@@ -35,7 +36,7 @@ What happens where (Megatron-Bridge 0.3.1):
 
 **In process** (:mod:`neighbor_ckpt.bridge.inprocess`): the instance built once is handed to every generation's
 ``pretrain``; at the start of each it drops the previous attempt's state (:meth:`NeighborCheckpoint.begin_attempt`, or
-at the data-init event of a ``pretrain`` called again) and builds its checkpointer with the generation's attempt.
+at ``on_data_init_start`` of a ``pretrain`` called again) and builds its checkpointer with the generation's attempt.
 
 Not covered: a survivor's exception has no Bridge event; the checkpointer's SIGTERM handler (torchrun stops the
 survivors) and the failure detector handle it. Our own insurance checkpoints (``insurance.every_n_steps``) are refused:
@@ -127,7 +128,7 @@ class NeighborCheckpoint(Callback):
     Raises:
         ConfigError: ``config`` is not a :class:`NeighborCkptConfig`, asks for our own insurance checkpoints, or
             ``bridge_config`` has an option :func:`~neighbor_ckpt.bridge.checks.check_bridge_config` refuses.
-        UnsupportedVersionError: megatron-bridge is not 0.3.1 (the data-init event is written for it).
+        UnsupportedVersionError: megatron-bridge is not 0.6 (the configuration check's patch is written for it).
     """
 
     def __init__(self, config: NeighborCkptConfig | None = None, *, bridge_config: Any = None) -> None:
@@ -153,9 +154,9 @@ class NeighborCheckpoint(Callback):
         """Rank 0's TensorBoard writer (made at the first ``on_train_start``; kept across in-process generations)."""
         self._new_attempt_state()
         if self.config.enabled:
-            from megatron_patches.bridge import on_data_init
+            from megatron_patches.bridge import on_pretrain_config
 
-            self._event = on_data_init(self._on_data_init)
+            self._event = on_pretrain_config(check_bridge_config)
 
     def _new_attempt_state(self) -> None:
         """What belongs to one ``pretrain`` call (the rest of the instance lives as long as the process)."""
@@ -199,6 +200,11 @@ class NeighborCheckpoint(Callback):
         return self.session.last_recovery
 
     # -- set-up and recovery (the data-init event) ----------------------------------------------------------
+
+    def on_data_init_start(self, context: Any) -> None:
+        from megatron_patches.bridge import data_init
+
+        self._on_data_init(data_init(context))
 
     def _on_data_init(self, ev: Any) -> None:
         if not self.config.enabled:
@@ -329,7 +335,7 @@ class NeighborCheckpoint(Callback):
             self._tensorboard.writer.flush()
 
     def close(self) -> None:
-        """Remove every hook and the data-init listener (idempotent); ``on_train_end`` removes the training hooks."""
+        """Remove every hook and the configuration check (idempotent); ``on_train_end`` removes the training hooks."""
         self._remove_hooks()
         if self._event is not None:
             self._event.remove()

@@ -19,10 +19,13 @@ def check_bridge_config(cfg: Any) -> None:
 
     Raises:
         ConfigError: naming the option, for: Bridge's in-process restart (``inprocess_restart.enabled``: it aborts and
-            re-enters ``pretrain`` with its own store, beside our recovery; ours is
-            :mod:`neighbor_ckpt.bridge.inprocess`, and the two cannot both run), a full CUDA graph around
-            ``forward_backward`` (``model.cuda_graph_impl: local`` with ``full_iteration`` in ``cuda_graph_scope``:
-            the step tags and the wait point cannot run inside a captured graph), Megatron FSDP or torch FSDP2
+            re-enters ``pretrain`` with its own store and reloads its disk checkpoint over ours; ours is
+            :mod:`neighbor_ckpt.bridge.inprocess`, and the two cannot both run), Bridge's NVRx local checkpointing
+            (``checkpoint.non_persistent_ckpt_type: local``, or ``in_memory``: loaded by Bridge before our restore, so
+            the two would restore over each other; Bridge's persistent checkpoint stays the insurance), a full CUDA
+            graph around ``forward_backward`` (``model.cuda_graph_impl: local`` with ``full_iteration`` in
+            ``cuda_graph_scope``: the step tags and the wait point cannot run inside a captured graph), Megatron FSDP
+            or torch FSDP2
             (``dist.use_megatron_fsdp`` / ``dist.use_torch_fsdp2``: parameters are not in megatron-core's DDP buffers
             the adapter reads) and an optimizer outside :data:`ALLOWED_OPTIMIZERS`.
     """
@@ -30,11 +33,16 @@ def check_bridge_config(cfg: Any) -> None:
     inproc = getattr(cfg, "inprocess_restart", None)
     if inproc is not None and getattr(inproc, "enabled", False):
         problems.append("inprocess_restart.enabled: Megatron-Bridge's in-process restart (nvidia-resiliency-ext's "
-                        "deprecated wrapper around _pretrain, with its own store and process groups) cannot run beside "
-                        "neighbor checkpointing's recovery; turn it off and use ours: neighbor_ckpt.inprocess.enabled "
+                        "deprecated wrapper around _pretrain, which reloads the disk checkpoint) would restore over "
+                        "neighbor checkpointing's; turn it off and use ours: neighbor_ckpt.inprocess.enabled "
                         "under `neighbor-ckpt launch` (hot spares, pretrain called again in the surviving processes: "
                         "neighbor_ckpt.bridge.inprocess), or the restart path (torchrun --max-restarts; the snapshots "
                         "restore it)")
+    ckpt_type = getattr(getattr(cfg, "checkpoint", None), "non_persistent_ckpt_type", None)
+    if ckpt_type in ("local", "in_memory"):
+        problems.append(f"checkpoint.non_persistent_ckpt_type: {ckpt_type!r}: Megatron-Bridge's local checkpointing "
+                        "(nvidia-resiliency-ext's LocalCheckpointManager) restores over neighbor checkpointing's "
+                        "in-memory version; leave it unset (or 'global') and keep checkpoint.save as the insurance")
     model = getattr(cfg, "model", None)
     impl = getattr(model, "cuda_graph_impl", "none")
     scope = getattr(model, "cuda_graph_scope", None)
@@ -52,6 +60,8 @@ def check_bridge_config(cfg: Any) -> None:
     if opt not in ALLOWED_OPTIMIZERS:
         problems.append(f"optimizer.optimizer: {opt!r} is not supported (its state is not Adam's, which the snapshot "
                         f"holds); supported: {', '.join(sorted(ALLOWED_OPTIMIZERS))}")
+    if len(problems) == 1:
+        raise ConfigError(f"NeighborCheckpoint cannot run with this Megatron-Bridge configuration: {problems[0]}")
     if problems:
         raise ConfigError("NeighborCheckpoint cannot run with this Megatron-Bridge configuration:\n  - "
                           + "\n  - ".join(problems))

@@ -10,7 +10,7 @@ What each generation does (:func:`run_pretrain`; :func:`attach` is the part arou
 
 * **Process group.** The generation's default group is created first, on the launch's store
   (:meth:`InprocessRecovery.init_process_group`, the backend of ``cfg.dist.distributed_backend``). Megatron-Bridge
-  0.3.1's ``initialize._initialize_distributed`` then finds torch.distributed initialised and skips its own
+  0.6's ``initialize.torch_dist_init`` then finds torch.distributed initialised and skips its own
   ``init_process_group`` (which would go to ``MASTER_ADDR:MASTER_PORT``, served by nobody in process); megatron-core's
   parallel state is built on it as always. ``pretrain`` does not destroy a group it did not create
   (``_maybe_destroy_process_group``): the engine does, after a failure.

@@ -262,7 +262,7 @@ class JobSpec:
 
     framework: Literal["nemo", "bridge"] = "nemo"
     """Which training framework ``neighbor-ckpt launch`` runs: ``nemo`` (NeMo 2, ``recipes/nemo_pretrain.py``; a job
-    file without the key) or ``bridge`` (Megatron-Bridge 0.3.1's ``pretrain``, ``recipes/bridge_pretrain.py``: the
+    file without the key) or ``bridge`` (Megatron-Bridge 0.6's ``pretrain``, ``recipes/bridge_pretrain.py``: the
     tiny presets, on the restart path or in process)."""
 
     recipe: Literal["gpt", "llama"] = "gpt"

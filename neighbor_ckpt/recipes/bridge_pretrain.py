@@ -7,7 +7,7 @@ Launch it through the command, which validates the file first and runs torchrun 
 
 or directly under torchrun: ``torchrun ... recipes/bridge_pretrain.py --config CONFIG --run-dir DIR``.
 
-What it runs is Megatron-Bridge 0.3.1's own ``pretrain(cfg, forward_step, callbacks=[...])`` with
+What it runs is Megatron-Bridge 0.6's own ``pretrain(cfg, forward_step, callbacks=[...])`` with
 :class:`neighbor_ckpt.bridge.NeighborCheckpoint` in the callbacks: the job file's model (the tiny presets:
 ``gpt_tiny``: LayerNorm, GELU, learned positions; ``llama_tiny``: RMSNorm, SwiGLU, RoPE, GQA; megatron-core's local
 layer spec), parallelism, batch, steps and learning rate; mock data; on ``trainer.accelerator: cpu``,

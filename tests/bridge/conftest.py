@@ -1,5 +1,6 @@
-"""The Megatron-Bridge tier: tests that need megatron-bridge 0.3.1 on megatron-core 0.16 (``.venv-bridge``, made by
-``scripts/setup --bridge``; run by ``scripts/test --bridge`` and, after the other tiers, ``scripts/test --all``).
+"""The Megatron-Bridge tier: tests that need megatron-bridge 0.6 on megatron-core 0.19, Python 3.12
+(``.venv-bridge``, made by ``scripts/setup --bridge``; run by ``scripts/test --bridge`` and, after the other tiers,
+``scripts/test --all``).
 
 Every test here is marked ``bridge``. Where megatron-bridge is not installed (the NeMo environment ``.venv``) they are
 deselected, and the summary says so. Under ``scripts/test --bridge`` (:data:`REQUIRED_ENV` set) nothing here may be

@@ -1,4 +1,4 @@
-"""``neighbor_ckpt.bridge.NeighborCheckpoint`` under Megatron-Bridge 0.3.1's own ``pretrain`` (issue 30 item 3).
+"""``neighbor_ckpt.bridge.NeighborCheckpoint`` under Megatron-Bridge 0.6's own ``pretrain`` (megatron-core 0.19).
 
 The kill test: ``tests/workers/train_bridge_nckpt.py`` is ``train_bridge.py``'s job (tiny GPT, distributed optimizer,
 mock data, dropout on) with only ``enable_cpu(nemo=False)`` and the callback added; 4 gloo ranks at TP 1 and TP 2,
@@ -8,8 +8,9 @@ loss (==), every final parameter and optimizer shard tensor (sha256), and the st
 and FLOPs counter Bridge ends with. So the restore lands before Bridge builds its data iterators (they start at the
 restored sample), and the callback itself changes nothing in the training.
 
-The refusals, the data-init event's install / remove and its version check run in one subprocess (Bridge is imported
-after ``enable_cpu``, which must not leak into this process).
+The refusals, the pretrain-time configuration check's install / remove and its version check run in one subprocess
+(Bridge is imported after ``enable_cpu``, which must not leak into this process). A restarted attempt that reads
+other data is stopped by the data check.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ sys.path.insert(0, "tests/workers")
 os.environ.setdefault("OUT_DIR", sys.argv[1])
 from megatron_patches import enable_cpu
 enable_cpu(nemo=False)
-import megatron.bridge.training.setup as setup
+import megatron.bridge.training.pretrain as pretrain_module
+from megatron.bridge.training.gpt_step import forward_step
 from megatron_patches import bridge as mb
 from neighbor_ckpt.bridge import NeighborCheckpoint, check_bridge_config
 from neighbor_ckpt.errors import ConfigError
@@ -145,7 +147,10 @@ cfg, _ = build()
 check_bridge_config(cfg)
 out["plain"] = None
 from megatron.bridge.training.config import InProcessRestartConfig
-out["inprocess"] = refused(lambda c: setattr(c, "inprocess_restart", InProcessRestartConfig(enabled=True)))
+inprocess = lambda c: setattr(c, "inprocess_restart", InProcessRestartConfig(enabled=True))
+local = lambda c: setattr(c.checkpoint, "non_persistent_ckpt_type", "local")
+out["inprocess"] = refused(inprocess)
+out["local"] = refused(local)
 def graphs(c):
     c.model.cuda_graph_impl = "local"; c.model.cuda_graph_scope = ["full_iteration"]
 out["full_cuda_graph"] = refused(graphs)
@@ -154,16 +159,27 @@ out["per_layer_graphs"] = refused(lambda c: (setattr(c.model, "cuda_graph_impl",
 out["megatron_fsdp"] = refused(lambda c: setattr(c.dist, "use_megatron_fsdp", True))
 out["sgd"] = refused(lambda c: setattr(c.optimizer, "optimizer", "sgd"))
 
-originals = {n: getattr(setup, n) for n in mb.DATA_INIT_ATTRS}
+# The user's script: NeighborCheckpoint() alone (no bridge_config), pretrain refuses at its start, before Bridge wraps
+# _pretrain in its in-process restart or builds anything
+original = pretrain_module.runtime_config_update
 cb = NeighborCheckpoint()
-out["wrapped"] = all(getattr(setup, n) is not originals[n] for n in mb.DATA_INIT_ATTRS)
+out["wrapped"] = pretrain_module.runtime_config_update is not original and mb.config_check_installed()
+for name, mutate in (("pretrain_inprocess", inprocess), ("pretrain_local", local)):
+    cfg, _ = build()
+    mutate(cfg)
+    try:
+        pretrain_module.pretrain(cfg, forward_step, callbacks=[cb])
+        out[name] = None
+    except ConfigError as e:
+        out[name] = f"{type(e).__name__}: {e}"
+out["no_process_group"] = not __import__("torch").distributed.is_initialized()
 cb.close()
-out["restored"] = all(getattr(setup, n) is originals[n] for n in mb.DATA_INIT_ATTRS) and not mb.data_init_installed()
+out["restored"] = pretrain_module.runtime_config_update is original and not mb.config_check_installed()
 import importlib.metadata
 real = importlib.metadata.version
 importlib.metadata.version = lambda name: "0.5.0" if name == "megatron-bridge" else real(name)
 try:
-    mb.on_data_init(lambda ev: None)
+    mb.on_pretrain_config(lambda cfg: None)
     out["version"] = None
 except Exception as e:
     out["version"] = f"{type(e).__name__}: {e}"
@@ -172,19 +188,45 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_refusals_and_the_data_init_event(tmp_path: Path) -> None:
+def test_refusals_and_the_pretrain_config_check(tmp_path: Path) -> None:
     """Each refused option by name (ConfigError, from check_bridge_config and from the constructor given the
-    ConfigContainer); per-layer CUDA graphs pass. The data-init event wraps setup()'s three attributes while a
-    listener is registered and restores them by identity; another Bridge release is refused."""
+    ConfigContainer); per-layer CUDA graphs pass. A user's script with only ``NeighborCheckpoint()`` added: Bridge's
+    ``InProcessRestartConfig`` or its local checkpointing is refused with one line when ``pretrain`` starts, before
+    anything is built (no process group); the check wraps ``pretrain``'s ``runtime_config_update`` while the callback
+    lives and restores it by identity; another Bridge release is refused."""
     res = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                         timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                         timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-6000:]
     out = json.loads(lines[-1].removeprefix("RESULT "))
     assert out["plain"] is None and out["per_layer_graphs"] is None, out
     assert "inprocess_restart.enabled" in out["inprocess"], out
+    assert "checkpoint.non_persistent_ckpt_type: 'local'" in out["local"], out
     assert "cuda_graph_scope full_iteration" in out["full_cuda_graph"], out
     assert "dist.use_megatron_fsdp" in out["megatron_fsdp"], out
     assert "optimizer.optimizer: 'sgd'" in out["sgd"] and "supported: adam" in out["sgd"], out
+    for key, option in (("pretrain_inprocess", "inprocess_restart.enabled"),
+                        ("pretrain_local", "checkpoint.non_persistent_ckpt_type")):
+        assert out[key] is not None and out[key].startswith("ConfigError: ") and option in out[key], out
+        assert "\n" not in out[key], f"one line: {out[key]!r}"
+    assert out["no_process_group"], out
     assert out["wrapped"] and out["restored"], out
     assert out["version"].startswith("UnsupportedVersionError") and "0.5.0" in out["version"], out
+
+
+@pytest.mark.e2e
+def test_a_restarted_attempt_that_reads_other_data_is_stopped_by_the_data_check(tmp_path: Path) -> None:
+    """Rank 1 killed in step 5 (every host store kept); the restarted attempt's mock data has another seed: the
+    in-memory version restores iteration 4, and the replayed step 5 reads other input than before the failure, so
+    the data check stops the job loudly (DataPositionError) before training that step on it."""
+    res = run_torchrun("train_bridge_nckpt.py", tmp_path, nproc=NPROC, max_restarts=1, STEPS=STEPS,
+                       **LAYOUTS["tp1-dp4"], KILL_RANK=1, KILL_STEP=KILL_STEP, OTHER_DATA_AFTER_RESTART=1)
+    assert res.killed(), "the kill did not happen"
+    assert res.returncode != 0, "the job must stop, not train on other data"
+    stopped = {r: e for r in range(NPROC) if (e := res.error(r)) is not None and e["attempt"] == 1}
+    assert stopped, res.log[-6000:]
+    for rank, err in stopped.items():
+        assert err["type"] == "DataPositionError", err
+        assert err["message"].startswith(f"rank {rank}: the data position was not restored: step {KILL_STEP}"), err
+    for rank, steps in res.losses().items():
+        assert all(a == 0 for a, _ in steps.get(KILL_STEP, [])), f"rank {rank} trained the replayed step on other data"

@@ -1,9 +1,9 @@
 """In-process recovery under Megatron-Bridge (issue 30 item 6) through ``neighbor-ckpt launch`` of the Bridge recipe
 with ``neighbor_ckpt.inprocess.enabled``: the survivors keep their processes, a hot spare takes the killed rank's
 place, and Bridge's ``pretrain`` is called again in every process with the same ``NeighborCheckpoint`` instance
-(:mod:`neighbor_ckpt.bridge.inprocess`). Two faults in one launch (issue 29 item 3: ``fault_injection.faults``) show
-that the callback built once serves a third ``pretrain`` call too. Every loss, final weight, optimizer shard, step,
-consumed samples and FLOPs counter equal to the failure-free launch, bit for bit."""
+(:mod:`neighbor_ckpt.bridge.inprocess`), on Megatron-Bridge 0.6. Two faults in one launch (issue 29 item 3:
+``fault_injection.faults``) show that the callback built once serves a third ``pretrain`` call too. Every loss, final
+weight, optimizer shard, step, consumed samples and FLOPs counter equal to the failure-free launch, bit for bit."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ out["closed_with"] = Ckpt.closed
 out["new_session"] = cb.session is not first and cb.session.checkpointer is None
 out["cleared"] = cb.winner is None and cb._pending_rng.state is None
 out["attempt"] = [cb.attempt.inprocess, cb.attempt.activated_spare]
-out["listener_kept"] = mb.data_init_installed()
+out["listener_kept"] = mb.config_check_installed()
 cb.close()
 print("RESULT " + json.dumps(out))
 """
@@ -161,7 +161,7 @@ def test_reset_global_state_and_the_callback_between_generations(tmp_path: Path)
     left are dropped, so the next ``pretrain`` initialises them again; another Bridge release is refused. The
     callback built once: ``begin_attempt`` closes the previous attempt's checkpointer (host slots kept: not a
     success), starts a new session, clears the previous recovery's winner and pending RNG, takes the generation's
-    attempt, and keeps its data-init listener (one per process)."""
+    attempt, and keeps its pretrain-time configuration check (one per process)."""
     res = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]

@@ -1,4 +1,4 @@
-"""Megatron-Bridge 0.3.1's own ``pretrain(cfg, forward_step, callbacks=[...])`` on megatron-core 0.16.1, CPU/gloo, with
+"""Megatron-Bridge 0.6's own ``pretrain(cfg, forward_step, callbacks=[...])`` on megatron-core 0.19.2, CPU/gloo, with
 nothing but ``enable_cpu(nemo=False)`` before Bridge is imported (``tests/workers/train_bridge.py``): a tiny GPT,
 the distributed optimizer, mock data, 2 ranks (and 4 at TP 2). The ground the Bridge callback stands on: a run is a function of its
 seed, bit for bit."""

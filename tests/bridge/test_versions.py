@@ -1,5 +1,5 @@
-"""megatron_patches on megatron-core 0.16 with Megatron-Bridge: the pairings refused by name, and the Bridge CPU patches
-(applied as Bridge's modules are imported, undone exactly)."""
+"""megatron_patches on megatron-core 0.19 with Megatron-Bridge 0.6: the pairings refused by name, and the Bridge CPU
+patches (applied as Bridge's modules are imported, undone exactly)."""
 
 from __future__ import annotations
 
@@ -17,54 +17,61 @@ from neighbor_ckpt.errors import NeighborCkptError, UnsupportedVersionError
 
 REPO = Path(__file__).resolve().parents[2]
 NEMO_015 = {"megatron-core": "0.15.3", "nemo-toolkit": "2.7.3", "megatron-bridge": None}
-BRIDGE_016 = {"megatron-core": "0.16.1", "nemo-toolkit": None, "megatron-bridge": "0.3.1"}
+BRIDGE_019 = {"megatron-core": "0.19.2", "nemo-toolkit": None, "megatron-bridge": "0.6.2"}
 
 
 # -- the pairings (pure) ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("installed, require_nemo, require_bridge", [
     (NEMO_015, True, False),
-    (BRIDGE_016, False, True),
-    ({**BRIDGE_016, "megatron-core": "0.16.0"}, False, True),
-    ({"megatron-core": "0.16.1", "nemo-toolkit": None, "megatron-bridge": None}, False, False),  # plain mcore loop
+    (BRIDGE_019, False, True),
+    ({**BRIDGE_019, "megatron-core": "0.19.0", "megatron-bridge": "0.6.0"}, False, True),
+    ({"megatron-core": "0.19.2", "nemo-toolkit": None, "megatron-bridge": None}, False, False),  # plain mcore loop
 ])
 def test_supported_pairs_pass(installed: dict[str, str | None], require_nemo: bool, require_bridge: bool) -> None:
     _check(installed, require_nemo, require_bridge)
 
 
-def test_nemo_with_mcore_016_is_refused_naming_both() -> None:
+def test_nemo_with_mcore_019_is_refused_naming_both() -> None:
     with pytest.raises(UnsupportedVersionError) as ei:
-        _check({"megatron-core": "0.16.1", "nemo-toolkit": "2.7.3"}, require_nemo=True)
+        _check({"megatron-core": "0.19.2", "nemo-toolkit": "2.7.3"}, require_nemo=True)
     msg = str(ei.value)
-    assert "nemo-toolkit 2.7.3" in msg and "megatron-core 0.16.1" in msg and "0.15.x only" in msg, msg
+    assert "nemo-toolkit 2.7.3" in msg and "megatron-core 0.19.2" in msg and "0.15.x only" in msg, msg
     assert "neighbor-ckpt[megatron,nemo]" in msg and "enable_cpu(nemo=False)" in msg, msg
     assert isinstance(ei.value, NeighborCkptError)
 
 
 def test_bridge_with_mcore_015_is_refused_naming_both() -> None:
     with pytest.raises(UnsupportedVersionError) as ei:
-        _check({**BRIDGE_016, "megatron-core": "0.15.3"}, require_bridge=True)
+        _check({**BRIDGE_019, "megatron-core": "0.15.3"}, require_bridge=True)
     msg = str(ei.value)
-    assert "megatron-bridge 0.3.1" in msg and "megatron-core 0.15.3" in msg and "0.16.x only" in msg, msg
+    assert "megatron-bridge 0.6.2" in msg and "megatron-core 0.15.3" in msg and "0.19.x only" in msg, msg
     assert "neighbor-ckpt[bridge]" in msg, msg
 
 
-@pytest.mark.parametrize("release", ["0.3.0", "0.4.0", "0.6.0rc1"])
+@pytest.mark.parametrize("release", ["0.3.1", "0.5.0", "0.7.0"])
 def test_unknown_bridge_release_is_refused(release: str) -> None:
+    """0.3.1 (on megatron-core 0.16, Python 3.11) is no longer supported: 0.6 is the supported line."""
     with pytest.raises(UnsupportedVersionError) as ei:
-        _check({**BRIDGE_016, "megatron-bridge": release}, require_bridge=True)
+        _check({**BRIDGE_019, "megatron-bridge": release}, require_bridge=True)
     msg = str(ei.value)
-    assert f"megatron-bridge {release} is installed" in msg and "megatron-bridge 0.3.1 only" in msg, msg
+    assert f"megatron-bridge {release} is installed" in msg and "megatron-bridge 0.6.x only" in msg, msg
+
+
+@pytest.mark.parametrize("mcore", ["0.16.1", "0.17.0", "0.20.0"])
+def test_untested_mcore_is_refused(mcore: str) -> None:
+    with pytest.raises(UnsupportedVersionError, match=f"megatron-core {mcore} is installed"):
+        _check({**BRIDGE_019, "megatron-core": mcore}, require_bridge=True)
 
 
 def test_missing_bridge_says_how_to_install() -> None:
     with pytest.raises(UnsupportedVersionError, match="not installed") as ei:
-        _check({**BRIDGE_016, "megatron-bridge": None}, require_bridge=True)
-    assert "--no-deps megatron-bridge==0.3.1" in str(ei.value)
+        _check({**BRIDGE_019, "megatron-bridge": None}, require_bridge=True)
+    assert "--no-deps megatron-bridge==0.6.2" in str(ei.value) and "Python 3.12" in str(ei.value)
 
 
 def test_unrequired_framework_mispaired_only_warns(caplog: pytest.LogCaptureFixture) -> None:
-    _check({"megatron-core": "0.16.1", "nemo-toolkit": "2.7.3", "megatron-bridge": "0.4.0"})
+    _check({"megatron-core": "0.19.2", "nemo-toolkit": "2.7.3", "megatron-bridge": "0.4.0"})
     assert "nemo-toolkit 2.7.3" in caplog.text and "megatron-bridge 0.4.0" in caplog.text
 
 
@@ -89,7 +96,7 @@ def _pretend(monkeypatch: pytest.MonkeyPatch, **versions: str | None) -> None:
     ({"megatron_core": "0.15.3"}, {"nemo": False}, "megatron-core 0.15.3"),
     ({"megatron_bridge": "0.4.0"}, {"nemo": False}, "megatron-bridge 0.4.0"),
     ({"nemo_toolkit": "2.7.3"}, {}, "nemo-toolkit 2.7.3"),
-], ids=["bridge-on-0.15", "unknown-bridge", "nemo-on-0.16"])
+], ids=["bridge-on-0.15", "unknown-bridge", "nemo-on-0.19"])
 def test_enable_cpu_refuses_unsupported_pairings_and_patches_nothing(
         monkeypatch: pytest.MonkeyPatch, versions: dict[str, str], kwargs: dict[str, bool], expected: str) -> None:
     import torch
@@ -112,11 +119,20 @@ def test_enable_cpu_without_bridge_leaves_bridge_alone(monkeypatch: pytest.Monke
         patch.disable()
 
 
-def test_installed_pair_is_bridge_on_016() -> None:
+def test_installed_pair_is_bridge_06_on_019_and_python_312() -> None:
     """This environment is the Bridge tier's: what the tests above pretend around."""
     installed = _versions.check_versions(require_bridge=True)
-    assert installed["megatron-bridge"] == "0.3.1" and installed["megatron-core"].startswith("0.16.")
-    assert installed["nemo-toolkit"] is None
+    assert installed["megatron-bridge"].startswith("0.6.") and installed["megatron-core"].startswith("0.19.")
+    assert installed["nemo-toolkit"] is None and sys.version_info[:2] == (3, 12)
+
+
+def test_an_old_nvidia_resiliency_ext_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-resiliency-ext 0.4.1 (the newest that installs on glibc < 2.39) breaks megatron-core 0.19's import."""
+    from megatron_patches import bridge
+
+    _pretend(monkeypatch, nvidia_resiliency_ext="0.4.1")
+    with pytest.raises(UnsupportedVersionError, match="nvidia-resiliency-ext 0.4.1 is installed"):
+        bridge.apply(importlib.metadata.version("megatron-bridge"))
 
 
 # -- the Bridge CPU patches, in a fresh interpreter (Bridge's import is what they act on) --------------------------
@@ -143,24 +159,26 @@ def mcore_attributes():
 
 before = mcore_attributes()
 patch = enable_cpu(nemo=False)
-assert len(patch.replaced()) == len(MCORE), (len(patch.replaced()), len(MCORE))  # all exist on 0.16.1
+assert len(patch.replaced()) == len(MCORE), (len(patch.replaced()), len(MCORE))  # all exist on 0.19.2
 assert patch._bridge is not None and patch._bridge.replaced() == [], patch._bridge.replaced()
 import megatron.bridge  # the stand-in makes this import work
-from megatron.bridge.peft import lora, lora_layers
-from megatron.bridge.training import initialize, setup
+from megatron.bridge.peft import lora_layers
+from megatron.bridge.training import initialize, pretrain, setup
 import megatron.core.extensions.transformer_engine as mcore_te
 
-# 1. the stand-in: served to Bridge's two LoRA modules only, and gone from sys.modules
-assert lora_layers.te.__name__ == lora.te.__name__ == "transformer_engine.pytorch"
+# 1, 2. the stand-ins: served to Bridge's LoRA module and pretrain.py only, and gone from sys.modules
+assert lora_layers.te.__name__ == "transformer_engine.pytorch"
 assert lora_layers.te.Linear.__module__ == "megatron_patches.bridge"
-assert not [n for n in sys.modules if n.split(".")[0] == "transformer_engine"], "stand-in left in sys.modules"
+assert pretrain.CallWrapper.__module__ == "megatron_patches.bridge"
+for root in ("transformer_engine", "nvidia_resiliency_ext"):
+    assert not [n for n in sys.modules if n.split(".")[0] == root], f"stand-in {root} left in sys.modules"
+    try:
+        importlib.import_module(root)
+        raise SystemExit(f"{root} importable outside the modules it is served to")
+    except ModuleNotFoundError:
+        pass
 assert mcore_te.HAVE_TE is False, "megatron-core must not see a Transformer Engine"
-try:
-    import transformer_engine  # noqa: F401
-    raise SystemExit("transformer_engine importable outside Bridge's LoRA modules")
-except ModuleNotFoundError:
-    pass
-# 2-4: patched once imported
+# 3-5: patched once imported
 assert sorted(patch._bridge.replaced()) == sorted((p.module, p.name) for p in PATCHES), patch._bridge.replaced()
 assert setup.initialize_megatron is not initialize.initialize_megatron
 assert setup.initialize_megatron.__wrapped__ is initialize.initialize_megatron
@@ -177,15 +195,15 @@ print("OK")
 
 
 def test_bridge_patches_apply_on_import_and_undo_exactly() -> None:
-    """And the megatron-core part of the CPU shim on 0.16.1: every attribute it replaces exists, and comes back."""
+    """And the megatron-core part of the CPU shim on 0.19.2: every attribute it replaces exists, and comes back."""
     res = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout[-3000:] + res.stderr[-6000:]
 
 
-def test_every_mcore_patch_finds_its_target_on_016() -> None:
+def test_every_mcore_patch_finds_its_target_on_019() -> None:
     """The megatron-core patches outside enable_cpu (each checks its own attributes when applied): applied and
-    removed on the installed 0.16."""
+    removed on the installed 0.19."""
     from megatron_patches import distopt_load, traffic
 
     patch = distopt_load.fix_fp32_distopt_load()

@@ -6,7 +6,8 @@ default GPT provider picks Transformer Engine's), dropout on (so the RNG tracker
 
 Environment: OUT_DIR; STEPS (default 5), TP (1), SEED (1234), DIST_OPT (1|0), TB_DIR (Bridge's logger.tensorboard_dir;
 unset: none), BRIDGE_CKPT_EVERY (0: Bridge's own
-checkpoint every N steps in OUT_DIR/bridge_checkpoints, loaded on a restart). Leaves in OUT_DIR:
+checkpoint every N steps in OUT_DIR/bridge_checkpoints, loaded on a restart), OTHER_DATA_AFTER_RESTART (1: a restarted
+attempt's mock data has another seed). Leaves in OUT_DIR:
 ``losses.rank{r}.jsonl`` (step, attempt, loss as float.hex, consumed samples after the step: the format
 ``tests.conftest.RunResult.losses`` reads) and ``final.rank{r}.json`` (sha256 of every final parameter and of the
 optimizer's fp32 shard state, the step, consumed and skipped samples and FLOPs counter Bridge reached).
@@ -55,6 +56,8 @@ def build() -> tuple[Any, Any]:
     ckpt_dir = str(out / "bridge_checkpoints") if ckpt_every else None
     steps, tp = int(os.environ.get("STEPS", "5")), int(os.environ.get("TP", "1"))
     seed, dist_opt = int(os.environ.get("SEED", "1234")), os.environ.get("DIST_OPT", "1") == "1"
+    # a restarted attempt that reads other data (the data check's test): the mock dataset's seed changes after a restart
+    data_seed = seed + 1 if os.environ.get("OTHER_DATA_AFTER_RESTART") == "1" and attempt() > 0 else seed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro_batch, seq = 2, 32
     global_batch = micro_batch * (world // tp) * 2  # two micro-batches per data-parallel rank
@@ -111,7 +114,7 @@ def build() -> tuple[Any, Any]:
                                           overlap_param_gather=False, grad_reduce_in_fp32=True,
                                           check_for_nan_in_grad=True),
         dist=DistributedInitConfig(distributed_backend="gloo"),
-        dataset=MockGPTDatasetConfig(seq_length=seq, random_seed=seed, reset_attention_mask=False,
+        dataset=MockGPTDatasetConfig(seq_length=seq, random_seed=data_seed, reset_attention_mask=False,
                                      reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
                                      dataloader_type="single", num_workers=0),
         logger=LoggerConfig(log_interval=1, tensorboard_dir=os.environ.get("TB_DIR") or None),

@@ -7,7 +7,7 @@ rank its own store root, a listed rank an empty one on a restart: ``common.setup
 file with a neighbor_ckpt: section) and the fault: KILL_RANK, KILL_STEP (SIGKILL inside that optimizer step, first
 attempt only); SNAPSHOTS_UNTIL (first attempt: no snapshot of step N and later, an in-memory version that lags Bridge's
 own checkpoint). Leaves what ``train_bridge.py`` leaves, plus ``report.rank{r}.attempt{a}.json`` (the recovery report)
-and ``fault.json`` (when the victim was killed).
+``fault.json`` (when the victim was killed) and ``error.rank{r}.json`` (the exception that stopped the rank, if any).
 """
 
 from __future__ import annotations
@@ -77,7 +77,11 @@ def main() -> None:
 
                 tag_optimizer_steps(context.optimizer, on_enter=maybe_kill, on_exit=lambda: None)
 
-    pretrain(cfg, forward_step, callbacks=[neighbor, Faults(), record])
+    try:
+        pretrain(cfg, forward_step, callbacks=[neighbor, Faults(), record])
+    except Exception as e:
+        write_json(out / f"error.rank{RANK}.json", {"type": type(e).__name__, "message": str(e), "attempt": attempt()})
+        raise
 
 
 if __name__ == "__main__":
