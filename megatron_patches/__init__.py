@@ -29,9 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# The API README shows; everything else is imported from its module. check_versions stays only while
-# neighbor_ckpt/lightning/_megatron.py imports it from here (tests/unit/test_no_reexports.py: PENDING_IMPORTS).
-from megatron_patches._versions import check_versions
+# The API README shows; everything else is imported from its module.
 from megatron_patches.groups import mcore_groups
 from megatron_patches.hooks import install_hooks
 

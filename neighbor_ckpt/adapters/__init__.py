@@ -9,12 +9,11 @@ tracker), :mod:`neighbor_ckpt.errors`, :mod:`neighbor_ckpt.validation`, :mod:`ne
 only inside ``megatron.py``, lazily.
 """
 
-from neighbor_ckpt.adapters.base import StateAdapter, classify_buffers, declare_buffers
+from neighbor_ckpt.adapters.base import classify_buffers, declare_buffers
 from neighbor_ckpt.adapters.ddp import pin_bucket_layout
-from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter, ZeroOptimizerAdapter
+from neighbor_ckpt.adapters.torch_optim import TorchOptimizerAdapter
 
-# The API README shows. StateAdapter and ZeroOptimizerAdapter stay only while neighbor_ckpt/lightning/_state.py
-# imports them from here (tests/unit/test_no_reexports.py: PENDING_IMPORTS).
+# The API README shows.
 __all__ = ["TorchOptimizerAdapter", "MegatronOptimizerAdapter", "pin_bucket_layout", "declare_buffers",
            "classify_buffers"]
 

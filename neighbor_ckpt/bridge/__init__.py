@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from neighbor_ckpt.bridge.checks import ALLOWED_OPTIMIZERS, check_bridge_config
 
-__all__ = ["NeighborCheckpoint", "check_bridge_config", "ALLOWED_OPTIMIZERS"]
+__all__ = ["NeighborCheckpoint"]
 
 
 def __getattr__(name: str) -> Any:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from megatron.bridge.training.callbacks import Callback
 
 from neighbor_ckpt.bridge.checks import check_bridge_config
-from neighbor_ckpt.checkpointer import NeighborCheckpointer, RecoveryResult
+from neighbor_ckpt.checkpointer import NeighborCheckpointer
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.glue import rng
@@ -195,8 +195,9 @@ class NeighborCheckpoint(Callback):
         return self.session.checkpointer
 
     @property
-    def last_recovery(self) -> RecoveryResult | None:
-        """What the recovery of this run did (None before ``pretrain``'s setup and when disabled)."""
+    def last_recovery(self) -> Any:
+        """What the recovery of this run did: the checkpointer's ``RecoveryResult`` (None before ``pretrain``'s setup
+        and when disabled)."""
         return self.session.last_recovery
 
     # -- set-up and recovery (the data-init event) ----------------------------------------------------------

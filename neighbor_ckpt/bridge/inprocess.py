@@ -41,7 +41,8 @@ import torch
 from megatron.bridge.training.callbacks import Callback
 
 from neighbor_ckpt.bridge.callback import NeighborCheckpoint
-from neighbor_ckpt.inprocess import Attempt, InprocessRecovery
+from neighbor_ckpt.inprocess import InprocessRecovery
+from neighbor_ckpt.inprocess.engine_state import Attempt
 
 __all__ = ["attach", "run_pretrain", "InprocessProgress"]
 

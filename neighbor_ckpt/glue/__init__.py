@@ -22,9 +22,5 @@ May import: :mod:`neighbor_ckpt.checkpointer` and everything below it. Never :mo
 ``bridge``, ``inprocess`` or ``cli``, nor a training framework (Lightning, NeMo, Megatron-Bridge, megatron-core).
 """
 
-# No public API (README shows none): import from glue.session / glue.insurance. These names stay only while
-# neighbor_ckpt/lightning/ and bridge/ import them from here (tests/unit/test_no_reexports.py: PENDING_IMPORTS).
-from neighbor_ckpt.glue.insurance import InsuranceFiles, disk_checkpoint_wins, iteration_from_name
-from neighbor_ckpt.glue.session import DataPosition, Session
-
+# No public API (README shows none): import from the modules of glue/.
 __all__: list[str] = []

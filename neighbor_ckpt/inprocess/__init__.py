@@ -33,9 +33,6 @@ May import: the checkpointer and everything below it, :mod:`megatron_patches`; n
 :data:`neighbor_ckpt.layers.LAYERS`, checked by ``tests/unit/test_layers.py``).
 """
 
-# Attempt stays only while neighbor_ckpt/lightning/ and bridge/ import it from here
-# (tests/unit/test_no_reexports.py: PENDING_IMPORTS).
 from neighbor_ckpt.inprocess.engine import InprocessRecovery
-from neighbor_ckpt.inprocess.engine_state import Attempt
 
 __all__ = ["InprocessRecovery"]

@@ -37,7 +37,8 @@ class MegatronSetup:
 
 
 def megatron_setup(trainer: Any) -> MegatronSetup:
-    from megatron_patches import check_versions, mcore_groups
+    from megatron_patches import mcore_groups
+    from megatron_patches._versions import check_versions
     from megatron_patches.distopt_load import fix_fp32_distopt_load
     from megatron_patches.nemo_data import constant_global_batch
 

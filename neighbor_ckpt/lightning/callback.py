@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase, RecoveryResult
+from neighbor_ckpt.checkpointer import NeighborCheckpointer, Phase
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.glue import rng
@@ -112,8 +112,9 @@ class NeighborCheckpoint(*callback_bases()):  # type: ignore[misc]
         self.session.checkpointer = value
 
     @property
-    def last_recovery(self) -> RecoveryResult | None:
-        """What the recovery of this run did (None before ``on_fit_start`` and when disabled)."""
+    def last_recovery(self) -> Any:
+        """What the recovery of this run did: the checkpointer's ``RecoveryResult`` (None before ``on_fit_start``
+        and when disabled)."""
         return self.session.last_recovery
 
     @property

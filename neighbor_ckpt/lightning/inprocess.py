@@ -50,7 +50,7 @@ import os
 from typing import Any, Callable
 
 from neighbor_ckpt.inprocess import InprocessRecovery
-from neighbor_ckpt.inprocess import Attempt
+from neighbor_ckpt.inprocess.engine_state import Attempt
 from neighbor_ckpt.lightning._compat import callback_bases
 from neighbor_ckpt.lightning._megatron import is_megatron_strategy
 from neighbor_ckpt.lightning.callback import NeighborCheckpoint

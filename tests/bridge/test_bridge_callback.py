@@ -125,7 +125,8 @@ enable_cpu(nemo=False)
 import megatron.bridge.training.pretrain as pretrain_module
 from megatron.bridge.training.gpt_step import forward_step
 from megatron_patches import bridge as mb
-from neighbor_ckpt.bridge import NeighborCheckpoint, check_bridge_config
+from neighbor_ckpt.bridge import NeighborCheckpoint
+from neighbor_ckpt.bridge.checks import check_bridge_config
 from neighbor_ckpt.errors import ConfigError
 from train_bridge import build
 

@@ -15,7 +15,8 @@ import pytest
 
 from neighbor_ckpt.cli import launch
 from neighbor_ckpt.inprocess import completion, protocol
-from neighbor_ckpt.inprocess.launcher import child_env, parse_args
+from neighbor_ckpt.inprocess.identity import ProcessIdentity
+from neighbor_ckpt.inprocess.launcher_plan import child_env, parse_args
 from neighbor_ckpt.inprocess.stores import store_timeout_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,11 +89,17 @@ def test_a_launch_passes_the_jobs_detector_timeout_and_marker_to_every_launcher(
     assert "--detector-timeout 4" in script and f"complete.{plan.run_id}" in script
 
 
-def test_a_process_reads_the_completion_marker_of_its_own_launch_only(tmp_path: Path) -> None:
+def test_a_process_reads_the_completion_marker_of_its_own_launch_only(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     path = completion.marker_path(tmp_path, "job-1")
-    env = {protocol.ENV_COMPLETE_FILE: str(path), protocol.ENV_RUN_ID: "job-1"}
-    assert not completion.completed(env) and not completion.completed({})
+    env = {protocol.ENV_COMPLETE_FILE: str(path), protocol.ENV_RUN_ID: "job-1", protocol.ENV_LAUNCHER: "1",
+           protocol.ENV_STORE: "127.0.0.1:1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    identity = ProcessIdentity.from_env()  # where a process learns the marker's path: its identity
+    assert identity.complete_file == path
+    assert not completion.completed(identity.complete_file, "job-1") and not completion.completed(None, "job-1")
     completion.mark_complete(path, "job-1")
-    assert completion.completed(env)
+    assert completion.completed(identity.complete_file, identity.run_id)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert not completion.completed({**env, protocol.ENV_RUN_ID: "job-2"}), "another launch's marker ends nothing"
+    assert not completion.completed(path, "job-2"), "another launch's marker ends nothing"

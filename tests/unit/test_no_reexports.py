@@ -31,6 +31,7 @@ PUBLIC_API: dict[str, frozenset[str]] = {
     "neighbor_ckpt.adapters": frozenset({"TorchOptimizerAdapter", "MegatronOptimizerAdapter", "pin_bucket_layout",
                                          "declare_buffers", "classify_buffers"}),
     "neighbor_ckpt.bridge": frozenset({"NeighborCheckpoint"}),
+    "neighbor_ckpt.lightning": frozenset({"NeighborCheckpoint"}),
     "neighbor_ckpt.inprocess": frozenset({"InprocessRecovery"}),
     "megatron_patches": frozenset({"enable_cpu", "mcore_groups", "install_hooks"}),
 }
@@ -41,29 +42,6 @@ ENTRY_POINTS: dict[str, frozenset[str]] = {
 }
 """What a tool package offers: the entry point ``tools/bench/__main__.py`` calls. The tools are no API."""
 
-PENDING_IMPORTS: frozenset[tuple[str, str, str]] = frozenset({
-    ("neighbor_ckpt/lightning/_state.py", "neighbor_ckpt.adapters", "StateAdapter"),
-    ("neighbor_ckpt/lightning/_state.py", "neighbor_ckpt.adapters", "ZeroOptimizerAdapter"),
-    ("neighbor_ckpt/lightning/_state.py", "neighbor_ckpt.glue", "DataPosition"),
-    ("neighbor_ckpt/lightning/_megatron.py", "neighbor_ckpt.glue", "iteration_from_name"),
-    ("neighbor_ckpt/lightning/_megatron.py", "megatron_patches", "check_versions"),
-    ("neighbor_ckpt/lightning/callback.py", "neighbor_ckpt.glue", "InsuranceFiles"),
-    ("neighbor_ckpt/lightning/callback.py", "neighbor_ckpt.glue", "Session"),
-    ("neighbor_ckpt/lightning/callback.py", "neighbor_ckpt.checkpointer", "RecoveryResult"),
-    ("neighbor_ckpt/lightning/inprocess.py", "neighbor_ckpt.inprocess", "Attempt"),
-    ("neighbor_ckpt/bridge/callback.py", "neighbor_ckpt.glue", "Session"),
-    ("neighbor_ckpt/bridge/callback.py", "neighbor_ckpt.glue", "disk_checkpoint_wins"),
-    ("neighbor_ckpt/bridge/callback.py", "neighbor_ckpt.checkpointer", "RecoveryResult"),
-    ("neighbor_ckpt/bridge/inprocess.py", "neighbor_ckpt.inprocess", "Attempt"),
-})
-"""(file, module, name) imports of the framework callbacks that still go through a re-export; the rework of
-``lightning/`` and ``bridge/`` (their glue) removes them. Remove an entry with its import; never add one."""
-PENDING_EXPORTS: dict[str, frozenset[str]] = {
-    "neighbor_ckpt.lightning": frozenset({"NeighborCheckpoint"}),
-    "neighbor_ckpt.lightning._resume": frozenset({"disk_checkpoint_step", "disk_checkpoint_consumed_samples"}),
-    "neighbor_ckpt.bridge": frozenset({"check_bridge_config", "ALLOWED_OPTIMIZERS"}),
-}
-"""``__all__`` names of ``lightning/`` and ``bridge/`` that their rework removes; never add one."""
 
 
 def _offered(package: str) -> frozenset[str]:
@@ -171,7 +149,6 @@ def _scanned_files() -> list[Path]:
 
 def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
     problems: list[str] = []
-    pending_seen: set[tuple[str, str, str]] = set()
     for path in _scanned_files():
         rel = path.relative_to(ROOT).as_posix()
         for node in ast.walk(_tree(path)):
@@ -193,15 +170,10 @@ def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
                     continue
                 if module.is_package and name in _offered(source):
                     continue
-                if (rel, source, name) in PENDING_IMPORTS:
-                    pending_seen.add((rel, source, name))
-                    continue
                 home = _where_defined(name, module) or "(not found: a lazy name?)"
                 problems.append(f"{rel}:{node.lineno}: `{name}` imported from {source}, which does not define it: "
                                 f"import it from {home}")
     assert not problems, "re-exported names imported:\n" + "\n".join(problems)
-    gone = sorted(PENDING_IMPORTS - pending_seen)
-    assert not gone, f"these imports are fixed: remove them from PENDING_IMPORTS: {gone}"
 
 
 def _packages() -> list[Module]:
@@ -217,7 +189,7 @@ def test_a_package_init_offers_only_the_public_api_readme_shows() -> None:
     problems: list[str] = []
     for package in _packages():
         offered = set(_all(package.path)) | _lazy(package.path)
-        extra = offered - _offered(package.name) - PENDING_EXPORTS.get(package.name, frozenset())
+        extra = offered - _offered(package.name)
         extra -= _defined(package.path)  # what the __init__ defines itself (neighbor_ckpt.recipes' paths)
         missing = _offered(package.name) - offered
         rel = package.path.relative_to(ROOT).as_posix()
@@ -246,7 +218,7 @@ def test_a_module_all_lists_only_what_it_defines() -> None:
             if path.name == "__init__.py":
                 continue
             dotted = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            foreign = set(_all(path)) - _defined(path) - PENDING_EXPORTS.get(dotted, frozenset())
+            foreign = set(_all(path)) - _defined(path)
             if foreign:
                 module = Module(dotted, path, False)
                 homes = ", ".join(f"{n} (from {_where_defined(n, module)})" for n in sorted(foreign))

@@ -32,6 +32,10 @@ STEPS = 6
 FAIL_AT = 2
 
 
+WORKER_DETECTOR_TIMEOUT_S = 2.0
+"""The worker's ``detector.timeout_s`` (its launcher's store timeout follows it)."""
+
+
 def _append(out: Path, obj: dict[str, Any]) -> None:
     """One JSON line, appended and closed at once (a process may end with ``os._exit`` right after)."""
     with open(out, "a", encoding="utf-8") as f:
@@ -48,7 +52,7 @@ def _worker(out: Path, failures: int, backend: str) -> int:
     cfg = NeighborCkptConfig()
     cfg.inprocess.enabled = True
     cfg.inprocess.max_restarts = failures + 1
-    cfg.detector.interval_s, cfg.detector.timeout_s, cfg.detector.hang_timeout_s = 0.2, 2.0, 30.0
+    cfg.detector.interval_s, cfg.detector.timeout_s, cfg.detector.hang_timeout_s = 0.2, WORKER_DETECTOR_TIMEOUT_S, 30.0
     inproc = InprocessRecovery.from_config(cfg)
     cuda = backend == "nccl"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -155,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     program = [str(Path(__file__).resolve()), "--worker", str(result), "--failures", str(args.failures),
                "--backend", backend]
     procs = inprocess_commands(program, active=1, spares=0, max_restarts=0, run_id=f"gen-{os.getpid()}",
-                               store_port=free_ports(1), store_root=tmp / "store")
+                               store_port=free_ports(1), store_root=tmp / "store",
+                               detector_timeout_s=WORKER_DETECTOR_TIMEOUT_S)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
     t0 = time.time()

@@ -83,11 +83,15 @@ def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, confi
     root per simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
     ``neighbor-ckpt launch`` builds its own."""
     from neighbor_ckpt.cli.launch import inprocess_commands
+    from neighbor_ckpt.config import NeighborCkptConfig
 
     program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config),
                "--insurance-every", str(insurance_every), *args]
+    # the launchers' store timeout follows the job's detector, as the processes' does (docs/timeouts.md)
+    detector_timeout_s = NeighborCkptConfig.from_yaml(config).detector.timeout_s
     return inprocess_commands(program, active=WORLD, spares=spares, max_restarts=max_restarts, run_id=job_id,
-                              store_port=store_port, store_root=store, grow_back=grow_back)
+                              store_port=store_port, store_root=store, grow_back=grow_back,
+                              detector_timeout_s=detector_timeout_s)
 
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
