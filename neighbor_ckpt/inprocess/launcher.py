@@ -96,6 +96,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.completion import mark_complete
+from neighbor_ckpt.inprocess.exit_clock import ExitClock
 from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
                                                    describe_exit, exit_status, parse_args)
@@ -217,6 +218,8 @@ class Launcher:
 
         self.plan = plan
         self.env = dict(os.environ if env is None else env)
+        self._exits = ExitClock()
+        """When each child exited, as the kernel says (the fault's time for the recovery timeline)."""
         self.pid = os.getpid()
         token = None if plan.token_file is None else read_token(Path(plan.token_file))
         self.stores = StoreSet(StoreAddresses(plan.stores), run_id=plan.run_id, timeout_s=plan.store_timeout_s,
@@ -366,6 +369,7 @@ class Launcher:
                                 preexec_fn=lambda: _child_setup(parent))
         child = _Child(index=index, local_rank=local_rank, proc=proc, replaces=replaces)
         att.children[index] = child
+        self._exits.watch(proc.pid)
         self._started[proc.pid] = env.get("NEIGHBOR_CKPT_STORE_DIR")
         return child
 
@@ -416,10 +420,12 @@ class Launcher:
             except ProcessLookupError:
                 pass
 
-    def _declare(self, att: _Attempt, index: int, reason: str) -> None:
+    def _declare(self, att: _Attempt, index: int, reason: str, pid: Optional[int] = None) -> None:
         """``dead`` + the current generation's failure: the push every survivor waits for; the fault's time is when
-        this launcher saw the exit (the recovery timeline's *detect* starts there)."""
-        seen = Fault(time.time(), f"exit of process {index} seen by its launcher ({self.plan.name})")
+        this launcher saw the exit (the kernel's word through :class:`ExitClock`, else now; the recovery timeline's
+        *detect* starts there)."""
+        when = (self._exits.seen(pid) if pid is not None else None) or time.time()
+        seen = Fault(when, f"exit of process {index} seen by its launcher ({self.plan.name})")
 
         def write(s: Any) -> None:
             # an idle spare's death fails no generation (GenerationStore.report_death): the job goes on without it
@@ -463,7 +469,7 @@ class Launcher:
                                child.proc.pid, how)
                 self._give_up(att, f"process {index} exited with status {code}")
             else:
-                self._declare(att, index, how)
+                self._declare(att, index, how, pid=child.proc.pid)
                 if action is Action.REPLACE:
                     self._replace(att, child, how)
                 else:
@@ -727,6 +733,7 @@ class Launcher:
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)
             self._drop_staged(list(self._started))
+            self._exits.close()
             if self._host is not None and self._host.poll() is None:
                 self._host.terminate()
                 try:
