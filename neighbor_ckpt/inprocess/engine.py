@@ -388,7 +388,7 @@ class InprocessRecovery:
         self._main_tid = self.aborts.main_tid = threading.get_ident()
         main = self._main_gens = GenerationStore(self.clients.view("main"), process=self.process)
         self._monitor_gens = GenerationStore(self.clients.view("monitor"), process=self.process)
-        first = main.current() if self.process >= self.world_size else 0
+        first = main.current() if self.identity.is_replacement else 0
         self._listener = FailureListener(GenerationStore(self.clients.view("listener"), process=self.process),
                                          on_failure=self._on_failure, first=first)
         monitor = Monitor(self._monitor_gens, state=self._monitor_view,
@@ -431,7 +431,7 @@ class InprocessRecovery:
         expected: set[int] = set(range(self.world_size))
         generation = 0
         formed_on = self.stores.epoch
-        if self.process >= self.world_size:  # a replacement started by a launcher: a spare from the next generation
+        if self.identity.is_replacement:  # started by a launcher after generation 0: a spare from the next generation
             generation, assignment, expected = self._join_late(main)
             if generation < 0:
                 return None  # the job completed meanwhile
@@ -446,13 +446,15 @@ class InprocessRecovery:
                 self._publish_holdings(main, generation)
             self.state.joining = generation
             try:
-                members = main.join(generation, expected=expected, timeout_s=self.config.barrier_timeout_s, quorum_of=last)
+                members = main.join(generation, expected=expected, timeout_s=self.config.barrier_timeout_s,
+                                    quorum_of=last)
             except (BarrierTimeout, QuorumLost) as e:
                 raise _GiveUp(str(e)) from None
             finally:
                 self.state.joining = None
             formed_on = self.stores.epoch
-            self.state.generation, self.state.members, self.state.members_record = generation, members.members, members
+            st = self.state
+            st.generation, st.members, st.members_record = generation, members.members, members
             self.event("initialize")
             if generation > 0:
                 assignment = self._next(main, assignment, members)
@@ -578,12 +580,13 @@ class InprocessRecovery:
                 # this process's own failure, the first sign of it: the fault is now (a lost peer's is its witness's;
                 # an exception after the generation's failure is the abort's)
                 main.record_fault(generation, Fault(time.time(), f"exception on {self.state.name()}"))
+            why = ("a collective lost a peer: " if lost_peer else "") + error
             record = main.fail(generation, kind="exception", ranks=() if lost_peer else (self.process,),
-                               reason=f"{self.state.name()}: " + ("a collective lost a peer: " if lost_peer else "") + error)
+                               reason=f"{self.state.name()}: {why}")
             if record.kind == "exception" and main.won(record):
                 logger.error("%s: generation %d failed here: %s", self.state.name(), generation, error)
-        with stall_report(f"{self.state.name()}: the clean-up of generation {generation}", self.config.abort_timeout_s, logger,
-                          then=lambda: self.aborts.cleanup_stuck(generation)):
+        with stall_report(f"{self.state.name()}: the clean-up of generation {generation}",
+                          self.config.abort_timeout_s, logger, then=lambda: self.aborts.cleanup_stuck(generation)):
             self.aborts.abort(generation)  # free the peers (if the monitor has not yet)
             self._finalize()
         self._check_hygiene(generation)

@@ -30,8 +30,8 @@ from neighbor_ckpt.errors import NeighborCkptError
 from neighbor_ckpt.inprocess.assignment import Assignment
 from neighbor_ckpt.inprocess.protocol import FAILURE_KINDS, key
 
-__all__ = ["GenerationStore", "Members", "GenerationFailure", "Fault", "Fenced", "BarrierTimeout", "QuorumLost", "parse_list",
-           "parse_dead", "exited", "quorum", "gate"]
+__all__ = ["GenerationStore", "Members", "GenerationFailure", "Fault", "Fenced", "BarrierTimeout", "QuorumLost",
+           "parse_list", "parse_dead", "exited", "quorum", "gate"]
 
 logger = logging.getLogger(__name__)
 
