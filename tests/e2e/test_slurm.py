@@ -196,7 +196,9 @@ def test_slurm_scripts_of_both_modes_for_a_gpu_cluster_and_this_cpu_machine(tmp_
     port = plan.job.launch.rdzv_port + 1
     assert (f'-m neighbor_ckpt.inprocess.launcher --store "$STORES" --run-id {plan.run_id} '
             '--node "$NODE" --first "$FIRST" --count "$COUNT" --processes 136 --spares 8 --max-restarts 10 '
-            f'--nodes 17 --token-file {plan.run_dir / "store.token"} --host-store "$HOSTIDX" -- ') in script \
+            f'--nodes 17 --detector-timeout {plan.job.neighbor_ckpt.detector.timeout_s:g} '
+            f'--token-file {plan.run_dir / "store.token"} --complete-file {plan.run_dir / f"complete.{plan.run_id}"} '
+            '--host-store "$HOSTIDX" -- ') in script \
         and "--store-root" not in script
     made = f"-m neighbor_ckpt.inprocess.store_auth {plan.run_dir / 'store.token'} || exit 1"
     assert made in script and script.index(made) < script.index("srun "), "the token file, once, before the tasks"
@@ -206,7 +208,10 @@ def test_slurm_scripts_of_both_modes_for_a_gpu_cluster_and_this_cpu_machine(tmp_
     cpu = launch.slurm_script(cpu_plan)
     assert "#SBATCH --ntasks=5" in cpu and "#SBATCH --overcommit" in cpu and "--gpus" not in cpu
     assert 'NODE="node$SLURM_PROCID" FIRST=$SLURM_PROCID COUNT=1' in cpu
-    assert (f'--processes 5 --spares 1 --max-restarts 2 --nodes 5 --token-file {cpu_plan.run_dir / "store.token"} '
+    assert (f'--processes 5 --spares 1 --max-restarts 2 --nodes 5 '
+            f'--detector-timeout {cpu_plan.job.neighbor_ckpt.detector.timeout_s:g} '
+            f'--token-file {cpu_plan.run_dir / "store.token"} '
+            f'--complete-file {cpu_plan.run_dir / f"complete.{cpu_plan.run_id}"} '
             '--host-store "$HOSTIDX" --store-root "$STORE_ROOT" -- ') in cpu and "HOSTIDX=$SLURM_PROCID" in cpu, \
         "one simulated node per task, each with its store host"
     restart = launch.slurm_script(launch.plan_launch(REPO / "configs" / CONFIG, [STEPS], run_dir=tmp_path))
