@@ -1,7 +1,8 @@
 """``python -m tools.bench [--compare | --nemo-step | --generations] [...]``: the micro-benchmark, or with
 ``--compare`` the side-by-side comparison, with ``--nemo-step`` the NeMo step-time benchmark, with ``--generations``
 the in-process engine's cost per generation on one process, with ``--store-gate`` what the store token costs a store
-operation, with ``--reform`` where an in-process re-form's time goes, gate on and off (the rest goes to that one)."""
+operation, with ``--reform`` where an in-process re-form's time goes, gate on and off, with ``--kill-repeat`` the
+in-process kill of the demo launched again and again, each compared bit for bit (the rest goes to that one)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.bench import reform
 
         return reform.main([a for a in args if a != "--reform"])
+    if "--kill-repeat" in args:
+        from tools.bench import kill_repeat
+
+        return kill_repeat.main([a for a in args if a != "--kill-repeat"])
     if "--generations" in args:
         from tools.bench import generations
 
