@@ -444,6 +444,8 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
              "# the stores admit only the holders of this token (a 0600 file of the run directory, made once)",
              f"{shlex.quote(sys.executable)} -m neighbor_ckpt.inprocess.store_auth "
              f"{shlex.quote(str(plan.run_dir / TOKEN_FILE))} || exit 1",
+             "# a completion marker left by an earlier submission of this script would end this one before it trains",
+             f"rm -f {shlex.quote(str(marker_path(plan.run_dir, plan.run_id)))}",
              f"cat > {task} <<'TASK'",
              "#!/bin/bash",
              "# one task = one node's launcher" + (" (one simulated node per process)" if simulated else ""),

@@ -171,7 +171,7 @@ class InprocessRecovery:
 
         Raises:
             ConfigError: the section is not enabled (the caller should run without the engine), the process was not
-                started by our launcher, the job file's spares or ranks are not the launch's, or the detector is off.
+                started by our launcher, or the job file's spares or ranks are not the launch's.
         """
         whole = config if isinstance(config, NeighborCkptConfig) else None
         section = config.inprocess if isinstance(config, NeighborCkptConfig) else config

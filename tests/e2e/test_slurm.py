@@ -202,6 +202,9 @@ def test_slurm_scripts_of_both_modes_for_a_gpu_cluster_and_this_cpu_machine(tmp_
         and "--store-root" not in script
     made = f"-m neighbor_ckpt.inprocess.store_auth {plan.run_dir / 'store.token'} || exit 1"
     assert made in script and script.index(made) < script.index("srun "), "the token file, once, before the tasks"
+    stale = f"rm -f {plan.run_dir / f'complete.{plan.run_id}'}"
+    assert stale in script and script.index(stale) < script.index("srun "), \
+        "a completion marker of an earlier submission is removed before the tasks start"
     assert "HOSTIDX=$SLURM_NODEID" in script and f"awk -v p={port}" in script, "a store on every node, same port"
     assert "--inprocess-store" not in script and "ft-restart" not in script
     cpu_plan = launch.plan_launch(REPO / "configs" / CONFIG, [STEPS, *INPROCESS], run_dir=tmp_path)
