@@ -483,12 +483,13 @@ class NeighborCheckpointer:
         reconcile_end = started + ph.get("inventory", 0.0) + ph.get("exchange", 0.0)
         att = self.attempt  # in process: this survivor's abort of the failed attempt, a spare's activation
         known = [t for t in (noticed, att.failure_noticed_unix) if t is not None]
+        fault = att.fault() if att.inprocess > 0 else None  # asked again: a witness's record may have come late
         mine = RankEvents(last_snapshot=last_commit, failure_noticed=min(known) if known else None,
                           process_start=process_start_unix(), process_group_ready=self.reporter.process_group_ready,
                           recovery_start=started, reconcile_end=reconcile_end,
                           transfer_end=reconcile_end + ph.get("transfer", 0.0), restore_end=time.time(),
                           abort_end=att.abort_end_unix, activated_spare=1.0 if att.activated_spare else 0.0,
-                          prepared_slot_wait=self._prepared_slot_wait(), fault=att.fault_unix)
+                          prepared_slot_wait=self._prepared_slot_wait(), fault=fault[0] if fault else None)
         per_rank = gather_rank_events(mine, self.group)
         self.reporter.begin_timeline(per_rank, outcome=report.outcome, iteration=report.iteration,
                                      recovery_phases=ph,

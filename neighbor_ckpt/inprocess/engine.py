@@ -610,10 +610,16 @@ class InprocessRecovery:
                            generation - 1, e)
             faults = []
         fault = faults[0] if faults else None
+
+        def lookup() -> tuple[float, str] | None:  # on the training thread, later in the recovery
+            found = GenerationStore(self.clients.view("main"), process=self.process).faults(generation - 1)
+            return (found[0].unix, found[0].what) if found else None
+
         return AttemptInfo(launch=self.launch, inprocess=generation, activated_spare=activated_spare,
                            failure_noticed_unix=noticed, abort_end_unix=max(ends) if ends else None,
                            fault_unix=None if fault is None else fault.unix,
-                           fault_what=None if fault is None else fault.what, progress_sink=self.watch_progress)
+                           fault_what=None if fault is None else fault.what, fault_lookup=lookup,
+                           progress_sink=self.watch_progress)
 
     def _finalize(self) -> None:
         """After a failed attempt: its clean-ups (last first), megatron-core's parallel state, the process group."""

@@ -50,6 +50,9 @@ class AttemptInfo:
     starts here."""
     fault_what: str | None = None
     """Which event :attr:`fault_unix` is, in words (``exit of process 1 seen by its launcher (node1)``)."""
+    fault_lookup: Callable[[], tuple[float, str] | None] | None = field(default=None, compare=False, repr=False)
+    """In process: asks the store again for the previous attempt's earliest fault witness (a launcher's record can
+    arrive after the survivors re-formed: they noticed the lost peer first). See :meth:`fault`."""
     progress_sink: Callable[[Callable[[], tuple[int, int | None, str]]], None] | None = \
         field(default=None, compare=False, repr=False)
     """In process: where the checkpointer hands its progress tag (the engine's monitor thread is the failure
@@ -58,6 +61,18 @@ class AttemptInfo:
     @classmethod
     def from_env(cls) -> AttemptInfo:
         return cls(launch=launcher_restart_count())
+
+    def fault(self) -> tuple[float, str] | None:
+        """``(unix, what)`` of the previous attempt's fault as its earliest witness saw it: asked again now when the
+        engine gave a lookup (never raises), else as known when this attempt began; None when unknown."""
+        if self.fault_lookup is not None:
+            try:
+                found = self.fault_lookup()
+            except Exception:  # noqa: BLE001 - a store that does not answer now: what was known at the start
+                found = None
+            if found is not None and (self.fault_unix is None or found[0] <= self.fault_unix):
+                return found
+        return None if self.fault_unix is None else (self.fault_unix, self.fault_what or "")
 
     @property
     def restarted(self) -> bool:

@@ -410,8 +410,11 @@ def compute_timeline(per_rank: Sequence[RankEvents], *, first_step_end: float | 
     spares = tuple(i for i, r in enumerate(per_rank) if r.activated_spare == 1.0)
     fault = _agg([r.fault for r in per_rank], "min")
     detect_from = "the newest committed snapshot"
+    known = attempt.fault() if isinstance(attempt, AttemptInfo) and mode == MODE_INPROCESS else None
+    if known is not None and (fault is None or known[0] <= fault):
+        fault = known[0]  # rank 0 asked again, later: a witness whose record came after the others gathered theirs
     if mode == MODE_INPROCESS and fault is not None:
-        what = attempt.fault_what if isinstance(attempt, AttemptInfo) else None
+        what = known[1] if known is not None and known[0] == fault else None
         detect_from = f"the fault: {what}" if what else "the fault"
     events: dict[str, float | None] = {
         "fault": fault if fault is not None else last_snapshot,

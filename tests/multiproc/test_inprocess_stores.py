@@ -135,6 +135,10 @@ def test_a_process_whose_client_is_inside_a_stopped_store_leaves_with_its_status
         "from neighbor_ckpt.inprocess.stores import BoundedClient, StoreUnreachable, leave\n"
         f"c = BoundedClient(('127.0.0.1', {port}), timeout_s=0.5, name='left')\n"
         "c.call('set', 'k', 'v')\n"
+        # torch's own wait well past the caller's 0.5 s: the worker is surely still inside its client at leave()
+        # (with both at 0.5 s, a loaded machine let it come back first: no race, whatever the load)
+        "from datetime import timedelta\n"
+        "c._store.set_timeout(timedelta(seconds=60))\n"
         "print('ready', flush=True)\n"
         "sys.stdin.readline()\n"
         "try:\n"

@@ -83,3 +83,20 @@ def test_a_survivor_that_noticed_before_the_launcher_saw_the_exit_makes_detect_z
     assert tl.phases["detect"] == 0.0 and tl.phases["abort"] == pytest.approx(0.1, abs=1e-5)
     assert tl.notes == ("a survivor noticed the failure 0.100 s before exit of process 1 seen by its launcher: "
                         "detect 0",)
+
+
+def test_a_witness_recorded_after_the_attempt_began_is_found_when_rank_0_asks_again() -> None:
+    """The survivors can re-form before the launcher's record of the exit reaches the store (their collective lost
+    the peer first): the attempt began knowing no fault, and rank 0's timeline asks the store again."""
+    late = (T0 + 0.3, "exit of process 1 seen by its launcher (launcher:node1)")
+    att = AttemptInfo(launch=0, inprocess=1, fault_lookup=lambda: late)
+    tl = compute_timeline([survivor(fault=None), survivor(fault=None)], first_step_end=T0 + 1.6, attempt=att,
+                          outcome="restored", iteration=4)
+    assert tl.events["fault"] == T0 + 0.3 and tl.detect_from == f"the fault: {late[1]}"
+    assert AttemptInfo(launch=0, inprocess=1, fault_unix=T0 + 0.2, fault_what="x", fault_lookup=lambda: late).fault() \
+        == (T0 + 0.2, "x"), "what was known earlier and is earlier stands"
+
+    def unreachable() -> tuple[float, str] | None:
+        raise ConnectionError("the store does not answer")
+
+    assert AttemptInfo(launch=0, inprocess=1, fault_lookup=unreachable).fault() is None
