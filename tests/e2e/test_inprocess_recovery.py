@@ -138,7 +138,9 @@ def check_inprocess(base: RunResult, res: RunResult, *, kind: str) -> dict[str, 
     witness = {"kill": "exit of process 1 seen by its launcher", "stop": "last heartbeat of process 1",
                "raise": "exception on process 1"}.get(kind, "")
     assert tl["detect_from"].startswith(f"the fault: {witness}"), tl["detect_from"]
-    assert tl["events_unix"]["fault"] >= fault["unix"] - 0.05, (tl["events_unix"], fault)
+    # a silent peer's last heartbeat precedes its stop by up to one heartbeat period (0.2 s here, slower under load)
+    slack = 1.0 if kind == "stop" else 0.05
+    assert tl["events_unix"]["fault"] >= fault["unix"] - slack, (tl["events_unix"], fault)
     # the launchers all finished the job (none was stopped, none restarted the job)
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
     m = mttr(res)
