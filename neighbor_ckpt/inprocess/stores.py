@@ -243,6 +243,9 @@ class BoundedClient:
         if method == "wait":
             limit = float("inf")
         with self._lock:
+            # busy from now on, not only once the worker runs it: a worker that a loaded machine has not scheduled
+            # yet when the caller gives up would otherwise enter torch's client during the interpreter's exit
+            self._in = method
             self._jobs.put((method, run, box, done))
             done.wait(None if limit == float("inf") else limit)
         if not box:
