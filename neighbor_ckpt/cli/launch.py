@@ -47,7 +47,7 @@ from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
-           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "run_inprocess", "bind_stores",
+           "InprocessProcesses", "inprocess_processes", "inprocess_commands", "simulated_nodes", "run_inprocess", "bind_stores",
            "LAUNCHER", "free_ports", "ephemeral_ports", "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
 
 RECIPE = RECIPES_DIR / "nemo_pretrain.py"
@@ -113,6 +113,20 @@ class LaunchPlan:
     def processes(self) -> int:
         """Processes the launch starts: ``devices x nodes + spares``."""
         return self.job.world_size + self.spares
+
+    @property
+    def per_node(self) -> int:
+        """Processes per simulated node of an in-process launch on one machine: ``trainer.devices`` when the job
+        has several nodes (``trainer.num_nodes > 1``), else 1 (the single-node form: every process a node of its
+        own, so a spare that replaces a lost rank starts with an empty host store)."""
+        t = self.job.trainer
+        return t.devices if t.num_nodes > 1 else 1
+
+    @property
+    def simulated_nodes(self) -> tuple[tuple[int, int], ...]:
+        """``(first process, count)`` per simulated node of an in-process launch on one machine
+        (:func:`simulated_nodes`)."""
+        return simulated_nodes(self.job.world_size, self.spares, self.per_node)
 
 
 def resolve_config(config: str | Path) -> Path:
@@ -236,10 +250,11 @@ def free_ports(n: int, *, host: str = "127.0.0.1", avoid: Sequence[int] = ()) ->
 
 def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], store_root: Path,
                         host: str = "127.0.0.1") -> InprocessProcesses:
-    """One launcher per process for a single-machine in-process launch: ``plan.processes`` simulated nodes
-    ``node<i>`` with one process each (process ``i``, its own host store ``<store_root>/node<i>``, its own store
-    host on ``store_port[i]``; an int: ``store_port + i``), as on a cluster where a lost node takes its host store
-    and its store host with it. The launchers keep their processes running when another dies and restart the job
+    """One launcher per simulated node for a single-machine in-process launch (:attr:`LaunchPlan.simulated_nodes`:
+    one process per node for a one-node job, ``trainer.devices`` per node for ``trainer.num_nodes > 1``, spares on
+    spare nodes of their own): node ``i`` has its own host store ``<store_root>/node<i>`` and its own store host
+    on ``store_port[i]`` (an int: ``store_port + i``), as on a cluster where a lost node takes its processes, its
+    host store and its store host with it. The launchers keep their processes running when another dies and restart the job
     together when in-process recovery gives up (``launch.max_restarts``), see
     :mod:`neighbor_ckpt.inprocess.launcher`.
     """
@@ -249,25 +264,41 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], st
                               max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
                               store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back,
                               token_file=plan.run_dir / TOKEN_FILE,
-                              detector_timeout_s=plan.job.neighbor_ckpt.detector.timeout_s)
+                              detector_timeout_s=plan.job.neighbor_ckpt.detector.timeout_s, devices=plan.per_node)
+
+
+def simulated_nodes(active: int, spares: int, devices: int = 1) -> tuple[tuple[int, int], ...]:
+    """The simulated nodes of a single-machine in-process launch (pure): ``(first process, process count)`` per
+    node. ``devices`` processes per node, as ``trainer.devices`` ranks per node of a cluster: the ``active`` ranks
+    fill ``ceil(active / devices)`` nodes, the spares ``ceil(spares / devices)`` whole spare nodes of their own
+    (the last one holding fewer when ``spares`` is not a multiple), as the Slurm script plans them; one process per
+    node when ``devices`` is 1 (the single-node form)."""
+    if devices < 1:
+        raise ConfigError(f"in-process launch: {devices} processes per node; at least 1")
+    nodes = [(first, min(devices, active - first)) for first in range(0, active, devices)]
+    nodes += [(active + first, min(devices, spares - first)) for first in range(0, spares, devices)]
+    return tuple(nodes)
 
 
 def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
                        store_port: int | Sequence[int], store_root: Path, host: str = "127.0.0.1",
                        grow_back: bool = False, token_file: Path | None = None,
-                       detector_timeout_s: float | None = None) -> InprocessProcesses:
+                       detector_timeout_s: float | None = None, devices: int = 1) -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments):
     ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop.
     ``token_file``: the launch's store token (default: ``store.token`` in ``store_root``); the completion marker
     lies beside it (:func:`~neighbor_ckpt.inprocess.completion.marker_path`). ``detector_timeout_s``: the job's
-    ``detector.timeout_s``, which the launchers' timeouts follow (None: the launcher's default, the detector's)."""
+    ``detector.timeout_s``, which the launchers' timeouts follow (None: the launcher's default, the detector's).
+    ``devices``: processes per simulated node (:func:`simulated_nodes`); node ``i`` hosts store ``i``, its
+    processes share its host store directory ``<store_root>/node<i>``."""
     processes = active + spares
-    stores = ",".join(f"{host}:{p}" for p in _store_ports(store_port, processes))
+    nodes = simulated_nodes(active, spares, devices)
+    stores = ",".join(f"{host}:{p}" for p in _store_ports(store_port, len(nodes)))
     token = Path(token_file) if token_file is not None else Path(store_root) / TOKEN_FILE
     options, worker = worker_program(program)
     agents = tuple((tuple(launcher_command(worker, options=options, store=stores, run_id=run_id,
-                                           node=f"node{i}", first=str(i), count="1", processes=processes,
-                                           spares=spares, max_restarts=max_restarts, nodes=processes,
+                                           node=f"node{i}", first=str(first), count=str(count), processes=processes,
+                                           spares=spares, max_restarts=max_restarts, nodes=len(nodes),
                                            store_root=str(store_root), grow_back=grow_back, host_store=str(i),
                                            store_listen=host, token_file=str(token),
                                            complete_file=str(marker_path(token.parent, run_id)),
@@ -275,7 +306,7 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                      ("TORCH_CPP_LOG_LEVEL", "error")))
-                   for i in range(processes))
+                   for i, (first, count) in enumerate(nodes))
     return InprocessProcesses(stores=stores, agents=agents, token_file=token)
 
 
@@ -471,8 +502,9 @@ def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
     """Run the job on this node under torchrun (in process: the store host and one of our launchers per simulated
     node); returns the launcher's exit code (in process: :func:`launch_status` of the launchers'). Output goes to
     ``log`` if given (the run directory's ``torchrun.log`` is the usual choice), else to this terminal."""
-    if plan.job.trainer.num_nodes != 1:
-        raise ConfigError(f"config.trainer.num_nodes: {plan.job.trainer.num_nodes} nodes cannot run from one shell; "
+    if plan.job.trainer.num_nodes != 1 and not plan.inprocess:
+        raise ConfigError(f"config.trainer.num_nodes: {plan.job.trainer.num_nodes} nodes cannot run from one shell "
+                          "under torchrun (in-process recovery simulates them: neighbor_ckpt.inprocess.enabled); "
                           "use `neighbor-ckpt launch CONFIG --slurm FILE` (or run torchrun on every node)")
     write_run_dir(plan)
     with contextlib.ExitStack() as stack:
@@ -486,20 +518,20 @@ def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
 def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
     """Start one launcher per simulated node (each hosting one of the stores), wait for all of them."""
     root = expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-    procs = inprocess_processes(plan, store_port=free_ports(plan.processes), store_root=root)
+    procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=root)
     return run_inprocess(procs, **kw)
 
 
 def launch_status(codes: Sequence[int]) -> int:
     """The exit status of an in-process launch from its launchers' (pure): 0 when every launcher succeeded (the job
     completed), or when the only failures are launchers killed by SIGKILL (a node lost on purpose:
-    ``fault_injection.permanent`` kills the node's launcher, its processes die with it) and more than half of them
-    succeeded (the survivors finished the job); else the worst status (a signal's negative status is not lost behind
-    a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process recovery gave up and the
+    ``fault_injection.permanent`` or ``target: node`` kills the node's launcher, its processes die with it) and at
+    least one succeeded (a launcher exits 0 only once the job completed: the survivors finished it, on spares or on a
+    smaller data-parallel size); else the worst status (a signal's negative status is not lost behind a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process recovery gave up and the
     restarts are used up)."""
     ok = sum(c == 0 for c in codes)
     lost = [c for c in codes if c != 0]
-    if all(c == -signal.SIGKILL for c in lost) and ok > len(codes) // 2:
+    if all(c == -signal.SIGKILL for c in lost) and ok:
         return 0
     return max(codes, key=abs)
 

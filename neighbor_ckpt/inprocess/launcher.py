@@ -235,6 +235,8 @@ class Launcher:
         self._started: dict[int, Optional[str]] = {}  # pid -> its NEIGHBOR_CKPT_STORE_DIR (staged slots: _drop_staged)
         self._cannot_start: Optional[str] = None
         """Why this node's processes do not start (its store host could not start), if they do not."""
+        self._beats = 0
+        self._beat_at = 0.0
 
     # -- store ------------------------------------------------------------------------------------------------
 
@@ -383,6 +385,18 @@ class Launcher:
             root = expand_store_dir(self._started.get(pid) or DEFAULT_STORE_DIR)
             for path in remove_staged_slots(root, [pid]):
                 logger.info("removed %s, staged by process %d, which exited", path, pid)
+
+    def _beat(self, att: _Attempt) -> None:
+        """This launcher's heartbeat (``lhb/<node>``, every :attr:`~LauncherPlan.beat_s`): a monitor that finds a
+        process of this node silent declares the whole node lost when this stood still too (not queued: a beat that
+        cannot be written now is of no use later)."""
+        now = time.monotonic()
+        if now - self._beat_at < self.plan.beat_s or att.complete_at is not None:
+            return  # once the job completed nobody watches (and its store host may be gone)
+        self._beat_at = now
+        self._beats += 1
+        beat = str(self._beats)
+        self._try(att.number, lambda s: s.set(key("lhb", self.plan.node), beat))
 
     def _report(self, att: _Attempt) -> None:
         info = json.dumps({"pid": self.pid, "processes": sorted(att.children)})
@@ -623,6 +637,7 @@ class Launcher:
                 return _Outcome.SIGNALED
             self._reap(att)
             self._flush()
+            self._beat(att)
             self._watch_store(att)
             self._kill_listed(att)
             self._grow_back(att)

@@ -111,6 +111,13 @@ class LauncherPlan:
         return store_timeout_for(self.detector_timeout_s)
 
     @property
+    def beat_s(self) -> float:
+        """How often the launcher beats (``lhb/<node>``): four times per ``detector.timeout_s``, at most every
+        second, at least every ``poll_s``; a monitor takes the node for lost once the beat stood still for
+        ``detector.timeout_s``."""
+        return max(self.poll_s, min(1.0, self.detector_timeout_s / 4))
+
+    @property
     def indices(self) -> range:
         """This launcher's process indices."""
         return range(self.first, self.first + self.count)
@@ -245,6 +252,7 @@ def child_env(plan: LauncherPlan, *, index: int, local_rank: int, attempt: int, 
         env[protocol.ENV_STORE_EPOCH] = str(store_epoch)
     if plan.host_store is not None:
         env[protocol.ENV_STORE_HOSTED] = str(plan.host_store)
+        env[protocol.ENV_NODE_INDEX] = str(plan.host_store)
     if plan.token_file is not None:
         env[protocol.ENV_STORE_TOKEN] = str(plan.token_file)
     if plan.complete_file is not None:

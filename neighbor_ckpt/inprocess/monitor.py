@@ -14,7 +14,10 @@ current generation in the store, where every process waits for it, and the engin
   polled for;
 * reads the heartbeat of its predecessor in the ring of the generation's members (spares included, so an idle spare
   that dies is noticed too): silent for more than ``detector.timeout_s`` -> that process is declared dead (its
-  launcher SIGKILLs it: a SIGSTOPped process ignores everything else) and the generation failed (``silent``);
+  launcher SIGKILLs it: a SIGSTOPped process ignores everything else) and the generation failed (``silent``). A
+  predecessor on another node is watched together with that node's launcher (``lhb/<node>``): when the launcher is
+  quiet too (:data:`NODE_LAUNCHER_QUIET`), the node is lost, and every process of it in the generation is declared
+  dead in that one decision, so a node of ``k`` ranks costs one detection, not ``k`` in a row;
 * watches its own training thread: when its progress tag stood still for ``detector.hang_timeout_s`` it reads every
   active rank's tag. The ranks whose tag lags the others' are declared dead and replaced (``hung``: stuck in a C
   call or a collective the others already left); when every tag is equal, nobody is to blame: the generation fails
@@ -26,6 +29,7 @@ The decision on the tags is :func:`laggards` (pure).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -46,6 +50,16 @@ Tag = tuple[int, Optional[int], str]
 """A training thread's progress tag: (counter, last completed iteration or None, phase)."""
 
 IDLE_TAG: Tag = (0, None, "idle")
+
+LAUNCHER = -1
+"""The watch entry of the predecessor's node's launcher (``lhb/<node>``), beside the predecessor's own heartbeat."""
+
+NODE_LAUNCHER_QUIET = 0.5
+"""A silent predecessor on another node takes its whole node with it when that node's launcher has not beaten for
+this fraction of ``detector.timeout_s`` either: a live launcher beats four times per timeout (at most every second),
+and a launcher lost with its processes has been quiet for about ``timeout_s - interval_s - its beat period`` by the
+time the predecessor counts as silent, which exceeds half the timeout at the defaults (5 s, 1 s, 1 s) and in the
+tests (2 s, 0.2 s, 0.5 s)."""
 
 
 def parse_heartbeat(raw: bytes | str | None) -> Optional[tuple[int, int, Tag]]:
@@ -182,7 +196,9 @@ class Monitor:
         self._beat = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._watch: Optional[tuple[int, Optional[int], Watch]] = None
+        self._watch: Optional[tuple[tuple[int, Optional[int], Optional[str]], Watch]] = None
+        self._nodes: dict[int, str] = {}
+        """Process -> its node (``proc/<p>``), read once per process."""
         self._clock: tuple[int, ProgressClock] = (-1, ProgressClock(hang_timeout_s))
         self._grace_until = 0.0
         self.decisions: list[GenerationFailure] = []
@@ -268,26 +284,56 @@ class Monitor:
         flush_logs()
         self._exit(EXIT_FENCED)
 
+    def _node_of(self, process: int) -> Optional[str]:
+        """The node process ``process`` runs on (its ``proc/<p>`` record, read once), None while unknown."""
+        if process not in self._nodes:
+            k = key("proc", process)
+            raw = self.gens.store.get(k) if self.gens.store.check([k]) else None
+            try:
+                node = None if raw is None else json.loads(raw).get("node")
+            except (ValueError, AttributeError):
+                node = None
+            if node is None:
+                return None
+            self._nodes[process] = str(node)
+        return self._nodes[process]
+
     def _silent_peer(self, gen: int, members: frozenset[int], now: float) -> Optional[GenerationFailure]:
         peer = ring_predecessor(self.gens.process, members)
-        if self._watch is None or self._watch[0] != gen or self._watch[1] != peer:
-            self._watch = (gen, peer, Watch(() if peer is None else (peer,), timeout_s=self.timeout_s,
-                                            now=max(now, self._grace_until)))
+        # A predecessor on another node is watched with its node's launcher: a whole node lost is one decision.
+        node = None if peer is None else self._node_of(peer)
+        if node is not None and node == self._node_of(self.gens.process):
+            node = None
+        if self._watch is None or self._watch[0] != (gen, peer, node):
+            watched = () if peer is None else (peer,) if node is None else (peer, LAUNCHER)
+            self._watch = ((gen, peer, node), Watch(watched, timeout_s=self.timeout_s,
+                                                    now=max(now, self._grace_until)))
         if peer is None:
             return None
-        watch = self._watch[2]
+        watch = self._watch[1]
         raw = self.gens.store.get(key("hb", peer)) if self.gens.store.check([key("hb", peer)]) else None
         watch.observe(peer, None if raw is None else raw.decode(errors="replace"), now)
-        silent = watch.silent(now)
-        if not silent:
+        if node is not None:
+            beat = self.gens.store.get(key("lhb", node)) if self.gens.store.check([key("lhb", node)]) else None
+            watch.observe(LAUNCHER, None if beat is None else beat.decode(errors="replace"), now)
+        silent = dict(watch.silent(now))
+        if peer not in silent:
             return None
-        _, length = silent[0]
+        length = silent[peer]
         if peer in self.gens.dead() or self.gens.complete():
             return None  # already declared (its launcher saw it go), or the job is over and it left
-        reason = f"process {peer} sent no heartbeat for {length:.1f} s (detector.timeout_s {self.timeout_s:g})"
-        logger.error("%s: %s: declaring it dead (its launcher kills it)", self.gens.name, reason)
+        lost = (peer,)
+        if node is not None and watch.quiet(LAUNCHER, now) > self.timeout_s * NODE_LAUNCHER_QUIET:
+            lost = tuple(sorted(p for p in members if self._node_of(p) == node)) or lost
+        if len(lost) > 1:
+            reason = (f"node {node} is lost: process {peer} sent no heartbeat for {length:.1f} s (detector.timeout_s "
+                      f"{self.timeout_s:g}) and its launcher none for {watch.quiet(LAUNCHER, now):.1f} s")
+            logger.error("%s: %s: declaring its process(es) %s dead together", self.gens.name, reason, list(lost))
+        else:
+            reason = f"process {peer} sent no heartbeat for {length:.1f} s (detector.timeout_s {self.timeout_s:g})"
+            logger.error("%s: %s: declaring it dead (its launcher kills it)", self.gens.name, reason)
         last_beat = Fault(time.time() - length, f"last heartbeat of process {peer} seen by {self.gens.name}")
-        record = self.gens.report_death((peer,), kind="silent", reason=reason, fault=last_beat)
+        record = self.gens.report_death(lost, kind="silent", reason=reason, fault=last_beat)
         if record is not None and self.gens.won(record):
             self.decisions.append(record)
         return record

@@ -58,6 +58,10 @@ types): nothing read from the store is unpickled.
     :data:`EXIT_FALLBACK`; the launchers restart the job (launcher-level restart count + 1).
 ``launcher/<node>``
     JSON ``{"pid", "processes": [...]}`` of node ``node``'s launcher (rewritten when it starts a replacement).
+``lhb/<node>``
+    Heartbeat of node ``node``'s launcher (a counter, several times per ``detector.timeout_s``). A monitor that finds
+    its ring predecessor silent on another node reads it: a launcher silent too means the node is lost, and every
+    process of that node is declared dead in the same decision (:mod:`neighbor_ckpt.inprocess.monitor`).
 ``processes``
     How many process indices the launch has handed out (indices ``0..processes-1``): every launcher, before it
     starts anything, does ``compare_set("processes", "", str(N))`` (the first one sets ``N``, the others find it
@@ -73,7 +77,7 @@ types): nothing read from the store is unpickled.
 from __future__ import annotations
 
 __all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
-           "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID", "ENV_COMPLETE_FILE",
+           "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID", "ENV_NODE_INDEX", "ENV_COMPLETE_FILE",
            "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
            "launch_prefix", "key"]
 
@@ -107,6 +111,9 @@ ENV_STORE_HOST_PID = "NEIGHBOR_CKPT_INPROCESS_STORE_HOST_PID"
 ENV_STORE_HOSTED = "NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED"
 """The index of the store this process's node hosts (its launcher's store host), if any: fault injection's
 ``store_node`` target."""
+ENV_NODE_INDEX = "NEIGHBOR_CKPT_INPROCESS_NODE_INDEX"
+"""The index of this process's node among the launch's nodes (the store it hosts: node ``i`` hosts store ``i``):
+fault injection's ``node`` target."""
 ENV_COMPLETE_FILE = "NEIGHBOR_CKPT_INPROCESS_COMPLETE_FILE"
 """The path of the launch's completion marker (:mod:`~neighbor_ckpt.inprocess.completion`): written by every launcher
 once the job completed; a process that finds it when it starts has nothing to do and exits 0 without a store."""

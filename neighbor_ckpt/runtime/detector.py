@@ -89,6 +89,10 @@ class Watch:
         if beat != last:
             self._last[rank] = (beat, now)
 
+    def quiet(self, rank: int, now: float) -> float:
+        """How long ``rank``'s heartbeat has not changed (0 for one that published ``done``)."""
+        return 0.0 if rank in self._done else now - self._last[rank][1]
+
     def silent(self, now: float) -> list[tuple[int, float]]:
         """Watched ranks whose heartbeat has not changed for more than the timeout, with the silence length."""
         return [(r, now - since) for r, (_, since) in sorted(self._last.items())

@@ -45,7 +45,8 @@ WORKER = WORKERS / "train_mcore_inprocess.py"
 
 def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: float = 600, max_restarts: int = 0,
                      program: str | list[str] | None = None, grow_back: bool = False, detector_timeout_s: float = 2.0,
-                     steal_store: int | None = None, hold_store: int | None = None, **env: Any) -> RunResult:
+                     steal_store: int | None = None, hold_store: int | None = None, devices: int = 1,
+                     **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
@@ -54,7 +55,8 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     port (binds and listens on it for the whole launch) between its choice and the launch's bind; ``hold_store``: the
     same, and the launchers' store hosts bind their ports themselves (as on a cluster), so that store's host cannot.
     ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
-    fixed for the launch are set here). The workers start warm or cold as ``tests/conftest.py`` decided for this
+    fixed for the launch are set here). ``devices``: processes per simulated node (the spares on spare nodes of their
+    own, :func:`neighbor_ckpt.cli.launch.simulated_nodes`; 1: a node per process). The workers start warm or cold as ``tests/conftest.py`` decided for this
     test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
     out = tmp / "out"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -67,7 +69,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     spec = {"program": argv, "active": active, "spares": spares, "max_restarts": max_restarts, "grow_back": grow_back,
             "run_id": f"inproc-{tmp.name}", "store_root": str(tmp / "store"), "ready": str(tmp / "store_host.ready"),
             "out": str(out), "timeout": timeout, "detector_timeout_s": detector_timeout_s,
-            "steal_store": steal_store, "hold_store": hold_store}
+            "steal_store": steal_store, "hold_store": hold_store, "devices": devices}
     spec_path = tmp / "launch.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "tests.e2e.inprocess_launch", str(spec_path)]
@@ -256,7 +258,7 @@ def find_orphans(tracker: _Tracker, out: Path, *, within_s: float = GONE_WITHIN_
 
 
 def _run(spec: dict[str, Any]) -> int:
-    from neighbor_ckpt.cli.launch import free_ports, inprocess_commands, run_inprocess
+    from neighbor_ckpt.cli.launch import free_ports, inprocess_commands, run_inprocess, simulated_nodes
 
     tracker = _Tracker()
     real_popen = subprocess.Popen
@@ -274,13 +276,14 @@ def _run(spec: dict[str, Any]) -> int:
         plan = plan_launch(spec["config"], spec["overrides"], run_dir=Path(spec["run_dir"]), record=True)
         write_run_dir(plan)
         root = expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-        procs = inprocess_processes(plan, store_port=free_ports(plan.processes), store_root=root)
+        procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=root)
     else:
-        ports = free_ports(spec["active"] + spec["spares"])
+        devices = int(spec.get("devices", 1))
+        ports = free_ports(len(simulated_nodes(spec["active"], spec["spares"], devices)))
         procs = inprocess_commands(spec["program"], active=spec["active"], spares=spec["spares"],
                                    max_restarts=spec["max_restarts"], run_id=spec["run_id"], store_port=ports,
                                    store_root=Path(spec["store_root"]), grow_back=bool(spec.get("grow_back")),
-                                   detector_timeout_s=spec.get("detector_timeout_s"))
+                                   detector_timeout_s=spec.get("detector_timeout_s"), devices=devices)
     taken = spec.get("steal_store")
     if taken is None:
         taken = spec.get("hold_store")

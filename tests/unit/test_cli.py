@@ -103,6 +103,37 @@ def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(
         "the Slurm script makes the token file once, before the launchers, and names it to each"
 
 
+def test_simulated_nodes_hold_devices_ranks_each_and_the_spares_fill_spare_nodes_of_their_own() -> None:
+    from neighbor_ckpt.cli.launch import simulated_nodes
+    from neighbor_ckpt.errors import ConfigError
+
+    assert simulated_nodes(4, 1) == ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1)), "one node per process: as before"
+    assert simulated_nodes(4, 2, 2) == ((0, 2), (2, 2), (4, 2))
+    assert simulated_nodes(4, 3, 2) == ((0, 2), (2, 2), (4, 2), (6, 1)), "ceil(spares / devices) spare nodes"
+    assert simulated_nodes(4, 0, 2) == ((0, 2), (2, 2))
+    with pytest.raises(ConfigError, match="per node"):
+        simulated_nodes(4, 0, 0)
+
+
+def test_a_job_of_two_nodes_launches_one_launcher_per_node_with_its_ranks_and_a_spare_node(tmp_path: Path) -> None:
+    from neighbor_ckpt.cli import launch
+    from neighbor_ckpt.inprocess.launcher_plan import child_env, parse_args
+    from neighbor_ckpt.inprocess.protocol import ENV_NODE_INDEX
+
+    plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml",
+                              ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=2",
+                               "trainer.num_nodes=2", "trainer.devices=2"], run_dir=tmp_path / "run")
+    assert (plan.processes, plan.per_node, plan.simulated_nodes) == (6, 2, ((0, 2), (2, 2), (4, 2)))
+    procs = launch.inprocess_processes(plan, store_port=29650, store_root=tmp_path / "shm")
+    assert procs.stores == ",".join(f"127.0.0.1:{29650 + i}" for i in range(3)), "one store per node"
+    for i, (cmd, env) in enumerate(procs.agents):
+        own = parse_args(cmd[3:])
+        assert (own.node, own.first, own.count, own.processes, own.spares, own.nodes, own.host_store) == \
+            (f"node{i}", 2 * i, 2, 6, 2, 3, i)
+        assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}"), "the node's processes share it"
+        assert child_env(own, index=2 * i + 1, local_rank=1, attempt=0, launcher_pid=1)[ENV_NODE_INDEX] == str(i)
+
+
 def test_inprocess_launchers_run_the_warm_prefixed_command_as_a_whole(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
     import sys
@@ -176,7 +207,8 @@ def test_an_inprocess_launch_succeeds_when_only_a_lost_nodes_launcher_died() -> 
 
     assert launch_status([0, 0, 0, 0]) == 0
     assert launch_status([0, -9, 0, 0]) == 0  # a node gone for good (SIGKILL of its launcher), the survivors finished
-    assert launch_status([0, -9, -9, 0]) == -9  # half the launchers lost: not a finished job
+    assert launch_status([0, -9, -9, 0]) == 0, "two nodes of four lost, the others finished the job (elastic)"
+    assert launch_status([-9, -9]) == -9, "nobody finished the job"
     assert launch_status([0, 1, 0, 0]) == 1 and launch_status([0, -15, 0, 0]) == -15
 
 

@@ -229,3 +229,57 @@ def test_a_store_set_says_how_long_a_live_process_may_take_to_follow_a_move() ->
     assert stores.move_bound_s == 6.0 + FOLLOW_EVERY_S
     stores.on_failover(lambda old, new, why: None)  # the set is whole after the bound was added
     stores.close()
+
+
+def _node_monitor(store: Any, *, process: int, nodes: dict[int, str], members: frozenset[int]) -> Any:
+    """A monitor of ``process`` whose peers' ``proc/<p>`` records place them on ``nodes``."""
+    import json
+
+    from neighbor_ckpt.inprocess.monitor import Monitor
+
+    gens = GenerationStore(store(), process=process)
+    for p, node in nodes.items():
+        gens.store.set(key("proc", p), json.dumps({"pid": 1000 + p, "node": node, "start": 1}))
+    gens.store.set("gen", "0")
+    gens.publish_assignment(0, initial_assignment(len(members), 0))
+    return Monitor(gens, state=lambda: (0, members, None, False), progress=lambda: (0, None, "idle"),
+                   listener=None, interval_s=0.2, timeout_s=2.0, hang_timeout_s=None)
+
+
+def test_a_silent_predecessor_whose_launcher_is_silent_too_takes_its_whole_node_in_one_decision(store: Any) -> None:
+    """2 nodes x 2 processes: process 0 watches process 3 (node b) and node b's launcher. Both stand still: 2 and 3
+    are declared dead in one record, before process 2 itself was ever watched."""
+    members = frozenset({0, 1, 2, 3})
+    monitor = _node_monitor(store, process=0, nodes={0: "a", 1: "a", 2: "b", 3: "b"}, members=members)
+    gens = monitor.gens
+    gens.store.set(key("hb", 3), "7 0 1 None idle")
+    gens.store.set(key("lhb", "b"), "40")
+    assert monitor._silent_peer(0, members, 100.0) is None
+    assert monitor._silent_peer(0, members, 101.5) is None, "not yet silent"
+    record = monitor._silent_peer(0, members, 102.5)
+    assert record is not None and record.kind == "silent" and set(record.ranks) == {2, 3}, record
+    assert {2, 3} <= gens.dead().keys() and "node b is lost" in record.reason
+
+
+def test_a_silent_predecessor_whose_launcher_beats_on_is_declared_alone(store: Any) -> None:
+    """A stopped process on a node whose launcher lives (it beats): only that process."""
+    members = frozenset({0, 1, 2, 3})
+    monitor = _node_monitor(store, process=0, nodes={0: "a", 1: "a", 2: "b", 3: "b"}, members=members)
+    gens = monitor.gens
+    gens.store.set(key("hb", 3), "7 0 1 None idle")
+    for i, now in enumerate((100.0, 100.5, 101.0, 101.5, 102.0, 102.5)):
+        gens.store.set(key("lhb", "b"), str(i))
+        record = monitor._silent_peer(0, members, now)
+    assert record is not None and record.ranks == (3,), record
+    assert 2 not in gens.dead()
+
+
+def test_a_predecessor_on_the_same_node_is_watched_without_its_launcher(store: Any) -> None:
+    """Process 1 watches process 0 on its own node: its launcher (this process's own) is not watched, and a silent
+    process 0 is declared alone."""
+    members = frozenset({0, 1, 2, 3})
+    monitor = _node_monitor(store, process=1, nodes={0: "a", 1: "a", 2: "b", 3: "b"}, members=members)
+    monitor.gens.store.set(key("hb", 0), "7 0 1 None idle")
+    assert monitor._silent_peer(0, members, 100.0) is None
+    record = monitor._silent_peer(0, members, 102.5)
+    assert record is not None and record.ranks == (0,), record

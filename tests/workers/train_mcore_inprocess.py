@@ -20,7 +20,8 @@ the optimizer step of KILL_STEP: SIGKILL, a RuntimeError, SIGSTOP, or the traini
 the heartbeat goes on), HANG_TIMEOUT (``detector.hang_timeout_s``, default 3 s; interval 0.2 s and timeout 2 s as the
 CPU job files), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the restored
 state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is
-gone, its launcher is killed too), LEAK_THREAD_RANK (that rank leaks a thread in generation 0: the hygiene check
+gone, its launcher is killed too), KILL_NODE (1: a killed rank SIGKILLs its node's launcher first, and with it every
+process of its node and the store host it runs: a whole node lost), LEAK_THREAD_RANK (that rank leaks a thread in generation 0: the hygiene check
 after the failed generation must catch it), BLOCK_CLEANUP_RANK (that rank's clean-up after the failed generation 0
 blocks in a C call), KILL_IDLE_SPARE_AT_STEP (every idle spare SIGKILLs itself once rank 0 logged that step), KILL2_RANK and
 KILL2_STEP (a second fault: that rank SIGKILLed in that step of generation 1, once a spare is up), ECHO_PORT (a TCP connection to the test's echo server opened before the
@@ -151,8 +152,9 @@ def inject_fault(rank: int, att: Attempt) -> None:
         h.flush()
     if FAULT == "kill":
         log.warning("fault injection: SIGKILL of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
-        if os.environ.get("STORE_NODE") == "1":
-            # the whole node: its launcher (and with it the store host it runs), then this rank
+        if os.environ.get("STORE_NODE") == "1" or os.environ.get("KILL_NODE") == "1":
+            # the whole node: its launcher (and with it the store host it runs and every process of the node: they
+            # die with it), then this rank
             launcher = int(os.environ["NEIGHBOR_CKPT_INPROCESS_LAUNCHER"])
             log.warning("fault injection: the node is gone: SIGKILL of its launcher (pid %d), which hosts store %s",
                         launcher, os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED"))

@@ -1,0 +1,116 @@
+"""End to end, nodes of several ranks in process (plain megatron-core loop): a whole node lost at once is one failure.
+
+2 simulated nodes x 2 ranks (``node0``: ranks 0, 1; ``node1``: ranks 2, 3) and, where said, a spare node of 2 hot
+spares (``node2``: processes 4, 5), as ``neighbor-ckpt launch`` starts a job with ``trainer.num_nodes: 2`` and
+``trainer.devices: 2`` on one machine (:func:`neighbor_ckpt.cli.launch.simulated_nodes`): one of our launchers per
+node, each with its processes, its own host store directory and a store host. The DP ring crosses nodes (node ids
+``node<i>``), so every rank's replica lives on the other node.
+
+In step 5 node 1 is lost whole: its ranks SIGKILL their launcher, which takes its processes and its store host with it
+(parent-death signal), so nobody reports an exit. The next node's first process watches node 1's last process and
+node 1's launcher: both silent, it declares both of node 1's processes dead in one decision. The spare node takes
+both ranks and pulls their state from node 0 (or, with ``elastic.enabled`` and no spare, the survivors go on at
+DP 2). Compared with the failure-free run of the same topology: bit for bit (or within 1e-4 after a shrink)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import RunResult, assert_same_training
+from tests.e2e.inprocess_launch import (assert_no_orphans, attempts, failures, launch_inprocess, launcher_exits,
+                                        timeline)
+from tests.e2e.test_elastic import ELASTIC_ENV, _global_losses
+
+pytestmark = pytest.mark.e2e
+
+ACTIVE, DEVICES, KILL_STEP = 4, 2, 5
+NODE_KILL = dict(FAULT="kill", KILL_RANK="2,3", KILL_STEP=KILL_STEP, KILL_NODE=1)
+"""Both ranks of node 1 kill their launcher (the first one to get there takes the node down)."""
+
+
+def by_process(res: RunResult) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for a in attempts(res):
+        out.setdefault(a["initial_rank"], []).append(a)
+    return {p: sorted(v, key=lambda a: a["iteration"]) for p, v in out.items()}
+
+
+def assert_node_lost_once(res: RunResult, *, watcher: int) -> None:
+    """Node 1 was found lost in one decision of process ``watcher`` (the next node's first process), naming both of
+    its processes; generation 0 is the only one that failed; node 1's launcher died by SIGKILL."""
+    assert "node node1 is lost: process 3 sent no heartbeat for" in res.log, res.log[-6000:]
+    assert "declaring its process(es) [2, 3] dead together" in res.log, res.log[-6000:]
+    assert "process 2 sent no heartbeat" not in res.log, "node 1's processes were found one after the other"
+    assert {g for g, _, _ in failures(res)} == {0}, failures(res)
+    assert launcher_exits(res)["node1"] == -9, launcher_exits(res)
+    assert f"process {watcher}: node node1 is lost" in res.log
+
+
+def assert_survivors_kept(res: RunResult, survivors: tuple[int, ...]) -> None:
+    procs = by_process(res)
+    for p in survivors:
+        assert [a["iteration"] for a in procs[p]] == [0, 1], procs[p]
+        assert len({(a["pid"], a["pid_start"]) for a in procs[p]}) == 1, f"process {p} changed: {procs[p]}"
+
+
+@pytest.fixture(scope="module")
+def nodes_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    res = launch_inprocess(tmp_path_factory.mktemp("nodes-base"), active=ACTIVE, spares=2, devices=DEVICES,
+                           STEPS=10, FAULT="none")
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert failures(res) == [], failures(res)
+    return res
+
+
+def test_a_node_of_two_ranks_lost_whole_is_one_failure_and_the_spare_node_takes_both_ranks_bit_exact(
+        nodes_baseline: RunResult, tmp_path) -> None:
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=2, devices=DEVICES, STEPS=10, **NODE_KILL)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert_same_training(nodes_baseline, res, nranks=ACTIVE)
+    assert_node_lost_once(res, watcher=4)
+    assert_survivors_kept(res, (0, 1))
+    procs = by_process(res)
+    # the spare node took both ranks of node 1; each pulled its rank's state from node 0, where its replica lives
+    assert sorted((procs[p][0]["iteration"], procs[p][0]["rank"]) for p in (4, 5)) == [(1, 2), (1, 3)], procs
+    for r in (2, 3):
+        rep = res.report(r, 1)
+        assert (rep["outcome"], rep["iteration"], rep["source"]) == ("restored", KILL_STEP - 1, "replica"), rep
+    tl = timeline(res, "0.1")
+    assert tl["mode"] == "in-process" and tl["restarted_ranks"] == [] and sorted(tl["spare_ranks"]) == [2, 3], tl
+    assert not (res.out / "reports" / "recovery_timeline.attempt0.2.json").exists(), "one recovery, one timeline"
+    assert {n: c for n, c in launcher_exits(res).items() if n != "node1"} == {"node0": 0, "node2": 0}
+
+
+@pytest.fixture(scope="module")
+def nodes_elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    res = launch_inprocess(tmp_path_factory.mktemp("nodes-elastic-base"), active=ACTIVE, spares=0, devices=DEVICES,
+                           FAULT="none", **ELASTIC_ENV)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    return res
+
+
+def test_a_node_lost_without_a_spare_under_elastic_goes_on_at_dp2_with_the_same_samples(
+        nodes_elastic_baseline: RunResult, tmp_path) -> None:
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=0, devices=DEVICES, ELASTIC=1, **NODE_KILL, **ELASTIC_ENV)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert_node_lost_once(res, watcher=0)
+    assert_survivors_kept(res, (0, 1))
+    assert "continuing on 2 of 4 ranks (elastic)" in res.log, res.log[-6000:]
+    base, got = _global_losses(nodes_elastic_baseline), _global_losses(res)
+    steps = ELASTIC_ENV["STEPS"]
+    assert sorted(got) == list(range(steps)), sorted(got)
+    for step in range(steps):
+        ref = base[step][-1]
+        for rec in got[step]:
+            assert rec["consumed_samples"] == ref["consumed_samples"], (step, rec, ref)
+            if step < KILL_STEP:
+                assert (rec["loss"], rec["dp"]) == (ref["loss"], 4), (step, rec)
+            else:
+                a, b = float.fromhex(rec["loss"]), float.fromhex(ref["loss"])
+                assert rec["dp"] == 2 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+    tl = timeline(res, "0.1")
+    assert (tl["data_parallel_before"], tl["data_parallel_after"]) == (4, 2), tl
