@@ -289,10 +289,11 @@ class DetectorConfig:
                     "silent only after missing a few heartbeats")
 
 
-FAULT_TARGETS = ("rank", "store_node")
+FAULT_TARGETS = ("rank", "store_node", "node")
 """What a planned fault kills (``fault_injection.target``): ``rank``, one training process; ``store_node``, the node
 hosting the store the launch uses at that moment (in-process recovery: the job fails over to the next standby,
-:mod:`neighbor_ckpt.inprocess.stores`)."""
+:mod:`neighbor_ckpt.inprocess.stores`); ``node``, node ``fault_injection.node`` whole (its launcher, its store host and
+every process of it)."""
 
 
 @checked("neighbor_ckpt.fault_injection.faults[]")
@@ -306,15 +307,22 @@ class FaultSpec:
     in whichever in-process generation runs that step first (:meth:`fires`): ``rank`` is a rank number of that
     generation (after a spare took a lost rank's place, that rank is the spare)."""
 
-    target: Literal["rank", "store_node"] = "rank"
+    target: Literal["rank", "store_node", "node"] = "rank"
     """``rank``: the process of rank ``rank``. ``store_node``: the node hosting the store in use (in-process recovery
     only; ``rank`` is not read): with SIGKILL its launcher, the store host it runs and its rank die, at that rank's
     ``step`` and ``phase``; with SIGSTOP only the store host is stopped (and never resumed: its launcher stops it for
     good once the job moved to the next store). Injected by ``recipes/mcore_gpt_plain_loop.py``; the other
-    injectors refuse it (:meth:`FaultInjectionConfig.refuse_unsupported`)."""
+    injectors refuse it (:meth:`FaultInjectionConfig.refuse_unsupported`). ``node``: node ``node`` of the launch,
+    whole (in-process recovery only; ``rank`` is not read): at ``step`` and ``phase`` its ranks SIGKILL its launcher,
+    and its processes (idle spares included) and its store host die with it; it never comes back within the launch
+    (no replacement is started for its processes). SIGKILL only."""
 
     rank: int = 1
     """The rank that is killed: a rank number of the generation that runs ``step``."""
+
+    node: int = 1
+    """``target: node``: the index of the node that is lost (``node<N>`` of a launch on one machine, the ``N``-th node
+    of a Slurm job): the node hosting store ``N``."""
 
     step: int = 5
     """Global step (0-based) in which it is killed."""
@@ -338,28 +346,34 @@ class FaultSpec:
     def _check(self, p: Problems) -> None:
         p.at_least("rank", self.rank, 0)
         p.at_least("step", self.step, 0)
+        p.at_least("node", self.node, 0)
+        p.check(self.target != "node" or self.signal == "SIGKILL", "signal",
+                f"{self.signal} of a whole node is not injected (target: node): use SIGKILL, or target: rank")
 
     def fires(self, *, rank: int, step: int, phase: str, launch: int, generation: int, start_step: int,
-              hosts_store: bool = False) -> bool:
+              hosts_store: bool = False, node: int | None = None) -> bool:
         """Whether this fault fires now (pure): rank ``rank`` of in-process generation ``generation`` of launch
         attempt ``launch`` is in ``phase`` of ``step``, and that generation started (resumed) at ``start_step``;
-        ``hosts_store``: that rank's node hosts the store in use (target ``store_node``).
+        ``hosts_store``: that rank's node hosts the store in use (target ``store_node``); ``node``: the index of that
+        rank's node in the launch (target ``node``; None: not known, it never fires).
 
         Once per launch: only in the first launch attempt, and, after generation 0, only at a step beyond the one its
         generation resumed at (the steps up to it ran in an earlier generation, which is where this fault fired or
         was passed). So a fault that killed a rank in step 3 does not fire again when the next generation replays
         step 3, and one at step 7 fires in that next generation."""
-        victim = rank == self.rank if self.target == "rank" else hosts_store
+        victim = {"rank": rank == self.rank, "store_node": hosts_store,
+                  "node": node is not None and node == self.node}[self.target]
         return (launch == 0 and victim and step == self.step and phase == self.phase
                 and (generation == 0 or step > start_step))
 
     def describe(self) -> str:
         """``SIGKILL of rank 1 in the optimizer phase of step 5``."""
-        who = f"rank {self.rank}" if self.target == "rank" else "the store's node"
+        who = {"rank": f"rank {self.rank}", "store_node": "the store's node",
+               "node": f"node {self.node} (its launcher, store host and every process)"}[self.target]
         return f"{self.signal} of {who} in the {self.phase} phase of step {self.step}"
 
 
-_ONE_FAULT_KEYS = ("target", "rank", "step", "phase", "signal", "replace_store", "permanent")
+_ONE_FAULT_KEYS = ("target", "rank", "node", "step", "phase", "signal", "replace_store", "permanent")
 """The keys of the one-fault form: every one of them is also a key of each ``faults`` entry."""
 
 
@@ -383,12 +397,16 @@ class FaultInjectionConfig:
     enabled: bool = False
     """Inject the planned faults. Never on in production."""
 
-    target: Literal["rank", "store_node"] | None = None
-    """One-fault form: what is killed, ``rank`` (the default) or ``store_node`` (the node hosting the store in use;
-    in process only, injected by ``recipes/mcore_gpt_plain_loop.py``, refused by the other injectors)."""
+    target: Literal["rank", "store_node", "node"] | None = None
+    """One-fault form: what is killed, ``rank`` (the default), ``store_node`` (the node hosting the store in use;
+    in process only, injected by ``recipes/mcore_gpt_plain_loop.py``, refused by the other injectors) or ``node``
+    (node ``node`` whole, in process only: :attr:`FaultSpec.target`)."""
 
     rank: int | None = None
     """One-fault form: the rank that is killed (default 1)."""
+
+    node: int | None = None
+    """One-fault form, ``target: node``: the index of the node that is lost (default 1)."""
 
     step: int | None = None
     """One-fault form: the global step (0-based) in which it is killed (default 5)."""
@@ -412,7 +430,8 @@ class FaultInjectionConfig:
 
     faults: list[Any] | None = None
     """Several faults in one launch: a list of entries, each taking the one-fault keys (``target``, ``rank``,
-    ``step``, ``phase``, ``signal``, ``replace_store``, ``permanent``); not together with the one-fault keys."""
+    ``node``, ``step``, ``phase``, ``signal``, ``replace_store``, ``permanent``); not together with the one-fault
+    keys."""
 
     def _check(self, p: Problems) -> None:
         p.at_least("rank", self.rank, 0, optional=True)
@@ -439,10 +458,11 @@ class FaultInjectionConfig:
         return (FaultSpec(**{k: getattr(self, k) for k in _ONE_FAULT_KEYS if getattr(self, k) is not None}),)
 
     def refuse_unsupported(self, *, phases: tuple[str, ...] = ("forward", "backward", "optimizer"),
-                           where: str = "", store_node: bool = False) -> tuple[FaultSpec, ...]:
+                           where: str = "", store_node: bool = False, node: bool = False) -> tuple[FaultSpec, ...]:
         """:meth:`planned`, for an injector: raise :class:`ConfigError` for a fault it cannot inject (a phase
         outside ``phases``; ``target: store_node`` unless ``store_node``: an in-process launch whose injector
-        implements it), naming the key of each."""
+        implements it; ``target: node`` unless ``node``: an in-process launch, one of our launchers per node), naming
+        the key of each."""
         planned = self.planned()
         lines = []
         for i, f in enumerate(planned):
@@ -451,6 +471,11 @@ class FaultInjectionConfig:
                 lines.append(f"{key}target: store_node (the node hosting the store in use) is injected only in "
                              "process (neighbor_ckpt.inprocess.enabled: true) by recipes/mcore_gpt_plain_loop.py"
                              f"{where and ', not' + where}; use target: rank")
+            if f.target == "node" and not node:
+                lines.append(f"{key}target: node (a whole node: its launcher, store host and processes) is injected "
+                             "only in process (neighbor_ckpt.inprocess.enabled: true: one of our launchers per node)"
+                             f"{where and ', not' + where}; use target: rank with permanent: true on the restart "
+                             "path")
             if f.phase not in phases:
                 lines.append(f"{key}phase: {f.phase!r} is not injected{where} (phases: {', '.join(phases)})")
         if lines:

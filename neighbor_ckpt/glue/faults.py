@@ -23,12 +23,14 @@ logger = logging.getLogger(__name__)
 
 def fire(fault: FaultSpec, rank: int, phase: str) -> None:
     """Inject ``fault`` into this process now (rank ``rank``, in ``phase``): log it, flush the logs, lose the node if
-    ``permanent``, send the signal."""
+    ``permanent`` or ``target: node`` (SIGKILL of this node's launcher: every process of the node and its store host
+    die with it), send the signal."""
     sig = getattr(signal, fault.signal)
-    logger.warning("fault injection: %s of rank %d in the %s phase of step %d", fault.signal, rank, phase, fault.step)
+    logger.warning("fault injection: %s of %s in the %s phase of step %d", fault.signal,
+                   f"node {fault.node} (rank {rank})" if fault.target == "node" else f"rank {rank}", phase, fault.step)
     for h in logging.getLogger().handlers:
         h.flush()
-    if fault.permanent and sig == signal.SIGKILL:
+    if fault.target == "node" or (fault.permanent and sig == signal.SIGKILL):
         lose_node()  # its node is gone: no restart brings this rank back
     os.kill(os.getpid(), sig)
 

@@ -21,10 +21,18 @@ from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.stores import StoreAddresses
 from neighbor_ckpt.recovery.attempt import RESTART_COUNT_ENV
 
-__all__ = ["ProcessIdentity", "NODE_ID_ENV"]
+__all__ = ["ProcessIdentity", "NODE_ID_ENV", "node_index"]
 
 NODE_ID_ENV = "NEIGHBOR_CKPT_NODE_ID"
 """The node's name as the launch gives it (a simulated node's id on one machine; the host name when unset)."""
+
+
+def node_index(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The index of this process's node in an in-process launch (:data:`~neighbor_ckpt.inprocess.protocol.
+    ENV_NODE_INDEX`, set by its launcher; ``env``: ``os.environ`` when None), None outside one: what a fault with
+    ``target: node`` compares with ``fault_injection.node``."""
+    raw = (os.environ if env is None else env).get(protocol.ENV_NODE_INDEX, "")
+    return int(raw) if raw.isdigit() else None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ beside it, or takes it as ``generation``). On the restart path the whole job res
 the faults of the earliest planned step fire.
 
 With ``replace_store`` the victim restarts with an empty host store, as a replacement node would; with ``permanent``
-its launcher agent is killed with it (its node is gone: no restart brings it back). ``target: store_node`` is
-refused here: only the plain megatron-core recipe injects it, in process.
+its launcher agent is killed with it (its node is gone: no restart brings it back). ``target: node`` (in process)
+loses node ``fault_injection.node`` whole: its ranks SIGKILL its launcher, its processes and store host die with it.
+``target: store_node`` is refused here: only the plain megatron-core recipe injects it, in process.
 
 Phases: ``forward`` (start of the training batch), ``backward`` (when the first gradient is computed: a tensor
 hook, so it fires inside megatron-core's forward-backward too) and ``optimizer`` (Lightning's
@@ -27,6 +28,7 @@ from typing import Any
 
 from neighbor_ckpt.config import NeighborCkptConfig
 from neighbor_ckpt.glue.faults import empty_host_store, fire
+from neighbor_ckpt.inprocess.identity import node_index
 from neighbor_ckpt.lightning._compat import callback_bases
 
 __all__ = ["FaultInjector"]
@@ -48,13 +50,14 @@ class FaultInjector(*callback_bases()):  # type: ignore[misc]
             among the trainer's callbacks, else 0).
 
     Raises:
-        ConfigError: a planned fault's ``target`` is ``store_node`` (injected by the plain megatron-core recipe only).
+        ConfigError: a planned fault's ``target`` is ``store_node`` (injected by the plain megatron-core recipe only),
+            or ``node`` without in-process recovery.
     """
 
     def __init__(self, config: NeighborCkptConfig, generation: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.faults = config.fault_injection.refuse_unsupported()
+        self.faults = config.fault_injection.refuse_unsupported(node=config.inprocess.enabled)
         self.generation = generation
         self._launch = _attempt()
         self._start_step: int | None = None
@@ -89,7 +92,8 @@ class FaultInjector(*callback_bases()):  # type: ignore[misc]
             self._start_step = trainer.global_step  # the first batch of this fit: where its generation resumed
         g, rank, step = self._generation(trainer), trainer.global_rank, trainer.global_step
         return [i for i, f in enumerate(self.faults) if i not in self._fired and f.fires(
-            rank=rank, step=step, phase=phase, launch=self._launch, generation=g, start_step=self._start_step)]
+            rank=rank, step=step, phase=phase, launch=self._launch, generation=g, start_step=self._start_step,
+            node=node_index())]
 
     def _fire(self, i: int, trainer: Any, where: str) -> None:
         self._fired.add(i)

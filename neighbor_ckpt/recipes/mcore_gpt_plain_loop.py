@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_patches import install_hooks, mcore_groups
     from neighbor_ckpt import NeighborCheckpointer, NeighborCkptConfig, prepare_torchrun_restart
     from neighbor_ckpt.adapters.megatron import MegatronOptimizerAdapter
+    from neighbor_ckpt.inprocess.identity import node_index
     from neighbor_ckpt.recovery.replacement_slot import prepare_replacement_slot
 
     rec = Recorder(args.out)
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                      == str(inproc.stores.epoch))
             fire = [f for f in planned if resumed_at and f.fires(rank=RANK, step=at, phase=phase, launch=ATTEMPT,
                                                                  generation=generation, start_step=resumed_at[0],
-                                                                 hosts_store=hosts)]
+                                                                 hosts_store=hosts, node=node_index())]
             if fire and generation > 0 and nc_config.inprocess.grow_back:
                 _wait_for_a_spare(inproc)
             return fire
@@ -554,12 +555,14 @@ def planned_faults(config: Any, args: argparse.Namespace) -> tuple[Any, ...]:
     list; none when it is off), the same section the NeMo and Bridge recipes read.
 
     Raises:
-        ConfigError: a fault this recipe cannot inject (``target: store_node``, a phase other than forward, backward
-            or optimizer), or faults planned both there and with ``--kill``."""
+        ConfigError: a fault this recipe cannot inject (``target: store_node`` or ``node`` without in-process
+            recovery, a phase other than forward, backward or optimizer), or faults planned both there and with
+            ``--kill``."""
     from neighbor_ckpt.errors import ConfigError
 
     planned = config.fault_injection.refuse_unsupported(where=" by recipes/mcore_gpt_plain_loop.py",
-                                                        store_node=config.inprocess.enabled)
+                                                        store_node=config.inprocess.enabled,
+                                                        node=config.inprocess.enabled)
     if planned and args.kill:
         raise ConfigError("faults planned twice: --kill and neighbor_ckpt.fault_injection in the --config file; use "
                           "one of them (the config's faults list for several faults in one launch)")
@@ -570,7 +573,7 @@ def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
     """Inject one planned fault (a :class:`~neighbor_ckpt.config.FaultSpec`) into this process now: record it
     (``faults.jsonl``, a line each; ``fault.json`` for the first), lose the node if ``permanent``, send the signal."""
     entry = {"rank": RANK, "step": fault.step, "phase": phase, "signal": fault.signal, "unix": time.time(),
-             "pid": os.getpid()}
+             "pid": os.getpid(), "target": fault.target, **({"node": fault.node} if fault.target == "node" else {})}
     if rec.out is not None:
         with open(rec.out / "faults.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
@@ -583,7 +586,7 @@ def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
         _lose_store_node(fault.signal)
         if fault.signal == "SIGSTOP":
             return  # only the store host is stopped; this rank trains on
-    if fault.permanent and fault.signal == "SIGKILL":
+    if fault.target == "node" or (fault.permanent and fault.signal == "SIGKILL"):  # the node whole: its launcher
         from neighbor_ckpt.runtime.failpoints import lose_node
 
         lose_node()

@@ -14,11 +14,13 @@ DP 2). Compared with the failure-free run of the same topology: bit for bit (or 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.conftest import RunResult, assert_same_training
-from tests.e2e.inprocess_launch import (assert_no_orphans, attempts, failures, launch_inprocess, launcher_exits,
-                                        timeline)
+from tests.conftest import Baselines, RunResult, assert_same_training
+from tests.e2e.inprocess_launch import (assert_no_orphans, attempts, failures, launch_config, launch_inprocess,
+                                        launcher_exits, timeline)
 from tests.e2e.test_elastic import ELASTIC_ENV, _global_losses
 
 pytestmark = pytest.mark.e2e
@@ -114,3 +116,31 @@ def test_a_node_lost_without_a_spare_under_elastic_goes_on_at_dp2_with_the_same_
                 assert rec["dp"] == 2 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
     tl = timeline(res, "0.1")
     assert (tl["data_parallel_before"], tl["data_parallel_after"]) == (4, 2), tl
+
+
+@pytest.mark.timeout(2400)
+def test_nemo_recipe_on_two_nodes_of_two_ranks_loses_node_1_whole_and_the_spare_node_takes_it_bit_exact(
+        baseline: Baselines, tmp_path) -> None:
+    """``neighbor-ckpt launch configs/gpt_tiny_cpu.yaml trainer.num_nodes=2 trainer.devices=2`` in process with 2
+    spares (a spare node), ``fault_injection.target: node``, ``node: 1`` in step 5: node 1's launcher, store host and
+    both ranks die at once; one decision declares both; the spare node takes ranks 2 and 3. Compared with the
+    failure-free run of the same job file on one node of 4 (the numbers do not depend on where the ranks run: same
+    ranks, same data), bit for bit."""
+    pytest.importorskip("nemo.collections.llm")
+    base = baseline.launch("gpt_tiny_cpu.yaml", "trainer.max_steps=10", warm=True)
+    res = launch_config("gpt_tiny_cpu.yaml", tmp_path / "fault", "trainer.max_steps=10", "trainer.num_nodes=2",
+                        "trainer.devices=2", "neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=2",
+                        "neighbor_ckpt.fault_injection.enabled=true", "neighbor_ckpt.fault_injection.target=node",
+                        "neighbor_ckpt.fault_injection.node=1", "neighbor_ckpt.fault_injection.step=5",
+                        timeout=1800)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert "4 ranks + 2 hot spare(s) = 6 processes" in res.log or "6 processes" in res.log
+    assert_same_training(base, res)
+    assert_node_lost_once(res, watcher=4)
+    assert "in-process recovery gives up" not in res.log and not list(res.out.glob("*.launch*"))
+    for r in (2, 3):
+        rep = res.report(r, 1)
+        assert (rep["outcome"], rep["source"]) == ("restored", "replica"), rep
+    tls = [json.loads(p.read_text()) for p in (tmp_path / "fault" / "run").rglob("recovery_timeline.*.json")]
+    assert [(t["mode"], sorted(t["spare_ranks"])) for t in tls] == [("in-process", [2, 3])], tls

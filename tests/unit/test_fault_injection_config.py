@@ -1,5 +1,5 @@
 """``neighbor_ckpt.fault_injection`` (issue 29 item 3): the one-fault keys or a ``faults`` list, never both; ``target:
-rank | store_node``; :meth:`FaultInjectionConfig.planned` gives the faults in one form; each fault fires once, in the
+rank | store_node | node``; :meth:`FaultInjectionConfig.planned` gives the faults in one form; each fault fires once, in the
 first launch attempt, in the in-process generation that first runs its step (:meth:`FaultSpec.fires`); the
 Lightning injector fires each planned fault once and refuses ``store_node``."""
 
@@ -49,7 +49,7 @@ def test_entries_are_validated_like_every_section() -> None:
         fi(faults=[{"rank": -1, "stp": 3, "phase": "sideways", "step": "3"}, 7, {"target": "switch"}])
     lines = str(e.value).splitlines()
     assert "neighbor_ckpt.fault_injection.faults[0].stp: unknown key (allowed keys of " \
-           "neighbor_ckpt.fault_injection.faults[0]: permanent, phase, rank, replace_store, signal, step, target)" \
+           "neighbor_ckpt.fault_injection.faults[0]: node, permanent, phase, rank, replace_store, signal, step, target)" \
            in lines
     assert "neighbor_ckpt.fault_injection.faults[0].step: expected an integer, got '3'" in lines
     assert any(line.startswith("neighbor_ckpt.fault_injection.faults[0].phase: 'sideways' is not allowed")
@@ -62,8 +62,8 @@ def test_entries_are_validated_like_every_section() -> None:
         fi(enabled=True, faults=[])
     with pytest.raises(ConfigError, match=r"faults: expected a list"):
         fi(faults={"rank": 1})
-    with pytest.raises(ConfigError, match=r"fault_injection\.target: 'node' is not allowed"):
-        fi(target="node")
+    with pytest.raises(ConfigError, match=r"fault_injection\.target: 'switch' is not allowed"):
+        fi(target="switch")
     with pytest.raises(ConfigError, match=r"faults\[0\]\.rank: expected an integer"):
         FaultInjectionConfig(enabled=True, faults=[{"rank": "one"}])  # the constructor holds to the same rules
 
@@ -93,6 +93,21 @@ def test_store_node_is_refused_by_the_injectors_that_cannot_inject_it_and_planne
     with pytest.raises(ConfigError, match=r"fault_injection\.phase: 'backward' is not injected here"):
         fi(enabled=True, phase="backward").refuse_unsupported(phases=("forward", "optimizer"), where=" here")
     assert fi(enabled=False, target="store_node").refuse_unsupported() == ()
+
+
+def test_a_whole_node_fault_fires_on_every_rank_of_that_node_and_is_refused_off_the_inprocess_path() -> None:
+    (f,) = fi(enabled=True, target="node", node=1, step=5).planned()
+    assert (f.target, f.node) == ("node", 1) and "node 1 (its launcher" in f.describe()
+    due = dict(step=5, phase="optimizer", launch=0, generation=0, start_step=0)
+    assert f.fires(rank=2, node=1, **due) and f.fires(rank=3, node=1, **due), "every rank of node 1"
+    assert not f.fires(rank=1, node=0, **due) and not f.fires(rank=2, node=None, **due)
+    with pytest.raises(ConfigError, match=r"target: node \(a whole node.*only in process"):
+        fi(enabled=True, target="node").refuse_unsupported()
+    assert fi(enabled=True, target="node").refuse_unsupported(node=True)[0].target == "node"
+    with pytest.raises(ConfigError, match="SIGSTOP of a whole node is not injected"):
+        fi(enabled=True, target="node", signal="SIGSTOP").planned()
+    with pytest.raises(ConfigError, match="node"):
+        fi(enabled=True, target="node", node=-1).planned()
 
 
 def test_each_fault_fires_once_in_the_generation_that_first_runs_its_step() -> None:
