@@ -264,7 +264,8 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], st
                               max_restarts=plan.job.launch.max_restarts, run_id=plan.run_id, store_port=store_port,
                               store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back,
                               token_file=plan.run_dir / TOKEN_FILE,
-                              detector_timeout_s=plan.job.neighbor_ckpt.detector.timeout_s, devices=plan.per_node)
+                              detector_timeout_s=plan.job.neighbor_ckpt.detector.timeout_s, devices=plan.per_node,
+                              elastic=plan.job.neighbor_ckpt.elastic.enabled)
 
 
 def simulated_nodes(active: int, spares: int, devices: int = 1) -> tuple[tuple[int, int], ...]:
@@ -283,14 +284,16 @@ def simulated_nodes(active: int, spares: int, devices: int = 1) -> tuple[tuple[i
 def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_restarts: int, run_id: str,
                        store_port: int | Sequence[int], store_root: Path, host: str = "127.0.0.1",
                        grow_back: bool = False, token_file: Path | None = None,
-                       detector_timeout_s: float | None = None, devices: int = 1) -> InprocessProcesses:
+                       detector_timeout_s: float | None = None, devices: int = 1,
+                       elastic: bool = False) -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments):
     ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop.
     ``token_file``: the launch's store token (default: ``store.token`` in ``store_root``); the completion marker
     lies beside it (:func:`~neighbor_ckpt.inprocess.completion.marker_path`). ``detector_timeout_s``: the job's
     ``detector.timeout_s``, which the launchers' timeouts follow (None: the launcher's default, the detector's).
     ``devices``: processes per simulated node (:func:`simulated_nodes`); node ``i`` hosts store ``i``, its
-    processes share its host store directory ``<store_root>/node<i>``."""
+    processes share its host store directory ``<store_root>/node<i>``. ``elastic``: the job's
+    ``neighbor_ckpt.elastic.enabled`` (a launchers' restart may go on without a node lost for good)."""
     processes = active + spares
     nodes = simulated_nodes(active, spares, devices)
     stores = ",".join(f"{host}:{p}" for p in _store_ports(store_port, len(nodes)))
@@ -302,7 +305,7 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
                                            store_root=str(store_root), grow_back=grow_back, host_store=str(i),
                                            store_listen=host, token_file=str(token),
                                            complete_file=str(marker_path(token.parent, run_id)),
-                                           detector_timeout_s=detector_timeout_s)),
+                                           detector_timeout_s=detector_timeout_s, elastic=elastic)),
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                      ("TORCH_CPP_LOG_LEVEL", "error")))
@@ -314,7 +317,7 @@ def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), stor
                      first: str, count: str, processes: int, spares: int, max_restarts: int, nodes: int,
                      store_root: str | None, grow_back: bool = False, host_store: str | None = None,
                      store_listen: str | None = None, token_file: str | None = None, complete_file: str | None = None,
-                     detector_timeout_s: float | None = None) -> list[str]:
+                     detector_timeout_s: float | None = None, elastic: bool = False) -> list[str]:
     """One node's launcher command line (``first``/``count``/``node``/``store_root``/``host_store`` are text: the
     Slurm script passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
     cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
@@ -332,6 +335,8 @@ def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), stor
         cmd += ["--store-listen", store_listen]
     if store_root is not None:
         cmd += ["--store-root", store_root]
+    if elastic:
+        cmd.append("--elastic")
     if grow_back:
         cmd.append("--grow-back")
     return [*cmd, *options, "--", *worker]
@@ -449,7 +454,8 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
                            grow_back=plan.job.neighbor_ckpt.inprocess.grow_back, host_store="@HOSTIDX@",
                            token_file=str(plan.run_dir / TOKEN_FILE),
                            complete_file=str(marker_path(plan.run_dir, plan.run_id)),
-                           detector_timeout_s=job.neighbor_ckpt.detector.timeout_s)
+                           detector_timeout_s=job.neighbor_ckpt.detector.timeout_s,
+                           elastic=job.neighbor_ckpt.elastic.enabled)
     launcher = shlex.join(cmd)
     for token, var in (("@NODE@", '"$NODE"'), ("@FIRST@", '"$FIRST"'), ("@COUNT@", '"$COUNT"'),
                        ("@STORE_ROOT@", '"$STORE_ROOT"'), ("@STORES@", '"$STORES"'), ("@HOSTIDX@", '"$HOSTIDX"')):

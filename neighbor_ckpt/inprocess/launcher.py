@@ -35,7 +35,9 @@ seconds for its processes to exit, SIGKILLs what is left, and, below ``--max-res
 under the next attempt's prefix (``launchers``: each adds 1 and waits until it equals ``--nodes``, at most
 ``--rendezvous-timeout`` seconds) and starts its ``K`` processes again (the original indices) with
 ``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (``exited`` reached ``processes``) without
-``complete``, the launcher that sees it sets ``giveup`` itself.
+``complete``, the launcher that sees it sets ``giveup`` itself. A node lost for good (its launcher silent, its
+processes declared dead) is not waited for: the restart goes on without it when the spares or ``--elastic`` allow,
+else every launcher says so in one line and exits 1 at once (:mod:`~neighbor_ckpt.inprocess.restart_rendezvous`).
 
 **A store host that cannot start** (its port held by another process, say): the launcher says so in one line (the
 node, the store, the port, the cause), declares its processes dead before they start (``dead`` and the current
@@ -101,6 +103,7 @@ from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dea
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
                                                    describe_exit, exit_status, parse_args)
 from neighbor_ckpt.inprocess.protocol import key
+from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
 
 __all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR"]
 
@@ -237,6 +240,12 @@ class Launcher:
         """Why this node's processes do not start (its store host could not start), if they do not."""
         self._beats = 0
         self._beat_at = 0.0
+        self._rendezvous = RestartRendezvous(
+            node=plan.node, nodes=plan.nodes, call=self._try, later=self._later, pending=lambda: bool(self._outbox),
+            beat=self._beat, timeout_s=plan.detector_timeout_s, poll_s=plan.poll_s,
+            rendezvous_timeout_s=plan.rendezvous_timeout_s, processes=plan.processes, spares=plan.spares,
+            elastic=plan.elastic, stopped=lambda: self._signal is not None, store_lost=self._store_lost)
+        """The restart rendezvous, which goes on without a node lost for good when the job can."""
 
     # -- store ------------------------------------------------------------------------------------------------
 
@@ -307,6 +316,7 @@ class Launcher:
         if att.dead:
             s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(att.dead.items())))
         s.add("launchers", 1)
+        s.append("nodes", f"{self.plan.node},")
         logger.warning("attempt %d: this node's processes %s, %d exited, %d known dead: written again to store %d",
                        att.number, sorted(att.children), att.exited, len(att.dead), new)
 
@@ -386,17 +396,17 @@ class Launcher:
             for path in remove_staged_slots(root, [pid]):
                 logger.info("removed %s, staged by process %d, which exited", path, pid)
 
-    def _beat(self, att: _Attempt) -> None:
-        """This launcher's heartbeat (``lhb/<node>``, every :attr:`~LauncherPlan.beat_s`): a monitor that finds a
-        process of this node silent declares the whole node lost when this stood still too (not queued: a beat that
-        cannot be written now is of no use later)."""
+    def _beat(self, attempt: int) -> None:
+        """This launcher's heartbeat under ``attempt``'s prefix (``lhb/<node>``, every :attr:`~LauncherPlan.beat_s`):
+        a monitor that finds a process of this node silent declares the whole node lost when this stood still too,
+        and so does the restart rendezvous (not queued: a beat that cannot be written now is of no use later)."""
         now = time.monotonic()
-        if now - self._beat_at < self.plan.beat_s or att.complete_at is not None:
+        if now - self._beat_at < self.plan.beat_s or (self._att is not None and self._att.complete_at is not None):
             return  # once the job completed nobody watches (and its store host may be gone)
         self._beat_at = now
         self._beats += 1
         beat = str(self._beats)
-        self._try(att.number, lambda s: s.set(key("lhb", self.plan.node), beat))
+        self._try(attempt, lambda s: s.set(key("lhb", self.plan.node), beat))
 
     def _report(self, att: _Attempt) -> None:
         info = json.dumps({"pid": self.pid, "processes": sorted(att.children)})
@@ -605,6 +615,7 @@ class Launcher:
         while any(c.proc.poll() is None for c in live) and time.monotonic() < deadline:
             if not sig and self._signal is not None:  # stopped while waiting for the processes to exit
                 break
+            self._beat(att.number)  # alive: the restart rendezvous must not take this node for lost
             time.sleep(min(self.plan.poll_s, 0.05))
         for c in live:
             if c.proc.poll() is None:
@@ -621,6 +632,11 @@ class Launcher:
         att = self._att = _Attempt(number=number)
         n = self.plan.processes
         self._later(number, lambda s: s.compare_set("processes", "", str(n)))
+        self._rendezvous.announce(number)
+        for index in self._rendezvous.to_declare(number) if number else ():  # lost for good with their node
+            self._declare(att, index, "lost for good with its node: not restarted")
+            att.exited += 1
+            self._later(number, lambda s: s.add("exited", 1))
         if self._cannot_start is not None:
             for index in self.plan.indices:  # never started: declared dead at once, counted as exited
                 self._declare(att, index, f"never started: {self._cannot_start}")
@@ -637,7 +653,7 @@ class Launcher:
                 return _Outcome.SIGNALED
             self._reap(att)
             self._flush()
-            self._beat(att)
+            self._beat(att.number)
             self._watch_store(att)
             self._kill_listed(att)
             self._grow_back(att)
@@ -667,25 +683,6 @@ class Launcher:
                 self._stop(att, self.plan.grace_s)
                 return _Outcome.STORE_LOST
             time.sleep(self.plan.poll_s)
-
-    def _rendezvous(self, number: int) -> bool:
-        """Meet every launcher under attempt ``number``'s prefix (``launchers`` reaches ``--nodes``)."""
-        nodes = self.plan.nodes
-        self._later(number, lambda s: s.add("launchers", 1))
-        deadline = time.monotonic() + self.plan.rendezvous_timeout_s
-        joined = 0
-        while self._signal is None:
-            self._flush()
-            if not self._outbox:
-                joined = self._try(number, lambda s: int(s.add("launchers", 0))) or joined
-                if joined >= nodes:
-                    return True
-            if time.monotonic() > deadline or self._store_lost():
-                logger.error("restart %d: only %d of %d launcher(s) joined within %.0f s: not restarting", number,
-                             joined, nodes, self.plan.rendezvous_timeout_s)
-                return False
-            time.sleep(max(self.plan.poll_s, 0.1))
-        return False
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum
@@ -739,7 +736,7 @@ class Launcher:
                 number += 1
                 logger.warning("restart %d of %d: waiting for the %d launcher(s) of the launch", number,
                                self.plan.max_restarts, self.plan.nodes)
-                if not self._rendezvous(number):
+                if not self._rendezvous.meet(number):
                     if self._signal is not None:
                         return 128 + self._signal
                     return EXIT_LAUNCHER_ERROR

@@ -60,6 +60,9 @@ class LauncherPlan:
     max_replacements: int = 16
     """Replacements (after :data:`~protocol.EXIT_HYGIENE`, and with ``grow_back``) this launcher starts per attempt,
     at most."""
+    elastic: bool = False
+    """The job's ``neighbor_ckpt.elastic.enabled`` (``--elastic``): a restart may go on without a node lost for good
+    when the processes left are fewer than the job's ranks (:mod:`~neighbor_ckpt.inprocess.restart_rendezvous`)."""
     grow_back: bool = False
     """Also replace a process of this node that died otherwise (killed, crashed, declared dead): the replacement
     joins as a spare and can take the next lost rank. It starts once a generation formed after the death has
@@ -193,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds the restart waits for every launcher (default 300)")
     ap.add_argument("--max-replacements", type=int, default=16,
                     help="replacement processes per attempt at most (default 16)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="the job's neighbor_ckpt.elastic.enabled: a restart may go on without a node lost for good "
+                         "at a smaller data-parallel size")
     ap.add_argument("--grow-back", action="store_true",
                     help="replace every process of this node that dies (it joins as a spare), once the next "
                          "generation has completed a step")
@@ -223,7 +229,7 @@ def parse_args(argv: Sequence[str]) -> LauncherPlan:
                             poll_s=a.poll, grace_s=a.grace, fallback_grace_s=a.fallback_grace,
                             complete_grace_s=a.complete_grace, store_grace_s=a.store_grace,
                             connect_timeout_s=a.connect_timeout, rendezvous_timeout_s=a.rendezvous_timeout,
-                            max_replacements=a.max_replacements, grow_back=a.grow_back)
+                            max_replacements=a.max_replacements, grow_back=a.grow_back, elastic=a.elastic)
     except ValueError as e:
         ap.error(str(e))
         raise  # unreachable: ap.error exits

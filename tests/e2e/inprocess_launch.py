@@ -46,7 +46,7 @@ WORKER = WORKERS / "train_mcore_inprocess.py"
 def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: float = 600, max_restarts: int = 0,
                      program: str | list[str] | None = None, grow_back: bool = False, detector_timeout_s: float = 2.0,
                      steal_store: int | None = None, hold_store: int | None = None, devices: int = 1,
-                     **env: Any) -> RunResult:
+                     elastic_launchers: bool | None = None, **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
@@ -56,7 +56,8 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     same, and the launchers' store hosts bind their ports themselves (as on a cluster), so that store's host cannot.
     ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
     fixed for the launch are set here). ``devices``: processes per simulated node (the spares on spare nodes of their
-    own, :func:`neighbor_ckpt.cli.launch.simulated_nodes`; 1: a node per process). The workers start warm or cold as ``tests/conftest.py`` decided for this
+    own, :func:`neighbor_ckpt.cli.launch.simulated_nodes`; 1: a node per process). ``elastic_launchers``: the
+    launchers' ``--elastic`` (default: as the workers' ``ELASTIC``). The workers start warm or cold as ``tests/conftest.py`` decided for this
     test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
     out = tmp / "out"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,9 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     spec = {"program": argv, "active": active, "spares": spares, "max_restarts": max_restarts, "grow_back": grow_back,
             "run_id": f"inproc-{tmp.name}", "store_root": str(tmp / "store"), "ready": str(tmp / "store_host.ready"),
             "out": str(out), "timeout": timeout, "detector_timeout_s": detector_timeout_s,
-            "steal_store": steal_store, "hold_store": hold_store, "devices": devices}
+            "steal_store": steal_store, "hold_store": hold_store, "devices": devices,
+            "elastic": env.get("ELASTIC") == 1 or env.get("ELASTIC") == "1" if elastic_launchers is None
+            else elastic_launchers}
     spec_path = tmp / "launch.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "tests.e2e.inprocess_launch", str(spec_path)]
@@ -283,7 +286,8 @@ def _run(spec: dict[str, Any]) -> int:
         procs = inprocess_commands(spec["program"], active=spec["active"], spares=spec["spares"],
                                    max_restarts=spec["max_restarts"], run_id=spec["run_id"], store_port=ports,
                                    store_root=Path(spec["store_root"]), grow_back=bool(spec.get("grow_back")),
-                                   detector_timeout_s=spec.get("detector_timeout_s"), devices=devices)
+                                   detector_timeout_s=spec.get("detector_timeout_s"), devices=devices,
+                                   elastic=bool(spec.get("elastic")))
     taken = spec.get("steal_store")
     if taken is None:
         taken = spec.get("hold_store")

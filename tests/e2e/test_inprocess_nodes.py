@@ -144,3 +144,49 @@ def test_nemo_recipe_on_two_nodes_of_two_ranks_loses_node_1_whole_and_the_spare_
         assert (rep["outcome"], rep["source"]) == ("restored", "replica"), rep
     tls = [json.loads(p.read_text()) for p in (tmp_path / "fault" / "run").rglob("recovery_timeline.*.json")]
     assert [(t["mode"], sorted(t["spare_ranks"])) for t in tls] == [("in-process", [2, 3])], tls
+
+
+def test_a_node_lost_for_good_without_spare_or_elastic_stops_the_restart_at_once_naming_the_setting(
+        tmp_path) -> None:
+    """No spare, no elastic: in-process recovery gives up (no spare left for ranks 2 and 3), the launchers restart
+    the job, and node 0's launcher finds node 1 lost for good (its launcher silent, both processes declared dead):
+    one line naming the node and the setting, exit 1, without waiting out the rendezvous timeout."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=0, devices=DEVICES, max_restarts=1, STEPS=10,
+                           **NODE_KILL)
+    assert res.returncode != 0, res.log[-6000:]
+    assert_no_orphans(res)
+    assert "no hot spare left to replace the lost rank(s) [2, 3]" in res.log, res.log[-6000:]
+    assert "restart 1: node(s) node1 lost for good (processes [2, 3]" in res.log, res.log[-6000:]
+    assert "set neighbor_ckpt.elastic.enabled: true" in res.log
+    assert "launcher(s) joined within" not in res.log, "waited for the lost node's launcher"
+    assert launcher_exits(res) == {"node0": 1, "node1": -9}, launcher_exits(res)
+
+
+def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_without_it_at_dp2(
+        nodes_elastic_baseline: RunResult, tmp_path) -> None:
+    """Elastic, no spare: node 1 lost in step 5, then rank 0 killed while it loads the resharded state: in-process
+    recovery gives up, the launchers restart the job, and the restart goes on without node 1 (lost for good): the
+    restarted job reshards the DP-4 snapshots of node 0's host memory to DP 2 (one version back: the one the dead
+    recovery loaded is never chosen again) and finishes, the same samples, the losses within 1e-4 from there."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=0, devices=DEVICES, max_restarts=1, ELASTIC=1,
+                           RECOVERY_KILL_RANK=0, **NODE_KILL, **ELASTIC_ENV)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert "restart 1: node(s) node1 lost for good (processes [2, 3])" in res.log, res.log[-6000:]
+    assert "a smaller data-parallel size" in res.log
+    assert launcher_exits(res) == {"node0": 0, "node1": -9}, launcher_exits(res)
+    base, got = _global_losses(nodes_elastic_baseline), _global_losses(res)
+    steps = ELASTIC_ENV["STEPS"]
+    assert set(range(steps)) <= set(got), sorted(got)
+    # The iteration the dead recovery restored (4) is never chosen again (the restore journal): the restarted job
+    # reshards iteration 3 and runs steps 4.. at DP 2.
+    assert "resharded iteration 3 from data-parallel size 4 (4 ranks) to 2 (2 ranks)" in res.log, res.log[-6000:]
+    for step in range(steps):
+        ref = base[step][-1]
+        first, last = got[step][0], got[step][-1]  # the first launch attempt's, the restarted job's
+        assert last["consumed_samples"] == ref["consumed_samples"], (step, last, ref)
+        if step < KILL_STEP:
+            assert (first["loss"], first["dp"]) == (ref["loss"], 4), (step, first, ref)
+        if step >= KILL_STEP - 1:
+            a, b = float.fromhex(last["loss"]), float.fromhex(ref["loss"])
+            assert last["launch_attempt"] == 1 and last["dp"] == 2 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)

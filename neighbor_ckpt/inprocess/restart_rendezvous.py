@@ -1,0 +1,209 @@
+"""The launchers' restart rendezvous, and the nodes that will not come to it.
+
+When in-process recovery gives up, every launcher restarts its processes together with the others: each joins the
+next attempt's rendezvous (``launchers`` + 1, ``joined`` + its node) and waits until every launcher of the launch
+joined. A node lost for good (its launcher SIGKILLed with its processes) never joins: waiting for it would cost
+``--rendezvous-timeout`` (300 s) and then end the job. So the rendezvous also watches the launchers that have not
+joined: a node of the previous attempt is **lost** when its launcher's heartbeat there (``lhb/<node>``, which a live
+launcher keeps beating until it joined) has stood still for ``detector.timeout_s`` as this launcher watched it, *and*
+every process of it (``launcher/<node>``) is listed in the previous attempt's ``dead`` (the detectors declared them:
+:mod:`~neighbor_ckpt.inprocess.monitor`'s lost node). Once every node of the previous attempt has joined or is lost:
+
+* enough processes are left for the job's ranks (the spares cover the lost node), or ``neighbor_ckpt.elastic.enabled``
+  (a smaller data-parallel size): the restart goes on without the lost nodes, whose processes are declared dead in the
+  new attempt before it starts (one launcher claims each node: ``lost/<node>``), so no barrier waits for them;
+* else: one line naming the lost node(s) and the setting to change, and the launcher exits
+  (:data:`~neighbor_ckpt.inprocess.launcher.EXIT_LAUNCHER_ERROR`), every launcher alike, without the timeout.
+
+The decisions are pure (:class:`LostNodes`, :func:`restart_verdict`); :class:`RestartRendezvous` runs them against
+the store through the launcher's bounded calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from neighbor_ckpt.inprocess.generation import parse_dead
+from neighbor_ckpt.inprocess.protocol import key
+
+__all__ = ["LostNodes", "restart_verdict", "parse_nodes", "RestartRendezvous", "Verdict"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_nodes(raw: bytes | str | None) -> list[str]:
+    """``"node0,node2,"`` -> ``["node0", "node2"]`` (an append-only list of node ids, each once, in order)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
+    out: list[str] = []
+    for node in text.split(","):
+        if node.strip() and node.strip() not in out:
+            out.append(node.strip())
+    return out
+
+
+@dataclass
+class LostNodes:
+    """How long each launcher's heartbeat has stood still, as this launcher watched it (pure: times are passed in)."""
+
+    timeout_s: float
+    """``detector.timeout_s``: a launcher silent for longer is gone (with every process of its node dead)."""
+    _seen: dict[str, tuple[Optional[str], float]] = field(default_factory=dict)
+
+    def observe(self, node: str, beat: Optional[str], now: float) -> None:
+        last = self._seen.get(node)
+        if last is None or last[0] != beat:
+            self._seen[node] = (beat, now)
+
+    def lost(self, candidates: Sequence[str], *, processes: Mapping[str, Sequence[int]],
+             dead: Mapping[int, str], now: float) -> tuple[str, ...]:
+        """The ``candidates`` (nodes that have not joined) whose launcher has been silent for ``timeout_s`` and every
+        one of whose ``processes`` is in ``dead``."""
+        out = []
+        for node in candidates:
+            seen = self._seen.get(node)
+            procs = processes.get(node)
+            if seen is None or procs is None or now - seen[1] <= self.timeout_s:
+                continue
+            if all(p in dead for p in procs):
+                out.append(node)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the restart does about lost nodes (pure)."""
+
+    go_on: bool
+    message: str
+
+
+def restart_verdict(*, lost: Mapping[str, Sequence[int]], processes: int, spares: int, elastic: bool) -> Verdict:
+    """Go on without the ``lost`` nodes (node -> its process indices) when the processes left cover the job's
+    ``processes - spares`` ranks, or ``elastic`` lets the job go on at a smaller data-parallel size; else say which
+    nodes are gone and what to set."""
+    gone = sorted({p for procs in lost.values() for p in procs})
+    left, ranks = processes - len(gone), processes - spares
+    names = ", ".join(sorted(lost))
+    if left >= ranks:
+        return Verdict(True, f"node(s) {names} lost for good (processes {gone}): the restart goes on without them, "
+                             f"{left} processes for {ranks} ranks (spares take their places)")
+    if elastic:
+        return Verdict(True, f"node(s) {names} lost for good (processes {gone}): the restart goes on without them, "
+                             f"{left} processes for the job's {ranks} ranks: a smaller data-parallel size "
+                             "(neighbor_ckpt.elastic.enabled)")
+    return Verdict(False, f"node(s) {names} lost for good (processes {gone}; their launcher silent for "
+                          "detector.timeout_s): the job's {ranks} ranks need {need} more process(es) than the {left} "
+                          "left; set neighbor_ckpt.elastic.enabled: true to go on at a smaller data-parallel size, "
+                          "or add spare nodes (neighbor_ckpt.inprocess.spares)".format(ranks=ranks, left=left,
+                                                                                        need=ranks - left))
+
+
+class RestartRendezvous:
+    """One launcher's side of the restart rendezvous (see the module docstring).
+
+    Args:
+        node: this launcher's node id.
+        nodes: the launchers of the launch.
+        call: ``call(attempt, fn)``: ``fn(store)`` under that attempt's prefix; None when no store answers.
+        later: ``later(attempt, fn)``: a write that must reach the store (queued while none answers).
+        pending: whether queued writes are still waiting for a store.
+        beat: ``beat(attempt)``: this launcher's heartbeat under that attempt's prefix.
+        timeout_s, poll_s, rendezvous_timeout_s, processes, spares, elastic: the launcher's plan.
+        stopped: whether the launcher was signalled (it stops waiting).
+        store_lost: whether the store has not answered for ``--store-grace``.
+    """
+
+    def __init__(self, *, node: str, nodes: int, call: Callable[[int, Callable[[Any], Any]], Any],
+                 later: Callable[[int, Callable[[Any], Any]], None], pending: Callable[[], bool],
+                 beat: Callable[[int], None], timeout_s: float, poll_s: float, rendezvous_timeout_s: float,
+                 processes: int, spares: int, elastic: bool, stopped: Callable[[], bool],
+                 store_lost: Callable[[], bool]) -> None:
+        self.node, self.nodes = node, nodes
+        self._call, self._later, self._pending, self._beat = call, later, pending, beat
+        self.timeout_s, self.poll_s, self.rendezvous_timeout_s = timeout_s, poll_s, rendezvous_timeout_s
+        self.processes, self.spares, self.elastic = processes, spares, elastic
+        self._stopped, self._store_lost = stopped, store_lost
+        self.lost: dict[str, tuple[int, ...]] = {}
+        """The nodes lost for good so far (node -> its process indices): not waited for by later restarts."""
+
+    def announce(self, attempt: int) -> None:
+        """This node takes part in ``attempt`` (``nodes``: the nodes a later rendezvous looks for)."""
+        me = self.node
+        self._later(attempt, lambda s: s.append("nodes", f"{me},"))
+
+    def to_declare(self, attempt: int) -> list[int]:
+        """The processes of the lost nodes this launcher claimed for ``attempt`` (``lost/<node>``, first claim
+        wins): it declares them dead in that attempt before anything starts."""
+        me, out = self.node, []
+        for node, procs in sorted(self.lost.items()):
+            won = self._call(attempt, lambda s, n=node: s.compare_set(key("lost", n), "", me))
+            if won is not None and won.decode(errors="replace") == me:
+                out.extend(procs)
+        return out
+
+    def meet(self, number: int) -> bool:
+        """Join attempt ``number`` and wait for every launcher, going on without the nodes lost for good when the
+        job can; False when it cannot (said in one line) or the wait timed out."""
+        prev, me = number - 1, self.node
+        want = self.nodes - len(self.lost)
+        self._later(number, lambda s: s.add("launchers", 1))
+        self._later(number, lambda s: s.append("joined", f"{me},"))
+        watch = LostNodes(self.timeout_s)
+        deadline = time.monotonic() + self.rendezvous_timeout_s
+        joined = 0
+        while not self._stopped():
+            self._beat(prev)  # the others judge this launcher alive by its beat under the previous attempt
+            if not self._pending():
+                joined = self._call(number, lambda s: int(s.add("launchers", 0))) or joined
+                if joined >= want:
+                    return True
+                verdict = self._look(prev, number, watch)
+                if verdict is not None:
+                    (logger.warning if verdict.go_on else logger.error)("restart %d: %s", number, verdict.message)
+                    return verdict.go_on
+            if time.monotonic() > deadline or self._store_lost():
+                logger.error("restart %d: only %d of %d launcher(s) joined within %.0f s: not restarting", number,
+                             joined, want, self.rendezvous_timeout_s)
+                return False
+            time.sleep(max(self.poll_s, 0.1))
+        return False
+
+    def _look(self, prev: int, number: int, watch: LostNodes) -> Optional[Verdict]:
+        """One look at the launchers of attempt ``prev`` that have not joined ``number``: the verdict once every one
+        of them is lost, else None."""
+        def read(s: Any) -> tuple[list[str], dict[int, str], dict[str, Optional[str]], dict[str, tuple[int, ...]]]:
+            nodes = parse_nodes(s.get("nodes") if s.check(["nodes"]) else None)
+            dead = parse_dead(s.get("dead") if s.check(["dead"]) else None)
+            beats: dict[str, Optional[str]] = {}
+            procs: dict[str, tuple[int, ...]] = {}
+            for n in nodes:
+                k = key("lhb", n)
+                beats[n] = s.get(k).decode(errors="replace") if s.check([k]) else None
+                r = key("launcher", n)
+                if s.check([r]):
+                    procs[n] = tuple(int(p) for p in json.loads(s.get(r)).get("processes", []))
+            return nodes, dead, beats, procs
+
+        got = self._call(prev, read)
+        joined = self._call(number, lambda s: parse_nodes(s.get("joined") if s.check(["joined"]) else None))
+        if got is None or joined is None:
+            return None
+        nodes, dead, beats, procs = got
+        now = time.monotonic()
+        missing = [n for n in nodes if n not in joined and n not in self.lost]
+        for n in missing:
+            watch.observe(n, beats.get(n), now)
+        if not missing:
+            return None
+        lost = watch.lost(missing, processes=procs, dead=dead, now=now)
+        if len(lost) < len(missing):
+            return None
+        verdict = restart_verdict(lost={**self.lost, **{n: procs[n] for n in lost}}, processes=self.processes,
+                                  spares=self.spares, elastic=self.elastic)
+        if verdict.go_on:
+            self.lost.update({n: procs[n] for n in lost})
+        return verdict
