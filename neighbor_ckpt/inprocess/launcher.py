@@ -242,7 +242,7 @@ class Launcher:
         self._beat_at = 0.0
         self._rendezvous = RestartRendezvous(
             node=plan.node, nodes=plan.nodes, call=self._try, later=self._later, pending=lambda: bool(self._outbox),
-            beat=self._beat, timeout_s=plan.detector_timeout_s, poll_s=plan.poll_s,
+            beat=self._beat, timeout_s=plan.detector_timeout_s, store_timeout_s=plan.store_timeout_s, poll_s=plan.poll_s,
             rendezvous_timeout_s=plan.rendezvous_timeout_s, processes=plan.processes, spares=plan.spares,
             elastic=plan.elastic, stopped=lambda: self._signal is not None, store_lost=self._store_lost)
         """The restart rendezvous, which goes on without a node lost for good when the job can."""

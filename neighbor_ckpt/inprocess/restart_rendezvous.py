@@ -5,9 +5,11 @@ next attempt's rendezvous (``launchers`` + 1, ``joined`` + its node) and waits u
 joined. A node lost for good (its launcher SIGKILLed with its processes) never joins: waiting for it would cost
 ``--rendezvous-timeout`` (300 s) and then end the job. So the rendezvous also watches the launchers that have not
 joined: a node of the previous attempt is **lost** when its launcher's heartbeat there (``lhb/<node>``, which a live
-launcher keeps beating until it joined) has stood still for ``detector.timeout_s`` as this launcher watched it, *and*
+launcher keeps beating until it joined) has stood still for ``detector.timeout_s`` as this launcher watched it, and
 every process of it (``launcher/<node>``) is listed in the previous attempt's ``dead`` (the detectors declared them:
-:mod:`~neighbor_ckpt.inprocess.monitor`'s lost node). Once every node of the previous attempt has joined or is lost:
+:mod:`~neighbor_ckpt.inprocess.monitor`'s lost node); or, when the job gave up before a detector could declare them,
+for ``detector.timeout_s`` plus the launcher's store timeout (a live launcher stuck in one store operation beats again
+within it). Once every node of the previous attempt has joined or is lost:
 
 * enough processes are left for the job's ranks (the spares cover the lost node), or ``neighbor_ckpt.elastic.enabled``
   (a smaller data-parallel size): the restart goes on without the lost nodes, whose processes are declared dead in the
@@ -50,7 +52,11 @@ class LostNodes:
     """How long each launcher's heartbeat has stood still, as this launcher watched it (pure: times are passed in)."""
 
     timeout_s: float
-    """``detector.timeout_s``: a launcher silent for longer is gone (with every process of its node dead)."""
+    """``detector.timeout_s``: a launcher silent for longer, every process of its node declared dead, is gone."""
+    bound_s: float
+    """A launcher silent for longer is gone even if its processes were not all declared dead (a node lost while
+    the job gave up: everyone left before a detector could declare them): a live launcher beats again within one
+    store operation's timeout, so ``detector.timeout_s`` + the launcher's store timeout."""
     _seen: dict[str, tuple[Optional[str], float]] = field(default_factory=dict)
 
     def observe(self, node: str, beat: Optional[str], now: float) -> None:
@@ -60,15 +66,16 @@ class LostNodes:
 
     def lost(self, candidates: Sequence[str], *, processes: Mapping[str, Sequence[int]],
              dead: Mapping[int, str], now: float) -> tuple[str, ...]:
-        """The ``candidates`` (nodes that have not joined) whose launcher has been silent for ``timeout_s`` and every
-        one of whose ``processes`` is in ``dead``."""
+        """The ``candidates`` (nodes that have not joined) whose launcher has been silent for ``timeout_s`` with every
+        one of their ``processes`` in ``dead``, or for ``bound_s`` whatever their processes."""
         out = []
         for node in candidates:
             seen = self._seen.get(node)
             procs = processes.get(node)
-            if seen is None or procs is None or now - seen[1] <= self.timeout_s:
+            if seen is None or procs is None:
                 continue
-            if all(p in dead for p in procs):
+            quiet = now - seen[1]
+            if quiet > self.bound_s or (quiet > self.timeout_s and all(p in dead for p in procs)):
                 out.append(node)
         return tuple(out)
 
@@ -112,19 +119,21 @@ class RestartRendezvous:
         later: ``later(attempt, fn)``: a write that must reach the store (queued while none answers).
         pending: whether queued writes are still waiting for a store.
         beat: ``beat(attempt)``: this launcher's heartbeat under that attempt's prefix.
-        timeout_s, poll_s, rendezvous_timeout_s, processes, spares, elastic: the launcher's plan.
+        timeout_s, store_timeout_s, poll_s, rendezvous_timeout_s, processes, spares, elastic: the launcher's plan.
         stopped: whether the launcher was signalled (it stops waiting).
         store_lost: whether the store has not answered for ``--store-grace``.
     """
 
     def __init__(self, *, node: str, nodes: int, call: Callable[[int, Callable[[Any], Any]], Any],
                  later: Callable[[int, Callable[[Any], Any]], None], pending: Callable[[], bool],
-                 beat: Callable[[int], None], timeout_s: float, poll_s: float, rendezvous_timeout_s: float,
+                 beat: Callable[[int], None], timeout_s: float, store_timeout_s: float, poll_s: float,
+                 rendezvous_timeout_s: float,
                  processes: int, spares: int, elastic: bool, stopped: Callable[[], bool],
                  store_lost: Callable[[], bool]) -> None:
         self.node, self.nodes = node, nodes
         self._call, self._later, self._pending, self._beat = call, later, pending, beat
         self.timeout_s, self.poll_s, self.rendezvous_timeout_s = timeout_s, poll_s, rendezvous_timeout_s
+        self.store_timeout_s = store_timeout_s
         self.processes, self.spares, self.elastic = processes, spares, elastic
         self._stopped, self._store_lost = stopped, store_lost
         self.lost: dict[str, tuple[int, ...]] = {}
@@ -152,7 +161,7 @@ class RestartRendezvous:
         want = self.nodes - len(self.lost)
         self._later(number, lambda s: s.add("launchers", 1))
         self._later(number, lambda s: s.append("joined", f"{me},"))
-        watch = LostNodes(self.timeout_s)
+        watch = LostNodes(self.timeout_s, bound_s=self.timeout_s + self.store_timeout_s)
         deadline = time.monotonic() + self.rendezvous_timeout_s
         joined = 0
         while not self._stopped():

@@ -85,6 +85,26 @@ def test_a_node_of_two_ranks_lost_whole_is_one_failure_and_the_spare_node_takes_
     assert {n: c for n, c in launcher_exits(res).items() if n != "node1"} == {"node0": 0, "node2": 0}
 
 
+def test_a_second_node_lost_during_the_recovery_restarts_the_job_on_the_last_spare_node_bit_exact(
+        nodes_baseline: RunResult, tmp_path) -> None:
+    """Two spare nodes (node 2, node 3). Node 1 is lost whole in step 5; while node 2's processes load ranks 2 and
+    3's state, node 2 is lost whole too: in-process recovery gives up (a failure during the recovery, announced),
+    the launchers restart the job without the two lost nodes (the processes left cover the ranks: node 3's spares
+    take ranks 2 and 3) and it finishes bit for bit, restored from node 0's host memory."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=4, devices=DEVICES, max_restarts=1, STEPS=10,
+                           RECOVERY_KILL_RANK=2, RECOVERY_KILL_NODE=1, **NODE_KILL)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert_same_training(nodes_baseline, res, nranks=ACTIVE)
+    assert "node node1 is lost" in res.log and "in-process recovery gives up" in res.log, res.log[-6000:]
+    assert "restart 1: node(s) node1, node2 lost for good" in res.log, res.log[-6000:]
+    assert "spares take their places" in res.log
+    assert launcher_exits(res) == {"node0": 0, "node1": -9, "node2": -9, "node3": 0}, launcher_exits(res)
+    restarted = attempts(res, launch=1)
+    assert sorted(a["rank"] for a in restarted if a["initial_rank"] in (6, 7) and a["rank"] is not None) == [2, 3], \
+        restarted
+
+
 @pytest.fixture(scope="module")
 def nodes_elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     res = launch_inprocess(tmp_path_factory.mktemp("nodes-elastic-base"), active=ACTIVE, spares=0, devices=DEVICES,

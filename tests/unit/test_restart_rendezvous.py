@@ -12,7 +12,7 @@ def test_node_lists_parse_each_node_once_in_order() -> None:
 
 
 def test_a_node_is_lost_only_when_its_launcher_stood_still_for_the_timeout_and_its_processes_are_dead() -> None:
-    watch = LostNodes(timeout_s=2.0)
+    watch = LostNodes(timeout_s=2.0, bound_s=6.0)
     procs = {"node1": (2, 3), "node2": (4, 5)}
     watch.observe("node1", "17", 100.0)
     watch.observe("node2", "3", 100.0)
@@ -23,6 +23,8 @@ def test_a_node_is_lost_only_when_its_launcher_stood_still_for_the_timeout_and_i
     assert watch.lost(["node1"], processes=procs, dead={2: "silent"}, now=102.5) == (), \
         "a live process of the node: its launcher may only be slow"
     assert watch.lost(["node3"], processes=procs, dead=dead, now=200.0) == (), "never seen: not judged"
+    assert watch.lost(["node1"], processes=procs, dead={}, now=106.5) == ("node1",), \
+        "silent past the bound: lost although nobody declared its processes (the job gave up first)"
 
 
 def test_the_restart_goes_on_without_a_lost_node_when_spares_or_elastic_allow_else_names_the_setting() -> None:

@@ -19,7 +19,8 @@ STEPS, NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host
 the optimizer step of KILL_STEP: SIGKILL, a RuntimeError, SIGSTOP, or the training thread blocked in a C call while
 the heartbeat goes on), HANG_TIMEOUT (``detector.hang_timeout_s``, default 3 s; interval 0.2 s and timeout 2 s as the
 CPU job files), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the restored
-state: failpoint ``recovery.load``, before the attempt completes a step), PERMANENT (1: a SIGKILLed rank's node is
+state: failpoint ``recovery.load``, before the attempt completes a step; with RECOVERY_KILL_NODE=1 its node's launcher
+first: the whole node), PERMANENT (1: a SIGKILLed rank's node is
 gone, its launcher is killed too), KILL_NODE (1: a killed rank SIGKILLs its node's launcher first, and with it every
 process of its node and the store host it runs: a whole node lost), LEAK_THREAD_RANK (that rank leaks a thread in generation 0: the hygiene check
 after the failed generation must catch it), BLOCK_CLEANUP_RANK (that rank's clean-up after the failed generation 0
@@ -265,7 +266,14 @@ def train(att: Attempt) -> dict[str, Any]:
     if att.iteration == 1 and LAUNCH_ATTEMPT == 0 and rank == RECOVERY_KILL_RANK:
         log.warning("fault injection: SIGKILL of rank %d while it loads the restored state (in-process attempt 1)",
                     rank)
-        failpoints.arm("recovery.load", failpoints.kill_self())
+        if os.environ.get("RECOVERY_KILL_NODE") == "1":  # its node whole: the launcher first, then this rank
+            def lose_node_and_die() -> None:
+                failpoints.lose_node()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            failpoints.arm("recovery.load", lose_node_and_die)
+        else:
+            failpoints.arm("recovery.load", failpoints.kill_self())
     result = ckpt.recover()
     times["recovered"] = time.time()
     echo_check(att)
