@@ -6,8 +6,10 @@ its TCPStore on the loopback interface (``127.0.0.1``, an ephemeral port) and pu
 address (the port of the launch's store list): a client proves that it holds the job's token, then the gate splices
 its connection to the store. A process reaches a gate through a :class:`Tunnel` of its own (a loopback listener per
 store address, :func:`tunnel_address`): it does the handshake for torch's client, then splices too. A client without
-the token, or with another job's, is refused and the gate logs who it was; nothing read from a store is unpickled
-(the stores hold text and raw bytes only).
+the token, or with another job's, is refused and the gate logs who it was (one line per address per minute, with the
+count it stands for: :class:`RefusalLog`); at most :data:`MAX_HANDSHAKES` handshakes run at once, a connection
+beyond them is closed unanswered, so a flood of connections holds neither threads nor log lines; nothing read from a
+store is unpickled (the stores hold text and raw bytes only).
 
 **The handshake** (:func:`prove`, :func:`challenge`): the gate sends :data:`MAGIC` and 16 fresh random bytes, the
 client answers with their HMAC-SHA256 under the token, the gate answers one byte ``1``. The token never crosses the
@@ -36,12 +38,14 @@ import socket
 import stat
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 from neighbor_ckpt.errors import ConfigError
 
-__all__ = ["MAGIC", "TOKEN_FILE", "TUNNEL_THREAD", "Gate", "Tunnel", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
+__all__ = ["MAGIC", "TOKEN_FILE", "TUNNEL_THREAD", "MAX_HANDSHAKES", "REFUSAL_LOG_EVERY_S", "RefusalLog", "Gate",
+           "Tunnel", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
            "challenge", "Refused"]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,13 @@ TOKEN_FILE = "store.token"
 HANDSHAKE_TIMEOUT_S = 5.0
 """How long either side waits for the other's part of the handshake (a stopped host: the connection fails, as an
 unanswered store operation does)."""
+MAX_HANDSHAKES = 64
+"""Handshakes a gate runs at once, at most: a connection beyond them is closed at once, unanswered (counted and logged
+as refused), so a flood of connections that never answer cannot hold a thread each (a client of the job that meets
+a full gate reconnects, as after a lost connection)."""
+REFUSAL_LOG_EVERY_S = 60.0
+"""A gate logs at most one refusal line per peer address per this many seconds; the refusals in between are counted
+in the next line (and at :meth:`Gate.close`)."""
 TUNNEL_THREAD = "neighbor_ckpt-store-tunnel"
 """The name (prefix) of a tunnel's threads (they live as long as the process)."""
 _OK = b"\x01"
@@ -189,13 +200,19 @@ def _listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(sock: socket.socket, handle, name: str) -> threading.Thread:  # noqa: ANN001 - a callable per connection
+def _serve(sock: socket.socket, handle, name: str, *, slots: Optional[threading.Semaphore] = None,  # noqa: ANN001
+           full=None) -> threading.Thread:  # noqa: ANN001 - callables per connection
+    """Accept on ``sock`` and run ``handle(conn, peer)`` on a thread per connection; with ``slots``, only while one
+    is free (``handle`` releases it): a connection that finds none goes to ``full(conn, peer)`` on this thread."""
     def run() -> None:
         while True:
             try:
                 conn, peer = sock.accept()
             except OSError:
                 return  # closed
+            if slots is not None and not slots.acquire(blocking=False):
+                full(conn, peer)
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=handle, args=(conn, peer), name=name, daemon=True).start()
 
@@ -212,34 +229,81 @@ def _connect(address: tuple[str, int], timeout_s: float) -> socket.socket:
 
 # -- the gate (in the store host) ------------------------------------------------------------------------------------
 
+class RefusalLog:
+    """One log line per peer address per ``every_s`` seconds at most, with the count of the refusals it stands for
+    (pure bookkeeping; ``now`` is passed in): a flood of refused connections grows the log by a bounded number of
+    lines."""
+
+    def __init__(self, every_s: float = REFUSAL_LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def refused(self, host: str, now: float) -> Optional[int]:
+        """Note a refusal from ``host``: the number of refusals to report in a line now (this one and those held
+        back since the last line), or None when this one is held back."""
+        held = self._held.get(host, 0) + 1
+        if host in self._last and now - self._last[host] < self.every_s:
+            self._held[host] = held
+            return None
+        self._last[host] = now
+        self._held[host] = 0
+        return held
+
+    def held(self) -> dict[str, int]:
+        """The refusals not reported yet, by peer address (taken: reported by the caller)."""
+        out = {h: n for h, n in self._held.items() if n}
+        self._held.clear()
+        return out
+
+
 class Gate:
     """Admits clients that prove ``token`` on ``listen`` (a bound, listening socket on the job's address) and splices
-    each to the store at ``backend`` (loopback). :meth:`refused` counts the clients turned away."""
+    each to the store at ``backend`` (loopback). :meth:`refused` counts the clients turned away. At most
+    :data:`MAX_HANDSHAKES` handshakes run at once; refusals are logged through a :class:`RefusalLog`."""
 
-    def __init__(self, listen: socket.socket, backend: tuple[str, int], token: bytes) -> None:
+    def __init__(self, listen: socket.socket, backend: tuple[str, int], token: bytes, *,
+                 max_handshakes: int = MAX_HANDSHAKES) -> None:
         self.backend, self._token = backend, token
         self._sock = listen
         self._refused = 0
         self._lock = threading.Lock()
-        self._thread = _serve(listen, self._admit, "neighbor_ckpt-store-gate")
+        self._max = max_handshakes
+        self._slots = threading.BoundedSemaphore(max_handshakes)
+        self._log = RefusalLog()
+        self._thread = _serve(listen, self._admit, "neighbor_ckpt-store-gate", slots=self._slots,
+                              full=self._full)
 
     def refused(self) -> int:
         with self._lock:
             return self._refused
 
+    def _refuse(self, conn: socket.socket, peer: tuple, why: str) -> None:
+        with self._lock:
+            self._refused += 1
+            count = self._log.refused(str(peer[0]), time.monotonic())
+        conn.close()
+        if count is not None:
+            more = f" ({count} refusals from this address since the last line)" if count > 1 else ""
+            logger.warning("store gate: refused a client from %s:%s: %s%s; at most one line per address per %.0f s",
+                           peer[0], peer[1], why, more, self._log.every_s)
+
+    def _full(self, conn: socket.socket, peer: tuple) -> None:
+        self._refuse(conn, peer, f"{self._max} handshakes already under way (closed unanswered)")
+
     def _admit(self, conn: socket.socket, peer: tuple) -> None:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
         try:
-            ok = challenge(conn, self._token)
-        except (OSError, Refused) as e:
-            ok, why = False, f"no answer to the challenge ({e})"
-        else:
-            why = "wrong token"
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            try:
+                ok = challenge(conn, self._token)
+            except (OSError, Refused) as e:
+                ok, why = False, f"no answer to the challenge ({e})"
+            else:
+                why = "wrong token"
+        finally:
+            self._slots.release()
         if not ok:
-            with self._lock:
-                self._refused += 1
-            logger.warning("store gate: refused a client from %s:%s: %s", peer[0], peer[1], why)
-            conn.close()
+            self._refuse(conn, peer, why)
             return
         try:
             store = _connect(self.backend, HANDSHAKE_TIMEOUT_S)
@@ -253,6 +317,10 @@ class Gate:
 
     def close(self) -> None:
         self._sock.close()
+        with self._lock:
+            held = self._log.held()
+        for host, n in sorted(held.items()):
+            logger.warning("store gate: %d more client(s) from %s refused since the last line", n, host)
 
 
 # -- the tunnel (in each client process) ----------------------------------------------------------------------------

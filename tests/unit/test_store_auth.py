@@ -95,3 +95,65 @@ def test_what_is_not_a_gate_is_refused_by_the_client_and_the_token_never_crosses
     t.join()
     client.close()
     assert hello.startswith(MAGIC) and token not in hello and not seen
+
+
+def test_the_refusal_log_writes_one_line_per_address_per_period_with_the_count_it_stands_for() -> None:
+    from neighbor_ckpt.inprocess.store_auth import RefusalLog
+
+    log = RefusalLog(every_s=60.0)
+    assert log.refused("10.0.0.9", 0.0) == 1, "the first refusal is said at once"
+    assert [log.refused("10.0.0.9", t) for t in (1.0, 2.0, 59.0)] == [None, None, None]
+    assert log.refused("10.0.0.8", 3.0) == 1, "another address has a line of its own"
+    assert log.refused("10.0.0.9", 61.0) == 4, "the next line counts the three held back and itself"
+    log.refused("10.0.0.9", 62.0)
+    assert log.held() == {"10.0.0.9": 1} and log.held() == {}
+
+
+def test_a_flood_of_unauthenticated_connections_is_refused_in_a_bounded_log_and_the_job_is_still_admitted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """1,000 connections that never answer the challenge, within a few seconds, against a gate with 8 handshake
+    slots: every one refused (closed unanswered once the slots are taken), the log grows by a few lines only, and a
+    client holding the token is admitted afterwards and reaches the store behind the gate."""
+    import logging
+    import time
+
+    from neighbor_ckpt.inprocess.store_auth import Gate
+
+    backend = socket.create_server(("127.0.0.1", 0))
+    served: list[bytes] = []
+
+    def store() -> None:
+        conn, _ = backend.accept()
+        served.append(conn.recv(16))
+        conn.close()
+
+    threading.Thread(target=store, daemon=True).start()
+    listen = socket.create_server(("127.0.0.1", 0), backlog=4096)
+    token = os.urandom(32)
+    gate = Gate(listen, backend.getsockname()[:2], token, max_handshakes=8)
+    address = listen.getsockname()[:2]
+    caplog.set_level(logging.WARNING, logger="neighbor_ckpt.inprocess.store_auth")
+    flood = []
+    for _ in range(1000):
+        s = socket.create_connection(address)
+        s.sendall(b"\0" * 32)  # a wrong answer (or none: a full gate closes it first)
+        flood.append(s)
+    for s in flood:
+        s.close()
+    deadline = time.monotonic() + 120
+    while gate.refused() < 1000 and time.monotonic() < deadline:  # a wait for the event, not a time limit
+        time.sleep(0.05)
+    assert gate.refused() == 1000
+    lines = [r for r in caplog.records if "store gate: refused" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+    client = socket.create_connection(address, timeout=10)
+    prove(client, token)
+    client.sendall(b"hello store")
+    deadline = time.monotonic() + 30
+    while not served and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served == [b"hello store"]
+    client.close()
+    gate.close()
+    assert any("more client(s) from 127.0.0.1 refused since the last line" in r.getMessage() for r in caplog.records)
+    backend.close()
