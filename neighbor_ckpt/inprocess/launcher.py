@@ -105,7 +105,7 @@ from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_c
 from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
 
-__all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR"]
+__all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR", "recorded_pid_to_kill"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +194,27 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             proc.send_signal(sig)
         except ProcessLookupError:
             pass
+
+
+def recorded_pid_to_kill(raw: Optional[bytes], *, node: str, child: int) -> Optional[int]:
+    """The pid of a ``proc/<p>`` record (JSON ``{"pid", "node", "start"}``) that a launcher of ``node`` may SIGKILL
+    beside its ``child``: another process, recorded on this node, running as this launcher's user, whose start time
+    is the one recorded (the same process, not a pid reused since). None otherwise: a pid of another user's is never
+    signalled, whoever wrote the record."""
+    from neighbor_ckpt.runtime.procs import process_start, process_uid
+
+    try:
+        rec = json.loads(raw) if raw else None
+        other, start = int(rec["pid"]), rec.get("start")
+    except (ValueError, KeyError, TypeError):
+        return None
+    if other == child or rec.get("node") != node or start is None:
+        return None
+    if process_uid(other) != os.getuid():
+        logger.warning("the pid recorded beside process pid %d (%d) runs as another user: not signalled", child,
+                       other)
+        return None
+    return other if process_start(other) == start else None
 
 
 def _current_members(gens: GenerationStore) -> frozenset[int]:
@@ -425,20 +446,10 @@ class Launcher:
 
     def _kill_recorded_pid(self, att: _Attempt, index: int, pid: int) -> None:
         """The pid the engine wrote under ``proc/<index>``, when it is not the child itself but runs on this node
-        (a fork of the test suite's warm zygote): SIGKILL it too, if its start time is the one recorded."""
+        (a fork of the test suite's warm zygote): SIGKILL it too, if :func:`recorded_pid_to_kill` says so."""
         raw = self._try(att.number, lambda s: s.get(key("proc", index)) if s.check([key("proc", index)]) else None)
-        if not raw:
-            return
-        try:
-            rec = json.loads(raw)
-            other, start = int(rec["pid"]), rec.get("start")
-        except (ValueError, KeyError, TypeError):
-            return
-        if other == pid or rec.get("node") != self.plan.node or start is None:
-            return
-        from neighbor_ckpt.runtime.procs import process_start
-
-        if process_start(other) == start:
+        other = recorded_pid_to_kill(raw, node=self.plan.node, child=pid)
+        if other is not None:
             try:
                 os.kill(other, signal.SIGKILL)
             except ProcessLookupError:

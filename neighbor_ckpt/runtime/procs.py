@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import psutil
 
-__all__ = ["flush_logs", "stall_report", "boot_id", "process_start", "group_members", "mem_available_bytes",
+__all__ = ["flush_logs", "stall_report", "boot_id", "process_start", "process_uid", "group_members", "mem_available_bytes",
            "dir_bytes", "RUN_TAG_ENV", "new_run_tag", "kill_tagged"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -98,6 +98,14 @@ def process_start(pid: int | None = None) -> float | None:
     except (psutil.Error, OSError):
         return None
     return round(since_boot * _TICKS_PER_S) / _TICKS_PER_S
+
+
+def process_uid(pid: int) -> int | None:
+    """The real user id ``pid`` runs as; None: no such process (or it cannot be read)."""
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except (psutil.Error, OSError):
+        return None
 
 
 def group_members(pgid: int) -> list[int]:

@@ -203,3 +203,39 @@ def test_a_link_planted_in_place_of_a_rank_directory_is_refused(other_user: pwd.
     with pytest.raises(StoreDirError, match="symbolic link"):
         HostStore(root, job_id="job", rank=0)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_launcher_never_signals_a_recorded_pid_of_another_user(other_user: pwd.struct_passwd) -> None:
+    """A ``proc/<p>`` record naming a process of another user's (whoever wrote it: the same node, its true start
+    time) is not signalled; the same record naming a process of this user's is."""
+    import json
+    import time
+
+    from neighbor_ckpt.inprocess.launcher import recorded_pid_to_kill
+    from neighbor_ckpt.runtime.procs import process_start
+
+    theirs = subprocess.Popen(["runuser", "-u", OTHER, "--", "sleep", "60"])
+    mine = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 30
+        victim = None
+        while victim is None and time.monotonic() < deadline:  # runuser's child: the other user's sleep
+            import psutil
+
+            kids = psutil.Process(theirs.pid).children()
+            victim = next((k.pid for k in kids if k.uids().real == other_user.pw_uid), None)
+            time.sleep(0.05)
+        assert victim is not None, "the other user's process did not start"
+
+        def record(pid: int) -> bytes:
+            return json.dumps({"pid": pid, "node": "node1", "start": process_start(pid)}).encode()
+
+        assert recorded_pid_to_kill(record(victim), node="node1", child=1) is None
+        assert recorded_pid_to_kill(record(mine.pid), node="node1", child=1) == mine.pid
+        assert recorded_pid_to_kill(record(mine.pid), node="node0", child=1) is None, "another node's record"
+        stale = json.dumps({"pid": mine.pid, "node": "node1", "start": 1.0}).encode()
+        assert recorded_pid_to_kill(stale, node="node1", child=1) is None, "a pid reused since it was recorded"
+    finally:
+        for p in (theirs, mine):
+            p.kill()
+            p.wait()
