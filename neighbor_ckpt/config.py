@@ -315,7 +315,8 @@ class FaultSpec:
     injectors refuse it (:meth:`FaultInjectionConfig.refuse_unsupported`). ``node``: node ``node`` of the launch,
     whole (in-process recovery only; ``rank`` is not read): at ``step`` and ``phase`` its ranks SIGKILL its launcher,
     and its processes (idle spares included) and its store host die with it; it never comes back within the launch
-    (no replacement is started for its processes). SIGKILL only."""
+    (no replacement is started for its processes). With SIGSTOP its launcher and its ranks hang instead (never
+    resumed: once the job completed, the launch ends a launcher still stopped, and its processes with it)."""
 
     rank: int = 1
     """The rank that is killed: a rank number of the generation that runs ``step``."""
@@ -347,8 +348,6 @@ class FaultSpec:
         p.at_least("rank", self.rank, 0)
         p.at_least("step", self.step, 0)
         p.at_least("node", self.node, 0)
-        p.check(self.target != "node" or self.signal == "SIGKILL", "signal",
-                f"{self.signal} of a whole node is not injected (target: node): use SIGKILL, or target: rank")
 
     def fires(self, *, rank: int, step: int, phase: str, launch: int, generation: int, start_step: int,
               hosts_store: bool = False, node: int | None = None) -> bool:

@@ -596,6 +596,45 @@ def bind_stores(procs: InprocessProcesses) -> tuple[InprocessProcesses, dict[int
     return dataclasses.replace(procs, stores=text, agents=tuple(agents)), held
 
 
+HUNG_NODE_GRACE_S = 10.0
+"""Once the job completed (a launcher exited 0) and every other launcher has exited or is stopped: how long a
+stopped one is given before the launch ends it (a node that hung for good, SIGSTOPped with its ranks)."""
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP; ``T`` in ``/proc/<pid>/stat``)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+def _wait_launchers(agents: Sequence[subprocess.Popen], timeout: float | None) -> list[int]:
+    """Wait for every launcher; their exit statuses. A launcher still stopped :data:`HUNG_NODE_GRACE_S` after the
+    job completed (some launcher exited 0) while every other one exited is a node that hung for good: it is
+    SIGKILLed, said in one line, and its processes go with it (their parent-death signal); its status is then -9,
+    a node lost. ``timeout``: :class:`subprocess.TimeoutExpired` past it."""
+    end = None if timeout is None else time.monotonic() + timeout
+    since: float | None = None
+    while any(a.poll() is None for a in agents):
+        if end is not None and time.monotonic() > end:
+            raise subprocess.TimeoutExpired([str(a.args) for a in agents], timeout or 0.0)
+        live = [a for a in agents if a.poll() is None]
+        if any(a.returncode == 0 for a in agents) and all(_stopped(a.pid) for a in live):
+            since = since if since is not None else time.monotonic()
+            if time.monotonic() - since > HUNG_NODE_GRACE_S:
+                for a in live:
+                    print(f"neighbor-ckpt launch: the job completed; launcher pid {a.pid} is still stopped (its node "
+                          "hung for good): SIGKILL", file=sys.stderr, flush=True)
+                    a.kill()
+                    a.wait()
+        else:
+            since = None
+        time.sleep(0.2)
+    return [int(a.returncode) for a in agents]
+
+
 def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = None,
                   timeout: float | None = None, bind_ports: bool = True, **kw: Any) -> int:
     """Start the launchers of ``procs`` (environment: ``env`` or this process's, plus each one's additions), wait
@@ -622,9 +661,7 @@ def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = Non
             finally:
                 if sock is not None:  # the launcher holds it now: closed here, it is the store host's alone
                     sock.close()
-        end = None if timeout is None else time.monotonic() + timeout
-        codes = [a.wait(timeout=None if end is None else max(0.0, end - time.monotonic())) for a in agents]
-        return launch_status(codes)
+        return launch_status(_wait_launchers(agents, timeout))
     finally:
         for sock in held.values():
             sock.close()

@@ -30,7 +30,9 @@ def fire(fault: FaultSpec, rank: int, phase: str) -> None:
                    f"node {fault.node} (rank {rank})" if fault.target == "node" else f"rank {rank}", phase, fault.step)
     for h in logging.getLogger().handlers:
         h.flush()
-    if fault.target == "node" or (fault.permanent and sig == signal.SIGKILL):
+    if fault.target == "node":
+        lose_node(sig)  # the node whole: its launcher, then this rank (SIGSTOP: both hang)
+    elif fault.permanent and sig == signal.SIGKILL:
         lose_node()  # its node is gone: no restart brings this rank back
     os.kill(os.getpid(), sig)
 

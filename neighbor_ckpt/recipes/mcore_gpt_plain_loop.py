@@ -589,7 +589,7 @@ def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
     if fault.target == "node" or (fault.permanent and fault.signal == "SIGKILL"):  # the node whole: its launcher
         from neighbor_ckpt.runtime.failpoints import lose_node
 
-        lose_node()
+        lose_node(getattr(signal, fault.signal))
     os.kill(os.getpid(), getattr(signal, fault.signal))
 
 

@@ -61,14 +61,16 @@ def kill_self(sig: int = signal.SIGKILL) -> Callable[[], None]:
     return lambda: os.kill(os.getpid(), sig)
 
 
-def lose_node() -> None:
-    """Fault injection of a node that is gone for good (``fault_injection.permanent``): SIGKILL this worker's launcher
-    agent (its parent process: a torchrun agent or our in-process launcher), so no restart brings this rank back; the caller then
-    kills itself. Under in-process recovery every simulated node has an agent of its own; under one torchrun agent for
-    all local workers this takes the whole node down, as losing it would."""
+def lose_node(sig: int = signal.SIGKILL) -> None:
+    """Fault injection of a node that is gone for good (``fault_injection.permanent``, ``target: node``): SIGKILL this
+    worker's launcher agent (its parent process: a torchrun agent or our in-process launcher), so no restart brings
+    this rank back; the caller then kills itself. Under in-process recovery every simulated node has an agent of its
+    own; under one torchrun agent for all local workers this takes the whole node down, as losing it would. ``sig``
+    SIGSTOP: the node hangs instead (its agent stopped; the caller stops itself)."""
     parent = os.getppid()
     if parent > 1:
-        logger.warning("fault injection: the node is gone: SIGKILL of this worker's launcher agent (pid %d)", parent)
+        logger.warning("fault injection: the node is gone: %s of this worker's launcher agent (pid %d)",
+                       signal.Signals(sig).name, parent)
         for h in logging.getLogger().handlers:
             h.flush()
-        os.kill(parent, signal.SIGKILL)
+        os.kill(parent, sig)

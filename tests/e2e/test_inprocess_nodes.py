@@ -105,6 +105,21 @@ def test_a_second_node_lost_during_the_recovery_restarts_the_job_on_the_last_spa
         restarted
 
 
+@pytest.mark.cold  # a hung node's processes must go with its launcher: a warm fork's watch thread would be stopped
+def test_a_node_that_hangs_whole_is_one_failure_and_the_spare_node_takes_both_ranks_bit_exact(
+        nodes_baseline: RunResult, tmp_path) -> None:
+    """Node 1's launcher and both its ranks SIGSTOPped in step 5 (its store host runs on): the same one decision (its
+    last process and its launcher silent), the spare node takes ranks 2 and 3, bit for bit; once the job completed
+    the launch ends the launcher that is still stopped, and node 1's processes with it."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=2, devices=DEVICES, STEPS=10,
+                           **{**NODE_KILL, "FAULT": "stop"})
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    assert_same_training(nodes_baseline, res, nranks=ACTIVE)
+    assert_node_lost_once(res, watcher=4)
+    assert "is still stopped (its node hung for good): SIGKILL" in res.log, res.log[-4000:]
+
+
 @pytest.fixture(scope="module")
 def nodes_elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     res = launch_inprocess(tmp_path_factory.mktemp("nodes-elastic-base"), active=ACTIVE, spares=0, devices=DEVICES,

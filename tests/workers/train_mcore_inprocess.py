@@ -169,6 +169,12 @@ def inject_fault(rank: int, att: Attempt) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULT == "stop":
         log.warning("fault injection: SIGSTOP of rank %d inside the optimizer step of step %d", rank, KILL_STEP)
+        if os.environ.get("KILL_NODE") == "1":  # the whole node hangs: its launcher first, then this rank
+            launcher = int(os.environ["NEIGHBOR_CKPT_INPROCESS_LAUNCHER"])
+            log.warning("fault injection: the node hangs: SIGSTOP of its launcher (pid %d)", launcher)
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(launcher, signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGSTOP)  # its watcher finds it silent; its launcher kills it
         time.sleep(3600)
     if FAULT == "block":
