@@ -102,6 +102,30 @@ def test_slurm_script_inprocess_hot_spare_replaces_a_killed_rank_bit_exactly(
         assert res.report(r, 1)["iteration"] == 5, res.report(r, 1)
 
 
+@e2e
+def test_slurm_script_inprocess_two_nodes_of_two_ranks_and_a_spare_node_lose_node_1_whole_bit_exactly(
+        slurm_cluster: SlurmCluster, baseline: Baselines, tmp_path: Path) -> None:
+    """``trainer.num_nodes=2 trainer.devices=2`` + 2 spares on the one-node test cluster: one task per simulated node
+    of 2 processes (``--count 2``), a spare node; node 1 lost whole in step 5 (``fault_injection.target: node``): one
+    decision declares both its processes, the spare node takes ranks 2 and 3, bit for bit."""
+    pytest.importorskip("nemo.collections.llm")
+    base = baseline.launch(CONFIG, STEPS, warm=True)
+    res, job_id, script = sbatch_launch(
+        slurm_cluster, tmp_path, STEPS, "trainer.num_nodes=2", "trainer.devices=2",
+        "neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=2",
+        "neighbor_ckpt.fault_injection.enabled=true", "neighbor_ckpt.fault_injection.target=node",
+        "neighbor_ckpt.fault_injection.node=1", "neighbor_ckpt.fault_injection.step=5",
+        NEIGHBOR_CKPT_STORE_DIR=tmp_path / "store")
+    assert res.returncode == 0, f"Slurm job {job_id} failed (sbatch --wait exit {res.returncode}):\n{res.log[-8000:]}"
+    assert "#SBATCH --ntasks=3" in script and "FIRST=$((SLURM_PROCID * 2))" in script, script
+    assert_same_training(base, res)
+    assert "node node1 is lost: process 3 sent no heartbeat for" in res.log, res.log[-6000:]
+    assert "declaring its process(es) [2, 3] dead together" in res.log
+    procs = _attempts(res)
+    assert sorted((procs[p][0]["iteration"], procs[p][0]["rank"]) for p in (4, 5)) == [(1, 2), (1, 3)], procs
+    assert "in-process recovery gives up" not in res.log and not list(res.out.glob("*.launch*"))
+
+
 SLURM_TOY = r'''
 import json, os, signal, sys, time
 from datetime import timedelta
