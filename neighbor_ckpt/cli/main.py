@@ -138,6 +138,14 @@ def _launch(args: argparse.Namespace) -> int:
             for cmd, env in procs.agents:
                 print(" ".join([*(f"{k}={v}" for k, v in env), *cmd]) + " &")
             return 0
+        if plan.job.trainer.num_nodes > 1:  # one torchrun agent per simulated node
+            from neighbor_ckpt.config import expand_store_dir
+
+            agents = launch.torchrun_nodes(plan, endpoint="127.0.0.1:29500",
+                                           store_root=expand_store_dir(plan.job.neighbor_ckpt.store.dir))
+            for cmd, env in agents.agents:
+                print(" ".join([*(f"{k}={v}" for k, v in env), *cmd]) + " &")
+            return 0
         print(" ".join(launch.torchrun_command(plan)))
         return 0
     print(f"neighbor-ckpt: {launch.describe(plan)}; recipe {plan.recipe}; run directory {plan.run_dir}", flush=True)
