@@ -127,3 +127,14 @@ def test_the_supervisor_is_quiet_when_every_node_finishes(tmp_path: Path, capfd:
     assert "neighbor-ckpt launch:" not in capfd.readouterr().err
     assert run_node_agents(_agents(tmp_path, ["pass", "raise SystemExit(3)"], elastic=True)) == 3
     assert "node node1: its torchrun agent exited 3" in capfd.readouterr().err
+
+
+def test_launch_dry_run_prints_one_torchrun_agent_per_simulated_node(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from neighbor_ckpt.cli.main import main
+
+    assert main(["launch", str(REPO / "configs/gpt_tiny_cpu.yaml"), *NODES, "--run-dir", str(tmp_path),
+                 "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all("-m torch.distributed.run --nnodes=2 --nproc-per-node=2" in ln for ln in lines)
+    assert [ln.split("NEIGHBOR_CKPT_NODE_ID=")[1].split()[0] for ln in lines] == ["node0", "node1"]
