@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,8 +41,9 @@ __all__ = ["NODE_TAG_ENV", "NodeAgents", "rdzv_conf", "node_agents", "run_node_a
            "nodes_status", "LAST_CALL_MIN_S"]
 
 NODE_TAG_ENV = "NEIGHBOR_CKPT_SIMULATED_NODE"
-"""Every process of a simulated node carries ``<run id>/node<i>`` in its environment (its agent's, inherited by the
-workers): what :func:`kill_node` finds them by."""
+"""Every process of a simulated node carries ``<run id>/node<i>/<launch>`` in its environment (its agent's, inherited
+by the workers; ``<launch>`` is drawn by :func:`run_node_agents`, so two launches of one run id never share a tag):
+what :func:`kill_node` finds them by."""
 
 LAST_CALL_MIN_S = 10
 """The shortest wait of a rendezvous round for more nodes once it has its minimum (``last_call_timeout``): the
@@ -149,12 +151,14 @@ def run_node_agents(agents: NodeAgents, *, env: dict[str, str] | None = None, po
     other agents are stopped at once (each stops its workers) and the launch returns 1. Another agent that fails
     ends the job the same way (its status is returned). Every agent still running on the way out is stopped."""
     base = dict(os.environ if env is None else env)
+    launch = uuid.uuid4().hex[:12]
+    tags = [f"{dict(extra)[NODE_TAG_ENV]}/{launch}" for _, extra in agents.agents]
     out = kw.get("stdout")
     procs: list[subprocess.Popen] = []
     codes: list[int | None] = []
     try:
-        for cmd, extra in agents.agents:
-            procs.append(subprocess.Popen(list(cmd), env={**base, **dict(extra)}, **kw))
+        for (cmd, extra), tag in zip(agents.agents, tags):
+            procs.append(subprocess.Popen(list(cmd), env={**base, **dict(extra), NODE_TAG_ENV: tag}, **kw))
             codes.append(None)
         while any(c is None for c in codes):
             time.sleep(poll_s)
@@ -162,7 +166,7 @@ def run_node_agents(agents: NodeAgents, *, env: dict[str, str] | None = None, po
                 if codes[i] is not None or p.poll() is None:
                     continue
                 codes[i] = p.returncode
-                tag = dict(agents.agents[i][1])[NODE_TAG_ENV]
+                tag = tags[i]
                 if p.returncode == -signal.SIGKILL:
                     killed = kill_node(tag)
                     if agents.elastic and i > 0:
@@ -193,8 +197,8 @@ def run_node_agents(agents: NodeAgents, *, env: dict[str, str] | None = None, po
         return nodes_status(codes, elastic=agents.elastic)
     finally:
         _stop(procs)
-        for _, extra in agents.agents[:len(procs)]:  # what outlived its agent (workers start sessions of their own)
-            kill_node(dict(extra)[NODE_TAG_ENV])
+        for tag in tags[:len(procs)]:  # what outlived its agent (the workers start sessions of their own)
+            kill_node(tag)
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
