@@ -125,8 +125,9 @@ def _launch(args: argparse.Namespace) -> int:
 
     plan = launch.plan_launch(args.config, args.overrides, run_dir=args.run_dir, record=args.record)
     if args.slurm:
+        script = launch.slurm_script(plan)  # refuses what the script cannot run before anything is written
         launch.write_run_dir(plan)
-        args.slurm.write_text(launch.slurm_script(plan))
+        args.slurm.write_text(script)
         print(f"wrote {args.slurm} (run directory {plan.run_dir}); submit it with: sbatch {args.slurm}")
         return 0
     if args.dry_run:

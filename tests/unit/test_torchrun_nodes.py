@@ -85,6 +85,11 @@ def test_what_is_still_refused_says_what_to_set(tmp_path: Path) -> None:
                               run_dir=tmp_path / "run")
     with pytest.raises(ConfigError, match=r"fixed number of nodes \(--nnodes=2\).*set neighbor_ckpt.inprocess.enabled"):
         launch.slurm_script(plan)
+    from neighbor_ckpt.cli.main import main
+
+    assert main(["launch", str(REPO / "configs/gpt_tiny_cpu.yaml"), *NODES, "neighbor_ckpt.elastic.enabled=true",
+                 "--run-dir", str(tmp_path / "run2"), "--slurm", str(tmp_path / "job.sbatch")]) == 2
+    assert not (tmp_path / "run2").exists() and not (tmp_path / "job.sbatch").exists()
     with pytest.raises(ValueError):
         node_agents(["x"], nodes=0, devices=2, max_restarts=0, run_id="r", endpoint="h:1", store_root=tmp_path,
                     elastic=False, detector_timeout_s=1.0)
