@@ -313,10 +313,11 @@ class FaultSpec:
     ``step`` and ``phase``; with SIGSTOP only the store host is stopped (and never resumed: its launcher stops it for
     good once the job moved to the next store). Injected by ``recipes/mcore_gpt_plain_loop.py``; the other
     injectors refuse it (:meth:`FaultInjectionConfig.refuse_unsupported`). ``node``: node ``node`` of the launch,
-    whole (in-process recovery only; ``rank`` is not read): at ``step`` and ``phase`` its ranks SIGKILL its launcher,
-    and its processes (idle spares included) and its store host die with it; it never comes back within the launch
-    (no replacement is started for its processes). With SIGSTOP its launcher and its ranks hang instead (never
-    resumed: once the job completed, the launch ends a launcher still stopped, and its processes with it)."""
+    whole (in process, or on the simulated nodes of a restart-path launch, a torchrun agent each; ``rank`` is not
+    read): at ``step`` and ``phase`` its ranks SIGKILL its launcher (agent), and its processes (idle spares included)
+    and its store host die with it; it never comes back within the launch (no replacement is started for its
+    processes). With SIGSTOP (in process) its launcher and its ranks hang instead (never resumed: once the job
+    completed, the launch ends a launcher still stopped, and its processes with it)."""
 
     rank: int = 1
     """The rank that is killed: a rank number of the generation that runs ``step``."""
@@ -399,7 +400,7 @@ class FaultInjectionConfig:
     target: Literal["rank", "store_node", "node"] | None = None
     """One-fault form: what is killed, ``rank`` (the default), ``store_node`` (the node hosting the store in use;
     in process only, injected by ``recipes/mcore_gpt_plain_loop.py``, refused by the other injectors) or ``node``
-    (node ``node`` whole, in process only: :attr:`FaultSpec.target`)."""
+    (node ``node`` whole, in process or on simulated torchrun nodes: :attr:`FaultSpec.target`)."""
 
     rank: int | None = None
     """One-fault form: the rank that is killed (default 1)."""
@@ -457,11 +458,13 @@ class FaultInjectionConfig:
         return (FaultSpec(**{k: getattr(self, k) for k in _ONE_FAULT_KEYS if getattr(self, k) is not None}),)
 
     def refuse_unsupported(self, *, phases: tuple[str, ...] = ("forward", "backward", "optimizer"),
-                           where: str = "", store_node: bool = False, node: bool = False) -> tuple[FaultSpec, ...]:
+                           where: str = "", store_node: bool = False, node: bool = False,
+                           hung_node: bool = False) -> tuple[FaultSpec, ...]:
         """:meth:`planned`, for an injector: raise :class:`ConfigError` for a fault it cannot inject (a phase
         outside ``phases``; ``target: store_node`` unless ``store_node``: an in-process launch whose injector
-        implements it; ``target: node`` unless ``node``: an in-process launch, one of our launchers per node), naming
-        the key of each."""
+        implements it; ``target: node`` unless ``node``: a launch with a launcher per node, in process or a torchrun
+        agent per simulated node, where this process knows its node's index; ``target: node`` with SIGSTOP unless
+        ``hung_node``: in process, where the launch ends a node that hangs for good), naming the key of each."""
         planned = self.planned()
         lines = []
         for i, f in enumerate(planned):
@@ -472,9 +475,13 @@ class FaultInjectionConfig:
                              f"{where and ', not' + where}; use target: rank")
             if f.target == "node" and not node:
                 lines.append(f"{key}target: node (a whole node: its launcher, store host and processes) is injected "
-                             "only in process (neighbor_ckpt.inprocess.enabled: true: one of our launchers per node)"
-                             f"{where and ', not' + where}; use target: rank with permanent: true on the restart "
-                             "path")
+                             "only where each node has a launcher of its own: in process (neighbor_ckpt.inprocess."
+                             "enabled: true) or on the simulated nodes of `neighbor-ckpt launch` (trainer.num_nodes "
+                             f"> 1: a torchrun agent per node){where and ', not' + where}; use target: rank with "
+                             "permanent: true")
+            if f.target == "node" and f.signal == "SIGSTOP" and node and not hung_node:
+                lines.append(f"{key}signal: SIGSTOP of a whole node (target: node) is injected only in process "
+                             "(neighbor_ckpt.inprocess.enabled: true); use SIGKILL here")
             if f.phase not in phases:
                 lines.append(f"{key}phase: {f.phase!r} is not injected{where} (phases: {', '.join(phases)})")
         if lines:

@@ -43,12 +43,14 @@ from neighbor_ckpt.config import expand_store_dir
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess.completion import marker_path
 from neighbor_ckpt.inprocess.store_auth import TOKEN_FILE
+from neighbor_ckpt.cli.torchrun_nodes import NodeAgents, node_agents, run_node_agents
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
            "InprocessProcesses", "inprocess_processes", "inprocess_commands", "simulated_nodes", "run_inprocess", "bind_stores",
-           "LAUNCHER", "free_ports", "ephemeral_ports", "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config"]
+           "LAUNCHER", "free_ports", "ephemeral_ports", "launch_status", "WORKER_PREFIX_ENV", "worker_program", "resolve_config",
+           "torchrun_nodes"]
 
 RECIPE = RECIPES_DIR / "nemo_pretrain.py"
 """The recipe ``launch`` runs: the one inside this installed package (``neighbor_ckpt/recipes``)."""
@@ -198,7 +200,11 @@ def describe(plan: LaunchPlan) -> str:
     """One line: what the launch starts."""
     job = plan.job
     if not plan.inprocess:
-        return f"{job.name}: {job.world_size} ranks under torchrun (restarts: {job.launch.max_restarts})"
+        nodes = job.trainer.num_nodes
+        where = (f" as {nodes} simulated nodes of {job.trainer.devices} (one torchrun agent each, one rendezvous"
+                 f"{'; elastic: the others go on without a lost node' if job.neighbor_ckpt.elastic.enabled else ''})"
+                 if nodes > 1 else "")
+        return f"{job.name}: {job.world_size} ranks under torchrun{where} (restarts: {job.launch.max_restarts})"
     return (f"{job.name}: {job.world_size} ranks + {plan.spares} hot spare(s) = {plan.processes} processes, "
             f"in-process recovery (one launcher per simulated node, a store host process; restarts when it gives "
             f"up: {job.launch.max_restarts})")
@@ -352,6 +358,18 @@ def torchrun_command(plan: LaunchPlan, *, endpoint: str | None = None) -> list[s
             f"--rdzv-id={plan.run_id}", "--monitor-interval=0.5", *options, *worker]
 
 
+def torchrun_nodes(plan: LaunchPlan, *, endpoint: str, store_root: Path) -> NodeAgents:
+    """The restart path of a job of ``trainer.num_nodes > 1`` on this machine (pure): one torchrun agent per simulated
+    node, one c10d rendezvous at ``endpoint`` (:mod:`neighbor_ckpt.cli.torchrun_nodes`); node ``i``'s host store is
+    ``<store_root>/node<i>``."""
+    job = plan.job
+    options, worker = worker_program(_recipe_args(plan))
+    return node_agents(worker, options=options, nodes=job.trainer.num_nodes, devices=job.trainer.devices,
+                       max_restarts=job.launch.max_restarts, run_id=plan.run_id, endpoint=endpoint,
+                       store_root=store_root, elastic=job.neighbor_ckpt.elastic.enabled,
+                       detector_timeout_s=job.neighbor_ckpt.detector.timeout_s)
+
+
 def slurm_script(plan: LaunchPlan) -> str:
     """A Slurm batch script: one torchrun per node (``srun --ntasks-per-node=1``), c10d rendezvous on the first
     node, restarts handled by torchrun inside the allocation (a killed rank restarts its node's worker group, the
@@ -364,6 +382,11 @@ def slurm_script(plan: LaunchPlan) -> str:
     if plan.inprocess:
         return _slurm_script_inprocess(plan)
     job, lc = plan.job, plan.job.launch
+    if job.neighbor_ckpt.elastic.enabled:
+        raise ConfigError("neighbor_ckpt.elastic.enabled: the Slurm script of the restart path runs torchrun on a "
+                          f"fixed number of nodes (--nnodes={job.trainer.num_nodes}), so a node lost for good stops "
+                          "the job; set neighbor_ckpt.inprocess.enabled: true (its launchers go on without a lost "
+                          "node), or turn elastic off")
     t = job.trainer
     opts = [f"--job-name={job.name}", f"--nodes={t.num_nodes}", "--ntasks-per-node=1"]
     if t.accelerator == "gpu":
@@ -517,26 +540,37 @@ def write_run_dir(plan: LaunchPlan) -> Path:
 
 
 def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
-    """Run the job on this node under torchrun (in process: the store host and one of our launchers per simulated
-    node); returns the launcher's exit code (in process: :func:`launch_status` of the launchers'). Output goes to
+    """Run the job on this node under torchrun (``trainer.num_nodes > 1``: one torchrun agent per simulated node,
+    :mod:`neighbor_ckpt.cli.torchrun_nodes`; in process: one of our launchers per simulated node, each hosting a
+    store); returns the launcher's exit code (several: :func:`~neighbor_ckpt.cli.torchrun_nodes.nodes_status` of the
+    agents', in process :func:`launch_status` of the launchers'). Output goes to
     ``log`` if given (the run directory's ``torchrun.log`` is the usual choice), else to this terminal."""
-    if plan.job.trainer.num_nodes != 1 and not plan.inprocess:
-        raise ConfigError(f"config.trainer.num_nodes: {plan.job.trainer.num_nodes} nodes cannot run from one shell "
-                          "under torchrun (in-process recovery simulates them: neighbor_ckpt.inprocess.enabled); "
-                          "use `neighbor-ckpt launch CONFIG --slurm FILE` (or run torchrun on every node)")
+    t = plan.job.trainer
+    if t.num_nodes != 1 and not plan.inprocess and t.accelerator == "gpu":
+        raise ConfigError(f"config.trainer.num_nodes: {t.num_nodes} GPU nodes cannot run from one shell (simulated "
+                          "nodes on one machine are for trainer.accelerator: cpu); use `neighbor-ckpt launch CONFIG "
+                          "--slurm FILE` (or run torchrun on every node)")
     write_run_dir(plan)
     with contextlib.ExitStack() as stack:
         out = None if log is None else stack.enter_context(open(log, "w"))
         kw = {} if out is None else {"stdout": out, "stderr": subprocess.STDOUT}
+        if not plan.inprocess and t.num_nodes > 1:
+            return run_node_agents(torchrun_nodes(plan, endpoint=f"127.0.0.1:{_free_port()}",
+                                                  store_root=_store_root(plan)), **kw)
         if not plan.inprocess:
             return subprocess.call(torchrun_command(plan), **kw)
         return _run_inprocess(plan, kw)
 
 
+def _store_root(plan: LaunchPlan) -> Path:
+    """The host stores' root of a launch on this machine (``NEIGHBOR_CKPT_STORE_DIR`` wins over the job file's
+    ``store.dir``); simulated node ``i``'s is ``<root>/node<i>``."""
+    return expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
+
+
 def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
     """Start one launcher per simulated node (each hosting one of the stores), wait for all of them."""
-    root = expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-    procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=root)
+    procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=_store_root(plan))
     return run_inprocess(procs, **kw)
 
 

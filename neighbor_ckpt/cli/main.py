@@ -125,8 +125,9 @@ def _launch(args: argparse.Namespace) -> int:
 
     plan = launch.plan_launch(args.config, args.overrides, run_dir=args.run_dir, record=args.record)
     if args.slurm:
+        script = launch.slurm_script(plan)  # refuses what the script cannot run before anything is written
         launch.write_run_dir(plan)
-        args.slurm.write_text(launch.slurm_script(plan))
+        args.slurm.write_text(script)
         print(f"wrote {args.slurm} (run directory {plan.run_dir}); submit it with: sbatch {args.slurm}")
         return 0
     if args.dry_run:
@@ -136,6 +137,14 @@ def _launch(args: argparse.Namespace) -> int:
             procs = launch.inprocess_processes(plan, store_port=29650,
                                                store_root=expand_store_dir(plan.job.neighbor_ckpt.store.dir))
             for cmd, env in procs.agents:
+                print(" ".join([*(f"{k}={v}" for k, v in env), *cmd]) + " &")
+            return 0
+        if plan.job.trainer.num_nodes > 1:  # one torchrun agent per simulated node
+            from neighbor_ckpt.config import expand_store_dir
+
+            agents = launch.torchrun_nodes(plan, endpoint="127.0.0.1:29500",
+                                           store_root=expand_store_dir(plan.job.neighbor_ckpt.store.dir))
+            for cmd, env in agents.agents:
                 print(" ".join([*(f"{k}={v}" for k, v in env), *cmd]) + " &")
             return 0
         print(" ".join(launch.torchrun_command(plan)))

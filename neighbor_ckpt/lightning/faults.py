@@ -51,13 +51,15 @@ class FaultInjector(*callback_bases()):  # type: ignore[misc]
 
     Raises:
         ConfigError: a planned fault's ``target`` is ``store_node`` (injected by the plain megatron-core recipe only),
-            or ``node`` without in-process recovery.
+            or ``node`` outside a launch of simulated nodes (in process, or one torchrun agent per node).
     """
 
     def __init__(self, config: NeighborCkptConfig, generation: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.faults = config.fault_injection.refuse_unsupported(node=config.inprocess.enabled)
+        self.faults = config.fault_injection.refuse_unsupported(
+            node=config.inprocess.enabled or node_index() is not None,  # in process, or a simulated node's agent
+            hung_node=config.inprocess.enabled)
         self.generation = generation
         self._launch = _attempt()
         self._start_step: int | None = None

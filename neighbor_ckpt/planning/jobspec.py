@@ -316,13 +316,14 @@ class JobSpec:
                         f"{t.micro_batch_size} x {dp}")
                 el = self.neighbor_ckpt.elastic
                 if el.enabled:
-                    # A launch's world size is fixed (torchrun --nnodes N, one agent per node): only in-process
-                    # recovery keeps the survivors and can go on with fewer of them within this launch.
-                    p.check(self.neighbor_ckpt.inprocess.enabled, "neighbor_ckpt.elastic.enabled",
-                            "cannot shrink this launch: without in-process recovery the launcher restarts every "
-                            "rank with the same world size, and a rank lost for good stops the job; set "
-                            "neighbor_ckpt.inprocess.enabled: true (the survivors go on with fewer ranks), or turn "
-                            "elastic off")
+                    # Without in-process recovery, one torchrun agent runs every rank of its node and restarts them
+                    # all: only another node can go on without a lost one (torchrun --nnodes 1:N).
+                    p.check(self.neighbor_ckpt.inprocess.enabled or t.num_nodes > 1, "neighbor_ckpt.elastic.enabled",
+                            "cannot shrink this launch: without in-process recovery one torchrun agent runs every "
+                            "rank of a node and restarts them together, so with one node a rank lost for good stops "
+                            "the job; set neighbor_ckpt.inprocess.enabled: true (the survivors go on with fewer "
+                            "ranks), run several nodes (trainer.num_nodes > 1: the others go on without a lost one), "
+                            "or turn elastic off")
                     p.check(par.distributed_optimizer, "neighbor_ckpt.elastic.enabled",
                             "needs parallelism.distributed_optimizer: true (elastic resharding re-partitions "
                             "megatron-core's distributed-optimizer shards)")

@@ -555,14 +555,16 @@ def planned_faults(config: Any, args: argparse.Namespace) -> tuple[Any, ...]:
     list; none when it is off), the same section the NeMo and Bridge recipes read.
 
     Raises:
-        ConfigError: a fault this recipe cannot inject (``target: store_node`` or ``node`` without in-process
-            recovery, a phase other than forward, backward or optimizer), or faults planned both there and with
-            ``--kill``."""
+        ConfigError: a fault this recipe cannot inject (``target: store_node`` without in-process recovery, ``node``
+            outside a launch of simulated nodes, a phase other than forward, backward or optimizer), or faults planned
+            both there and with ``--kill``."""
     from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.inprocess.identity import node_index
 
     planned = config.fault_injection.refuse_unsupported(where=" by recipes/mcore_gpt_plain_loop.py",
                                                         store_node=config.inprocess.enabled,
-                                                        node=config.inprocess.enabled)
+                                                        node=config.inprocess.enabled or node_index() is not None,
+                                                        hung_node=config.inprocess.enabled)
     if planned and args.kill:
         raise ConfigError("faults planned twice: --kill and neighbor_ckpt.fault_injection in the --config file; use "
                           "one of them (the config's faults list for several faults in one launch)")

@@ -340,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.manual_seed(job.trainer.seed)
     recipe = build_recipe(job, args.run_dir)
+    world = int(os.environ.get("WORLD_SIZE", job.world_size))
+    if world != job.world_size:  # an elastic restart without a lost node (torchrun --nnodes 1:N): fewer nodes
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", job.trainer.devices))
+        recipe.trainer.devices, recipe.trainer.num_nodes = local, max(1, world // local)
     if args.record:
         out = args.run_dir / "record"
         out.mkdir(parents=True, exist_ok=True)

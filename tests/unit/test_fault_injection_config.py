@@ -101,10 +101,13 @@ def test_a_whole_node_fault_fires_on_every_rank_of_that_node_and_is_refused_off_
     due = dict(step=5, phase="optimizer", launch=0, generation=0, start_step=0)
     assert f.fires(rank=2, node=1, **due) and f.fires(rank=3, node=1, **due), "every rank of node 1"
     assert not f.fires(rank=1, node=0, **due) and not f.fires(rank=2, node=None, **due)
-    with pytest.raises(ConfigError, match=r"target: node \(a whole node.*only in process"):
+    with pytest.raises(ConfigError, match=r"target: node \(a whole node.*only where each node has a launcher"):
         fi(enabled=True, target="node").refuse_unsupported()
     assert fi(enabled=True, target="node").refuse_unsupported(node=True)[0].target == "node"
     assert fi(enabled=True, target="node", signal="SIGSTOP").planned()[0].signal == "SIGSTOP", "a node that hangs"
+    with pytest.raises(ConfigError, match="SIGSTOP of a whole node .* only in process"):
+        fi(enabled=True, target="node", signal="SIGSTOP").refuse_unsupported(node=True)
+    assert fi(enabled=True, target="node", signal="SIGSTOP").refuse_unsupported(node=True, hung_node=True)
     with pytest.raises(ConfigError, match="node"):
         fi(enabled=True, target="node", node=-1).planned()
 

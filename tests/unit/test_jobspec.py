@@ -274,24 +274,29 @@ def test_launching_a_multi_node_job_from_one_shell_is_refused_with_the_way_out(t
     from neighbor_ckpt.cli import launch as runner
 
     plan = runner.plan_launch(REPO / "configs/llama3_8b.yaml", run_dir=tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"config.trainer.num_nodes: 2 nodes cannot run from one shell; use "
+    with pytest.raises(ConfigError, match=r"config.trainer.num_nodes: 2 GPU nodes cannot run from one shell .*; use "
                                           r"`neighbor-ckpt launch CONFIG --slurm FILE`"):
         runner.run_local(plan)
     assert not (tmp_path / "run").exists()
 
 
-def test_elastic_without_in_process_recovery_cannot_shrink_a_launch_and_is_refused_naming_the_key() -> None:
-    """A launch's world size is fixed (torchrun restarts every rank at the same size; a rank lost for good stops the
-    job): elastic can shrink only in process, so the file is refused with the key to set (issue 31 item 2)."""
+def test_elastic_without_in_process_recovery_cannot_shrink_a_one_node_launch_and_is_refused_naming_the_key() -> None:
+    """One torchrun agent runs every rank of a node and restarts them together: with one node, a rank lost for good
+    stops the job, so elastic there is refused with the keys to set; with several nodes the others go on without a
+    lost one (``--nnodes 1:N``), and in process the survivors go on."""
     with pytest.raises(ConfigError) as e:
         load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["neighbor_ckpt.elastic.enabled=true"])
     assert str(e.value).splitlines() == [
-        "config.neighbor_ckpt.elastic.enabled: cannot shrink this launch: without in-process recovery the launcher "
-        "restarts every rank with the same world size, and a rank lost for good stops the job; set "
-        "neighbor_ckpt.inprocess.enabled: true (the survivors go on with fewer ranks), or turn elastic off"]
+        "config.neighbor_ckpt.elastic.enabled: cannot shrink this launch: without in-process recovery one torchrun "
+        "agent runs every rank of a node and restarts them together, so with one node a rank lost for good stops the "
+        "job; set neighbor_ckpt.inprocess.enabled: true (the survivors go on with fewer ranks), run several nodes "
+        "(trainer.num_nodes > 1: the others go on without a lost one), or turn elastic off"]
     job = load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["neighbor_ckpt.elastic.enabled=true",
                                                         "neighbor_ckpt.inprocess.enabled=true"])
     assert job.neighbor_ckpt.elastic.enabled and job.neighbor_ckpt.inprocess.enabled
+    job = load_job(REPO / "configs/gpt_tiny_cpu.yaml", ["neighbor_ckpt.elastic.enabled=true", "trainer.num_nodes=2",
+                                                        "trainer.devices=2"])
+    assert job.neighbor_ckpt.elastic.enabled and not job.neighbor_ckpt.inprocess.enabled
 
 
 def test_launch_refuses_elastic_without_in_process_before_any_process_starts(tmp_path: Path) -> None:
