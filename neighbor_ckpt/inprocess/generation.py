@@ -261,14 +261,16 @@ class GenerationStore:
         self.store.set(key("gen", generation, "assignment"), assignment.to_json())
 
     def report_death(self, processes: Iterable[int], *, kind: str, reason: str, by: Optional[str] = None,
-                     fault: Optional[Fault] = None) -> Optional[GenerationFailure]:
-        """``processes`` are dead: list them in ``dead`` and, if one of them is active in the current generation,
-        record the generation's failure (the push every survivor waits for) and, given, when the fault happened as
-        the reporter knows it. An idle spare's death fails nothing: the job goes on, the spare is no longer counted.
-        Returns the generation's failure record, if one was recorded."""
+                     fault: Optional[Fault] = None, generation: Optional[int] = None) -> Optional[GenerationFailure]:
+        """``processes`` are dead: list them in ``dead`` and, if one of them is active in the generation the decision
+        is about (``generation``; None: the current one, read *before* they are declared: once they are, the others
+        may form the next generation without them, which this death must not fail), record that generation's failure
+        (the push every survivor waits for) and, given, when the fault happened as the reporter knows it. An idle
+        spare's death fails nothing: the job goes on, the spare is no longer counted. Returns the generation's
+        failure record, if one was recorded."""
         processes = tuple(processes)
+        g = self.current() if generation is None else generation
         self.declare_dead(processes, f"{kind}: {reason}")
-        g = self.current()
         assigned = self.assignment(g)
         if assigned is not None and not any(p in assigned.ranks for p in processes):
             logger.warning("%s: idle spare(s) %s lost (%s): the job goes on without them", by or self.name,

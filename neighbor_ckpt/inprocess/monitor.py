@@ -333,7 +333,7 @@ class Monitor:
             reason = f"process {peer} sent no heartbeat for {length:.1f} s (detector.timeout_s {self.timeout_s:g})"
             logger.error("%s: %s: declaring it dead (its launcher kills it)", self.gens.name, reason)
         last_beat = Fault(time.time() - length, f"last heartbeat of process {peer} seen by {self.gens.name}")
-        record = self.gens.report_death(lost, kind="silent", reason=reason, fault=last_beat)
+        record = self.gens.report_death(lost, kind="silent", reason=reason, fault=last_beat, generation=gen)
         if record is not None and self.gens.won(record):
             self.decisions.append(record)
         return record

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from neighbor_ckpt.inprocess.assignment import initial_assignment
-from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fenced, GenerationStore, Members, QuorumLost, exited,
-                                                gate, parse_dead, parse_list, quorum)
+from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fault, Fenced, GenerationStore, Members, QuorumLost,
+                                                exited, gate, parse_dead, parse_list, quorum)
 from neighbor_ckpt.inprocess.monitor import laggards, parse_heartbeat, ring_predecessor
 from neighbor_ckpt.inprocess.protocol import key
 from tests.conftest import free_port
@@ -283,3 +283,21 @@ def test_a_predecessor_on_the_same_node_is_watched_without_its_launcher(store: A
     assert monitor._silent_peer(0, members, 100.0) is None
     record = monitor._silent_peer(0, members, 102.5)
     assert record is not None and record.ranks == (0,), record
+
+
+def test_a_death_decided_about_a_generation_never_fails_the_next_one_formed_meanwhile(store: Any) -> None:
+    """The monitor decides about generation 0 (node 1 lost); once 2 and 3 are declared, the others form generation
+    1 without them before the decision's record is written. The record belongs to generation 0 (its fault witness
+    there), and generation 1 stays whole (the campaign saw it failed by the stale decision, then a give-up)."""
+    g = GenerationStore(store(), process=4)
+    g.store.set("gen", "0")
+    g.publish_assignment(0, initial_assignment(6, 2))
+    g.fail(0, kind="exception", ranks=(), reason="a collective lost a peer")
+    g.store.set("gen", "1")  # formed meanwhile, with the spares in 2 and 3's places
+    g.publish_assignment(1, initial_assignment(6, 2))
+    g.report_death((2, 3), kind="silent", reason="node node1 is lost", generation=0,
+                   fault=Fault(1.0, "last heartbeat of process 3 seen by process 4"))
+    assert g.failure(1) is None, "the next generation was failed by a decision about the one before"
+    assert g.failure(0).kind == "exception" and [f.what for f in g.faults(0)] == [
+        "last heartbeat of process 3 seen by process 4"]
+    assert {2, 3} <= g.dead().keys()
