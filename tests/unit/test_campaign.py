@@ -675,3 +675,17 @@ def test_a_lost_node_under_elastic_must_go_from_dp_4_to_2_and_two_timelines_are_
     assert "4 -> 3, expected 4 -> 2" in node_loss(log, run, node="node1", processes=(2, 3), spare_node=False)
     (run / "reports" / "recovery_timeline.attempt0.2.json").write_text(tl.read_text())
     assert "2 recovery timelines" in node_loss(log, run, node="node1", processes=(2, 3), spare_node=False)
+
+
+def test_a_failed_in_process_case_reports_its_failed_generations_its_give_up_and_the_restart_not_made() -> None:
+    from tools.campaign.judge import failure_lines
+
+    log = ("[rank1] x WARNING process 1 (rank 1): generation 1 failed (silent by process 4): node node1 is lost: ...\n"
+           "[rank0] x ERROR neighbor_ckpt: in-process recovery gives up on process 0 (in-process restart 1 failed "
+           "before completing a step): exiting with status 75\n"
+           "2026-11-28 00:16:20,629 launcher node0 (pid 1): restart 1: only 2 of 3 launcher(s) joined within 300 s: "
+           "not restarting\n"
+           "[rank0] x INFO an unrelated line\n")
+    hits = failure_lines(log).split(" | ")
+    assert len(hits) == 3 and "generation 1 failed (silent" in hits[0] and "gives up" in hits[1], hits
+    assert "not restarting" in hits[2]

@@ -218,7 +218,8 @@ def node_loss(log: str, run: Path, *, node: str, processes: tuple[int, ...], spa
 
 
 _FAILURE_RE = re.compile(r"failed \(exitcode: -?\d+\) local_rank|detected a failure \((?!sigterm)|Traceback|"
-                         r"^\[rank\d+\]:?\s*[\w.]*(Error|Exception)\b|rank \d+: .*(refused|failed|cannot)|attempt \d+")
+                         r"^\[rank\d+\]:?\s*[\w.]*(Error|Exception)\b|rank \d+: .*(refused|failed|cannot)|attempt \d+|"
+                         r"generation \d+ failed \(\w+ by|recovery gives up on|not restarting")
 
 
 def failure_lines(log: str, *, limit: int = 12) -> str:
