@@ -45,7 +45,7 @@ def _log(root: Path, c: dict) -> str:
     return (d / "launch.log" if (d / "launch.log").exists() else d / "torchrun.log").read_text()
 
 
-@pytest.mark.timeout(3600)  # 12 faulted jobs + 3 failure-free ones + 1 resumed one, about 60 s each on 2 quiet cores
+@pytest.mark.timeout(3600)  # 19 faulted jobs + 3 failure-free ones + 1 resumed one, about 60 s each on 2 quiet cores
 def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announced(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     kinds = KINDS
@@ -87,6 +87,12 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
     assert len(recovered) == 2 and all(r["mttr_s"] is not None for r in recovered), "each recovery is timed"
     assert "continuing on" in _log(tmp_path, by_kind["inproc-shrink"]["case"])
     assert "DataPositionError" in _log(tmp_path, by_kind["data-misplaced"]["case"])
+    # node 1 (ranks 2 and 3, its launcher and store host) lost whole: one decision, one recovery, its detection timed
+    for kind in ("inproc-node-lost", "inproc-node-lost-elastic"):
+        node_case = by_kind[kind]
+        assert "declaring its process(es) [2, 3] dead together" in _log(tmp_path, node_case["case"]), kind
+        assert len(node_case["recoveries"]) == 1 and node_case["detection_s"] is not None, node_case
+    assert "continuing on 2 of 4 ranks" in _log(tmp_path, by_kind["inproc-node-lost-elastic"]["case"])
     # The startup window (the CI flake of an earlier version): the victim dies with its first snapshot half copied,
     # before any replica exists; no complete version anywhere and no insurance yet. The job starts over, announced,
     # and trains exactly what the failure-free run did.

@@ -557,3 +557,135 @@ def test_a_restart_path_case_takes_its_mttrs_from_the_log_and_its_hang_detection
     assert o.result == "exact" and o.detection_s == pytest.approx(3.25) and o.mttr_s == 9.5
     assert [(r["mttr_s"], r["file"]) for r in o.recoveries] == [(9.5, "log")]
     assert o.recoveries[0]["detection_s"] == pytest.approx(3.25)
+
+
+# -- a whole node of two ranks lost in process -------------------------------------------------------------------------
+
+NODE_KINDS = ("inproc-node-lost", "inproc-node-lost-elastic")
+
+
+def test_the_node_kinds_come_last_and_leave_every_earlier_draw_of_a_seed_as_it_was() -> None:
+    assert KINDS[-len(NODE_KINDS):] == NODE_KINDS
+    earlier = KINDS[:-len(NODE_KINDS)]
+    for seed in (7, 149, 2027):
+        assert draw_cases(3 * len(earlier), seed, steps=6, kinds=earlier)[:len(earlier)] == draw_cases(
+            len(KINDS), seed, steps=6)[:len(earlier)]
+
+
+def test_the_node_kinds_lose_node_1_whole_on_two_nodes_of_two_ranks_with_a_spare_node_or_elastic(
+        tmp_path: Path) -> None:
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    drawn = [c for c in draw_cases(4 * len(KINDS), 5, steps=6) if c.kind in NODE_KINDS]
+    assert {c.kind for c in drawn} == set(NODE_KINDS)
+    base = write_config(tmp_path / "base.yaml")
+    for c in drawn:
+        shrink = c.kind == "inproc-node-lost-elastic"
+        # node 1 is ranks 2 and 3; the spares fill a spare node of 2, none under elastic
+        assert (c.rank, c.victims, c.devices, c.spares) == (2, (2, 3), 2, 0 if shrink else 2), c
+        assert c.inprocess and c.phase == "optimizer" and 1 <= c.step <= 4 and not c.may_fall_back
+        assert c.expected == ("resized" if shrink else "exact") and c.flavour == (True, 1, shrink)
+        assert c.recipe_args() == c.flavour_args  # the config's fault_injection injects it, not --kill
+        cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / f"{c.index}.yaml", base=base,
+                                                        inprocess_spares=c.spares, faults=c.planned_faults,
+                                                        elastic=shrink))
+        assert [(f.target, f.node, f.step, f.phase, f.signal) for f in cfg.fault_injection.planned()] == [
+            ("node", 1, c.step, "optimizer", "SIGKILL")]
+        assert cfg.elastic.enabled == shrink and cfg.inprocess.spares == c.spares
+
+
+def test_a_node_case_runs_one_launcher_per_node_of_two_processes_and_a_spare_node_of_its_own(tmp_path: Path) -> None:
+    from neighbor_ckpt.inprocess.launcher_plan import parse_args
+
+    case = next(c for c in draw_cases(len(KINDS), 7, steps=6) if c.kind == "inproc-node-lost")
+    own = write_config(tmp_path / "nckpt.yaml", base=write_config(tmp_path / "base.yaml"),
+                       inprocess_spares=case.spares, faults=case.planned_faults)
+    procs = inprocess_job(tmp_path / "case", case.recipe_args(), job_id="campaign-7", store=tmp_path / "store",
+                          config=own, steps=6, store_port=4001, max_restarts=case.max_restarts, spares=case.spares,
+                          devices=case.devices)
+    assert procs.stores == "127.0.0.1:4001,127.0.0.1:4002,127.0.0.1:4003", "a store host per node"
+    plans = [parse_args(cmd[3:]) for cmd, _ in procs.agents]
+    assert [(p.node, p.first, p.count, p.host_store) for p in plans] == [("node0", 0, 2, 0), ("node1", 2, 2, 1),
+                                                                         ("node2", 4, 2, 2)]
+    assert {(p.processes, p.spares, p.nodes) for p in plans} == {(WORLD + 2, 2, 3)}
+    assert [dict(env)["NEIGHBOR_CKPT_STORE_DIR"] for _, env in procs.agents] == [
+        str(tmp_path / "store" / f"node{i}") for i in range(3)]
+
+
+NODE_LOST_LOG = (
+    "[node2] process 4: node node1 is lost: process 3 sent no heartbeat for 3.2 s (detector.timeout_s 3) and its "
+    "launcher none for 3.1 s: declaring its process(es) [2, 3] dead together\n"
+    "[node0] process 0: generation 0 failed (silent by process 4): node node1 is lost: ...\n"
+    "[node2] process 4: generation 0 failed (silent by process 4): node node1 is lost: ...\n")
+
+
+def _node_run(tmp_path: Path, kind: str, **timeline: object) -> tuple[Case, Path, Path]:
+    """A finished node case whose training equals its failure-free run, both of node 1's processes having written the
+    node's fault (the second line cut short by the node's death), and rank 0's one recovery timeline."""
+    case, base, run = _inprocess_run(tmp_path, kind=kind)
+    fault = {"rank": 2, "step": case.step, "phase": "optimizer", "signal": "SIGKILL", "target": "node", "node": 1}
+    (run / "faults.jsonl").write_text(json.dumps(fault) + "\n" + json.dumps({**fault, "rank": 3})[:20] + "\n")
+    (run / "reports").mkdir()
+    (run / "reports" / "recovery_timeline.attempt0.1.json").write_text(json.dumps({
+        "attempt": "0.1", "mode": "in-process", "restarted_ranks": [], "spare_ranks": [2, 3],
+        "data_parallel_before": None, "data_parallel_after": None, "mttr_s": 3.9,
+        "phases_s": {"detect": 3.4, "abort": 0.1}, "detect_from": "the fault: last heartbeat of process 3 seen by "
+                                                                  "process 4",
+        "events_unix": {"fault": 100.0}, **timeline}))
+    return case, base, run
+
+
+def test_a_lost_node_found_in_one_decision_and_taken_by_the_spare_node_is_exact_with_its_detection(
+        tmp_path: Path) -> None:
+    case, base, run = _node_run(tmp_path, "inproc-node-lost")
+    o = _judge(case, base, run, NODE_LOST_LOG)
+    assert (o.result, o.detail) == ("exact", ""), o
+    assert o.detection_s == 3.4 and o.mttr_s == 3.9 and recovery_mode(o) == "in-process"
+    assert summary([o])[0]["detection_s"] == {"n": 1, "median": 3.4, "max": 3.4}, "the table's detection column"
+
+
+@pytest.mark.parametrize("log, timeline, why", [
+    (NODE_LOST_LOG.replace("[2, 3] dead together", "[2] dead together"), {}, "dead together"),
+    (NODE_LOST_LOG + "[node0] process 1: process 2 sent no heartbeat for 3.3 s (detector.timeout_s 3): declaring it "
+                     "dead (its launcher kills it)\n", {}, "one after the other"),
+    (NODE_LOST_LOG + "[node0] process 0: generation 1 failed (silent by process 0): process 1 ...\n", {},
+     "only generation 0"),
+    (NODE_LOST_LOG, {"phases_s": {"detect": None, "abort": 0.1}}, "no detection"),
+    (NODE_LOST_LOG, {"detect_from": "the newest committed snapshot"}, "no detection"),
+    (NODE_LOST_LOG, {"spare_ranks": [2]}, "the spares took ranks [2]"),
+    (NODE_LOST_LOG, {"restarted_ranks": [2, 3], "mode": "restart"}, "restarted ranks"),
+])
+def test_a_lost_node_fails_when_not_found_as_one_failure_or_its_detection_is_not_recorded(
+        tmp_path: Path, log: str, timeline: dict, why: str) -> None:
+    case, base, run = _node_run(tmp_path, "inproc-node-lost", **timeline)
+    o = _judge(case, base, run, log)
+    assert o.result == "FAILED" and why in o.detail, o
+
+
+def test_a_lost_node_under_elastic_must_go_from_dp_4_to_2_and_two_timelines_are_two_failures(tmp_path: Path) -> None:
+    from tools.campaign.judge import node_loss
+
+    _, _, run = _node_run(tmp_path, "inproc-node-lost-elastic", spare_ranks=[], data_parallel_before=4,
+                          data_parallel_after=2)
+    log = NODE_LOST_LOG.replace("process 4", "process 0")
+    assert node_loss(log, run, node="node1", processes=(2, 3), spare_node=False) == ""
+    assert "spares took" in node_loss(log, run, node="node1", processes=(2, 3), spare_node=True)
+    tl = run / "reports" / "recovery_timeline.attempt0.1.json"
+    tl.write_text(json.dumps({**json.loads(tl.read_text()), "data_parallel_after": 3}))
+    assert "4 -> 3, expected 4 -> 2" in node_loss(log, run, node="node1", processes=(2, 3), spare_node=False)
+    (run / "reports" / "recovery_timeline.attempt0.2.json").write_text(tl.read_text())
+    assert "2 recovery timelines" in node_loss(log, run, node="node1", processes=(2, 3), spare_node=False)
+
+
+def test_a_failed_in_process_case_reports_its_failed_generations_its_give_up_and_the_restart_not_made() -> None:
+    from tools.campaign.judge import failure_lines
+
+    log = ("[rank1] x WARNING process 1 (rank 1): generation 1 failed (silent by process 4): node node1 is lost: ...\n"
+           "[rank0] x ERROR neighbor_ckpt: in-process recovery gives up on process 0 (in-process restart 1 failed "
+           "before completing a step): exiting with status 75\n"
+           "2026-11-28 00:16:20,629 launcher node0 (pid 1): restart 1: only 2 of 3 launcher(s) joined within 300 s: "
+           "not restarting\n"
+           "[rank0] x INFO an unrelated line\n")
+    hits = failure_lines(log).split(" | ")
+    assert len(hits) == 3 and "generation 1 failed (silent" in hits[0] and "gives up" in hits[1], hits
+    assert "not restarting" in hits[2]

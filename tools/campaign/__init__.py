@@ -23,7 +23,12 @@ show it). ``inproc-store-node``: node 0 (its launcher, the primary store host it
 ``inproc-store-stop``: the primary store host SIGSTOPped for good: the job fails over to node 1's standby store
 (``fault_injection.target: store_node``). ``inproc-spare-lost``: the hot spare SIGKILLed while idle (reported, the
 job goes on). ``inproc-grow-back``: two faults with one spare and ``inprocess.grow_back``: the replacement the first
-victim's launcher starts takes the second lost rank.
+victim's launcher starts takes the second lost rank. ``inproc-node-lost``: 2 simulated nodes of 2 processes each and a
+spare node of 2 hot spares; node 1 lost whole in the case's step (``fault_injection.target: node``: its launcher, its
+store host and both ranks); the spare node takes both ranks, and the judge also checks that one decision declared
+both of node 1's processes dead, that one generation failed, and that the recovery timeline has its detection
+(:func:`~tools.campaign.judge.node_loss`). ``inproc-node-lost-elastic``: the same without a spare, ``elastic.enabled``:
+DP 4 -> 2, judged as a shrink.
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 
@@ -35,8 +40,9 @@ failure-free run resumed from the same insurance checkpoint, :func:`resume_basel
 steps before the fault exact, the later ones within 1e-4 and on the same samples, :func:`compare_resized`),
 ``stopped`` (the data check stopped a restart on misplaced data at the replayed step: the expected loud stop),
 ``FAILED``
-(anything else: divergence, a crash, a hang past the deadline). For hangs the table also gives the detection
-time: from the moment the victim stopped (``fault.json``) to the first rank's detection log line. An in-process case
+(anything else: divergence, a crash, a hang past the deadline). For hangs and lost nodes the table also gives the
+detection time: from the moment the victim stopped (``fault.json``) to the first rank's detection log line (in
+process: the recovery timeline's ``detect`` phase, from the fault as its earliest witness saw it). An in-process case
 whose recovery gave up (announced) and that the restart path then recovered exactly is a ``fallback`` too, when a
 restart attempt really ran (its recovery reports exist; a give-up line alone is no restart). Every recovery of a case
 is kept with its MTTR and detection (``Outcome.recoveries``, from its recovery timelines, fault to the first completed

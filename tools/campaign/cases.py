@@ -7,8 +7,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["WORLD", "NODES", "SPARES", "GLOBAL_BATCH", "Kind", "KIND_SPECS", "KINDS", "Case", "Outcome", "dp_ring",
-           "draw_cases"]
+__all__ = ["WORLD", "NODES", "SPARES", "GLOBAL_BATCH", "DEVICES", "LOST_NODE", "Kind", "KIND_SPECS", "KINDS", "Case",
+           "Outcome", "dp_ring", "draw_cases"]
 
 WORLD, NODES = 4, 2
 """Every case: 4 ranks laid out as 2 "nodes" of 2 consecutive ranks (``--nodes 2``), so the ring of a DP group puts
@@ -58,6 +58,13 @@ class Kind:
     """In process: the fault hits the node hosting the store in use (``fault_injection.target: store_node``): with
     SIGKILL its launcher, the primary store host and rank 0 die; with SIGSTOP only the store host stops (for good:
     its launcher stops it once the job moved on). The job fails over to node 1's standby."""
+    whole_node: bool = False
+    """In process on 2 simulated nodes of 2 ranks (:data:`DEVICES` processes per node, as ``neighbor-ckpt launch``
+    runs ``trainer.num_nodes: 2``, ``trainer.devices: 2``): node :data:`LOST_NODE` is lost whole at the case's step
+    (``fault_injection.target: node``: its ranks SIGKILL its launcher; its store host and both processes die with it
+    and it never comes back). The hot spares fill a spare node of their own (2 per fault); with ``shrink`` there is
+    none and the job goes on at DP 2. Judged also on how the loss was found: one decision declaring both of the node's
+    processes dead, one failed generation, a recovery timeline with its detection."""
     inprocess: bool = False
     """In-process recovery with a hot spare (the recipe's in-process mode under our per-node launchers); always the
     distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path (the launchers restart
@@ -90,6 +97,8 @@ KIND_SPECS: dict[str, Kind] = {
     "inproc-store-stop": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True, store_node=True),
     "inproc-spare-lost": Kind(phase="optimizer", tp=1, inprocess=True, idle_spare=True),
     "inproc-grow-back": Kind(phase="optimizer", tp=1, inprocess=True, faults=2, grow_back=True),
+    "inproc-node-lost": Kind(phase="optimizer", tp=1, inprocess=True, whole_node=True),
+    "inproc-node-lost-elastic": Kind(phase="optimizer", tp=1, inprocess=True, whole_node=True, shrink=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
@@ -99,6 +108,12 @@ streamed to the other node. New kinds are added last, so every earlier draw of a
 
 SPARES = 1
 """Hot spares of an in-process case (on top of the ``WORLD`` active ranks)."""
+DEVICES = 2
+"""Processes per simulated node of the whole-node kinds (``inproc-node-lost*``); every other in-process case runs one
+process per node."""
+LOST_NODE = 1
+"""The node a whole-node kind loses (``node1``: ranks 2 and 3; node 0 also hosts the primary store, whose loss is
+``inproc-store-node``'s)."""
 GLOBAL_BATCH = 16
 """Samples per step of every case: the recipe's default at DP 4 (2 micro-batches of 2 per rank); given to the recipe
 only where it must stay fixed across a shrink (``inproc-shrink`` and its failure-free run)."""
@@ -146,6 +161,8 @@ class Case:
 
     @property
     def victims(self) -> tuple[int, ...]:
+        if self.spec.whole_node:
+            return tuple(range(LOST_NODE * DEVICES, (LOST_NODE + 1) * DEVICES))
         how = self.spec.victims
         if how == "node":
             per = WORLD // NODES
@@ -189,16 +206,26 @@ class Case:
         return self.spec.inprocess
 
     @property
+    def devices(self) -> int:
+        """Processes per simulated node of an in-process case: :data:`DEVICES` for a whole-node kind, else 1."""
+        return DEVICES if self.spec.whole_node else 1
+
+    @property
     def spares(self) -> int:
-        """Hot spares of an in-process case: one per fault, none for a shrink."""
-        return 0 if self.spec.shrink else SPARES if self.spec.grow_back else self.spec.faults * SPARES
+        """Hot spares of an in-process case: one per fault (a whole spare node per lost node), none for a shrink."""
+        if self.spec.shrink:
+            return 0
+        return SPARES if self.spec.grow_back else self.spec.faults * SPARES * self.devices
 
     @property
     def planned_faults(self) -> list[dict[str, Any]] | None:
         """The ``fault_injection.faults`` entries of the case's config (the kinds with several faults or a lost node),
         or None: the recipe's ``--kill`` flags inject it."""
-        if not (self.spec.faults > 1 or self.spec.shrink or self.spec.store_node):
+        if not (self.spec.faults > 1 or self.spec.shrink or self.spec.store_node or self.spec.whole_node):
             return None
+        if self.spec.whole_node:
+            return [{"target": "node", "node": LOST_NODE, "step": self.step, "phase": self.phase,
+                     "signal": self.signal}]
         if self.spec.store_node:
             return [{"target": "store_node", "step": self.step, "phase": self.phase, "signal": self.signal}]
         first = {"rank": self.rank, "step": self.step, "phase": self.phase, "signal": self.signal,
@@ -302,6 +329,8 @@ def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequ
             case = dataclasses.replace(case, step=max(step, 2))
         if spec.store_node:  # node 0 hosts the primary store: its rank is the one lost with it (SIGKILL)
             case = dataclasses.replace(case, rank=0)
+        if spec.whole_node:  # the lost node's first rank (for the record: the fault names the node)
+            case = dataclasses.replace(case, rank=LOST_NODE * DEVICES)
         if spec.faults > 1:  # the second fault after the recovered generation completed a step
             first = min(step, steps - 3)
             case = dataclasses.replace(case, step=first, second_rank=rng.randrange(world),

@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "compare_fallback", "compare_resized", "failure_lines", "insurance_iteration", "recoveries",
-           "restart_attempts"]
+__all__ = ["compare", "compare_fallback", "compare_resized", "failed_generations", "failure_lines",
+           "insurance_iteration", "node_loss", "recoveries", "restart_attempts"]
 
 _REPORT_RE = re.compile(r"^report\.rank\d+\.attempt(\d+)(?:\.\d+)*\.json$")
 
@@ -173,8 +173,53 @@ def compare_fallback(base: Path, resumed: Path, run: Path, *, insurance_step: in
     return ""
 
 
+_GENERATION_FAILED_RE = re.compile(r"generation (\d+) failed \((\w+) by ([^)]+)\)")
+
+
+def failed_generations(log: str) -> list[tuple[int, str, str]]:
+    """Every ``generation G failed (KIND by WHO)`` line of an in-process launch's processes, deduplicated (each
+    survivor logs the one record that stands): sorted (G, KIND, WHO)."""
+    return sorted({(int(g), k, w) for g, k, w in _GENERATION_FAILED_RE.findall(log)})
+
+
+def node_loss(log: str, run: Path, *, node: str, processes: tuple[int, ...], spare_node: bool) -> str:
+    """'' when the loss of ``node`` (whose processes were ``processes``) was found and recovered as one failure:
+    a monitor declared every one of them dead in one decision (``node <node> is lost: ... declaring its process(es)
+    [...] dead together``), none of them was declared on its own (one after the other), generation 0 is the only one
+    that failed, and rank 0 wrote one recovery timeline, in process, no process restarted, with its detection known
+    and measured from the fault; ``spare_node``: the spares took exactly the lost ranks (those of ``processes``),
+    else the job went from DP 4 to 2 (elastic). Otherwise what differs."""
+    together = re.search(rf"node {re.escape(node)} is lost: process \d+ sent no heartbeat for [^\n]*: declaring its "
+                         rf"process\(es\) {re.escape(str(list(processes)))} dead together", log)
+    if together is None:
+        return f"no decision declared {node}'s processes {list(processes)} dead together"
+    alone = [p for p in processes if re.search(rf"process {p} sent no heartbeat for [^\n]*declaring it dead", log)]
+    if alone:
+        return f"{node}'s process(es) {alone} declared dead on their own, one after the other"
+    generations = sorted({g for g, _, _ in failed_generations(log)})
+    if generations != [0]:
+        return f"generations {generations} failed, expected only generation 0 (one failure)"
+    timelines = _timelines(run)
+    if len(timelines) != 1:
+        return f"{len(timelines)} recovery timelines ({[t['file'] for t in timelines]}), expected one"
+    t = timelines[0]
+    if t.get("mode") != "in-process" or t.get("restarted_ranks") != []:
+        return f"the recovery was {t.get('mode')} with restarted ranks {t.get('restarted_ranks')} ({t['file']})"
+    detect = (t.get("phases_s") or {}).get("detect")
+    if detect is None or not str(t.get("detect_from", "")).startswith("the fault"):
+        return (f"the timeline has no detection measured from the fault (detect {detect}, from "
+                f"{t.get('detect_from')!r}; {t['file']})")
+    if spare_node and sorted(t.get("spare_ranks") or []) != list(processes):
+        return f"the spares took ranks {t.get('spare_ranks')}, expected {list(processes)} ({t['file']})"
+    if not spare_node and (t.get("data_parallel_before"), t.get("data_parallel_after")) != (4, 2):
+        return (f"data-parallel {t.get('data_parallel_before')} -> {t.get('data_parallel_after')}, expected 4 -> 2 "
+                f"({t['file']})")
+    return ""
+
+
 _FAILURE_RE = re.compile(r"failed \(exitcode: -?\d+\) local_rank|detected a failure \((?!sigterm)|Traceback|"
-                         r"^\[rank\d+\]:?\s*[\w.]*(Error|Exception)\b|rank \d+: .*(refused|failed|cannot)|attempt \d+")
+                         r"^\[rank\d+\]:?\s*[\w.]*(Error|Exception)\b|rank \d+: .*(refused|failed|cannot)|attempt \d+|"
+                         r"generation \d+ failed \(\w+ by|recovery gives up on|not restarting")
 
 
 def failure_lines(log: str, *, limit: int = 12) -> str:

@@ -22,9 +22,9 @@ from neighbor_ckpt.recipes import RECIPES_DIR
 from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
 from neighbor_ckpt.snapshot.store import rank_dir
 
-from .cases import KINDS, NODES, SPARES, WORLD, Case, Outcome, draw_cases
-from .judge import (compare, compare_fallback, compare_resized, failure_lines, insurance_iteration, recoveries,
-                    restart_attempts)
+from .cases import KINDS, LOST_NODE, NODES, SPARES, WORLD, Case, Outcome, draw_cases
+from .judge import (compare, compare_fallback, compare_resized, failure_lines, insurance_iteration, node_loss,
+                    recoveries, restart_attempts)
 from .report import load_outcomes, mttrs, results_document, summarize
 
 __all__ = ["RECIPE", "GAVE_UP", "inprocess_job", "judge_run", "main", "resume_baseline", "resume_point", "run_case",
@@ -77,11 +77,12 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                   store_port: "int | list[int]", max_restarts: int, insurance_every: int = 0,
-                  spares: int = SPARES, grow_back: bool = False):  # noqa: ANN201
+                  spares: int = SPARES, grow_back: bool = False, devices: int = 1):  # noqa: ANN201
     """The per-node launcher commands (each hosting one of the stores) of an in-process case (nothing runs):
     ``WORLD`` active ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store
     root per simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
-    ``neighbor-ckpt launch`` builds its own."""
+    ``neighbor-ckpt launch`` builds its own. ``devices``: processes per simulated node (the spares on spare nodes
+    of their own), as ``trainer.devices`` of a job with ``trainer.num_nodes > 1``."""
     from neighbor_ckpt.cli.launch import inprocess_commands
     from neighbor_ckpt.config import NeighborCkptConfig
 
@@ -91,11 +92,12 @@ def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, confi
     detector_timeout_s = NeighborCkptConfig.from_yaml(config).detector.timeout_s
     return inprocess_commands(program, active=WORLD, spares=spares, max_restarts=max_restarts, run_id=job_id,
                               store_port=store_port, store_root=store, grow_back=grow_back,
-                              detector_timeout_s=detector_timeout_s)
+                              detector_timeout_s=detector_timeout_s, devices=devices)
 
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
-                   timeout: float, max_restarts: int, spares: int = SPARES, grow_back: bool = False) -> tuple[int, str]:
+                   timeout: float, max_restarts: int, spares: int = SPARES, grow_back: bool = False,
+                   devices: int = 1) -> tuple[int, str]:
     """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
     in ``launch.log``. Returns (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses,
     -999 past ``timeout``; the log)."""
@@ -105,7 +107,7 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
     out.mkdir(parents=True, exist_ok=True)
     procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
                           store_port=free_ports(WORLD + spares), max_restarts=max_restarts, spares=spares,
-                          grow_back=grow_back)
+                          grow_back=grow_back, devices=devices)
     tag = new_run_tag()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic
@@ -151,7 +153,7 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
                            grow_back=case.spec.grow_back)
         rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
                                  steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares,
-                                 grow_back=case.spec.grow_back)
+                                 grow_back=case.spec.grow_back, devices=case.devices)
     else:
         rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
                             config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
@@ -172,7 +174,7 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
     if seen_in_log:  # the hang's detection: from the victim's stop to the first detection line
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
     all_recoveries = _recoveries(out, log, detection)
-    if not seen_in_log and case.signal in ("SIGSTOP", "block") and case.inprocess:
+    if not seen_in_log and (case.signal in ("SIGSTOP", "block") or case.spec.whole_node) and case.inprocess:
         detection = next((r["detection_s"] for r in all_recoveries if r["detection_s"] is not None), None)
     mttr = next((r["mttr_s"] for r in all_recoveries if r["mttr_s"] is not None), None)
     common = dict(detection_s=detection, mttr_s=mttr, wall_s=wall, recoveries=tuple(all_recoveries))
@@ -182,7 +184,7 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
         return Outcome(case, "FAILED", "the fault never fired", **common)
     if case.recovery_rank is not None and not (out / "fault.recovery.json").exists():
         return Outcome(case, "FAILED", "the kill during recovery never fired", **common)
-    fired = len((out / "faults.jsonl").read_text().splitlines()) if (out / "faults.jsonl").exists() else 1
+    fired = _faults_fired(out)
     if case.planned_faults is not None and fired != len(case.planned_faults):
         return Outcome(case, "FAILED", f"{fired} of {len(case.planned_faults)} planned faults fired", **common)
     if case.spec.misplaced_data:
@@ -206,6 +208,10 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
         return Outcome(case, "FAILED" if diff else "fallback",
                        diff or f"announced fallback to insurance {k}, bit-exact with the failure-free run resumed "
                                "from it", **common)
+    if case.spec.whole_node:  # found as one failure, recovered in process, its detection timed
+        lost = node_loss(log, out, node=f"node{LOST_NODE}", processes=case.victims, spare_node=not case.spec.shrink)
+        if lost:
+            return Outcome(case, "FAILED", lost, **common)
     no_restart = ("; a process announced that its in-process recovery gives up, but no restart attempt ran"
                   if gave_up and not restarted else "")
     if case.spec.shrink:
@@ -220,6 +226,24 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
         return Outcome(case, "fallback", "in-process recovery gave up (announced); the restart path recovered "
                                          "exactly", **common)
     return Outcome(case, "FAILED" if diff else "exact", diff or no_restart.removeprefix("; "), **common)
+
+
+def _faults_fired(out: Path) -> int:
+    """How many planned faults fired in ``out``: the lines of ``faults.jsonl``, where the processes of a lost node
+    each write the node's fault, as far as they get before the node dies (one fault); 1 without the file (the
+    ``--kill`` flags' ``fault.json``)."""
+    path = out / "faults.jsonl"
+    if not path.exists():
+        return 1
+    fired: set[tuple[Any, ...]] = set()
+    for i, line in enumerate(path.read_text().splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # cut short: a process of a lost node, whose other process's line is whole
+        node = rec.get("node") if isinstance(rec, dict) and rec.get("target") == "node" else None
+        fired.add(("node", node, rec.get("step")) if node is not None else ("line", i))
+    return len(fired)
 
 
 def resume_baseline(case: Case, *, run: Path, work: Path, steps: int, config: Path, insurance_step: int,
