@@ -165,13 +165,24 @@ def _inventory(store: HostStore, topology: Topology, layout: str, rejected: dict
         own.add(ref.header.iteration)
         where[(ROLE_OWN, ref.header.iteration)] = ref.index
         needs_lazy = bool(ref.header.meta.get("has_lazy", False))
+    # Replicas of the rank that was this rank's predecessor when they were taken: the ring may have changed since (a
+    # spare took one rank of a node: a cross-node ring orders by node), so they are reported with their owner.
+    by_owner: dict[int, dict[int, int]] = {}
     for ref in store.committed(ROLE_REPLICA, verify=False):
-        if ref.header.owner_rank != topology.predecessor:
-            logger.warning("rank %d: replica slot %d belongs to rank %d, not to my predecessor %d; ignored",
-                           store.rank, ref.index, ref.header.owner_rank, topology.predecessor)
-            continue
-        replica.add(ref.header.iteration)
-        where[(ROLE_REPLICA, ref.header.iteration)] = ref.index
+        by_owner.setdefault(ref.header.owner_rank, {})[ref.header.iteration] = ref.index
+    replica_of = -1
+    if by_owner:
+        replica_of = topology.predecessor if topology.predecessor in by_owner else \
+            max(by_owner, key=lambda o: max(by_owner[o]))
+        if replica_of != topology.predecessor:
+            logger.info("rank %d: holds replicas of rank %d (the ring changed since: its predecessor is now %d)",
+                        store.rank, replica_of, topology.predecessor)
+        for other in sorted(set(by_owner) - {replica_of}):
+            logger.warning("rank %d: replica slot(s) of rank %d ignored (this rank serves rank %d's)", store.rank,
+                           other, replica_of)
+        for it, index in by_owner[replica_of].items():
+            replica.add(it)
+            where[(ROLE_REPLICA, it)] = index
     for ref in store.committed(ROLE_LAZY, verify=False):
         if ref.header.layout != layout or ref.header.meta.get("dp_group") != min(topology.dp_ranks):
             logger.warning("rank %d: lazy backup %d is of another layout or DP group; ignored", store.rank, ref.index)
@@ -180,7 +191,7 @@ def _inventory(store: HostStore, topology: Topology, layout: str, rejected: dict
         where[(ROLE_LAZY, ref.header.iteration)] = ref.index
     row = RankVersions(rank=topology.rank, successor=topology.successor, dp_group=min(topology.dp_ranks),
                        own=frozenset(own), replica=frozenset(replica), lazy=frozenset(lazy),
-                       needs_lazy=needs_lazy, layout_mismatch=mismatch)
+                       needs_lazy=needs_lazy, layout_mismatch=mismatch, replica_of=replica_of)
     return row, where
 
 
@@ -337,7 +348,7 @@ def run_recovery(*, store: HostStore, topology: Topology, transport: NeighborTra
             rep.phases["load"] = time.perf_counter() - t1
             if rep.source == SOURCE_REPLICA:
                 logger.warning("rank %d: restoring iteration %d from the replica held by rank %d", topology.rank,
-                               it, topology.successor)
+                               it, decision.replica_holders.get(topology.rank, topology.successor))
             return rep, Restored(it, tensors, extras)
         exclude = frozenset(failed)
     rep.outcome, rep.reason = "insurance", f"copies kept failing verification after {rounds} rounds"
@@ -361,21 +372,22 @@ def _transfer(store: HostStore, topology: Topology, transport: NeighborTransport
     recvs: list[tuple[str, int]] = []  # (role, src)
     notes: list[str] = []
     by_rank = {r.rank: r for r in table}
-    # replicas: I hold my predecessor's replica; send it if the predecessor needs it.
-    pred = topology.predecessor
-    if pred != me and decision.sources.get(pred) == SOURCE_REPLICA:
+    # replicas: I hold one rank's replica (my predecessor's when it was taken); send it if that rank needs it.
+    owner = by_rank[me].replica_of
+    if owner not in (-1, me) and decision.replica_holders.get(owner) == me:
         slot = store.slot(ROLE_REPLICA, where[(ROLE_REPLICA, it)])
         assert slot is not None  # noqa: S101
-        sends.append((slot, slot.read_header(), pred))
+        sends.append((slot, slot.read_header(), owner))
     if decision.sources[me] == SOURCE_REPLICA:
-        recvs.append((ROLE_OWN, topology.successor))
+        src = decision.replica_holders[me]
+        recvs.append((ROLE_OWN, src))
         if it in by_rank[me].own:
-            notes.append(f"own slot of iteration {it} was rejected; using the replica on rank {topology.successor}")
+            notes.append(f"own slot of iteration {it} was rejected; using the replica on rank {src}")
         elif it in rejected:
             notes.append(f"own slot of iteration {it} failed verification ({rejected[it]}); using the replica held "
-                         f"by rank {topology.successor}")
+                         f"by rank {src}")
         else:
-            notes.append(f"own slot of iteration {it} missing; pulling the replica from rank {topology.successor}")
+            notes.append(f"own slot of iteration {it} missing; pulling the replica from rank {src}")
     holder = decision.lazy_holders.get(min(topology.dp_ranks))
     lazy_owner: int | None = None
 

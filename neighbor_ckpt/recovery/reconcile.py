@@ -3,7 +3,9 @@
 Every rank reports the versions it can serve: its own slots, the replicas it holds for its ring
 predecessor, and the lazy backups of its DP group. The target is the latest iteration that *every* rank
 can restore (with two versions kept and the engine's wait point, that is at worst the second newest):
-a rank restores from its own slot if it has the version, else from the replica on its successor. DP
+a rank restores from its own slot if it has the version, else from the replica another rank holds of it (the one
+whose replica slots name it as their owner: its ring successor when the snapshots were taken, which need not be its
+successor now: a spare that took one rank of a node changes a cross-node ring). DP
 groups whose plan has lazy (redundant) tensors also need one member holding a lazy backup of that
 iteration. No such iteration: fall back to insurance.
 """
@@ -32,11 +34,14 @@ class RankVersions:
     """Lowest global rank of the DP group (its id)."""
     own: frozenset[int] = frozenset()
     replica: frozenset[int] = frozenset()
-    """Versions of the *predecessor's* state held by this rank."""
+    """Versions of rank :attr:`replica_of`'s state held by this rank (its ring predecessor's when they were taken)."""
     lazy: frozenset[int] = frozenset()
     needs_lazy: bool | None = None
     """Whether this rank's snapshots say its DP group has lazy state (None: no snapshot to tell)."""
     layout_mismatch: bool = False
+    replica_of: int = -1
+    """The rank whose state :attr:`replica` holds, as its slots name their owner (-1: not said: its current ring
+    predecessor's, the rank whose :attr:`successor` it is)."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,12 @@ class RecoveryDecision:
 
     iteration: int | None
     sources: dict[int, str] = field(default_factory=dict)
-    """Per rank: ``own`` or ``replica`` (pulled from its successor)."""
+    """Per rank: ``own`` or ``replica`` (pulled from :attr:`replica_holders`)."""
     lazy_holders: dict[int, int] = field(default_factory=dict)
     """Per DP group id that needs lazy state: the rank whose lazy backup is used."""
     reason: str = ""
+    replica_holders: dict[int, int] = field(default_factory=dict)
+    """Per rank restoring from a replica: the rank that holds it (sends it)."""
 
     @property
     def recoverable(self) -> bool:
@@ -79,16 +86,20 @@ def reconcile(table: Sequence[RankVersions], exclude: frozenset[tuple[int, int, 
                            f"after it; a state that failed once is not chosen again")
             continue
         sources: dict[int, str] = {}
+        replica_holders: dict[int, int] = {}
         missing = None
         for r in table:
+            holder = next((h.rank for h in table if h.replica_of == r.rank and it in h.replica), None)
             succ = by_rank.get(r.successor)
+            if holder is None and succ is not None and succ.replica_of == -1 and it in succ.replica:
+                holder = succ.rank
             if it in r.own and (r.rank, it, SOURCE_OWN) not in exclude:
                 sources[r.rank] = SOURCE_OWN
-            elif succ is not None and it in succ.replica and (r.rank, it, SOURCE_REPLICA) not in exclude:
-                sources[r.rank] = SOURCE_REPLICA
+            elif holder is not None and (r.rank, it, SOURCE_REPLICA) not in exclude:
+                sources[r.rank], replica_holders[r.rank] = SOURCE_REPLICA, holder
             else:
-                missing = f"rank {r.rank} has no copy of iteration {it} (own slot lost, replica on rank " \
-                          f"{r.successor} lost)"
+                missing = f"rank {r.rank} has no copy of iteration {it} (own slot lost, no rank holds its replica: " \
+                          f"rank {r.successor}, its successor, lost)"
                 break
         if missing is None:
             holders: dict[int, int] = {}
@@ -101,7 +112,8 @@ def reconcile(table: Sequence[RankVersions], exclude: frozenset[tuple[int, int, 
                     break
                 holders[g] = have[0]
             if missing is None:
-                return RecoveryDecision(it, sources, holders, reason=f"iteration {it} restorable by all ranks")
+                return RecoveryDecision(it, sources, holders, reason=f"iteration {it} restorable by all ranks",
+                                        replica_holders=replica_holders)
         why_not[it] = missing
     latest = max(why_not)
     return RecoveryDecision(None,
@@ -114,7 +126,8 @@ def encode_row(r: RankVersions, versions: int) -> torch.Tensor:
         v = sorted(s, reverse=True)[:versions]
         return v + [-1] * (versions - len(v))
     nl = -1 if r.needs_lazy is None else int(r.needs_lazy)
-    row = [r.rank, r.successor, r.dp_group, nl, int(r.layout_mismatch)] + pad(r.own) + pad(r.replica) + pad(r.lazy)
+    row = [r.rank, r.successor, r.dp_group, nl, int(r.layout_mismatch), r.replica_of] + pad(r.own) + pad(r.replica) \
+        + pad(r.lazy)
     return torch.tensor(row, dtype=torch.int64)
 
 
@@ -122,7 +135,7 @@ def decode_row(t: torch.Tensor, versions: int) -> RankVersions:
     v = [int(x) for x in t.tolist()]
     def s(a: list[int]) -> frozenset[int]:
         return frozenset(x for x in a if x >= 0)
-    o = 5
+    o = 6
     return RankVersions(rank=v[0], successor=v[1], dp_group=v[2], needs_lazy=None if v[3] < 0 else bool(v[3]),
-                        layout_mismatch=bool(v[4]), own=s(v[o:o + versions]),
+                        layout_mismatch=bool(v[4]), replica_of=v[5], own=s(v[o:o + versions]),
                         replica=s(v[o + versions:o + 2 * versions]), lazy=s(v[o + 2 * versions:o + 3 * versions]))

@@ -115,3 +115,44 @@ def _damaged_exchange(rank: int, world: int, tmp: Path) -> None:
 def test_a_reshard_message_the_transport_damaged_is_a_typed_corruption_not_a_parse_error(tmp_path: Path) -> None:
     _spawn(_damaged_exchange, tmp_path, world=2)
     assert not list(tmp_path.glob("err*")), [p.read_text() for p in tmp_path.glob("err*")]
+
+
+BEFORE = ("n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3")
+"""8 ranks on 4 nodes of 2: the cross-node ring is (0, 4, 1, 5, 2, 6, 3, 7)."""
+AFTER = ("n0", "n0", "n4", "n1", "n2", "n2", "n3", "n3")
+"""Rank 2 taken by a spare on a fifth node: the ring becomes (0, 6, 1, 7, 4, 2, 5, 3)."""
+
+
+def _recover_after_the_ring_changed(rank: int, world: int, tmp: Path) -> None:
+    before = build_topology(rank=rank, world_size=world, dp_ranks=range(world), nodes=BEFORE)
+    after = build_topology(rank=rank, world_size=world, dp_ranks=range(world), nodes=AFTER)
+    assert (before.successor_of(2), after.successor_of(2)) == (6, 5)
+    store = HostStore(tmp / f"store{rank}", job_id="j", rank=rank)
+    group = dist.new_group(backend="gloo")
+    t = kind_factory("gloo", before, store, group, lambda iteration: None)
+    t.start()
+    for it in (1, 2):
+        slot, hdr = _own_slot(store, it)
+        assert t.send(slot, hdr)
+    dist.barrier(group)
+    t.close()
+    if rank == 2:  # the spare that took rank 2: an empty store on another node
+        store.invalidate_after(ROLE_OWN, None)
+    t = kind_factory("gloo", after, store, dist.new_group(backend="gloo"), lambda iteration: None)
+    report, restored = run_recovery(store=store, topology=after, transport=t, layout="L")
+    assert report.outcome == "restored" and restored is not None, report.to_dict()
+    t0, t1 = _expected(rank, restored.iteration)
+    assert torch.equal(restored.tensors["t0"], t0) and torch.equal(restored.tensors["t1"], t1)
+    (tmp / f"seen{rank}.json").write_text(json.dumps({"report": report.to_dict()}))
+
+
+def test_a_spare_on_another_node_pulls_its_replica_from_the_rank_that_holds_it_though_the_ring_changed(
+        tmp_path: Path) -> None:
+    """A spare on a fifth node takes rank 2 of 4 nodes x 2: the cross-node ring is computed again and rank 2's
+    successor is now rank 5, but its replica lies on rank 6 (its successor when the snapshots were taken): the
+    recovery finds it there (each rank reports whose replica it holds) instead of giving up."""
+    _spawn(_recover_after_the_ring_changed, tmp_path, world=8)
+    seen = _seen(tmp_path, world=8)
+    assert [s["report"]["iteration"] for s in seen] == [2] * 8
+    assert seen[2]["report"]["source"] == "replica" and seen[2]["report"]["pulled_bytes"] > 0, seen[2]
+    assert any("pulling the replica from rank 6" in n for n in seen[2]["report"]["notes"]), seen[2]

@@ -210,10 +210,11 @@ def test_decision_is_the_same_whatever_the_row_order():
     RankVersions(rank=5, successor=1, dp_group=1, own=frozenset({0}), replica=frozenset({0, 1}),
                  lazy=frozenset({1}), needs_lazy=False, layout_mismatch=True),
     RankVersions(rank=1023, successor=1, dp_group=1, own=frozenset({2**40}), needs_lazy=None),
-], ids=["typical", "empty", "mismatch", "large"])
+    RankVersions(rank=2, successor=0, dp_group=0, replica=frozenset({4}), replica_of=1),
+], ids=["typical", "empty", "mismatch", "large", "replica-of"])
 def test_encode_then_decode_row_round_trips(row):
     t = encode_row(row, versions=2)
-    assert t.dtype == torch.int64 and t.shape == (5 + 3 * 2,)
+    assert t.dtype == torch.int64 and t.shape == (6 + 3 * 2,)
     assert decode_row(t, versions=2) == row
 
 
@@ -237,3 +238,21 @@ def test_an_iteration_whose_restore_failed_on_the_previous_attempt_is_never_chos
     assert d.iteration == 6 and d.sources == {r: SOURCE_OWN for r in range(4)}
     d = reconcile(table(ONE_GROUP, {r: {7} for r in range(4)}), failed_iterations=frozenset({7}))
     assert not d.recoverable and "not chosen again" in d.reason
+
+
+def test_a_replica_is_found_with_the_rank_that_holds_it_after_the_ring_changed() -> None:
+    """4 ranks on 2 nodes of 2, ring [0, 2, 1, 3]; rank 2 is lost and a spare on a third node takes it: the
+    cross-node ring becomes [0, 3, 1, 2] (rank 2's successor is now 0), but rank 2's replica is on rank 1, its
+    successor when the snapshots were taken: the decision pulls it from there and rank 1 sends it."""
+    rows = [RankVersions(rank=0, successor=3, dp_group=0, own=frozenset({3, 4}), replica=frozenset({3, 4}),
+                         replica_of=3),
+            RankVersions(rank=1, successor=2, dp_group=0, own=frozenset({3, 4}), replica=frozenset({3, 4}),
+                         replica_of=2),
+            RankVersions(rank=2, successor=0, dp_group=0),  # the spare: an empty store
+            RankVersions(rank=3, successor=1, dp_group=0, own=frozenset({3, 4}), replica=frozenset({3, 4}),
+                         replica_of=1)]
+    d = reconcile(rows)
+    assert d.iteration == 4 and d.sources[2] == "replica" and d.replica_holders == {2: 1}, d
+    rows[1] = RankVersions(rank=1, successor=2, dp_group=0, own=frozenset({3, 4}))  # the replica lost too
+    d = reconcile(rows)
+    assert d.iteration is None and "no rank holds its replica" in d.reason, d
