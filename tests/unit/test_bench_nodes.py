@@ -55,8 +55,8 @@ def test_a_launch_is_measured_from_the_earliest_fault_line(tmp_path: Path) -> No
         "mode": "in-process", "mttr_s": 4.2, "phases_s": {"detect": 0.25}, "spare_ranks": [3, 2],
         "detect_from": "the fault: last heartbeat of process 3 seen by process 4",
         "events_unix": {"fault": t0 - 0.1, "failure_noticed": t0 + 0.3, "first_step_end": t0 + 5.0}}))
-    log = ("[rank4] x ERROR process 4: node node1 is lost: process 3 sent no heartbeat for 3.4 s (detector.timeout_s 3) "
-           "and its launcher none for 3.4 s: declaring its process(es) [2, 3] dead together\n")
+    log = ("[rank4] x ERROR process 4: node node1 is lost: process 3 sent no heartbeat for 3.4 s "
+           "(detector.timeout_s 3) and its launcher none for 3.4 s: declaring its process(es) [2, 3] dead together\n")
     watch = {"dead_unix": {"2": t0 + 3.5, "3": t0 + 3.5}, "dead_why": {"2": "silent: ...", "3": "silent: ..."}}
     m = nodes.measure(tmp_path, log, watch, (2, 3))
     assert m["fault_unix"] == t0
@@ -91,7 +91,8 @@ def test_summary_ratios_against_one_rank_per_node_and_growth_with_the_world() ->
     assert vs[4]["one_rank_at_a_time_s"] == 14.0
     growth = {(g["fault"], g["per_node"], g["world"]): g for g in s["growth"]}
     assert set(growth) == {("node", 2, 4), ("node", 2, 8), ("node", 2, 16), ("rank", 2, 8), ("rank", 2, 16)}
-    assert growth[("node", 2, 16)]["mttr_ratio"] == pytest.approx(9.0 / 5.0) and growth[("node", 2, 4)]["base_world"] == 4
+    assert growth[("node", 2, 16)]["mttr_ratio"] == pytest.approx(9.0 / 5.0)
+    assert growth[("node", 2, 4)]["base_world"] == 4
     assert growth[("rank", 2, 16)]["detect_ratio"] == pytest.approx(1.5)
     text = nodes.report(s)
     assert "within one period" in text and "MORE than one period" in text and "world 16" in text

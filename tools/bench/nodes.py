@@ -17,10 +17,10 @@ detection (the last lost process declared dead: the decision the next generation
 store every 20 ms by this tool, :class:`DeathWatch`), when the first survivor noticed a failure (the timeline's
 ``failure_noticed``: usually a collective that lost its peer, well before anyone knows who is lost) and the MTTR
 (the end of the first step completed after the recovery), and the recovery timeline's own ``detect`` phase and MTTR
-(whose start is the fault as its earliest witness saw it: ``detect_from``). The summary gives the ratios that matter: a lost node's
-detection at ``K`` ranks per node against the 1-rank-per-node figure of the same world (one detector period,
-``timeout_s`` + ``interval_s``, is what a node costs; before nodes were one decision, a node of ``K`` ranks cost
-``K`` periods), and how detection and MTTR grow with the number of processes at the same ``K``.
+(whose start is the fault as its earliest witness saw it: ``detect_from``). The summary gives the ratios that
+matter: a lost node's detection at ``K`` ranks per node against the 1-rank-per-node figure of the same world (one
+detector period, ``timeout_s`` + ``interval_s``, is what a node costs; before nodes were one decision, a node of
+``K`` ranks cost ``K`` periods), and how detection and MTTR grow with the number of processes at the same ``K``.
 
 A benchmark, not a test: it asserts nothing about time. Timing on a loaded machine is noisy; the figures of one run
 compare with each other only.
@@ -369,8 +369,8 @@ def report(summary: dict[str, Any]) -> str:
              f"{'notice':>6} {'MTTR':>6} {'tl.det':>6} {'tl.MTTR':>7}"]
     for p in summary["points"]:
         lines.append(f"{p['world']:5d} {p['per_node']:5d} {p['nodes']:5d} {p['processes']:5d} {p['fault']:>5} "
-                     f"{p['measured']:>3} {_f(p['detect_s'])} {_f(p['noticed_s'])} {_f(p['mttr_s'])} {_f(p['timeline_detect_s'])} "
-                     f"{_f(p['timeline_mttr_s'], 7)}")
+                     f"{p['measured']:>3} {_f(p['detect_s'])} {_f(p['noticed_s'])} {_f(p['mttr_s'])} "
+                     f"{_f(p['timeline_detect_s'])} {_f(p['timeline_mttr_s'], 7)}")
     if summary["node_vs_one_per_node"]:
         lines.append("a lost node's detection vs 1 rank per node (same world):")
         for v in summary["node_vs_one_per_node"]:
@@ -436,8 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["repeat"] = i
                 doc["rows"].append(row)
                 print(f"{p.name} ({p.nodes} nodes, {p.processes} processes) {fault}: exit {row['exit']}, detect "
-                      f"{_f(row['detect_s'], 0)} s, MTTR {_f(row['mttr_s'], 0)} s (timeline {_f(row['timeline_mttr_s'], 0)} "
-                      f"s, detect from {row['detect_from']}); {row['wall_s']:.0f} s, load {row['loadavg_1m_before']}",
+                      f"{_f(row['detect_s'], 0)} s, MTTR {_f(row['mttr_s'], 0)} s (timeline "
+                      f"{_f(row['timeline_mttr_s'], 0)} s, detect from {row['detect_from']}); {row['wall_s']:.0f} s, "
+                      f"load {row['loadavg_1m_before']}",
                       flush=True)
                 doc["summary"] = summarize(doc["rows"], period_s=period)
                 results.parent.mkdir(parents=True, exist_ok=True)
