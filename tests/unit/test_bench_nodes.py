@@ -16,7 +16,7 @@ def test_the_grids_parse_and_every_point_has_a_spare_node_that_covers_a_lost_nod
     assert {p.per_node for p in full} == {1, 2, 4} and {p.world for p in full} == {4, 8, 16}
     assert nodes.parse_grid(nodes.GRID_QUICK) == (Point(4, 1), Point(4, 2))
     p = Point(8, 4)
-    assert (p.spares, p.nodes, p.processes, p.victim_rank, p.name) == (4, 3, 12, 4, "8x4")
+    assert (p.spares, p.nodes, p.processes, p.name) == (4, 3, 12, "8x4")
     assert (Point(4, 1).nodes, Point(4, 1).processes) == (5, 5)
     assert nodes.parse_grid(" 4x2, 4x2 ,8x2") == (Point(4, 2), Point(8, 2))
 
@@ -27,15 +27,18 @@ def test_a_point_that_does_not_fill_two_whole_nodes_is_refused(bad: str) -> None
         nodes.parse_grid(bad)
 
 
-def test_faults_kill_node_1_whole_or_its_first_rank_alone(tmp_path: Path) -> None:
+def test_faults_kill_node_1_whole_or_one_rank_alone(tmp_path: Path) -> None:
     p = Point(8, 2)
     assert nodes.fault_spec(p, "node", 4) == {"target": "node", "node": 1, "step": 4, "phase": "optimizer",
                                                "signal": "SIGKILL"}
-    assert nodes.fault_spec(p, "rank", 4)["rank"] == 2
-    assert nodes.lost_processes(p, "node") == (2, 3) and nodes.lost_processes(p, "rank") == (2,)
+    assert nodes.fault_spec(p, "rank", 4)["rank"] == 7 and nodes.fault_spec(p, "rank", 4, "first")["rank"] == 2
+    assert nodes.lost_processes(p, "node") == (2, 3) and nodes.lost_processes(p, "rank") == (7,)
+    assert nodes.lost_processes(p, "rank", "first") == (2,)
     assert nodes.lost_processes(Point(4, 1), "node") == (1,)
     with pytest.raises(ValueError):
         nodes.fault_spec(p, "rack", 4)
+    with pytest.raises(ValueError):
+        nodes.victim_rank(p, "middle")
     cfg = nodes.job_config(tmp_path / "c.yaml", point=p, fault="node", step=4, interval_s=0.5, timeout_s=3.0,
                            report_dir=tmp_path / "reports")
     from neighbor_ckpt.config import NeighborCkptConfig
@@ -96,3 +99,20 @@ def test_summary_ratios_against_one_rank_per_node_and_growth_with_the_world() ->
     assert growth[("rank", 2, 16)]["detect_ratio"] == pytest.approx(1.5)
     text = nodes.report(s)
     assert "within one period" in text and "MORE than one period" in text and "world 16" in text
+
+
+@pytest.mark.parametrize("spec", nodes.GRID_FULL.split(","))
+def test_the_last_rank_taken_by_a_spare_on_the_spare_node_leaves_the_ring_as_it_was(spec: str) -> None:
+    """Why the rank fault kills the last rank by default: the next generation's ``cross_node`` ring (computed from
+    the nodes the ranks then run on) is the ring whose replicas exist, so the spare finds the lost rank's replica."""
+    from neighbor_ckpt.snapshot.topology import ring_order
+
+    (p,) = nodes.parse_grid(spec)
+    before = [f"node{r // p.per_node}" for r in range(p.world)]
+    spare_node = f"node{p.world // p.per_node}"
+    for victim in ("last", "node"):
+        after = list(before)
+        lost = nodes.lost_processes(p, "rank" if victim == "last" else "node")
+        for r in lost:
+            after[r] = spare_node
+        assert ring_order(range(p.world), after, "cross_node") == ring_order(range(p.world), before, "cross_node")

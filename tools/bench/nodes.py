@@ -7,8 +7,9 @@ launchers per node with its own host store directory and store host, as ``neighb
 that a lost node is covered whole. Each point is launched twice, with the plain megatron-core recipe
 (``recipes/mcore_gpt_plain_loop.py``, distributed optimizer) in its in-process mode:
 
-* ``rank``: the first rank of node 1 SIGKILLed alone in the optimizer step of ``--fault-step`` (its launcher sees
-  the exit and reports it);
+* ``rank``: one rank SIGKILLed alone in the optimizer step of ``--fault-step`` (its launcher sees the exit and
+  reports it): the job's last rank (``--rank-victim last``, the default; :func:`victim_rank` says why) or node 1's
+  first (``first``);
 * ``node``: node 1 lost whole in the same step (``fault_injection.target: node``: its ranks SIGKILL its launcher, its
   processes and store host die with it; nobody reports an exit, the next node's monitor finds the node silent).
 
@@ -52,8 +53,8 @@ FAULTS = ("rank", "node")
 LOST_NODE = 1
 """The node that is lost (``node: 1``; node 0 hosts the store in use, whose loss is another benchmark's)."""
 
-GRID_FULL = "4x1,4x2,8x1,8x2,8x4,16x2"
-"""Ranks per node 1, 2 and 4 at 8 ranks (and 1, 2 at 4); 4, 8 and 16 ranks at 2 per node."""
+GRID_FULL = "4x1,4x2,8x1,8x2,8x4,16x1,16x2"
+"""Ranks per node 1, 2 and 4 at 8 ranks (and 1, 2 at 4 and 16); 4, 8 and 16 ranks at 1 and at 2 per node."""
 GRID_QUICK = "4x1,4x2"
 
 
@@ -78,13 +79,27 @@ class Point:
         return self.world + self.spares
 
     @property
-    def victim_rank(self) -> int:
-        """The rank the ``rank`` fault kills: node 1's first."""
-        return LOST_NODE * self.per_node
-
-    @property
     def name(self) -> str:
         return f"{self.world}x{self.per_node}"
+
+
+VICTIMS = ("last", "first")
+
+
+def victim_rank(point: Point, victim: str = "last") -> int:
+    """The rank the ``rank`` fault kills: ``last``, the job's last rank; ``first``, node 1's first rank.
+
+    A hot spare on the spare node that takes one rank of a node of several ranks changes the nodes' rank counts, and
+    with them the ``cross_node`` ring that the next generation computes (:func:`neighbor_ckpt.snapshot.topology.
+    ring_order` deals ranks from the largest node first): with three nodes of ranks or more, replacing node 1's first
+    rank moves that rank's ring successor, and at this commit the recovery looks for its replica on the new successor
+    instead of the one that holds it, finds none and gives up (seen at 8x2: ``replica on rank 5 lost``, the replica
+    being on rank 6). Replacing the job's last rank leaves the ring as it was, whatever the layout."""
+    if victim == "last":
+        return point.world - 1
+    if victim == "first":
+        return LOST_NODE * point.per_node
+    raise ValueError(f"rank victim {victim!r}: expected one of {VICTIMS}")
 
 
 def parse_grid(spec: str) -> tuple[Point, ...]:
@@ -111,25 +126,25 @@ def parse_grid(spec: str) -> tuple[Point, ...]:
     return tuple(out)
 
 
-def fault_spec(point: Point, fault: str, step: int) -> dict[str, Any]:
+def fault_spec(point: Point, fault: str, step: int, victim: str = "last") -> dict[str, Any]:
     """The ``fault_injection.faults`` entry of one launch (SIGKILL in the optimizer step of ``step``)."""
     if fault == "rank":
-        return {"target": "rank", "rank": point.victim_rank, "step": step, "phase": "optimizer", "signal": "SIGKILL"}
+        return {"target": "rank", "rank": victim_rank(point, victim), "step": step, "phase": "optimizer", "signal": "SIGKILL"}
     if fault == "node":
         return {"target": "node", "node": LOST_NODE, "step": step, "phase": "optimizer", "signal": "SIGKILL"}
     raise ValueError(f"fault {fault!r}: expected one of {FAULTS}")
 
 
-def lost_processes(point: Point, fault: str) -> tuple[int, ...]:
+def lost_processes(point: Point, fault: str, victim: str = "last") -> tuple[int, ...]:
     """The processes the fault kills (processes are numbered as ranks before any recovery)."""
     if fault == "rank":
-        return (point.victim_rank,)
+        return (victim_rank(point, victim),)
     first = LOST_NODE * point.per_node
     return tuple(range(first, first + point.per_node))
 
 
 def job_config(path: Path, *, point: Point, fault: str, step: int, interval_s: float, timeout_s: float,
-               report_dir: Path) -> Path:
+               report_dir: Path, victim: str = "last") -> Path:
     """The recipe's ``--config`` file: the detector, in-process recovery with the spare node's spares, where the
     timeline goes, and the fault."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +154,7 @@ def job_config(path: Path, *, point: Point, fault: str, step: int, interval_s: f
         "  store:\n    cleanup_on_success: true\n"
         f"  inprocess:\n    enabled: true\n    spares: {point.spares}\n"
         f"  report:\n    dir: {json.dumps(str(report_dir))}\n"
-        f"  fault_injection:\n    enabled: true\n    faults: {json.dumps([fault_spec(point, fault, step)])}\n")
+        f"  fault_injection:\n    enabled: true\n    faults: {json.dumps([fault_spec(point, fault, step, victim)])}\n")
     return path
 
 
@@ -254,7 +269,7 @@ def measure(out: Path, log: str, watch: dict[str, Any] | None = None,
 
 
 def run_one(point: Point, fault: str, *, root: Path, steps: int, step: int, interval_s: float, timeout_s: float,
-            launch_timeout_s: float) -> dict[str, Any]:
+            launch_timeout_s: float, victim: str = "last") -> dict[str, Any]:
     """Launch ``point`` with ``fault`` (our per-node launchers, :func:`~neighbor_ckpt.cli.launch.inprocess_commands`)
     and measure it; the host stores are removed afterwards, the record and log kept under ``root``."""
     from neighbor_ckpt.cli.launch import free_ports, inprocess_commands, run_inprocess
@@ -266,7 +281,7 @@ def run_one(point: Point, fault: str, *, root: Path, steps: int, step: int, inte
     shutil.rmtree(store, ignore_errors=True)
     job_id = f"bench-nodes-{point.name}-{fault}-{os.getpid()}"
     config = job_config(out / "nckpt.yaml", point=point, fault=fault, step=step, interval_s=interval_s,
-                        timeout_s=timeout_s, report_dir=out / "reports")
+                        timeout_s=timeout_s, report_dir=out / "reports", victim=victim)
     program = [str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id, "--config", str(config)]
     procs = inprocess_commands(program, active=point.world, spares=point.spares, max_restarts=0, run_id=job_id,
                                store_port=free_ports(point.nodes), store_root=store,
@@ -276,7 +291,7 @@ def run_one(point: Point, fault: str, *, root: Path, steps: int, step: int, inte
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)
     load = os.getloadavg()[0]
-    lost = lost_processes(point, fault)
+    lost = lost_processes(point, fault, victim)
     watch = DeathWatch(procs.stores, procs.token_file, job_id, ready=out / "losses.rank0.jsonl", lost=lost)
     t = time.time()
     with open(out / "launch.log", "w") as f:
@@ -290,7 +305,7 @@ def run_one(point: Point, fault: str, *, root: Path, steps: int, step: int, inte
     kill_tagged(tag)
     shutil.rmtree(store, ignore_errors=True)
     row = {"point": point.name, "world": point.world, "per_node": point.per_node, "nodes": point.nodes,
-           "processes": point.processes, "fault": fault, "exit": rc, "wall_s": round(time.time() - t, 1),
+           "processes": point.processes, "fault": fault, "lost": list(lost), "exit": rc, "wall_s": round(time.time() - t, 1),
            "loadavg_1m_before": round(load, 2), "out": str(out)}
     row.update(measure(out, (out / "launch.log").read_text(errors="replace"), watch.to_json(), lost))
     return row
@@ -394,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--grid", default=None, help=f"points WORLDxRANKS_PER_NODE (default {GRID_FULL})")
     ap.add_argument("--quick", action="store_true", help=f"the small grid {GRID_QUICK}")
     ap.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset of rank,node")
+    ap.add_argument("--rank-victim", choices=VICTIMS, default="last",
+                    help="the rank fault kills the job's last rank (default) or node 1's first (see victim_rank)")
     ap.add_argument("--repeat", type=int, default=1, help="launches per point and fault (medians)")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--fault-step", type=int, default=4)
@@ -423,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "repeat": args.repeat, "steps": args.steps, "fault_step": args.fault_step,
                                         "detector_timeout_s": args.detector_timeout,
                                         "detector_interval_s": args.detector_interval, "lost_node": LOST_NODE,
+                                        "rank_victim": args.rank_victim,
                                         "recipe": "recipes/mcore_gpt_plain_loop.py (in process, distributed "
                                                   "optimizer)"},
                            "rows": []}
@@ -432,7 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for fault in faults:  # alternate the faults per point: a machine that gets busier hurts both alike
                 row = run_one(p, fault, root=root / f"r{i}", steps=args.steps, step=args.fault_step,
                               interval_s=args.detector_interval, timeout_s=args.detector_timeout,
-                              launch_timeout_s=args.launch_timeout or 300 + 30 * p.processes)
+                              launch_timeout_s=args.launch_timeout or 300 + 30 * p.processes,
+                              victim=args.rank_victim)
                 row["repeat"] = i
                 doc["rows"].append(row)
                 print(f"{p.name} ({p.nodes} nodes, {p.processes} processes) {fault}: exit {row['exit']}, detect "
