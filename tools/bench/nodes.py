@@ -129,7 +129,8 @@ def parse_grid(spec: str) -> tuple[Point, ...]:
 def fault_spec(point: Point, fault: str, step: int, victim: str = "last") -> dict[str, Any]:
     """The ``fault_injection.faults`` entry of one launch (SIGKILL in the optimizer step of ``step``)."""
     if fault == "rank":
-        return {"target": "rank", "rank": victim_rank(point, victim), "step": step, "phase": "optimizer", "signal": "SIGKILL"}
+        return {"target": "rank", "rank": victim_rank(point, victim), "step": step, "phase": "optimizer",
+                "signal": "SIGKILL"}
     if fault == "node":
         return {"target": "node", "node": LOST_NODE, "step": step, "phase": "optimizer", "signal": "SIGKILL"}
     raise ValueError(f"fault {fault!r}: expected one of {FAULTS}")
@@ -305,7 +306,8 @@ def run_one(point: Point, fault: str, *, root: Path, steps: int, step: int, inte
     kill_tagged(tag)
     shutil.rmtree(store, ignore_errors=True)
     row = {"point": point.name, "world": point.world, "per_node": point.per_node, "nodes": point.nodes,
-           "processes": point.processes, "fault": fault, "lost": list(lost), "exit": rc, "wall_s": round(time.time() - t, 1),
+           "processes": point.processes, "fault": fault, "lost": list(lost), "exit": rc,
+           "wall_s": round(time.time() - t, 1),
            "loadavg_1m_before": round(load, 2), "out": str(out)}
     row.update(measure(out, (out / "launch.log").read_text(errors="replace"), watch.to_json(), lost))
     return row
