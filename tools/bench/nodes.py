@@ -393,7 +393,8 @@ def report(summary: dict[str, Any]) -> str:
         for v in summary["node_vs_one_per_node"]:
             within = {True: "within one period", False: "MORE than one period", None: "unknown"}[v["within_one_period"]]
             lines.append(f"  world {v['world']}, {v['per_node']} per node: {_f(v['detect_s'], 0)} s vs "
-                         f"{_f(v['one_per_node_detect_s'], 0)} s: x{_f(v['ratio'], 0)}, +{_f(v['excess_s'], 0)} s "
+                         f"{_f(v['one_per_node_detect_s'], 0)} s: x{_f(v['ratio'], 0)}, "
+                         f"{'-' if v['excess_s'] is None else format(v['excess_s'], '+.2f')} s "
                          f"({within}; one rank at a time would be ~{v['one_rank_at_a_time_s']:g} s)")
     if summary["growth"]:
         lines.append("growth with the number of ranks (same ranks per node; vs the smallest world):")
