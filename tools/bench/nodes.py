@@ -228,7 +228,6 @@ class DeathWatch:
                 "gen0_failed_unix": self.failed_unix}
 
 
-
 _NODE_LOST_RE = re.compile(r"node (\S+) is lost: .*?declaring its process\(es\) \[([\d, ]*)\] dead together")
 
 
