@@ -160,7 +160,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     job = load_job(resolve_config(args.config), args.overrides)
     plan = job.plan()
-    assumptions = assumptions_for(plan.hardware.name)
+    assumptions = assumptions_for(plan.hardware.name, job.neighbor_ckpt.detector)
     mttr = estimate_both(plan, assumptions)
     if args.json:
         print(json.dumps({**plan.to_dict(), "mttr": {m: e.to_dict() for m, e in mttr.items()},

@@ -28,6 +28,14 @@ A third row, ``store-node`` (in process), is the loss of the node that hosts the
 the store with it. Its detection is longer (:attr:`MttrAssumptions.store_failover_detect_s`: the store's operations
 go unanswered, the next standby is promoted and written again, then the lost node's rank is found silent there);
 the rest is the in-process row's.
+
+A fourth row, ``node-lost`` (in process), is a whole node lost at once: its launcher, its store host and its
+``ranks per node`` processes (a hot spare node takes them all). Nobody reports an exit; the next node's monitor finds
+the node's last process and the node's launcher silent and declares every process of the node dead in one decision,
+so its detection is one detector period (:attr:`MttrAssumptions.detector_timeout_s` +
+:attr:`MttrAssumptions.detector_interval_s`) whatever the ranks per node (found one process after another, a node of
+``k`` ranks cost ``k`` periods). Each lost rank pulls its own unique bytes from its ring successor on another node
+over its own NIC (the presets' bandwidth is per GPU), so the rest is the in-process row's.
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ from neighbor_ckpt.validation import Problems, validate
 __all__ = ["MttrAssumptions", "MttrEstimate", "ASSUMPTIONS", "MODES", "assumptions_for", "estimate_mttr", "estimate_both",
            "format_mttr"]
 
-Mode = Literal["restart", "in-process", "store-node"]
-MODES: tuple[str, ...] = ("restart", "in-process", "store-node")
+Mode = Literal["restart", "in-process", "store-node", "node-lost"]
+MODES: tuple[str, ...] = ("restart", "in-process", "store-node", "node-lost")
 PHASES = ("detect", "relaunch", "regroup", "reconcile", "transfer", "restore", "first_step")
 
 
@@ -88,8 +96,20 @@ class MttrAssumptions:
     silent there for ``detector.timeout_s`` + the same again of grace. With the CPU job files' 2 s timeout: about
     12 s, and 13-15 s from the kill to the next generation was seen in ``tests/e2e/test_store_failover.py``."""
 
+    detector_timeout_s: float = 5.0
+    """The job's ``detector.timeout_s`` (``neighbor-ckpt plan`` takes it from the job file; the default's here): a
+    lost node (``node-lost``) is declared dead this long after its last heartbeat, at the next look."""
+
+    detector_interval_s: float = 1.0
+    """The job's ``detector.interval_s``: how late the look at a silent node comes, at most (one heartbeat period)."""
+
     def __post_init__(self) -> None:
         validate(self, "MttrAssumptions")
+
+    @property
+    def node_lost_detect_s(self) -> float:
+        """A whole node lost, in process: one detector period, whatever the ranks per node (one decision)."""
+        return self.detector_timeout_s + self.detector_interval_s
 
     def _check(self, p: Problems) -> None:
         for f in dataclasses.fields(self):
@@ -122,13 +142,19 @@ ASSUMPTIONS: dict[str, MttrAssumptions] = {
 """Assumptions by hardware preset name (``hardware.gpu`` of a job file); others get :class:`MttrAssumptions`'s."""
 
 
-def assumptions_for(hardware_name: str) -> MttrAssumptions:
-    """The MTTR assumptions for a hardware preset."""
-    return ASSUMPTIONS.get(hardware_name, MttrAssumptions())
+def assumptions_for(hardware_name: str, detector: Any = None) -> MttrAssumptions:
+    """The MTTR assumptions for a hardware preset; ``detector`` (the job's
+    :class:`~neighbor_ckpt.config.DetectorConfig`, None: the defaults) gives the detector period of ``node-lost``."""
+    a = ASSUMPTIONS.get(hardware_name, MttrAssumptions())
+    if detector is None:
+        return a
+    return dataclasses.replace(a, detector_timeout_s=float(detector.timeout_s),
+                               detector_interval_s=float(detector.interval_s))
 
 
 def estimate_mttr(plan: Any, mode: Mode, assumptions: MttrAssumptions | None = None) -> MttrEstimate:
-    """MTTR of one lost rank of ``plan`` (a :class:`~neighbor_ckpt.planning.planner.JobPlan`) in ``mode``.
+    """MTTR of one lost rank of ``plan`` (a :class:`~neighbor_ckpt.planning.planner.JobPlan`) in ``mode``; of one
+    lost node (its ranks per node at once) in ``node-lost``.
 
     The rank class that takes longest (most unique bytes, longest step) bounds the job: every rank waits for it.
     """
@@ -151,15 +177,16 @@ def estimate_mttr(plan: Any, mode: Mode, assumptions: MttrAssumptions | None = N
         head = {"detect": a.restart_detect_s, "relaunch": a.relaunch_floor_s + a.relaunch_per_rank_s * world,
                 "regroup": 0.0}
     else:
-        detect = a.inprocess_detect_s if mode == "in-process" else a.store_failover_detect_s
+        detect = {"in-process": a.inprocess_detect_s, "store-node": a.store_failover_detect_s,
+                  "node-lost": a.node_lost_detect_s}[mode]
         head = {"detect": detect, "relaunch": 0.0, "regroup": a.regroup_floor_s + a.regroup_per_rank_s * world}
     phases = {**head, **shared}
     return MttrEstimate(mode=mode, phases={name: phases[name] for name in PHASES})
 
 
 def estimate_both(plan: Any, assumptions: MttrAssumptions | None = None) -> dict[str, MttrEstimate]:
-    """``{"restart": ..., "in-process": ..., "store-node": ...}`` for ``plan``: both recovery modes, and in process
-    the loss of the store's node."""
+    """``{"restart": ..., "in-process": ..., "store-node": ..., "node-lost": ...}`` for ``plan``: both recovery
+    modes, and in process the loss of the store's node and of a whole node."""
     return {m: estimate_mttr(plan, m, assumptions) for m in MODES}  # type: ignore[arg-type]
 
 
@@ -170,12 +197,15 @@ def format_mttr(estimates: dict[str, MttrEstimate], assumptions: MttrAssumptions
     rows = [header] + [(e.mode, *(f"{e.phases[n]:.3g}" for n in PHASES), f"{e.total_s:.3g}")
                        for e in estimates.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["MTTR of one lost rank, failure to first completed step (seconds):"]
+    lines = ["MTTR of one lost rank (node-lost: a whole node), failure to first completed step (seconds):"]
     lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(2, "  ".join("-" * w for w in widths))
     lines.append("assumptions (planning/mttr.py says where each comes from): "
                  f"detect {a.restart_detect_s:g} s by restart, {a.inprocess_detect_s:g} s in process, "
-                 f"{a.store_failover_detect_s:g} s when the store's node is lost (store-node); relaunch "
+                 f"{a.store_failover_detect_s:g} s when the store's node is lost (store-node), "
+                 f"{a.node_lost_detect_s:g} s when a node is lost (node-lost: detector timeout_s "
+                 f"{a.detector_timeout_s:g} + interval_s {a.detector_interval_s:g}, one decision whatever the ranks "
+                 "per node); relaunch "
                  f"{a.relaunch_floor_s:g} s + {a.relaunch_per_rank_s:g} s/rank; regroup {a.regroup_floor_s:g} s + "
                  f"{a.regroup_per_rank_s:g} s/rank; reconcile {a.reconcile_s:g} s; transfer = unique bytes / NIC; "
                  "restore = unique bytes / PCIe + weight all-gather over DP; first step = one iteration's compute")

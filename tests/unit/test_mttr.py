@@ -61,6 +61,29 @@ def test_format_prints_both_modes_and_the_assumptions(plan_8b) -> None:
     text = format_mttr(estimate_both(plan_8b, a), a)
     assert "restart" in text and "in-process" in text and "assumptions" in text and "relaunch 60 s" in text
     assert "store-node" in text and "30 s when the store's node is lost" in text
+    assert "node-lost" in text and "6 s when a node is lost" in text
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 4, 8])
+def test_a_lost_node_is_detected_in_one_detector_period_whatever_its_ranks_per_node(per_node: int) -> None:
+    """A whole node lost in process is one decision: its detection is the job's ``timeout_s`` + ``interval_s`` at 1,
+    2, 4 or 8 ranks per node (16 ranks in all), and the rest of its MTTR is the in-process row's."""
+    job = load_job(REPO / "configs" / "llama3_8b.yaml", [f"trainer.devices={per_node}",
+                                                         f"trainer.num_nodes={16 // per_node}",
+                                                         "neighbor_ckpt.detector.timeout_s=3.0",
+                                                         "neighbor_ckpt.detector.interval_s=0.5"])
+    plan = job.plan()
+    assert plan.ranks_per_node == per_node and plan.world_size == 16
+    a = assumptions_for(plan.hardware.name, job.neighbor_ckpt.detector)
+    node = estimate_mttr(plan, "node-lost", a)
+    assert node.phases["detect"] == 3.5
+    assert node.phases == {**estimate_mttr(plan, "in-process", a).phases, "detect": 3.5}
+
+
+def test_without_a_job_detector_a_lost_node_takes_the_default_detector_period(plan_8b) -> None:
+    a = MttrAssumptions()
+    assert estimate_mttr(plan_8b, "node-lost", a).phases["detect"] == 5.0 + 1.0
+    assert assumptions_for("h100").node_lost_detect_s == 6.0
 
 
 @pytest.mark.parametrize("config", ["llama3_8b", "llama3_70b", "gpt3_175b"])
@@ -68,7 +91,7 @@ def test_plan_json_has_the_mttr_of_both_modes(config: str) -> None:
     out = subprocess.run([sys.executable, "-m", "neighbor_ckpt.cli", "plan", str(REPO / "configs" / f"{config}.yaml"),
                           "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
     doc = json.loads(out)
-    assert set(doc["mttr"]) == {"restart", "in-process", "store-node"}
+    assert set(doc["mttr"]) == {"restart", "in-process", "store-node", "node-lost"}
     assert doc["mttr"]["in-process"]["total_s"] < doc["mttr"]["store-node"]["total_s"]
     assert doc["mttr"]["in-process"]["total_s"] < doc["mttr"]["restart"]["total_s"]
     assert doc["mttr_assumptions"]["relaunch_floor_s"] == 60.0

@@ -2,7 +2,9 @@
 ``--compare`` the side-by-side comparison, with ``--nemo-step`` the NeMo step-time benchmark, with ``--generations``
 the in-process engine's cost per generation on one process, with ``--store-gate`` what the store token costs a store
 operation, with ``--reform`` where an in-process re-form's time goes, gate on and off, with ``--kill-repeat`` the
-in-process kill of the demo launched again and again, each compared bit for bit (the rest goes to that one)."""
+in-process kill of the demo launched again and again, each compared bit for bit, with ``--nodes`` in-process MTTR
+and detection of a killed rank and of a lost node by ranks per node and number of processes (the rest goes to that
+one)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.bench import kill_repeat
 
         return kill_repeat.main([a for a in args if a != "--kill-repeat"])
+    if "--nodes" in args:
+        from tools.bench import nodes
+
+        return nodes.main([a for a in args if a != "--nodes"])
     if "--generations" in args:
         from tools.bench import generations
 
