@@ -561,7 +561,7 @@ def test_a_restart_path_case_takes_its_mttrs_from_the_log_and_its_hang_detection
 
 # -- a whole node of two ranks lost in process -------------------------------------------------------------------------
 
-NODE_KINDS = ("inproc-node-lost", "inproc-node-lost-elastic")
+NODE_KINDS = ("inproc-node-lost", "inproc-node-lost-elastic", "inproc-node-hung")
 
 
 def test_the_node_kinds_come_last_and_leave_every_earlier_draw_of_a_seed_as_it_was() -> None:
@@ -589,8 +589,9 @@ def test_the_node_kinds_lose_node_1_whole_on_two_nodes_of_two_ranks_with_a_spare
         cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / f"{c.index}.yaml", base=base,
                                                         inprocess_spares=c.spares, faults=c.planned_faults,
                                                         elastic=shrink))
+        signal = "SIGSTOP" if c.kind == "inproc-node-hung" else "SIGKILL"
         assert [(f.target, f.node, f.step, f.phase, f.signal) for f in cfg.fault_injection.planned()] == [
-            ("node", 1, c.step, "optimizer", "SIGKILL")]
+            ("node", 1, c.step, "optimizer", signal)]
         assert cfg.elastic.enabled == shrink and cfg.inprocess.spares == c.spares
 
 

@@ -28,7 +28,9 @@ spare node of 2 hot spares; node 1 lost whole in the case's step (``fault_inject
 store host and both ranks); the spare node takes both ranks, and the judge also checks that one decision declared
 both of node 1's processes dead, that one generation failed, and that the recovery timeline has its detection
 (:func:`~tools.campaign.judge.node_loss`). ``inproc-node-lost-elastic``: the same without a spare, ``elastic.enabled``:
-DP 4 -> 2, judged as a shrink.
+DP 4 -> 2, judged as a shrink. ``inproc-node-hung``: as ``inproc-node-lost`` with SIGSTOP: node 1's launcher and
+ranks hang (its store host runs on); found and replaced the same way, and the launch ends the stopped launcher once
+the job completed.
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 

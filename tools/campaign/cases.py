@@ -99,6 +99,7 @@ KIND_SPECS: dict[str, Kind] = {
     "inproc-grow-back": Kind(phase="optimizer", tp=1, inprocess=True, faults=2, grow_back=True),
     "inproc-node-lost": Kind(phase="optimizer", tp=1, inprocess=True, whole_node=True),
     "inproc-node-lost-elastic": Kind(phase="optimizer", tp=1, inprocess=True, whole_node=True, shrink=True),
+    "inproc-node-hung": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True, whole_node=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
