@@ -424,6 +424,8 @@ class Launcher:
         now = time.monotonic()
         if now - self._beat_at < self.plan.beat_s or (self._att is not None and self._att.complete_at is not None):
             return  # once the job completed nobody watches (and its store host may be gone)
+        if self._down_since is not None:
+            return  # no store answers: a beat would only wait out another store timeout (the loop tries it anyway)
         self._beat_at = now
         self._beats += 1
         beat = str(self._beats)
