@@ -9,7 +9,8 @@ with a replaced store, quick tier), ``kill-bitflip`` (test_lightning_recovery.py
 ``lose-adjacent-pair`` (test_lightning_recovery.py's rank and successor losing their stores, test_nemo_recovery.py's
 fallback to NeMo's disk checkpoint), ``inproc-kill`` (test_inprocess_recovery.py's kill with a hot spare, quick
 tier), ``inproc-node-hung`` (test_inprocess_nodes.py's node hung whole: its processes must start cold, so that they
-go with their launcher when the launch ends it). The full randomized campaign (docs/campaign.md) runs every kind with
+go with their launcher when the launch ends it), ``node-lost-for-good`` (test_torchrun_nodes.py's node lost for good on
+the restart path under elastic). The full randomized campaign (docs/campaign.md) runs every kind with
 more faults."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ replicated-optimizer rank restarts with its newest snapshot truncated (its weigh
 backup), and the lost DP group is the whole job (no snapshot anywhere: the insurance checkpoint)."""
 KINDS = tuple(k for k in cases.KINDS if k != "inproc-hang")
 COVERED_ELSEWHERE = ("kill-forward", "kill-backward", "kill-optimizer", "kill-replaced-store", "kill-bitflip",
-                     "lose-adjacent-pair", "inproc-kill", "inproc-node-hung")
+                     "lose-adjacent-pair", "inproc-kill", "inproc-node-hung", "node-lost-for-good")
 """Kinds whose drawn case CI does not run: a dedicated end-to-end test covers each (module docstring)."""
 RUN = tuple(i + 1 for i, k in enumerate(KINDS) if k not in COVERED_ELSEWHERE)
 

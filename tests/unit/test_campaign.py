@@ -562,11 +562,12 @@ def test_a_restart_path_case_takes_its_mttrs_from_the_log_and_its_hang_detection
 # -- a whole node of two ranks lost in process -------------------------------------------------------------------------
 
 NODE_KINDS = ("inproc-node-lost", "inproc-node-lost-elastic", "inproc-node-hung")
+LAST_KINDS = (*NODE_KINDS, "node-lost-for-good")
 
 
 def test_the_node_kinds_come_last_and_leave_every_earlier_draw_of_a_seed_as_it_was() -> None:
-    assert KINDS[-len(NODE_KINDS):] == NODE_KINDS
-    earlier = KINDS[:-len(NODE_KINDS)]
+    assert KINDS[-len(LAST_KINDS):] == LAST_KINDS
+    earlier = KINDS[:-len(LAST_KINDS)]
     for seed in (7, 149, 2027):
         assert draw_cases(3 * len(earlier), seed, steps=6, kinds=earlier)[:len(earlier)] == draw_cases(
             len(KINDS), seed, steps=6)[:len(earlier)]
@@ -690,3 +691,17 @@ def test_a_failed_in_process_case_reports_its_failed_generations_its_give_up_and
     hits = failure_lines(log).split(" | ")
     assert len(hits) == 3 and "generation 1 failed (silent" in hits[0] and "gives up" in hits[1], hits
     assert "not restarting" in hits[2]
+
+
+def test_node_lost_for_good_runs_the_restart_path_on_two_torchrun_nodes_under_elastic(tmp_path: Path) -> None:
+    """``node-lost-for-good``: the restart path (no in-process recovery), 2 simulated nodes of 2 ranks, each a torchrun
+    agent; node 1 lost whole (its agent and both ranks SIGKILLed) under ``elastic.enabled``: judged as a shrink
+    (DP 4 -> 2, within 1e-4, the same samples) against the shrink's failure-free run, the distributed optimizer."""
+    from neighbor_ckpt.config import NeighborCkptConfig
+
+    (c,) = [c for c in draw_cases(len(KINDS), 149, steps=6) if c.kind == "node-lost-for-good"]
+    assert not c.inprocess and c.dist_opt and c.tp == 1 and (c.victims, c.devices, c.spares) == ((2, 3), 2, 0)
+    assert c.expected == "resized" and c.flavour == (True, 1, True) and c.recipe_args() == c.flavour_args
+    cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / "c.yaml", faults=c.planned_faults, elastic=True))
+    assert [(f.target, f.node, f.signal) for f in cfg.fault_injection.planned()] == [("node", 1, "SIGKILL")]
+    assert cfg.elastic.enabled and not cfg.inprocess.enabled

@@ -30,7 +30,9 @@ both of node 1's processes dead, that one generation failed, and that the recove
 (:func:`~tools.campaign.judge.node_loss`). ``inproc-node-lost-elastic``: the same without a spare, ``elastic.enabled``:
 DP 4 -> 2, judged as a shrink. ``inproc-node-hung``: as ``inproc-node-lost`` with SIGSTOP: node 1's launcher and
 ranks hang (its store host runs on); found and replaced the same way, and the launch ends the stopped launcher once
-the job completed.
+the job completed. ``node-lost-for-good``: the restart path on 2 simulated nodes of 2 ranks, a torchrun agent each
+(``neighbor_ckpt.cli.torchrun_nodes``), ``elastic.enabled``: node 1 lost whole (its agent and both ranks SIGKILLed);
+the launch says so and node 0 restarts alone at DP 2, resharded from its host memory: judged as a shrink.
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 

@@ -100,6 +100,7 @@ KIND_SPECS: dict[str, Kind] = {
     "inproc-node-lost": Kind(phase="optimizer", tp=1, inprocess=True, whole_node=True),
     "inproc-node-lost-elastic": Kind(phase="optimizer", tp=1, inprocess=True, whole_node=True, shrink=True),
     "inproc-node-hung": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True, whole_node=True),
+    "node-lost-for-good": Kind(phase="optimizer", tp=1, whole_node=True, shrink=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
@@ -208,7 +209,8 @@ class Case:
 
     @property
     def devices(self) -> int:
-        """Processes per simulated node of an in-process case: :data:`DEVICES` for a whole-node kind, else 1."""
+        """Processes (ranks) per simulated node: :data:`DEVICES` for a whole-node kind (in process, our launchers; on
+        the restart path, torchrun agents), else 1."""
         return DEVICES if self.spec.whole_node else 1
 
     @property
@@ -322,7 +324,7 @@ def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequ
         tp = spec.tp or rng.choice((1, 1, 2))
         recovery_rank = rng.randrange(world) if spec.recovery_kill else None
         # drawn all the same: the draws of the cases after it stay as they were
-        dist_opt = dist_opt or spec.inprocess or spec.misplaced_data
+        dist_opt = dist_opt or spec.inprocess or spec.misplaced_data or spec.shrink
         damage_seed = rng.randrange(2**31) if spec.store == "bitflip" else None
         case = Case(index=i, kind=kind, rank=rank, step=step, dist_opt=dist_opt, phase=phase, tp=tp,
                     recovery_rank=recovery_rank, damage_seed=damage_seed)

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -73,6 +74,35 @@ def _torchrun(out: Path, args: list[str], *, job_id: str, store: Path, config: P
         pass
     kill_tagged(tag)
     return rc, log.read_text(errors="replace")
+
+
+def _torchrun_nodes(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int, timeout: float,
+                    max_restarts: int, elastic: bool) -> tuple[int, str]:
+    """A restart-path case on :data:`~tools.campaign.cases.WORLD` / ``DEVICES`` simulated nodes, one torchrun agent
+    each in one rendezvous, as ``neighbor-ckpt launch`` runs ``trainer.num_nodes > 1`` without in-process recovery
+    (:mod:`neighbor_ckpt.cli.torchrun_nodes`); the agents' output in ``torchrun.log``. Returns (the launch's status,
+    -999 past ``timeout``; the log)."""
+    from neighbor_ckpt.cli.torchrun_nodes import node_agents, run_node_agents
+
+    from .cases import DEVICES
+
+    out.mkdir(parents=True, exist_ok=True)
+    options, worker = worker_program([str(RECIPE), "--steps", str(steps), "--out", str(out), "--job-id", job_id,
+                                      "--config", str(config), *args])
+    agents = node_agents(worker, options=options, nodes=WORLD // DEVICES, devices=DEVICES, max_restarts=max_restarts,
+                         run_id=job_id, endpoint=f"127.0.0.1:{_free_port()}", store_root=store, elastic=elastic,
+                         detector_timeout_s=3.0)
+    tag = new_run_tag()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
+    log = out / "torchrun.log"
+    result: list[int] = []
+    with open(log, "w") as f:
+        t = threading.Thread(target=lambda: result.append(run_node_agents(agents, env=env, stdout=f,
+                                                                         stderr=subprocess.STDOUT)), daemon=True)
+        t.start()
+        t.join(timeout)
+    kill_tagged(tag)
+    return (result[0] if result else -999), log.read_text(errors="replace")
 
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
@@ -147,7 +177,12 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     inproc_store = work / "store" / f"inproc-{case.index}"  # one root per simulated node under it
     shutil.rmtree(inproc_store, ignore_errors=True)
     t0 = time.time()
-    if case.inprocess:
+    if case.spec.whole_node and not case.inprocess:  # the restart path on simulated nodes: a torchrun agent each
+        own = write_config(out / "nckpt.yaml", base=config, faults=case.planned_faults, elastic=case.spec.shrink)
+        rc, log = _torchrun_nodes(out, case.recipe_args(), job_id=job_id, store=work / "store" / f"nodes-{case.index}",
+                                  config=own, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
+                                  elastic=case.spec.shrink)
+    elif case.inprocess:
         own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=case.spares, report_dir=out / "reports",
                            faults=case.planned_faults, elastic=case.spec.shrink, stuck=case.signal == "block",
                            grow_back=case.spec.grow_back)
@@ -208,7 +243,12 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
         return Outcome(case, "FAILED" if diff else "fallback",
                        diff or f"announced fallback to insurance {k}, bit-exact with the failure-free run resumed "
                                "from it", **common)
-    if case.spec.whole_node:  # found as one failure, recovered in process, its detection timed
+    if case.spec.whole_node and not case.inprocess:  # the restart path: the launch said it and went on without it
+        said = f"node node{LOST_NODE} is lost for good (its torchrun agent was killed by SIGKILL"
+        if said not in log:
+            return Outcome(case, "FAILED", f"the launch did not say that node{LOST_NODE} is lost for good: "
+                                           f"{failure_lines(log)}", **common)
+    elif case.spec.whole_node:  # found as one failure, recovered in process, its detection timed
         lost = node_loss(log, out, node=f"node{LOST_NODE}", processes=case.victims, spare_node=not case.spec.shrink)
         if lost:
             return Outcome(case, "FAILED", lost, **common)
