@@ -81,11 +81,22 @@ def test_a_killed_store_is_replaced_by_the_next_one_which_is_promoted_and_the_ot
     assert b.follow_newer() is None, "store 2 was not promoted: nothing to follow"
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped (``T`` in /proc/<pid>/stat): the signal is queued by ``kill``, and
+    a store thread running then can still answer one operation (seen once under a CPU burner)."""
+    from neighbor_ckpt.cli.launch import _stopped
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not _stopped(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_stopped_store_is_left_within_the_timeout_and_never_used_again(hosts: list[subprocess.Popen]) -> None:
     a = _set(hosts, name="a")
     view = a.view("main", "job/0")
     view.set("k", "v")
-    os.kill(hosts[0].pid, signal.SIGSTOP)
+    _stop(hosts[0].pid)
     try:
         t0 = time.monotonic()
         assert not view.check(["k"]), "the new store has only what is written again"
@@ -110,7 +121,7 @@ def test_a_client_left_inside_a_stopped_store_is_retired_and_waited_for_until_it
         hosts: list[subprocess.Popen]) -> None:
     c = BoundedClient(("127.0.0.1", hosts[0].port), timeout_s=0.5, name="left")  # type: ignore[attr-defined]
     c.call("set", "k", "v")
-    os.kill(hosts[0].pid, signal.SIGSTOP)
+    _stop(hosts[0].pid)
     try:
         with pytest.raises(StoreUnreachable, match="no answer to check"):
             c.call("check", ["k"])
