@@ -290,41 +290,29 @@ class DetectorConfig:
 
 
 FAULT_TARGETS = ("rank", "store_node", "node")
-"""What a planned fault kills (``fault_injection.target``): ``rank``, one training process; ``store_node``, the node
-hosting the store the launch uses at that moment (in-process recovery: the job fails over to the next standby,
-:mod:`neighbor_ckpt.inprocess.stores`); ``node``, node ``fault_injection.node`` whole (its launcher, its store host and
-every process of it)."""
+"""What a planned fault kills (``fault_injection.target``; :attr:`FaultSpec.target`)."""
 
 
 @checked("neighbor_ckpt.fault_injection.faults[]")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FaultSpec:
-    """One planned fault, in the one form every injector reads (:meth:`FaultInjectionConfig.planned`): the keys of
-    the one-fault form of ``neighbor_ckpt.fault_injection``, with their defaults, and of each entry of its
-    ``faults`` list.
-
-    Each fault fires once, in the first launch attempt (``TORCHELASTIC_RESTART_COUNT`` 0), at the step it names,
-    in whichever in-process generation runs that step first (:meth:`fires`): ``rank`` is a rank number of that
-    generation (after a spare took a lost rank's place, that rank is the spare)."""
+    """One planned fault, as every injector reads it (:meth:`FaultInjectionConfig.planned`): the one-fault keys of
+    ``neighbor_ckpt.fault_injection`` with their defaults, also the keys of each ``faults`` entry. It fires once, in
+    the first launch attempt, in whichever in-process generation runs its step first (:meth:`fires`); ``rank`` is a
+    rank of that generation (after a spare took a lost rank's place, the spare)."""
 
     target: Literal["rank", "store_node", "node"] = "rank"
-    """``rank``: the process of rank ``rank``. ``store_node``: the node hosting the store in use (in-process recovery
-    only; ``rank`` is not read): with SIGKILL its launcher, the store host it runs and its rank die, at that rank's
-    ``step`` and ``phase``; with SIGSTOP only the store host is stopped (and never resumed: its launcher stops it for
-    good once the job moved to the next store). Injected by ``recipes/mcore_gpt_plain_loop.py``; the other
-    injectors refuse it (:meth:`FaultInjectionConfig.refuse_unsupported`). ``node``: node ``node`` of the launch,
-    whole (in process, or on the simulated nodes of a restart-path launch, a torchrun agent each; ``rank`` is not
-    read): at ``step`` and ``phase`` its ranks SIGKILL its launcher (agent), and its processes (idle spares included)
-    and its store host die with it; it never comes back within the launch (no replacement is started for its
-    processes). With SIGSTOP (in process) its launcher and its ranks hang instead (never resumed: once the job
-    completed, the launch ends a launcher still stopped, and its processes with it)."""
+    """``rank``: the process of rank ``rank``. ``store_node`` (in process, the plain megatron-core recipe only): the
+    node hosting the store in use; SIGKILL: its launcher, store host and rank; SIGSTOP: its store host, for good.
+    ``node`` (in process, or simulated torchrun nodes): node ``node`` whole, its ranks SIGKILL its launcher (agent)
+    and its processes and store host die with it, never to come back; SIGSTOP (in process): its launcher and ranks
+    hang, and the launch ends them once the job completed. ``rank`` is not read by the last two."""
 
     rank: int = 1
     """The rank that is killed: a rank number of the generation that runs ``step``."""
 
     node: int = 1
-    """``target: node``: the index of the node that is lost (``node<N>`` of a launch on one machine, the ``N``-th node
-    of a Slurm job): the node hosting store ``N``."""
+    """``target: node``: the index of the node lost (``node<N>`` on one machine; the one hosting store ``N``)."""
 
     step: int = 5
     """Global step (0-based) in which it is killed."""
@@ -354,8 +342,7 @@ class FaultSpec:
               hosts_store: bool = False, node: int | None = None) -> bool:
         """Whether this fault fires now (pure): rank ``rank`` of in-process generation ``generation`` of launch
         attempt ``launch`` is in ``phase`` of ``step``, and that generation started (resumed) at ``start_step``;
-        ``hosts_store``: that rank's node hosts the store in use (target ``store_node``); ``node``: the index of that
-        rank's node in the launch (target ``node``; None: not known, it never fires).
+        ``hosts_store``: its node hosts the store in use; ``node``: its node's index (None: unknown, never fires).
 
         Once per launch: only in the first launch attempt, and, after generation 0, only at a step beyond the one its
         generation resumed at (the steps up to it ran in an earlier generation, which is where this fault fired or
@@ -382,56 +369,44 @@ _ONE_FAULT_KEYS = ("target", "rank", "node", "step", "phase", "signal", "replace
 class FaultInjectionConfig:
     """For demos and fault campaigns only: kill ranks at chosen steps of the first launch attempt.
 
-    Two forms, not both at once: the one-fault keys (``rank``, ``step``, ``phase``, ``signal``, ``replace_store``,
-    ``permanent``, ``target``; a key left out takes :class:`FaultSpec`'s default), or ``faults``, a list of entries
-    that each take those keys (several faults in one launch)::
+    Two forms, not both at once: the one-fault keys (a key left out takes :class:`FaultSpec`'s default), or
+    ``faults``, a list of entries that each take those keys (several faults in one launch)::
 
         fault_injection: {enabled: true, rank: 1, step: 5}
         fault_injection:
           enabled: true
           faults: [{rank: 1, step: 3}, {rank: 2, step: 7}]   # in process: the second in the next generation
 
-    Read them through :meth:`planned` (one :class:`FaultSpec` per fault, defaults applied); each fires once
-    (:meth:`FaultSpec.fires`)."""
+    Read them through :meth:`planned` (one :class:`FaultSpec` per fault); each fires once (:meth:`FaultSpec.fires`)."""
 
     enabled: bool = False
     """Inject the planned faults. Never on in production."""
 
     target: Literal["rank", "store_node", "node"] | None = None
-    """One-fault form: what is killed, ``rank`` (the default), ``store_node`` (the node hosting the store in use;
-    in process only, injected by ``recipes/mcore_gpt_plain_loop.py``, refused by the other injectors) or ``node``
-    (node ``node`` whole, in process or on simulated torchrun nodes: :attr:`FaultSpec.target`)."""
+    """One-fault form: what is killed, ``rank`` (the default), ``store_node`` or ``node`` (:attr:`FaultSpec.target`)."""
 
     rank: int | None = None
     """One-fault form: the rank that is killed (default 1)."""
 
     node: int | None = None
-    """One-fault form, ``target: node``: the index of the node that is lost (default 1)."""
-
+    """One-fault form, ``target: node``: the index of the node lost (default 1)."""
     step: int | None = None
     """One-fault form: the global step (0-based) in which it is killed (default 5)."""
 
     phase: Literal["forward", "backward", "optimizer"] | None = None
-    """One-fault form: where in the step (default ``optimizer``): start of the forward pass, before the backward
-    pass, or inside the optimizer step (weights torn)."""
+    """One-fault form: where in the step (default ``optimizer``; :attr:`FaultSpec.phase`)."""
 
     signal: Literal["SIGKILL", "SIGSTOP"] | None = None
-    """One-fault form: SIGKILL (the default): the process dies. SIGSTOP: it hangs (the detector notices within
-    ``detector.timeout_s``)."""
+    """One-fault form: SIGKILL (the default: the process dies) or SIGSTOP (it hangs; :attr:`FaultSpec.signal`)."""
 
     replace_store: bool | None = None
-    """One-fault form: the killed rank restarts with an empty host store, as a replaced node would (default
-    true)."""
+    """One-fault form: the killed rank restarts with an empty host store (default true)."""
 
     permanent: bool | None = None
-    """One-fault form: the victim never comes back, its node is gone (default false). The launcher agent that
-    started it is killed with it, so no restart brings that rank back (in-process recovery: no spare is started
-    for it either); with ``elastic.enabled`` the job goes on with a smaller data-parallel size."""
+    """One-fault form: the victim's node is gone for good (default false; :attr:`FaultSpec.permanent`)."""
 
     faults: list[Any] | None = None
-    """Several faults in one launch: a list of entries, each taking the one-fault keys (``target``, ``rank``,
-    ``node``, ``step``, ``phase``, ``signal``, ``replace_store``, ``permanent``); not together with the one-fault
-    keys."""
+    """Several faults in one launch: a list of entries, each taking the one-fault keys (not together with them)."""
 
     def _check(self, p: Problems) -> None:
         p.at_least("rank", self.rank, 0, optional=True)
@@ -462,26 +437,23 @@ class FaultInjectionConfig:
                            hung_node: bool = False) -> tuple[FaultSpec, ...]:
         """:meth:`planned`, for an injector: raise :class:`ConfigError` for a fault it cannot inject (a phase
         outside ``phases``; ``target: store_node`` unless ``store_node``: an in-process launch whose injector
-        implements it; ``target: node`` unless ``node``: a launch with a launcher per node, in process or a torchrun
-        agent per simulated node, where this process knows its node's index; ``target: node`` with SIGSTOP unless
-        ``hung_node``: in process, where the launch ends a node that hangs for good), naming the key of each."""
+        implements it; ``target: node`` unless ``node``: a launcher or agent per node; with SIGSTOP unless
+        ``hung_node``: in process), naming the key of each."""
         planned = self.planned()
         lines = []
         for i, f in enumerate(planned):
             key = f"neighbor_ckpt.fault_injection.{f'faults[{i}].' if self.faults is not None else ''}"
+            not_here = where and ", not" + where
             if f.target == "store_node" and not store_node:
-                lines.append(f"{key}target: store_node (the node hosting the store in use) is injected only in "
-                             "process (neighbor_ckpt.inprocess.enabled: true) by recipes/mcore_gpt_plain_loop.py"
-                             f"{where and ', not' + where}; use target: rank")
+                lines.append(f"{key}target: store_node (the node hosting the store in use) is injected only in process "
+                             f"(neighbor_ckpt.inprocess.enabled: true) by recipes/mcore_gpt_plain_loop.py{not_here}; "
+                             "use target: rank")
             if f.target == "node" and not node:
-                lines.append(f"{key}target: node (a whole node: its launcher, store host and processes) is injected "
-                             "only where each node has a launcher of its own: in process (neighbor_ckpt.inprocess."
-                             "enabled: true) or on the simulated nodes of `neighbor-ckpt launch` (trainer.num_nodes "
-                             f"> 1: a torchrun agent per node){where and ', not' + where}; use target: rank with "
-                             "permanent: true")
+                lines.append(f"{key}target: node (a whole node) is injected only where each node has a launcher of its "
+                             "own: in process (neighbor_ckpt.inprocess.enabled: true) or on the simulated nodes of "
+                             f"`neighbor-ckpt launch` (trainer.num_nodes > 1){not_here}; use target: rank, permanent")
             if f.target == "node" and f.signal == "SIGSTOP" and node and not hung_node:
-                lines.append(f"{key}signal: SIGSTOP of a whole node (target: node) is injected only in process "
-                             "(neighbor_ckpt.inprocess.enabled: true); use SIGKILL here")
+                lines.append(f"{key}signal: SIGSTOP of a whole node is injected only in process; use SIGKILL here")
             if f.phase not in phases:
                 lines.append(f"{key}phase: {f.phase!r} is not injected{where} (phases: {', '.join(phases)})")
         if lines:
