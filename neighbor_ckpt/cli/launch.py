@@ -45,6 +45,7 @@ from neighbor_ckpt.inprocess.completion import marker_path
 from neighbor_ckpt.inprocess.store_auth import TOKEN_FILE
 from neighbor_ckpt.cli.torchrun_nodes import NodeAgents, node_agents, run_node_agents
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
+from neighbor_ckpt.runtime.procs import stop_processes
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
@@ -711,12 +712,4 @@ def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = Non
     finally:
         for sock in held.values():
             sock.close()
-        for p in agents:
-            if p.poll() is None:
-                p.terminate()
-        for p in agents:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(agents)

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import psutil
-
 from neighbor_ckpt.inprocess.protocol import ENV_NODE_INDEX
+from neighbor_ckpt.runtime.procs import kill_tagged, stop_processes
 
 __all__ = ["NODE_TAG_ENV", "NodeAgents", "rdzv_conf", "node_agents", "run_node_agents", "kill_node",
            "nodes_status", "LAST_CALL_MIN_S"]
@@ -108,17 +107,7 @@ def node_agents(worker: Sequence[str], *, options: Sequence[str] = (), nodes: in
 def kill_node(tag: str) -> int:
     """SIGKILL every process (of this user) whose environment has ``NEIGHBOR_CKPT_SIMULATED_NODE=tag``: what is left
     of a simulated node whose agent died; returns how many."""
-    me, killed = os.getpid(), 0
-    for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
-        try:
-            if proc.environ().get(NODE_TAG_ENV) == tag:
-                proc.kill()
-                killed += 1
-        except psutil.Error:  # gone, a zombie, or another user's
-            continue
-    return killed
+    return kill_tagged(tag, var=NODE_TAG_ENV)
 
 
 def nodes_status(codes: Sequence[int | None], *, elastic: bool) -> int:
@@ -186,30 +175,16 @@ def run_node_agents(agents: NodeAgents, *, env: dict[str, str] | None = None, po
                              "on a smaller data-parallel size, resharded from host memory), or run with in-process "
                              "recovery and a spare node (neighbor_ckpt.inprocess.enabled: true, "
                              "neighbor_ckpt.inprocess.spares); stopping the other nodes", out)
-                    _stop(procs)
+                    stop_processes(procs)
                     return 1
                 if p.returncode != 0:
                     kill_node(tag)
                     _say(f"node node{i}: its torchrun agent exited {p.returncode}: stopping the other nodes", out)
-                    _stop(procs)
+                    stop_processes(procs)
                     codes = [p.returncode if c is None else c for c in codes]
                     return nodes_status(codes, elastic=agents.elastic)
         return nodes_status(codes, elastic=agents.elastic)
     finally:
-        _stop(procs)
+        stop_processes(procs)
         for tag in tags[:len(procs)]:  # what outlived its agent (the workers start sessions of their own)
             kill_node(tag)
-
-
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """Terminate every agent still running (torchrun stops its workers on SIGTERM), SIGKILL one that takes over 30
-    s."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()

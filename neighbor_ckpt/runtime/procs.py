@@ -17,15 +17,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import psutil
 
 __all__ = ["flush_logs", "stall_report", "boot_id", "process_start", "process_uid", "group_members", "mem_available_bytes",
-           "dir_bytes", "RUN_TAG_ENV", "new_run_tag", "kill_tagged"]
+           "dir_bytes", "RUN_TAG_ENV", "new_run_tag", "kill_tagged", "stop_processes"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 """The kernel's unit of process start times (psutil divides by the same)."""
@@ -108,6 +109,19 @@ def process_uid(pid: int) -> int | None:
         return None
 
 
+def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """SIGTERM every process of ``procs`` still running, SIGKILL one still running ``grace_s`` later, reap them."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def group_members(pgid: int) -> list[int]:
     """The pids in process group ``pgid`` (zombies included)."""
     members = []
@@ -149,14 +163,15 @@ def new_run_tag() -> str:
     return uuid.uuid4().hex
 
 
-def kill_tagged(tag: str) -> int:
-    """SIGKILL every process (of this user) whose environment has ``RUN_TAG_ENV=tag``; returns how many."""
+def kill_tagged(tag: str, *, var: str = RUN_TAG_ENV) -> int:
+    """SIGKILL every process (of this user) whose environment has ``var=tag`` (default :data:`RUN_TAG_ENV`); returns
+    how many."""
     me, killed = os.getpid(), 0
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
         try:
-            if proc.environ().get(RUN_TAG_ENV) == tag:
+            if proc.environ().get(var) == tag:
                 proc.kill()
                 killed += 1
         except psutil.Error:  # gone, a zombie, or another user's
