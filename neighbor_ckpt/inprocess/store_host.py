@@ -13,8 +13,10 @@ with ``--parent`` is gone (its launcher: losing the node loses its store host to
 ``--listen-fd FD``: serve on this inherited listening socket instead of binding ``--host:--port``: a single-machine
 launch binds every store's port before anything starts and hands each socket down (launcher, then store host), so no
 other process can take the port between its choice and its use (:func:`neighbor_ckpt.cli.launch.run_inprocess`).
-With ``--token-file`` (every launch's launchers pass it) the store itself listens on the loopback interface only and
-a :class:`~neighbor_ckpt.inprocess.store_auth.Gate` on ``--host:--port`` admits the clients that hold the job's token.
+With ``--token-file`` (every launch's launchers pass it) the store itself listens on the loopback interface only,
+sealed with a key of this process's that only the gate signs with (no other user of the node reaches it:
+:mod:`~neighbor_ckpt.inprocess.loopback`), and a :class:`~neighbor_ckpt.inprocess.store_auth.Gate` on
+``--host:--port`` admits the clients that hold the job's token.
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ def failed_path(ready: Path) -> Path:
     return ready.with_name(ready.name + ".failed")
 
 
+def _seal(sock: socket.socket) -> bytes | None:
+    """Seal the store's listener ``sock`` (its own client has connected) with a new key, and return it; None when
+    this kernel cannot (said in one warning: the store is then open to the node's users). ConnectionError when a
+    connection of another process reached the store before the seal: the host must not serve."""
+    from neighbor_ckpt.inprocess import loopback
+
+    host, port = sock.getsockname()[:2]
+    key = loopback.new_key()
+    try:
+        loopback.seal(sock, key)
+    except loopback.Unsealable as e:
+        logging.getLogger(__name__).warning("the store behind the gate (%s:%d) is open to every user of this node: %s",
+                                            host, port, e)
+        return None
+    intruders = loopback.intruders((host, port))
+    if intruders:
+        raise ConnectionError(f"the store on {host}:{port} was reached by another process before it was sealed "
+                              f"({', '.join(intruders)}): not served")
+    return key
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="0.0.0.0")
@@ -98,8 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
                           timeout=timedelta(seconds=30), master_listen_fd=sock.fileno())
-    sock.detach()  # the server owns the descriptor now (and closes it)
-    gate = None if token is None else store_auth.Gate(public, (host, port), token)
+    try:
+        key = None if token is None else _seal(sock)
+    except ConnectionError as e:  # one line for the launcher, as when the port cannot be bound
+        logging.getLogger(__name__).error("%s", e)
+        if args.ready is not None:
+            failed_path(args.ready).write_text(f"{e}\n")
+        return 1
+    finally:
+        sock.detach()  # the server owns the descriptor now (and closes it)
+    gate = None if token is None else store_auth.Gate(public, (host, port), token, backend_key=key)
     if args.ready is not None:
         tmp = args.ready.with_name(args.ready.name + ".tmp")
         tmp.write_text(f"{os.getpid()} {args.port}\n")

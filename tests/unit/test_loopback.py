@@ -1,0 +1,139 @@
+"""The launch's loopback sockets admit the job only (:mod:`neighbor_ckpt.inprocess.loopback`), as this user: a store
+listener sealed with a key, a tunnel that admits its own process only. Another Unix user is in
+tests/unit/test_shared_node.py and, against a running launch, tests/e2e/test_shared_node_sockets.py."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from neighbor_ckpt.inprocess import loopback
+from neighbor_ckpt.inprocess.store_auth import Gate, Tunnel, prove
+
+
+def _connects(address: tuple, key: bytes | None = None, timeout_s: float = 3.0) -> bool:
+    """Whether a connection to ``address`` completes within ``timeout_s`` (a sealed listener's kernel drops the
+    attempt: it never completes)."""
+    s = socket.socket()
+    try:
+        if key is not None:
+            loopback.sign(s, key)
+        s.settimeout(timeout_s)
+        s.connect(address)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def test_a_sealed_listener_completes_only_connections_signed_with_its_key() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()[:2]
+    before = socket.create_connection(address)  # made before the seal: it stays (intruders() finds such ones)
+    key = loopback.new_key()
+    loopback.seal(listener, key)
+    assert not _connects(address), "an unsigned attempt never completes"
+    assert not _connects(address, loopback.new_key()), "nor one signed with another key"
+    assert _connects(address, key)
+    before.close()
+    listener.close()
+
+
+def test_intruders_are_the_connections_of_other_processes() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()[:2]
+    mine = socket.create_connection(address)
+    assert loopback.intruders(address) == []
+    other = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; s = socket.create_connection(("
+                              f"'127.0.0.1', {address[1]})); print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "up"
+        found = loopback.intruders(address)
+        assert len(found) == 1 and found[0].startswith("uid "), found
+    finally:
+        other.kill()
+        other.wait()
+        mine.close()
+        listener.close()
+
+
+def test_foreign_peer_admits_this_process_and_names_another() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::ffff:127.0.0.1")):  # torch's: IPv6
+        c = socket.socket(family)
+        c.connect((host, port))
+        conn, _ = listener.accept()
+        assert loopback.foreign_peer(conn) is None
+        conn.close()
+        c.close()
+    other = subprocess.Popen([sys.executable, "-c", "import socket, time; s = socket.create_connection(("
+                              f"'127.0.0.1', {port})); time.sleep(60)"])
+    try:
+        conn, _ = listener.accept()
+        assert loopback.foreign_peer(conn) == "a socket of another process"
+        conn.close()
+    finally:
+        other.kill()
+        other.wait()
+        listener.close()
+
+
+def _store_behind_a_sealed_gate(token: bytes) -> tuple[Gate, socket.socket, list[bytes]]:
+    backend = socket.create_server(("127.0.0.1", 0))
+    key = loopback.new_key()
+    loopback.seal(backend, key)
+    served: list[bytes] = []
+
+    def store() -> None:
+        while True:
+            try:
+                conn, _ = backend.accept()
+            except OSError:
+                return
+            served.append(conn.recv(64))
+            conn.sendall(b"ok")
+            conn.close()
+
+    threading.Thread(target=store, daemon=True).start()
+    gate = Gate(socket.create_server(("127.0.0.1", 0)), backend.getsockname()[:2], token, backend_key=key)
+    return gate, backend, served
+
+
+def test_a_tunnel_carries_its_own_process_to_the_sealed_store_and_refuses_another_process(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import os
+
+    token = os.urandom(32)
+    gate, backend, served = _store_behind_a_sealed_gate(token)
+    assert not _connects(backend.getsockname()[:2]), "the store itself: only the gate reaches it"
+    tunnel = Tunnel(gate._sock.getsockname()[:2], token)
+    with socket.create_connection(tunnel.address, timeout=30) as c:
+        c.sendall(b"mine")
+        assert c.recv(2) == b"ok"
+    assert served == [b"mine"]
+    caplog.set_level(logging.WARNING, logger="neighbor_ckpt.inprocess.store_auth")
+    other = subprocess.run([sys.executable, "-c", "import socket; s = socket.create_connection(('127.0.0.1', "
+                            f"{tunnel.address[1]})); s.sendall(b'theirs'); print(repr(s.recv(16)))"],
+                           capture_output=True, text=True, timeout=60)
+    assert other.stdout.strip() in ("b''", ""), other  # closed unanswered (or reset)
+    deadline = time.monotonic() + 30
+    while tunnel.refused() < 1 and time.monotonic() < deadline:  # the accepting thread counts it
+        time.sleep(0.02)
+    assert tunnel.refused() == 1 and served == [b"mine"]
+    assert any("refused a connection" in r.getMessage() and "another process" in r.getMessage()
+               for r in caplog.records)
+    # the tunnel's own handshake with the gate is mutual: a direct client holding the token is admitted too
+    with socket.create_connection(gate._sock.getsockname()[:2], timeout=30) as c:
+        prove(c, token)
+    tunnel.close()
+    gate.close()
+    backend.close()
