@@ -64,7 +64,13 @@ def test_intruders_are_the_connections_of_other_processes() -> None:
         listener.close()
 
 
-def test_foreign_peer_admits_this_process_and_names_another() -> None:
+@pytest.mark.parametrize("lookup", ["sock_diag", "proc tables"])
+def test_foreign_peer_admits_this_process_and_names_another(lookup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if lookup == "proc tables":  # where netlink is forbidden, /proc/self/net/tcp{,6} gives the same answer
+        def no_netlink(*_: object) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(loopback, "_diag", no_netlink)
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::ffff:127.0.0.1")):  # torch's: IPv6
