@@ -9,15 +9,17 @@ turn away whoever is not the job:
 Unix-domain socket (``master_listen_fd`` on one fails, with libuv "operation not supported on socket", without it
 "is bound to port ..."; its own client connects by TCP anyway), and it serves whoever it accepts: a check after its
 ``accept`` would come after it read the first request. So the kernel does the check before torch sees a connection:
-once torch's own client has connected, the store host puts a random key (80 bytes, never leaving the process) on the
-listening socket for every source address (RFC 2385 TCP-MD5 signatures, ``TCP_MD5SIG_EXT`` with a /0 prefix), and
-the gate puts the same key on each of its connections to the store. A connection attempt that does not sign its
-segments with the key is dropped by the kernel: another user's ``connect`` never completes, torch never sees it.
-Between torch's start and the seal (a few milliseconds) someone could have connected unsealed: :func:`intruders`
-lists the connections to the store whose other end is not a socket of this process, and the store host refuses to
-start when there is one. A kernel without TCP-MD5 (``CONFIG_TCP_MD5SIG``, or FIPS mode) makes :func:`seal` raise
-:class:`Unsealable`; the store host then says, in one warning, that its store is open to the node's users, and goes
-on. Cost: one MD5 over each segment between gate and store (small: the store's messages are short).
+before torch serves it, the store host puts a random key (80 bytes, never leaving the process) on the listening
+socket for every source address (RFC 2385 TCP-MD5 signatures, ``TCP_MD5SIG_EXT`` with a /0 prefix), and the gate puts
+the same key on each of its connections to the store. A connection attempt that does not sign its segments with the
+key is dropped by the kernel: another user's ``connect`` never completes, torch never sees it. torch's server makes a
+client of its own, which cannot sign: it is given another loopback address to connect to, where a
+:class:`~neighbor_ckpt.inprocess.store_auth.Door` of the store host admits this process only (as a tunnel does,
+below) and carries it in, signed, until torch's server has started. So the store is sealed from before its first
+connection on, with no moment open to anyone. A kernel without TCP-MD5 (``CONFIG_TCP_MD5SIG``, or FIPS mode) makes
+:func:`seal` raise :class:`Unsealable` (and a node without the door's address fails the door): the store host then
+says, in one warning, that its store is open to the node's users, and goes on. Cost: one MD5 over each segment
+between gate and store (small: the store's messages are short).
 
 **A tunnel: this process only** (:func:`foreign_peer`). torch's client connects by TCP to a host and port, so a
 tunnel must be a TCP listener; for each connection it accepts it asks the kernel for the peer's socket by its
@@ -43,7 +45,7 @@ import socket
 import struct
 from typing import Optional
 
-__all__ = ["KEY_BYTES", "Unsealable", "new_key", "seal", "sign", "foreign_peer", "intruders"]
+__all__ = ["KEY_BYTES", "Unsealable", "new_key", "seal", "sign", "foreign_peer"]
 
 TCP_MD5SIG_EXT = 32  # linux/tcp.h: struct tcp_md5sig with tcpm_flags / tcpm_prefixlen honoured
 _TCP_MD5SIG_FLAG_PREFIX = 1
@@ -79,7 +81,7 @@ def _set_key(sock: socket.socket, key: bytes) -> None:
 
 def seal(listener: socket.socket, key: bytes) -> None:
     """From now on ``listener`` (a TCP listening socket) completes only connections that sign with ``key``: the
-    kernel drops the others' connection attempts (connections made before stay as they are: :func:`intruders`).
+    kernel drops the others' connection attempts (connections made before stay as they are).
     :class:`Unsealable` when the kernel cannot."""
     _set_key(listener, key)
 
@@ -186,10 +188,3 @@ def foreign_peer(conn: socket.socket) -> Optional[str]:
     if not _own_socket(inode):
         return "a socket of another process"
     return None
-
-
-def intruders(address: tuple) -> list[str]:
-    """The connections to ``address`` (a loopback listener of this process) whose other end is not a socket of this
-    process, in any state (one that came and went leaves a TIME_WAIT entry with no socket): what reached it before
-    it was sealed."""
-    return [f"uid {uid} (state {state})" for state, uid, inode in _entries(remote=address) if not _own_socket(inode)]

@@ -49,7 +49,7 @@ from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import loopback
 
 __all__ = ["MAGIC", "TOKEN_FILE", "TUNNEL_THREAD", "MAX_HANDSHAKES", "REFUSAL_LOG_EVERY_S", "RefusalLog", "Gate",
-           "Tunnel", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
+           "Tunnel", "Door", "DOOR_HOST", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
            "challenge", "Refused"]
 
 logger = logging.getLogger(__name__)
@@ -235,6 +235,16 @@ def _serve(sock: socket.socket, handle, name: str, *, slots: Optional[threading.
     return t
 
 
+def _close_listener(sock: socket.socket) -> None:
+    """Stop listening now: a thread blocked in ``accept`` keeps a merely closed socket listening (Linux), so shut it
+    down first (the ``accept`` then fails and its thread ends)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def _connect(address: tuple[str, int], timeout_s: float, key: Optional[bytes] = None) -> socket.socket:
     """A connection to ``address``; signed with ``key`` (:func:`~neighbor_ckpt.inprocess.loopback.sign`) if given."""
     if key is None:
@@ -342,7 +352,7 @@ class Gate:
         _splice(conn, store, "neighbor_ckpt-store-gate")
 
     def close(self) -> None:
-        self._sock.close()
+        self._sock.close()  # only this descriptor: the launcher may hold the port's socket for a next store host
         with self._lock:
             held = self._log.held()
         for host, n in sorted(held.items()):
@@ -404,7 +414,47 @@ class Tunnel:
         _splice(conn, remote, f"{TUNNEL_THREAD}-{self.remote[1]}")
 
     def close(self) -> None:
-        self._sock.close()
+        _close_listener(self._sock)
+
+
+DOOR_HOST = "127.0.0.2"
+"""Where a store host's :class:`Door` listens (at its store's port: loopback, another address)."""
+
+
+class Door:
+    """The store host's own way into its sealed store while torch starts it: torch's server makes a client of its own
+    and connects it to the host it is given at the store's port, and that client cannot sign. So the store host
+    gives torch :data:`DOOR_HOST` and listens there, at the store's port, for the connections of this very process
+    only (:func:`~neighbor_ckpt.inprocess.loopback.foreign_peer`), each carried to the sealed store at ``store``,
+    signed with ``key``. Closed once torch's server has started: the store is sealed from before its first connection
+    on, with no moment open to anyone. ``OSError`` when :data:`DOOR_HOST` or that port cannot be bound."""
+
+    def __init__(self, store: tuple[str, int], key: bytes) -> None:
+        self.store, self._key = store, key
+        self._sock = _listener(DOOR_HOST, store[1])
+        self.host = DOOR_HOST
+        self._thread = _serve(self._sock, self._carry, "neighbor_ckpt-store-door", admit=self._admit)
+
+    def _admit(self, conn: socket.socket, peer: tuple) -> bool:
+        why = loopback.foreign_peer(conn)
+        if why is not None:
+            conn.close()
+            logger.warning("store door %s:%d: refused a connection from %s:%s: %s", DOOR_HOST, self.store[1],
+                           peer[0], peer[1], why)
+        return why is None
+
+    def _carry(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            store = _connect(self.store, HANDSHAKE_TIMEOUT_S, self._key)
+        except OSError as e:
+            logger.error("store door: the store (%s:%d) does not answer: %s", *self.store, e)
+            conn.close()
+            return
+        store.settimeout(None)
+        _splice(conn, store, "neighbor_ckpt-store-door")
+
+    def close(self) -> None:
+        _close_listener(self._sock)
 
 
 def tunnel_ports() -> set[int]:

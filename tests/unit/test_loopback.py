@@ -45,23 +45,40 @@ def test_a_sealed_listener_completes_only_connections_signed_with_its_key() -> N
     listener.close()
 
 
-def test_intruders_are_the_connections_of_other_processes() -> None:
+def test_torch_serves_a_store_sealed_before_its_first_connection_through_the_door() -> None:
+    """torch's server and its own client start on a listener sealed beforehand (the client through the store host's
+    door, which is closed afterwards); then only a signed connection completes, and it is served."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from neighbor_ckpt.inprocess.store_auth import Door
+
     listener = socket.create_server(("127.0.0.1", 0))
     address = listener.getsockname()[:2]
-    mine = socket.create_connection(address)
-    assert loopback.intruders(address) == []
-    other = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; s = socket.create_connection(("
-                              f"'127.0.0.1', {address[1]})); print('up', flush=True); time.sleep(60)"],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert other.stdout.readline().strip() == "up"
-        found = loopback.intruders(address)
-        assert len(found) == 1 and found[0].startswith("uid "), found
-    finally:
-        other.kill()
-        other.wait()
-        mine.close()
-        listener.close()
+    key = loopback.new_key()
+    door = Door(address, key)
+    loopback.seal(listener, key)
+    store = dist.TCPStore(door.host, address[1], is_master=True, wait_for_workers=False, use_libuv=True,
+                          timeout=timedelta(seconds=60), master_listen_fd=listener.fileno())
+    listener.detach()
+    door.close()
+    store.set("k", "served")
+    assert not _connects(address), "unsigned: never completes"
+    assert not _connects((door.host, address[1])), "the door is closed"
+    signed = socket.socket()
+    loopback.sign(signed, key)
+    signed.settimeout(30)
+    signed.connect(address)  # torch's protocol by hand: VALIDATE, then GET "/k"
+    import struct
+
+    signed.sendall(bytes([0]) + struct.pack("=I", 0x3C85F7CE) + bytes([3]) + struct.pack("=Q", 2) + b"/k")
+    got = b""
+    while len(got) < 8 + 6:
+        got += signed.recv(64)
+    assert got == struct.pack("=Q", 6) + b"served"
+    signed.close()
+    del store
 
 
 @pytest.mark.parametrize("lookup", ["sock_diag", "proc tables"])

@@ -268,6 +268,7 @@ def test_another_user_reaches_neither_a_store_nor_a_tunnel_nor_through_a_gate(ot
         while "listening on" not in line:
             line = host.stdout.readline()
             assert line, "the store host did not start"
+        assert line.rstrip().endswith("(sealed)"), line
         gate_port, store_port = (int(p) for p in re.search(r"listening on 127\.0\.0\.1:(\d+) .* on 127\.0\.0\.1:(\d+)",
                                                            line).groups())
         tunnel = tunnel_address(("127.0.0.1", gate_port), read_token(token_file))
