@@ -160,3 +160,22 @@ def test_a_tunnel_carries_its_own_process_to_the_sealed_store_and_refuses_anothe
     tunnel.close()
     gate.close()
     backend.close()
+
+
+def test_a_kernel_without_tcp_md5_leaves_the_store_open_and_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from neighbor_ckpt.inprocess import store_host
+
+    def unsealable(*_: object) -> None:
+        raise loopback.Unsealable(92, "TCP-MD5 signatures are not available here (Protocol not available)")
+
+    monkeypatch.setattr(loopback, "seal", unsealable)
+    caplog.set_level(logging.WARNING, logger="neighbor_ckpt.inprocess.store_host")
+    sock, key, door = store_host._sealed_listener("127.0.0.1")
+    assert key is None and door is None
+    assert _connects(sock.getsockname()[:2]), "open, as before"
+    assert any("open to every user of this node" in r.getMessage() and "TCP-MD5" in r.getMessage()
+               for r in caplog.records)
+    sock.close()
