@@ -55,7 +55,9 @@ process that starts after completion finds the marker and exits 0 without a stor
 then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
 :data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (the launcher keeps reaping its
 processes meanwhile, queues what it has to write, and tries to reconnect every few seconds; a store that comes back
-in time changes nothing); 1 when the store cannot be reached at the start or the restart's rendezvous times out;
+in time changes nothing); :data:`~protocol.EXIT_NO_STORE` when it can connect to no store at the start (the others'
+roll call declares its processes dead: :mod:`~neighbor_ckpt.inprocess.roll_call`); 1 when the first store operation
+fails, the restart's rendezvous times out, or the roll call leaves too few processes for the job's ranks;
 ``128 + signal`` when it was stopped by SIGTERM/SIGINT/SIGHUP. Every one of them comes with one log line.
 
 **No process outlives it.** Each process starts in a session of its own (its process group is what the launcher
@@ -109,14 +111,15 @@ from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
 from neighbor_ckpt.inprocess.roll_call import RollCall, reach_any
 
-__all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR", "recorded_pid_to_kill"]
+__all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR"]
 
 logger = logging.getLogger(__name__)
 
 EXIT_STORE_LOST = 69
 """The launcher's status when the store stopped answering for ``--store-grace`` seconds (EX_UNAVAILABLE)."""
 EXIT_LAUNCHER_ERROR = 1
-"""The launcher's status when it could not start (store unreachable) or the restart's rendezvous timed out."""
+"""The launcher's status when its first store operation failed, the restart's rendezvous timed out, or the roll call
+left too few processes for the job's ranks."""
 
 HOST_LINGER_S = 2.0
 """How long a launcher whose store host serves the job's current store waits, once the job completed, before it
