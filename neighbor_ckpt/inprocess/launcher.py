@@ -398,6 +398,9 @@ class Launcher:
         now = time.monotonic()
         if att.number or self._roll.done or att.complete_at is not None or now - self._roll_at < self.plan.beat_s:
             return
+        if self.stores.history:  # a new store holds only who came again: the roll call was of the first store
+            self._roll.done = True
+            return
         self._roll_at = now
         got = self._try(0, lambda s: self._roll.look(s, now))
         if not got:

@@ -18,6 +18,9 @@ barrier; when the processes left cannot cover the job's ranks, every launcher sa
 (:func:`~neighbor_ckpt.inprocess.restart_rendezvous.restart_verdict`'s rule). A launcher that reaches a store after its
 processes were declared so starts none of them and stays in the launch without them.
 
+The roll call is of the launch's start only: it ends once generation 0 formed (its barrier needed nobody absent)
+or the store moved (a new store holds only the launchers that wrote their part there again).
+
 Nothing here waits for a barrier: the processes in generation 0's barrier see the missing ones declared dead within
 ``detector.timeout_s`` plus the store timeout of the first ready process, never ``inprocess.barrier_timeout_s``."""
 
@@ -116,6 +119,9 @@ class RollCall:
                 self.ready_at = now
             return None
         if not self.due(now):
+            return None
+        if s.check([key("gen", 0, "members")]):  # generation 0 formed: its barrier waited for nobody absent
+            self.done = True
             return None
         came = parse_nodes(s.get("nodes") if s.check(["nodes"]) else None)
         if len(came) >= self.nodes:

@@ -88,6 +88,16 @@ def test_every_launcher_came_ends_the_roll_call(store: Any) -> None:
     assert roll.look(store, 1.0) is None and roll.look(store, 2.0) is None and roll.done
 
 
+def test_generation_0_formed_ends_the_roll_call(store: Any) -> None:
+    """Its barrier waited for every process, so nobody was absent (a store moved since holds fewer ``nodes``)."""
+    roll = RollCall(processes=3, nodes=3, bound_s=0.0)
+    store.append("ready", "1,")
+    store.append("nodes", "node1,")
+    store.set("launcher/node1", json.dumps({"pid": 1, "processes": [1]}))
+    store.set("gen/0/members", "{}")
+    assert roll.look(store, 1.0) is None and roll.look(store, 2.0) is None and roll.done
+
+
 def test_reach_any_finds_a_listening_store_and_names_why_the_others_were_not() -> None:
     with socket.socket() as closed, socket.socket() as listening:
         closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused, and nobody takes the port
