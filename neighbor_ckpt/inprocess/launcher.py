@@ -23,8 +23,9 @@ suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``W
 * anything else (a signal, an error, :data:`~protocol.EXIT_HYGIENE`, :data:`~protocol.EXIT_ABORT_HUNG`): the
   launcher declares the process dead: it appends ``"<p>:exited: <how>;"`` to ``dead`` and records the current
   generation's failure (``gen/<g>/failed``, kind ``exited``, first ``compare_set`` wins), the push every survivor
-  waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*: a new process index
-  (claimed: :func:`~neighbor_ckpt.inprocess.launch_counts.claim_index`), the same local rank, :data:`~protocol.ENV_REPLACES` set; it joins as a spare.
+  waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*: a new process index (claimed:
+  :func:`~neighbor_ckpt.inprocess.launch_counts.claim_index`), the same local rank, :data:`~protocol.ENV_REPLACES`
+  set; it joins as a spare.
 
 It also reads ``dead`` every tick and SIGKILLs any process of its own listed there (a detector found it silent or
 hung; SIGKILL ends a SIGSTOPped process too), and the process whose pid the engine wrote under ``proc/<p>`` when that
@@ -34,10 +35,11 @@ is another one on this node (the test suite's warm fork), identified by its star
 seconds for its processes to exit, SIGKILLs what is left, and, below ``--max-restarts``, meets the other launchers
 under the next attempt's prefix (``joined``: each appends its node and waits until every node is there, at most
 ``--rendezvous-timeout`` seconds) and starts its ``K`` processes again (the original indices) with
-``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (every index handed out listed in ``exited``) without
-``complete``, the launcher that sees it sets ``giveup`` itself. A node lost for good (its launcher silent, its
-processes declared dead) is not waited for: the restart goes on without it when the spares or ``--elastic`` allow,
-else every launcher says so in one line and exits 1 at once (:mod:`~neighbor_ckpt.inprocess.restart_rendezvous`).
+``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (every index handed out is listed in
+``exited``) without ``complete``, the launcher that sees it sets ``giveup`` itself. A node lost for good (its
+launcher silent, its processes declared dead) is not waited for: the restart goes on without it when the spares or
+``--elastic`` allow, else every launcher says so in one line and exits 1 at once
+(:mod:`~neighbor_ckpt.inprocess.restart_rendezvous`).
 
 **A store host that cannot start** (its port held by another process, say): the launcher says so in one line (the
 node, the store, the port, the cause), declares its processes dead before they start (``dead`` and the current
