@@ -703,7 +703,7 @@ class Launcher:
                          list(self.plan.indices))
             # The primary's host (store 0): everyone fails over to store 1 once their first connection gives up; no
             # early promotion here, which could pick a later standby while store 1's host is still starting.
-        reached, why = reach_any(self.plan.stores, self.plan.reach_s)
+        reached, why = reach_any(self.plan.stores, self.plan.reach_s, token=self.stores.token)
         if reached is None:
             logger.error("node %s reached no store of the launch within %.0f s (%s): nothing started; the other "
                          "launchers declare its process(es) %s dead", self.plan.node, self.plan.reach_s,

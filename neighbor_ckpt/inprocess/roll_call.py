@@ -41,20 +41,31 @@ __all__ = ["reach_any", "RollCall", "absent_processes"]
 
 
 
-def reach_any(addresses: Sequence[tuple[str, int]], within_s: float, *, poll_s: float = 0.2) -> \
-        tuple[Optional[int], dict[int, str]]:
+def reach_any(addresses: Sequence[tuple[str, int]], within_s: float, *, token: Optional[bytes] = None,
+              poll_s: float = 0.2) -> tuple[Optional[int], dict[int, str]]:
     """The index of the first store of ``addresses`` that accepts a TCP connection, trying them in turn for at most
-    ``within_s``; or None and why each one did not (its last error)."""
+    ``within_s``; or None and why each one did not (its last error). With the launch's ``token`` the connection
+    proves it to the store's gate before it is closed, as a client does (a gate logs a connection that does not)."""
+    from neighbor_ckpt.inprocess.store_auth import HANDSHAKE_TIMEOUT_S, prove
+
     why: dict[int, str] = {}
     deadline = time.monotonic() + within_s
     while True:
         for i, (host, port) in enumerate(addresses):
             left = deadline - time.monotonic()
             try:
-                with socket.create_connection((host, port), timeout=max(0.2, min(1.0, left))):
-                    return i, why
+                sock = socket.create_connection((host, port), timeout=max(0.2, min(1.0, left)))
             except OSError as e:
                 why[i] = e.strerror or type(e).__name__
+                continue
+            with sock:
+                if token is not None:
+                    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+                    try:
+                        prove(sock, token)
+                    except OSError:
+                        pass  # reached: what the gate says is the first store operation's to report
+            return i, why
         if time.monotonic() >= deadline:
             return None, why
         time.sleep(poll_s)

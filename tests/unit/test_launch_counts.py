@@ -106,3 +106,29 @@ def test_reach_any_finds_a_listening_store_and_names_why_the_others_were_not() -
         dead, live = ("127.0.0.1", closed.getsockname()[1]), ("127.0.0.1", listening.getsockname()[1])
         assert reach_any([dead, live], 5.0) == (1, {0: "Connection refused"})
         assert reach_any([dead], 0.5) == (None, {0: "Connection refused"})
+
+
+def test_reach_any_proves_the_token_to_a_gate_so_the_gate_refuses_nobody() -> None:
+    import time
+
+    from neighbor_ckpt.inprocess.store_auth import Gate
+
+    token = b"t" * 32
+    with socket.socket() as backend, socket.socket() as listen:
+        backend.bind(("127.0.0.1", 0))
+        backend.listen()
+        listen.bind(("127.0.0.1", 0))
+        listen.listen()
+        gate = Gate(listen, backend.getsockname(), token)
+        try:
+            assert reach_any([listen.getsockname()], 5.0, token=token)[0] == 0
+            backend.settimeout(5.0)
+            backend.accept()[0].close()  # the gate admitted the probe and spliced it to the store
+            assert gate.refused() == 0
+            assert reach_any([listen.getsockname()], 5.0)[0] == 0, "reached, whatever the gate thinks of it"
+            deadline = time.monotonic() + 10
+            while gate.refused() == 0 and time.monotonic() < deadline:  # without the token: refused (and logged)
+                time.sleep(0.05)
+            assert gate.refused() == 1
+        finally:
+            gate.close()
