@@ -578,13 +578,17 @@ def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
 def launch_status(codes: Sequence[int]) -> int:
     """The exit status of an in-process launch from its launchers' (pure): 0 when every launcher succeeded (the job
     completed), or when the only failures are launchers killed by SIGKILL (a node lost on purpose:
-    ``fault_injection.permanent`` or ``target: node`` kills the node's launcher, its processes die with it) and at
+    ``fault_injection.permanent`` or ``target: node`` kills the node's launcher, its processes die with it), or
+    launchers that reached no store (:data:`~neighbor_ckpt.inprocess.protocol.EXIT_NO_STORE`: the others declared
+    their processes dead), and at
     least one succeeded (a launcher exits 0 only once the job completed: the survivors finished it, on spares or on a
     smaller data-parallel size); else the worst status (a signal's negative status is not lost behind a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process recovery gave up and the
     restarts are used up)."""
+    from neighbor_ckpt.inprocess.protocol import EXIT_NO_STORE
+
     ok = sum(c == 0 for c in codes)
     lost = [c for c in codes if c != 0]
-    if all(c == -signal.SIGKILL for c in lost) and ok:
+    if all(c in (-signal.SIGKILL, EXIT_NO_STORE) for c in lost) and ok:
         return 0
     return max(codes, key=abs)
 

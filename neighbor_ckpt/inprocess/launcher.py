@@ -23,8 +23,9 @@ suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``W
 * anything else (a signal, an error, :data:`~protocol.EXIT_HYGIENE`, :data:`~protocol.EXIT_ABORT_HUNG`): the
   launcher declares the process dead: it appends ``"<p>:exited: <how>;"`` to ``dead`` and records the current
   generation's failure (``gen/<g>/failed``, kind ``exited``, first ``compare_set`` wins), the push every survivor
-  waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*: a new process index
-  (``add("processes", 1) - 1``), the same local rank, :data:`~protocol.ENV_REPLACES` set; it joins as a spare.
+  waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*: a new process index (claimed:
+  :func:`~neighbor_ckpt.inprocess.launch_counts.claim_index`), the same local rank, :data:`~protocol.ENV_REPLACES`
+  set; it joins as a spare.
 
 It also reads ``dead`` every tick and SIGKILLs any process of its own listed there (a detector found it silent or
 hung; SIGKILL ends a SIGSTOPped process too), and the process whose pid the engine wrote under ``proc/<p>`` when that
@@ -32,12 +33,13 @@ is another one on this node (the test suite's warm fork), identified by its star
 
 **Restart** (the fallback): when ``giveup`` is set or a process exits 75, the launcher waits ``--fallback-grace``
 seconds for its processes to exit, SIGKILLs what is left, and, below ``--max-restarts``, meets the other launchers
-under the next attempt's prefix (``launchers``: each adds 1 and waits until it equals ``--nodes``, at most
+under the next attempt's prefix (``joined``: each appends its node and waits until every node is there, at most
 ``--rendezvous-timeout`` seconds) and starts its ``K`` processes again (the original indices) with
-``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (``exited`` reached ``processes``) without
-``complete``, the launcher that sees it sets ``giveup`` itself. A node lost for good (its launcher silent, its
-processes declared dead) is not waited for: the restart goes on without it when the spares or ``--elastic`` allow,
-else every launcher says so in one line and exits 1 at once (:mod:`~neighbor_ckpt.inprocess.restart_rendezvous`).
+``TORCHELASTIC_RESTART_COUNT`` + 1. When no process of the launch is left (every index handed out is listed in
+``exited``) without ``complete``, the launcher that sees it sets ``giveup`` itself. A node lost for good (its
+launcher silent, its processes declared dead) is not waited for: the restart goes on without it when the spares or
+``--elastic`` allow, else every launcher says so in one line and exits 1 at once
+(:mod:`~neighbor_ckpt.inprocess.restart_rendezvous`).
 
 **A store host that cannot start** (its port held by another process, say): the launcher says so in one line (the
 node, the store, the port, the cause), declares its processes dead before they start (``dead`` and the current
@@ -55,7 +57,9 @@ process that starts after completion finds the marker and exits 0 without a stor
 then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
 :data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (the launcher keeps reaping its
 processes meanwhile, queues what it has to write, and tries to reconnect every few seconds; a store that comes back
-in time changes nothing); 1 when the store cannot be reached at the start or the restart's rendezvous times out;
+in time changes nothing); :data:`~protocol.EXIT_NO_STORE` when it can connect to no store at the start (the others'
+roll call declares its processes dead: :mod:`~neighbor_ckpt.inprocess.roll_call`); 1 when the first store operation
+fails, the restart's rendezvous times out, or the roll call leaves too few processes for the job's ranks;
 ``128 + signal`` when it was stopped by SIGTERM/SIGINT/SIGHUP. Every one of them comes with one log line.
 
 **No process outlives it.** Each process starts in a session of its own (its process group is what the launcher
@@ -82,7 +86,6 @@ apart from the loop (:class:`Launcher`) and tested in one process
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import json
 import logging
@@ -100,38 +103,29 @@ from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.completion import mark_complete
 from neighbor_ckpt.inprocess.exit_clock import ExitClock
 from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dead
+from neighbor_ckpt.inprocess.launcher_children import child_setup as _child_setup
+from neighbor_ckpt.inprocess.launcher_children import recorded_pid_to_kill
+from neighbor_ckpt.inprocess.launcher_children import signal_group as _signal_group
+from neighbor_ckpt.inprocess.launch_counts import claim_index, everyone_exited, mark_exited, raise_processes
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
                                                    describe_exit, exit_status, parse_args)
 from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
+from neighbor_ckpt.inprocess.roll_call import RollCall, reach_any
 
-__all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR", "recorded_pid_to_kill"]
+__all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR"]
 
 logger = logging.getLogger(__name__)
 
 EXIT_STORE_LOST = 69
 """The launcher's status when the store stopped answering for ``--store-grace`` seconds (EX_UNAVAILABLE)."""
 EXIT_LAUNCHER_ERROR = 1
-"""The launcher's status when it could not start (store unreachable) or the restart's rendezvous timed out."""
-
-_PR_SET_PDEATHSIG = 1
+"""The launcher's status when its first store operation failed, the restart's rendezvous timed out, or the roll call
+left too few processes for the job's ranks."""
 
 HOST_LINGER_S = 2.0
 """How long a launcher whose store host serves the job's current store waits, once the job completed, before it
 stops it: the other launchers and the idle spares read ``complete`` there."""
-
-
-def _load_prctl() -> Optional[Callable[..., int]]:
-    """libc's ``prctl``, resolved here in the parent (the child between fork and exec only calls it)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
 
 
 # --- the loop --------------------------------------------------------------------------------------------------
@@ -170,51 +164,14 @@ class _Attempt:
     """Dead processes to replace (``grow_back``): the child, how it exited, the generation current at its death."""
     worst: int = 0
     """The worst status of a process that exited on its own (not stopped by this launcher)."""
-    exited: int = 0
-    """Processes of this node that exited in this attempt (counted in ``exited``)."""
+    exited: set[int] = field(default_factory=set)
+    """Processes this launcher listed in ``exited`` in this attempt (its own that exited, and those of a launcher
+    that never came: :mod:`~neighbor_ckpt.inprocess.roll_call`)."""
+    started: set[int] = field(default_factory=set)
+    """Every process index this node started in this attempt (``processes`` covers them)."""
     unjoined: set[int] = field(default_factory=set)
     """Once the job completed: the processes of this node that were in no generation then (stopped after
     ``detector.timeout_s`` unless they exit on their own)."""
-
-
-def _child_setup(parent: int) -> None:
-    """In the child, between fork and exec: die with the launcher (SIGKILL when it is gone)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before prctl: the signal will never come
-        os._exit(1)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """``sig`` to ``proc``'s process group (its own session), or to ``proc`` if the group is gone."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-
-def recorded_pid_to_kill(raw: Optional[bytes], *, node: str, child: int) -> Optional[int]:
-    """The pid of a ``proc/<p>`` record (JSON ``{"pid", "node", "start"}``) that a launcher of ``node`` may SIGKILL
-    beside its ``child``: another process, recorded on this node, running as this launcher's user, whose start time
-    is the one recorded (the same process, not a pid reused since). None otherwise: a pid of another user's is never
-    signalled, whoever wrote the record."""
-    from neighbor_ckpt.runtime.procs import process_start, process_uid
-
-    try:
-        rec = json.loads(raw) if raw else None
-        other, start = int(rec["pid"]), rec.get("start")
-    except (ValueError, KeyError, TypeError):
-        return None
-    if other == child or rec.get("node") != node or start is None:
-        return None
-    if process_uid(other) != os.getuid():
-        logger.warning("the pid recorded beside process pid %d (%d) runs as another user: not signalled", child,
-                       other)
-        return None
-    return other if process_start(other) == start else None
 
 
 def _current_members(gens: GenerationStore) -> frozenset[int]:
@@ -267,6 +224,11 @@ class Launcher:
             rendezvous_timeout_s=plan.rendezvous_timeout_s, processes=plan.processes, spares=plan.spares,
             elastic=plan.elastic, stopped=lambda: self._signal is not None, store_lost=self._store_lost)
         """The restart rendezvous, which goes on without a node lost for good when the job can."""
+        self._roll = RollCall(processes=plan.processes, nodes=plan.nodes, bound_s=plan.reach_s)
+        """Attempt 0's roll call: the processes of a launcher that never reached a store are declared dead."""
+        self._roll_at = 0.0
+        self._stop_for: Optional[str] = None
+        """Why this launch stops without a restart (the roll call found too few processes left), if it does."""
 
     # -- store ------------------------------------------------------------------------------------------------
 
@@ -317,7 +279,9 @@ class Launcher:
     def _on_failover(self, old: int, new: int, why: str) -> None:
         """The store moved to ``new``: a store host of this node with a lower epoch is stale for good (fenced);
         this launcher's share of the attempt's keys is written again to the new store (its record, the processes
-        handed out, its processes that exited, the dead it knows, the launcher count)."""
+        handed out, its processes that exited, the dead it knows, its node in ``nodes``), and its join of the restart
+        rendezvous it is in, if any. Every one of them is idempotent (:mod:`~neighbor_ckpt.inprocess.launch_counts`):
+        a write of the same fact still queued, sent there once more, counts once."""
         if self.plan.host_store is not None and self.plan.host_store < new:
             self._stop_host(f"stale since store {new} took over (fenced)")
         att = self._att
@@ -325,21 +289,18 @@ class Launcher:
             return
         s = self.stores.view("failover", protocol.launch_prefix(self.plan.run_id, att.number))
         s.set(key("launcher", self.plan.node), json.dumps({"pid": self.pid, "processes": sorted(att.children)}))
-        want = max([self.plan.processes, *(i + 1 for i in att.children)])
-        while True:
-            cur = s.get("processes") if s.check(["processes"]) else b""
-            if cur and int(cur) >= want:
-                break
-            if s.compare_set("processes", cur, str(want)) == str(want).encode():
-                break
-        if att.exited:
-            s.add("exited", att.exited)
+        raise_processes(s, max([self.plan.processes, *(i + 1 for i in att.started)]))
+        mark_exited(s, att.exited)
         if att.dead:
             s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(att.dead.items())))
-        s.add("launchers", 1)
         s.append("nodes", f"{self.plan.node},")
-        logger.warning("attempt %d: this node's processes %s, %d exited, %d known dead: written again to store %d",
-                       att.number, sorted(att.children), att.exited, len(att.dead), new)
+        joining = self._rendezvous.joining
+        if joining is not None and joining > att.number:  # in the restart rendezvous: its join, under its attempt
+            self.stores.view("failover", protocol.launch_prefix(self.plan.run_id, joining)).append(
+                "joined", f"{self.plan.node},")
+        logger.warning("attempt %d: this node's processes %s, %d exited, %d known dead%s: written again to store %d",
+                       att.number, sorted(att.children), len(att.exited), len(att.dead),
+                       "" if joining is None or joining <= att.number else f", its join of attempt {joining}", new)
 
     def _store(self, attempt: int) -> Any:
         """The store under ``attempt``'s prefix."""
@@ -402,6 +363,7 @@ class Launcher:
                                 preexec_fn=lambda: _child_setup(parent))
         child = _Child(index=index, local_rank=local_rank, proc=proc, replaces=replaces)
         att.children[index] = child
+        att.started.add(index)
         self._exits.watch(proc.pid)
         self._started[proc.pid] = env.get("NEIGHBOR_CKPT_STORE_DIR")
         return child
@@ -430,6 +392,33 @@ class Launcher:
         self._beats += 1
         beat = str(self._beats)
         self._try(attempt, lambda s: s.set(key("lhb", self.plan.node), beat))
+
+    def _roll_call(self, att: _Attempt) -> None:
+        """Attempt 0's roll call (:mod:`~neighbor_ckpt.inprocess.roll_call`), every :attr:`~LauncherPlan.beat_s`:
+        the processes of launchers that never came are declared dead (and listed in ``exited``), or the launch stops
+        when the processes left cannot cover the job's ranks."""
+        now = time.monotonic()
+        if att.number or self._roll.done or att.complete_at is not None or now - self._roll_at < self.plan.beat_s:
+            return
+        if self.stores.history:  # a new store holds only who came again: the roll call was of the first store
+            self._roll.done = True
+            return
+        self._roll_at = now
+        got = self._try(0, lambda s: self._roll.look(s, now))
+        if not got:
+            return
+        absent, came = got
+        self._rendezvous.lost.update(self._roll.lost(came, absent))
+        verdict = self._roll.verdict(absent, came, spares=self.plan.spares, elastic=self.plan.elastic)
+        if not verdict.go_on:
+            self._stop_for = verdict.message
+            self._give_up(att, verdict.message)
+            return
+        logger.warning("%s", verdict.message)
+        for index in absent:
+            self._declare(att, index, f"never started: {self._roll.cause(came)}")
+        att.exited.update(absent)
+        self._later(0, lambda s: mark_exited(s, absent))
 
     def _report(self, att: _Attempt) -> None:
         info = json.dumps({"pid": self.pid, "processes": sorted(att.children)})
@@ -480,8 +469,8 @@ class Launcher:
             del att.children[index]
             _signal_group(child.proc, signal.SIGKILL)  # what it started in its session goes with it
             self._drop_staged([child.proc.pid])
-            att.exited += 1
-            self._later(att.number, lambda s: s.add("exited", 1))
+            att.exited.add(index)
+            self._later(att.number, lambda s, i=index: mark_exited(s, (i,)))
             how = describe_exit(code)
             if att.complete_at is not None:  # the job is over: a late death fails no generation
                 logger.info("process %d (pid %d) %s after the job completed", index, child.proc.pid, how)
@@ -546,7 +535,8 @@ class Launcher:
             logger.error("process %d %s: declared dead, NOT replaced (%d replacements on this node already, "
                          "--max-replacements)", child.index, how, att.replacements)
             return
-        new = self._try(att.number, lambda s: int(s.add("processes", 1)) - 1)
+        claim = f"{self.plan.node}:{self.pid}:{att.number}:{att.replacements}"  # the same until one was started
+        new = self._try(att.number, lambda s: claim_index(s, claim, self.plan.processes))
         if new is None:
             logger.error("process %d %s: declared dead, NOT replaced (the store does not answer: no new index)",
                          child.index, how)
@@ -614,9 +604,8 @@ class Launcher:
                 _signal_group(child.proc, signal.SIGKILL)
 
     def _everyone_exited(self, att: _Attempt) -> bool:
-        """No process of the launch is left (``exited`` reached ``processes``)."""
-        got = self._try(att.number, lambda s: (int(s.add("exited", 0)), int(s.get("processes"))))
-        return got is not None and got[0] >= got[1]
+        """No process of the launch is left (every index handed out is listed in ``exited``)."""
+        return bool(self._try(att.number, everyone_exited))
 
     def _stop(self, att: _Attempt, grace_s: float, *, sig: int = signal.SIGTERM) -> None:
         """``sig`` to every live process (nothing when ``sig`` is 0), SIGKILL after ``grace_s``, reap them all."""
@@ -648,13 +637,13 @@ class Launcher:
         self._rendezvous.announce(number)
         for index in self._rendezvous.to_declare(number) if number else ():  # lost for good with their node
             self._declare(att, index, "lost for good with its node: not restarted")
-            att.exited += 1
-            self._later(number, lambda s: s.add("exited", 1))
+            att.exited.add(index)
+            self._later(number, lambda s, i=index: mark_exited(s, (i,)))
         if self._cannot_start is not None:
             for index in self.plan.indices:  # never started: declared dead at once, counted as exited
                 self._declare(att, index, f"never started: {self._cannot_start}")
-                att.exited += 1
-                self._later(number, lambda s: s.add("exited", 1))
+                att.exited.add(index)
+                self._later(number, lambda s, i=index: mark_exited(s, (i,)))
         else:
             for local_rank, index in enumerate(self.plan.indices):
                 self._start(att, index, local_rank)
@@ -669,6 +658,7 @@ class Launcher:
             self._beat(att.number)
             self._watch_store(att)
             self._kill_listed(att)
+            self._roll_call(att)
             self._grow_back(att)
             if att.giveup is not None:
                 logger.warning("in-process recovery gave up (%s): waiting up to %.0f s for %d process(es) of this "
@@ -713,16 +703,28 @@ class Launcher:
                          list(self.plan.indices))
             # The primary's host (store 0): everyone fails over to store 1 once their first connection gives up; no
             # early promotion here, which could pick a later standby while store 1's host is still starting.
+        reached, why = reach_any(self.plan.stores, self.plan.reach_s, token=self.stores.token)
+        if reached is None:
+            logger.error("node %s reached no store of the launch within %.0f s (%s): nothing started; the other "
+                         "launchers declare its process(es) %s dead", self.plan.node, self.plan.reach_s,
+                         "; ".join(f"{self.stores.addresses.describe(i)}: {why.get(i, 'not tried')}"
+                                   for i in range(len(self.plan.stores))), list(self.plan.indices))
+            self._stop_host("the launcher did not start")
+            return protocol.EXIT_NO_STORE
         try:
             self._call(0, lambda s: s.check(["processes"]))
+            dead = self._call(0, lambda s: parse_dead(s.get("dead") if s.check(["dead"]) else None))
         except StoreDown as e:
             logger.error("node %s cannot reach a store of %s (%s): nothing started", self.plan.node,
                          self.plan.store_address, e)
             self._stop_host("the launcher did not start")
             return EXIT_LAUNCHER_ERROR
+        if self._cannot_start is None and all(i in dead for i in self.plan.indices):  # the others' roll call
+            self._cannot_start = f"declared dead before this launcher reached a store ({dead[self.plan.first]})"
+            logger.error("node %s: its process(es) %s were %s: they do not start; this launcher stays in the launch "
+                         "without them", self.plan.node, list(self.plan.indices), self._cannot_start)
         self.stores.start_following()  # fencing: a newer store promoted while this launcher was cut off
         number = 0
-        self._later(number, lambda s: s.add("launchers", 1))
         try:
             while True:
                 outcome = self._run_attempt(number)
@@ -741,6 +743,9 @@ class Launcher:
                     logger.error("exiting %d: the store was lost (worst status of a process: %d)", EXIT_STORE_LOST,
                                  att.worst)
                     return EXIT_STORE_LOST
+                if self._stop_for is not None:
+                    logger.error("the launch stops: %s: exiting %d", self._stop_for, EXIT_LAUNCHER_ERROR)
+                    return EXIT_LAUNCHER_ERROR
                 if number >= self.plan.max_restarts:
                     logger.error("in-process recovery gave up (%s) and the launcher-level restarts are used up "
                                  "(%d of %d): exiting %d", att.giveup, number, self.plan.max_restarts,

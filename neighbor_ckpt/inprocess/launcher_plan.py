@@ -114,6 +114,13 @@ class LauncherPlan:
         return store_timeout_for(self.detector_timeout_s)
 
     @property
+    def reach_s(self) -> float:
+        """How long the launcher tries to open a connection to any store of the list at its start before it exits
+        (:func:`~neighbor_ckpt.inprocess.roll_call.reach_any`): the store timeout plus ``detector.timeout_s``. The
+        other launchers' roll call declares its processes dead that long after the first process is ready."""
+        return self.store_timeout_s + self.detector_timeout_s
+
+    @property
     def beat_s(self) -> float:
         """How often the launcher beats (``lhb/<node>``): four times per ``detector.timeout_s``, at most every
         second, at least every ``poll_s``; a monitor takes the node for lost once the beat stood still for
@@ -191,7 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--store-grace", type=_positive, default=60.0,
                     help="seconds the store may not answer before the launcher stops (default 60)")
     ap.add_argument("--connect-timeout", type=_positive, default=120.0,
-                    help="seconds to reach the store at the start (default 120)")
+                    help="seconds the first store operation may wait for a store that accepted the connection (its "
+                         "host may still be starting; default 120); a launcher that cannot connect to any store "
+                         "exits after the store timeout plus --detector-timeout")
     ap.add_argument("--rendezvous-timeout", type=_positive, default=300.0,
                     help="seconds the restart waits for every launcher (default 300)")
     ap.add_argument("--max-replacements", type=int, default=16,

@@ -65,22 +65,32 @@ types): nothing read from the store is unpickled.
 ``processes``
     How many process indices the launch has handed out (indices ``0..processes-1``): every launcher, before it
     starts anything, does ``compare_set("processes", "", str(N))`` (the first one sets ``N``, the others find it
-    set), and a launcher starting a replacement (:data:`EXIT_HYGIENE`) takes index ``add("processes", 1) - 1``.
+    set); it is only ever raised. A launcher starting a replacement (:data:`EXIT_HYGIENE`, ``grow_back``) claims
+    the next free ``index/<i>`` (``compare_set`` from empty to its write id) and raises ``processes`` past it.
 ``exited``
-    Counter: processes that exited (any status), added by their launchers. When it reaches ``processes`` and
-    ``complete`` is not set, no process of the launch is left: a launcher that sees it sets ``giveup``.
-``launchers``
-    Counter: launchers that started this launcher-level attempt (each adds 1). A launcher restarting the job waits,
-    under the next attempt's prefix, until it equals the number of nodes (the restart's rendezvous).
+    Append-only ``"<p>,"`` per process that exited (any status), by its launcher; read as a set. When every index
+    handed out is in it and ``complete`` is not set, no process of the launch is left: a launcher that sees it sets
+    ``giveup``.
+``nodes``, ``joined``
+    Append-only ``"<node>,"`` per launcher that started this launcher-level attempt, and per launcher that joined its
+    restart rendezvous (read as sets). A launcher restarting the job waits, under the next attempt's prefix, until
+    every node of the launch joined (the restart's rendezvous).
+
+No count is kept with ``add``: a store operation that went unanswered is sent again, and a launcher writes its facts
+again on a new store after a failover, so every count is a set of writer ids or a claim by a write id
+(:mod:`neighbor_ckpt.inprocess.launch_counts`): a write applied twice counts once.
 """
 
 from __future__ import annotations
 
-__all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
+__all__ = ["EXIT_NO_STORE", "EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
            "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID", "ENV_NODE_INDEX", "ENV_COMPLETE_FILE",
            "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
            "launch_prefix", "key"]
 
+EXIT_NO_STORE = 68
+"""A launcher that reached no store of the launch at its start (EX_NOHOST): it started nothing; the other launchers'
+roll call declares its processes dead (:mod:`~neighbor_ckpt.inprocess.roll_call`)."""
 EXIT_FALLBACK = 75
 """Every process, when in-process recovery gives up (EX_TEMPFAIL): the launchers restart the job."""
 EXIT_FENCED = 76

@@ -1,8 +1,10 @@
 """The launchers' restart rendezvous, and the nodes that will not come to it.
 
 When in-process recovery gives up, every launcher restarts its processes together with the others: each joins the
-next attempt's rendezvous (``launchers`` + 1, ``joined`` + its node) and waits until every launcher of the launch
-joined. A node lost for good (its launcher SIGKILLed with its processes) never joins: waiting for it would cost
+next attempt's rendezvous (its node appended to ``joined``, read as a set: a join written again after a failover,
+or retried, counts once; :mod:`~neighbor_ckpt.inprocess.launch_counts`) and waits until every launcher of the launch
+joined. A launcher that moves to a new store during the rendezvous writes its join there again (the launcher's
+failover handler, :attr:`RestartRendezvous.joining`), so a failover keeps every launcher's join. A node lost for good (its launcher SIGKILLed with its processes) never joins: waiting for it would cost
 ``--rendezvous-timeout`` (300 s) and then end the job. So the rendezvous also watches the launchers that have not
 joined: a node of the previous attempt is **lost** when its launcher's heartbeat there (``lhb/<node>``, which a live
 launcher keeps beating until it joined) has stood still for ``detector.timeout_s`` as this launcher watched it, and
@@ -138,6 +140,8 @@ class RestartRendezvous:
         self._stopped, self._store_lost = stopped, store_lost
         self.lost: dict[str, tuple[int, ...]] = {}
         """The nodes lost for good so far (node -> its process indices): not waited for by later restarts."""
+        self.joining: Optional[int] = None
+        """The attempt whose rendezvous this launcher joined last (its join is written again after a failover)."""
 
     def announce(self, attempt: int) -> None:
         """This node takes part in ``attempt`` (``nodes``: the nodes a later rendezvous looks for)."""
@@ -159,7 +163,7 @@ class RestartRendezvous:
         job can; False when it cannot (said in one line) or the wait timed out."""
         prev, me = number - 1, self.node
         want = self.nodes - len(self.lost)
-        self._later(number, lambda s: s.add("launchers", 1))
+        self.joining = number
         self._later(number, lambda s: s.append("joined", f"{me},"))
         watch = LostNodes(self.timeout_s, bound_s=self.timeout_s + self.store_timeout_s)
         deadline = time.monotonic() + self.rendezvous_timeout_s
@@ -167,7 +171,8 @@ class RestartRendezvous:
         while not self._stopped():
             self._beat(prev)  # the others judge this launcher alive by its beat under the previous attempt
             if not self._pending():
-                joined = self._call(number, lambda s: int(s.add("launchers", 0))) or joined
+                joined = len(self._call(number, lambda s: parse_nodes(s.get("joined") if s.check(["joined"])
+                                                                      else None)) or ()) or joined
                 if joined >= want:
                     return True
                 verdict = self._look(prev, number, watch)

@@ -26,6 +26,13 @@ the client's own worker thread and is waited for at most ``timeout_s``; a client
 abandoned with its thread (daemon, named ``neighbor_ckpt-store-client``, blocked until the host resumes or its
 connection is reset).
 
+**Writes are idempotent.** An operation whose reply did not come may have been applied (only the reply was lost), and
+it is sent again: once more on a new connection, or on the next store, where the failover callbacks have written the
+same facts again meanwhile. So no write through a :class:`StoreSet` may count twice when applied twice: the engine's
+lists are sets of process ids (``dead``, ``ready``, ``arrived``, ``finished``), first-``compare_set``-wins records, or
+plain ``set``; the launchers' counts are sets or claims by a write id (:mod:`~neighbor_ckpt.inprocess.launch_counts`);
+``add`` is only ever used to read (``add(key, 0)``).
+
 **Exiting.** A daemon thread that comes back from torch's client while the interpreter finalizes is ended inside a
 C++ frame that may not be unwound: ``terminate called without an active exception``, SIGABRT (reproduced here: a
 client whose connection attempt times out ~0.1 s after ``sys.exit`` aborts the process one time in five; CI saw a

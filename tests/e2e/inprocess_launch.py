@@ -23,6 +23,7 @@ status is :func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' (124
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -46,7 +47,8 @@ WORKER = WORKERS / "train_mcore_inprocess.py"
 def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: float = 600, max_restarts: int = 0,
                      program: str | list[str] | None = None, grow_back: bool = False, detector_timeout_s: float = 2.0,
                      steal_store: int | None = None, hold_store: int | None = None, devices: int = 1,
-                     elastic_launchers: bool | None = None, **env: Any) -> RunResult:
+                     elastic_launchers: bool | None = None, unreachable_node: int | None = None,
+                     **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
@@ -54,6 +56,8 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     ``--detector-timeout`` (the test worker's ``detector.timeout_s``). ``steal_store``: the runner takes that store's
     port (binds and listens on it for the whole launch) between its choice and the launch's bind; ``hold_store``: the
     same, and the launchers' store hosts bind their ports themselves (as on a cluster), so that store's host cannot.
+    ``unreachable_node``: that node's launcher gets a store list of ports nobody listens on (bound by the runner for
+    the whole launch, never listening: refused), so it reaches no store.
     ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
     fixed for the launch are set here). ``devices``: processes per simulated node (the spares on spare nodes of their
     own, :func:`neighbor_ckpt.cli.launch.simulated_nodes`; 1: a node per process). ``elastic_launchers``: the
@@ -71,6 +75,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
             "run_id": f"inproc-{tmp.name}", "store_root": str(tmp / "store"), "ready": str(tmp / "store_host.ready"),
             "out": str(out), "timeout": timeout, "detector_timeout_s": detector_timeout_s,
             "steal_store": steal_store, "hold_store": hold_store, "devices": devices,
+            "unreachable_node": unreachable_node,
             "elastic": env.get("ELASTIC") == 1 or env.get("ELASTIC") == "1" if elastic_launchers is None
             else elastic_launchers}
     spec_path = tmp / "launch.json"
@@ -297,6 +302,19 @@ def _run(spec: dict[str, Any]) -> int:
         thief.bind(("127.0.0.1", int(procs.stores.split(",")[taken].rpartition(":")[2])))
         thief.listen()
         print(f"inprocess_launch: port {thief.getsockname()[1]} of store {taken} taken by the runner", flush=True)
+    closed: list[socket.socket] = []
+    lonely = spec.get("unreachable_node")
+    if lonely is not None:  # that launcher's own store list: ports bound here, never listening (refused)
+        for _ in procs.stores.split(","):
+            closed.append(socket.socket())
+            closed[-1].bind(("127.0.0.1", 0))
+        cmd, extra = procs.agents[lonely]
+        end = list(cmd).index("--")
+        wrong = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in closed)
+        agents = list(procs.agents)
+        agents[lonely] = ((*cmd[:end], "--store", wrong, *cmd[end:]), extra)  # the last --store counts
+        procs = dataclasses.replace(procs, agents=tuple(agents))
+        print(f"inprocess_launch: node {lonely}'s launcher gets stores nobody listens on: {wrong}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     tracker.start()
     subprocess.Popen = _Recorded  # type: ignore[misc] - this process runs nothing else
@@ -311,6 +329,8 @@ def _run(spec: dict[str, Any]) -> int:
         tracker.stop()
         if thief is not None:
             thief.close()
+        for s in closed:
+            s.close()
     print(f"inprocess_launch: the launch returned {rc} after {time.monotonic() - t0:.1f} s", flush=True)
     agents = tracker.popens
     for (cmd, _extra), p in zip(procs.agents, agents):

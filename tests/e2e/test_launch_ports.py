@@ -8,6 +8,9 @@ launch`` starts them (:mod:`tests.e2e.inprocess_launch`):
 * a store host that cannot listen for the whole launch (a cluster's launchers bind their own ports): its launcher
   says so in one line naming the node and the port, its process is declared dead before it starts, the spare takes
   its rank, bit for bit, and nothing waits for a barrier or a rendezvous to time out;
+* a launcher that reaches no store (its store list points to ports nobody listens on): it says so in one line and
+  exits; the other launchers' roll call declares its process dead once the first process is ready, and the spare takes
+  its rank, bit for bit, with no barrier or rendezvous timeout;
 * a grow-back replacement still starting when the job completes: it finds the completion marker and exits 0 without
   a store, and its launcher ends with the others.
 
@@ -88,6 +91,32 @@ def test_a_store_host_that_cannot_listen_declares_its_process_dead_and_the_spare
     assert procs[4][-1][1] == 2 and all(r == 2 for _, r in procs[4]), procs
     assert (0, "exited", "launcher:node2") in failures(res), failures(res)
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
+
+
+def test_a_launcher_that_reaches_no_store_exits_at_once_and_the_spare_takes_its_rank(baseline: RunResult,
+                                                                                      tmp_path: Path) -> None:
+    """node2's launcher gets a store list of ports nobody listens on: it says so in one line naming every store it
+    tried and exits ``EXIT_NO_STORE`` without starting anything; the other launchers' roll call declares process 2
+    dead once the first process is ready and the bound passed (never started), and the spare (process 4) takes rank
+    2 in generation 0's barrier. Bit for bit; no barrier, rendezvous or store timeout in the log; the launch
+    succeeds."""
+    res = launch_inprocess(tmp_path, STEPS=10, FAULT="none", unreachable_node=2)
+    assert res.returncode == 0, res.log[-8000:]
+    assert_no_orphans(res)
+    line = re.search(r"node node2 reached no store of the launch within \d+ s \((store \d \(127\.0\.0\.1:\d+\): "
+                     r"Connection refused(; )?){5}\): nothing started", res.log)
+    assert line, res.log[-8000:]
+    assert re.search(r"1 of the 5 launchers never reached a store \(4 came: .*\): their process\(es\) \[2\] never "
+                     r"started: declared dead", res.log), res.log[-8000:]
+    for wait in SILENT_WAITS:
+        assert wait not in res.log, f"a silent wait ({wait!r}): {res.log[-8000:]}"
+    assert "in-process recovery gives up" not in res.log
+    assert_same_training(baseline, res, nranks=ACTIVE)
+    procs = ranks_by_process(res)
+    assert 2 not in procs, f"process 2 never started: {procs.get(2)}"
+    assert procs[4][-1][1] == 2, procs
+    exits = launcher_exits(res)
+    assert exits.pop("node2") == 68 and set(exits.values()) == {0}, launcher_exits(res)
 
 
 def test_a_grow_back_replacement_starting_as_the_job_completes_exits_0_and_its_launcher_ends_with_the_others(

@@ -92,6 +92,14 @@ class Launch:
         s = self.store(attempt)
         return s.get(k).decode() if s.check([k]) else None
 
+    def ids(self, k: str, attempt: int = 0) -> set[int]:
+        """A list of process indices (``exited``), as a set."""
+        return {int(x) for x in (self.get(k, attempt) or "").split(",") if x.strip()}
+
+    def nodes(self, k: str, attempt: int = 0) -> set[str]:
+        """A list of node ids (``nodes``, ``joined``), as a set."""
+        return {x for x in (self.get(k, attempt) or "").split(",") if x.strip()}
+
     def env(self, rank: int, attempt: int = 0, timeout: float = 60.0) -> dict[str, Any]:
         p = self.tmp / f"env.{rank}.{attempt}.json"
         _wait(f"process {rank} of attempt {attempt} to start", p.exists, timeout)
@@ -183,10 +191,10 @@ def test_each_process_gets_its_environment_and_every_launcher_exits_0_once_compl
         assert env["TORCH_CPP_LOG_LEVEL"] == "error" and protocol.ENV_REPLACES not in env
     _wait("both launchers' reports", lambda: run.get("launcher/node0") and run.get("launcher/node1"))
     assert json.loads(run.get("launcher/node0")) == {"pid": pids["node0"], "processes": [0, 1]}
-    assert run.get("processes") == "3" and run.get("launchers") == "2"
+    assert run.get("processes") == "3" and run.nodes("nodes") == {"node0", "node1"}
     run.complete()
     assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
-    assert run.get("exited") == "3" and run.get("dead") is None
+    assert run.ids("exited") == {0, 1, 2} and run.get("dead") is None
 
 
 def test_a_killed_process_is_declared_dead_and_fails_the_current_generation(launch) -> None:
@@ -245,7 +253,7 @@ def test_a_process_that_exits_77_is_replaced_by_a_new_process_index(launch) -> N
           lambda: json.loads(run.get("launcher/node1") or "{}").get("processes") == [1, 3])
     run.complete()
     assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
-    assert run.get("exited") == "4"
+    assert run.ids("exited") == {0, 1, 2, 3}
 
 
 def test_when_every_process_exits_75_the_launchers_restart_the_job_once(launch) -> None:
@@ -255,7 +263,7 @@ def test_when_every_process_exits_75_the_launchers_restart_the_job_once(launch) 
     for r in (0, 1):
         again = run.env(r, attempt=1)
         assert again["env"]["TORCHELASTIC_RESTART_COUNT"] == "1" and again["pid"] != first[r]
-    assert run.get("giveup").startswith("process ") and run.get("launchers", attempt=1) == "2"
+    assert run.get("giveup").startswith("process ") and run.nodes("joined", attempt=1) == {"node0", "node1"}
     assert run.get("processes", attempt=1) == "2"
     run.complete(attempt=1)
     assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
@@ -327,7 +335,7 @@ def test_a_launcher_whose_store_host_cannot_listen_declares_its_processes_dead_a
                                "host exited with status 1 (cannot listen on"), dead
         failed = json.loads(_wait("gen/0/failed", lambda: run.get("gen/0/failed")))
         assert (failed["by"], failed["kind"], failed["ranks"]) == ("launcher:node1", "exited", [1])
-        _wait("its process counted as exited", lambda: run.get("exited") == "1")
+        _wait("its process counted as exited", lambda: run.ids("exited") == {1})
         assert not (run.tmp / "env.1.0.json").exists(), "the process of a node that cannot start never starts"
         assert run.launchers["node1"].poll() is None, "the launcher stays in the launch (restarts, completion)"
         run.complete()
@@ -335,3 +343,35 @@ def test_a_launcher_whose_store_host_cannot_listen_declares_its_processes_dead_a
     log = (run.tmp / "launcher.node1.log").read_text()
     line = f"node node1 cannot host store 1: port {held}"
     assert line in log and "Address already in use" in log, log
+
+
+def test_a_launcher_that_reaches_no_store_says_so_and_the_others_declare_its_processes_dead(launch) -> None:
+    """node1's store list points to a port nobody listens on (bound by the test, never listening: refused, and no
+    other process can take it): node1's launcher tries it until the store timeout plus ``detector.timeout_s`` have
+    passed, says so in one line naming the store and why, starts nothing and exits ``EXIT_NO_STORE``. Once a
+    process of the launch is ready (the test writes ``ready`` for the toy) and that bound has passed again, the
+    others' roll call declares process 1 dead (never started: the spare's cue in generation 0's barrier) and lists
+    it in ``exited``; the launch completes without it."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        run = launch({"node0": (0, 1), "node1": (1, 1), "node2": (2, 1)}, processes=3, spares=1,
+                     node_extra={"node1": ("--store", f"127.0.0.1:{port}")})
+        assert run.wait("node1") == protocol.EXIT_NO_STORE, run.logs()
+        log = (run.tmp / "launcher.node1.log").read_text()
+        assert re.search(rf"node node1 reached no store of the launch within \d+ s \(store 0 \(127\.0\.0\.1:{port}\): "
+                         r"Connection refused\): nothing started; the other launchers declare its process\(es\) "
+                         r"\[1\] dead", log), log
+        run.env(0)
+        run.store().append("ready", "0,")  # what process 0's engine writes once its imports are done
+        dead = _wait("process 1 declared dead by the roll call", lambda: run.get("dead"))
+        assert re.match(r"1:exited: never started: 1 of the 3 launchers never reached a store \(2 came: "
+                        r"node[02], node[02], \d+ s after the first process was ready\);", dead), dead
+        failed = json.loads(_wait("gen/0/failed", lambda: run.get("gen/0/failed")))
+        assert failed["kind"] == "exited" and failed["ranks"] == [1], failed
+        _wait("process 1 listed in exited", lambda: run.ids("exited") == {1})
+        assert not (run.tmp / "env.1.0.json").exists()
+        run.complete()
+        assert [run.wait(n) for n in ("node0", "node2")] == [0, 0], run.logs()
+        for wait in ("did not form within", "launcher(s) joined within", "has not answered for"):
+            assert wait not in run.logs()

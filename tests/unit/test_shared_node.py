@@ -211,7 +211,7 @@ def test_a_launcher_never_signals_a_recorded_pid_of_another_user(other_user: pwd
     import json
     import time
 
-    from neighbor_ckpt.inprocess.launcher import recorded_pid_to_kill
+    from neighbor_ckpt.inprocess.launcher_children import recorded_pid_to_kill
     from neighbor_ckpt.runtime.procs import process_start
 
     theirs = subprocess.Popen(["runuser", "-u", OTHER, "--", "sleep", "60"])

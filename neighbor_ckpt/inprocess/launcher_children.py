@@ -1,0 +1,73 @@
+"""The launcher's children as processes (:mod:`neighbor_ckpt.inprocess.launcher` runs them): each dies with its
+launcher (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, set between fork and exec), is signalled as its own session's process
+group, and a pid another process recorded beside it is SIGKILLed only when it is the same process on this node."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import Callable, Optional
+
+__all__ = ["child_setup", "signal_group", "recorded_pid_to_kill"]
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl``, resolved here in the parent (the child between fork and exec only calls it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def child_setup(parent: int) -> None:
+    """In the child, between fork and exec: die with the launcher (SIGKILL when it is gone)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before prctl: the signal will never come
+        os._exit(1)
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``proc``'s process group (its own session), or to ``proc`` if the group is gone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def recorded_pid_to_kill(raw: Optional[bytes], *, node: str, child: int) -> Optional[int]:
+    """The pid of a ``proc/<p>`` record (JSON ``{"pid", "node", "start"}``) that a launcher of ``node`` may SIGKILL
+    beside its ``child``: another process, recorded on this node, running as this launcher's user, whose start time
+    is the one recorded (the same process, not a pid reused since). None otherwise: a pid of another user's is never
+    signalled, whoever wrote the record."""
+    from neighbor_ckpt.runtime.procs import process_start, process_uid
+
+    try:
+        rec = json.loads(raw) if raw else None
+        other, start = int(rec["pid"]), rec.get("start")
+    except (ValueError, KeyError, TypeError):
+        return None
+    if other == child or rec.get("node") != node or start is None:
+        return None
+    if process_uid(other) != os.getuid():
+        logger.warning("the pid recorded beside process pid %d (%d) runs as another user: not signalled", child,
+                       other)
+        return None
+    return other if process_start(other) == start else None
