@@ -261,6 +261,26 @@ def find_orphans(tracker: _Tracker, out: Path, *, within_s: float = GONE_WITHIN_
 
 
 def _run(spec: dict[str, Any]) -> int:
+    """Run the launch ``spec`` describes; with a simulated network (the job file's ``launch.simulate_network``, or the
+    spec's ``simulate_network``) inside it, as ``neighbor-ckpt launch`` does."""
+    import contextlib
+
+    from neighbor_ckpt.cli.launch import plan_launch, simulated_nodes
+    from neighbor_ckpt.runtime.netns import simulated_network
+
+    if "config" in spec:
+        plan = plan_launch(spec["config"], spec["overrides"], run_dir=Path(spec["run_dir"]), record=True)
+        nodes, simulate = len(plan.simulated_nodes), plan.job.launch.simulate_network
+    else:
+        plan = None
+        nodes = len(simulated_nodes(spec["active"], spec["spares"], int(spec.get("devices", 1))))
+        simulate = bool(spec.get("simulate_network"))
+    with contextlib.ExitStack() as stack:
+        network = stack.enter_context(simulated_network(nodes)) if simulate else None
+        return _run_in(spec, plan, network)
+
+
+def _run_in(spec: dict[str, Any], plan: Any, network: Any) -> int:
     from neighbor_ckpt.cli.launch import free_ports, inprocess_commands, run_inprocess, simulated_nodes
 
     tracker = _Tracker()
@@ -272,14 +292,14 @@ def _run(spec: dict[str, Any]) -> int:
             tracker.popens.append(self)
 
     out = Path(spec["out"])
-    if "config" in spec:  # a job file, as `neighbor-ckpt launch CONFIG OVERRIDES --record` plans it
-        from neighbor_ckpt.cli.launch import inprocess_processes, plan_launch, write_run_dir
+    if plan is not None:  # a job file, as `neighbor-ckpt launch CONFIG OVERRIDES --record` plans it
+        from neighbor_ckpt.cli.launch import inprocess_processes, write_run_dir
         from neighbor_ckpt.config import expand_store_dir
 
-        plan = plan_launch(spec["config"], spec["overrides"], run_dir=Path(spec["run_dir"]), record=True)
         write_run_dir(plan)
         root = expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-        procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=root)
+        procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=root,
+                                    network=network)
     else:
         devices = int(spec.get("devices", 1))
         ports = free_ports(len(simulated_nodes(spec["active"], spec["spares"], devices)))
@@ -287,7 +307,7 @@ def _run(spec: dict[str, Any]) -> int:
                                    max_restarts=spec["max_restarts"], run_id=spec["run_id"], store_port=ports,
                                    store_root=Path(spec["store_root"]), grow_back=bool(spec.get("grow_back")),
                                    detector_timeout_s=spec.get("detector_timeout_s"), devices=devices,
-                                   elastic=bool(spec.get("elastic")))
+                                   elastic=bool(spec.get("elastic")), network=network)
     taken = spec.get("steal_store")
     if taken is None:
         taken = spec.get("hold_store")
