@@ -123,3 +123,46 @@ def test_the_simulated_network_is_refused_in_one_line_without_root(monkeypatch: 
 def test_a_cut_outside_a_simulated_network_says_what_is_missing() -> None:
     with pytest.raises(ConfigError, match="needs launch.simulate_network: true"):
         netns.cut([0], env={})
+
+
+# -- the blame for a cut of the ranks' network (inprocess/reachability.py) ----------------------------------------------
+
+def test_the_process_a_majority_cannot_reach_is_blamed_and_two_halves_blame_nobody() -> None:
+    from neighbor_ckpt.inprocess.reachability import unreachable_by_majority
+
+    cut1 = {0: frozenset({1}), 1: frozenset({0, 2}), 2: frozenset({1})}
+    assert unreachable_by_majority(cut1, [0, 1, 2]) == (1,)
+    assert unreachable_by_majority({0: frozenset({1}), 2: frozenset({1})}, [0, 1, 2]) == (1,)  # the cut one's report late
+    assert unreachable_by_majority({0: frozenset({1})}, [0, 1, 2]) == ()  # one report is no majority yet
+    halves = {0: frozenset({2, 3}), 1: frozenset({2, 3}), 2: frozenset({0, 1}), 3: frozenset({0, 1})}
+    assert unreachable_by_majority(halves, [0, 1, 2, 3]) == ()
+    assert unreachable_by_majority({p: frozenset() for p in range(3)}, range(3)) == ()
+    assert unreachable_by_majority({0: frozenset({5})}, [0]) == ()  # a spare's report does not count
+
+
+def test_a_probe_counts_a_timeout_as_unreachable_and_a_refusal_as_an_answer() -> None:
+    import socket
+
+    from neighbor_ckpt.inprocess.abort import Endpoint
+    from neighbor_ckpt.inprocess.reachability import format_report, parse_report, probe
+
+    with socket.socket() as listening, socket.socket() as closed, socket.socket() as full:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)  # its accept queue filled below: Linux drops the next SYNs, as a cut link does
+        up, refused, blackhole = (Endpoint("127.0.0.1", s.getsockname()[1]) for s in (listening, closed, full))
+        fillers = []
+        for _ in range(8):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", blackhole.port))
+            fillers.append(c)
+        try:
+            lost = probe({1: [up], 2: [refused], 3: [blackhole], 4: [blackhole, up]}, timeout_s=0.5)
+        finally:
+            for c in fillers:
+                c.close()
+    assert lost == frozenset({3})
+    assert parse_report(format_report(lost)) == lost and parse_report("-") == frozenset()
