@@ -31,7 +31,7 @@ class FaultSpec:
     and its processes and store host die with it, never to come back; SIGSTOP (in process): its launcher and ranks
     hang, and the launch ends them once the job completed. ``rank`` is not read by those two. ``partition`` (with
     ``launch.simulate_network``): the network between ``nodes`` and the other nodes is cut; rank ``rank`` runs the cut
-    and is not harmed by it (docs/partitions.md)."""
+    and is not harmed by it (docs/nodes.md, network partitions)."""
 
     rank: int = 1
     """The rank that is killed: a rank number of the generation that runs ``step``."""

@@ -255,7 +255,7 @@ class LaunchSpec:
     simulate_network: bool = False
     """Run each simulated node of an in-process launch on one machine in a network namespace of its own (veth pairs
     on bridges, one address per node; root only), so that ``neighbor_ckpt.fault_injection.target: partition`` can cut
-    the network between nodes for real (docs/partitions.md). Not for ``--slurm`` (real nodes have real networks)."""
+    the network between nodes for real (docs/nodes.md, network partitions). Not for ``--slurm`` (real nodes have real networks)."""
 
 
 @dataclass(kw_only=True, slots=True)

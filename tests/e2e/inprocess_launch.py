@@ -46,7 +46,7 @@ WORKER = WORKERS / "train_mcore_inprocess.py"
 def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: float = 600, max_restarts: int = 0,
                      program: str | list[str] | None = None, grow_back: bool = False, detector_timeout_s: float = 2.0,
                      steal_store: int | None = None, hold_store: int | None = None, devices: int = 1,
-                     elastic_launchers: bool | None = None, **env: Any) -> RunResult:
+                     elastic_launchers: bool | None = None, simulate_network: bool = False, **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
@@ -57,7 +57,8 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
     fixed for the launch are set here). ``devices``: processes per simulated node (the spares on spare nodes of their
     own, :func:`neighbor_ckpt.cli.launch.simulated_nodes`; 1: a node per process). ``elastic_launchers``: the
-    launchers' ``--elastic`` (default: as the workers' ``ELASTIC``). The workers start warm or cold as ``tests/conftest.py`` decided for this
+    launchers' ``--elastic`` (default: as the workers' ``ELASTIC``). ``simulate_network``: each node in a network
+    namespace of its own (``launch.simulate_network``, :mod:`neighbor_ckpt.runtime.netns`; root). The workers start warm or cold as ``tests/conftest.py`` decided for this
     test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
     out = tmp / "out"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -71,6 +72,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
             "run_id": f"inproc-{tmp.name}", "store_root": str(tmp / "store"), "ready": str(tmp / "store_host.ready"),
             "out": str(out), "timeout": timeout, "detector_timeout_s": detector_timeout_s,
             "steal_store": steal_store, "hold_store": hold_store, "devices": devices,
+            "simulate_network": simulate_network,
             "elastic": env.get("ELASTIC") == 1 or env.get("ELASTIC") == "1" if elastic_launchers is None
             else elastic_launchers}
     spec_path = tmp / "launch.json"
@@ -328,6 +330,10 @@ def _run_in(spec: dict[str, Any], plan: Any, network: Any) -> int:
         rc = 124
     finally:
         subprocess.Popen = real_popen  # type: ignore[misc]
+        if network is not None:  # as the launch's end removes it (its heal timers too), before the orphan check
+            from neighbor_ckpt.runtime.netns import teardown
+
+            teardown(network[0])
         tracker.stop()
         if thief is not None:
             thief.close()
