@@ -3,6 +3,7 @@ it, and the refusals of ``launch.simulate_network`` and ``fault_injection.target
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,28 @@ def test_a_probe_counts_a_timeout_as_unreachable_and_a_refusal_as_an_answer() ->
                 c.close()
     assert lost == frozenset({3})
     assert parse_report(format_report(lost)) == lost and parse_report("-") == frozenset()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_a_launch_makes_its_network_removes_it_at_its_end_and_cleans_what_a_crashed_launch_left() -> None:
+    import subprocess
+
+    def links() -> str:
+        return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+    def namespaces() -> str:
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+    with netns.simulated_network(2) as (plan, path):
+        assert path == netns.STATE_DIR / f"{plan.tag}.json" and NetworkPlan.from_json(path.read_text()) == plan
+        assert plan.launch_pid == os.getpid()
+        assert all(f"{plan.netns(i)}" in namespaces() for i in range(2))
+        assert all(f"{b}:" in links() for b in plan.bridges)
+        crashed = NetworkPlan(tag=f"{(int(plan.tag, 16) + 1) % 65536:04x}", nodes=1, subnet=(plan.subnet + 1) % SUBNETS)
+        netns.setup(crashed)  # as a launch that died: its state file held by nobody
+        (netns.STATE_DIR / f"{crashed.tag}.json").write_text(crashed.to_json())
+        with netns._global_lock():
+            assert netns.clean_leftovers() == [crashed.tag]  # the live launch's network stays
+        assert crashed.netns(0) not in namespaces() and plan.netns(0) in namespaces()
+        assert f"nk{crashed.tag}-" not in links() and f"{plan.bridge('store')}:" in links()
+    assert f"nk{plan.tag}-" not in links() and plan.netns(0) not in namespaces() and not path.exists()
