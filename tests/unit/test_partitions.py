@@ -192,3 +192,31 @@ def test_a_launch_makes_its_network_removes_it_at_its_end_and_cleans_what_a_cras
         assert crashed.netns(0) not in namespaces() and plan.netns(0) in namespaces()
         assert f"nk{crashed.tag}-" not in links() and f"{plan.bridge('store')}:" in links()
     assert f"nk{plan.tag}-" not in links() and plan.netns(0) not in namespaces() and not path.exists()
+
+
+def test_neighbor_ckpt_launch_runs_its_launchers_inside_the_network_it_makes(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    import contextlib
+
+    from neighbor_ckpt.cli import launch
+
+    made: list[int] = []
+    seen: list[object] = []
+
+    @contextlib.contextmanager
+    def network(nodes: int):  # type: ignore[no-untyped-def]
+        made.append(nodes)
+        yield NetworkPlan(tag="00ab", nodes=nodes, subnet=1, launch_pid=os.getpid()), tmp_path / "00ab.json"
+
+    monkeypatch.setattr(launch, "simulated_network", network)
+    monkeypatch.setattr(launch, "run_inprocess", lambda procs, **kw: seen.append(procs) or 0)
+    plan = plan_launch("gpt_tiny_cpu", ["neighbor_ckpt.inprocess.enabled=true", "neighbor_ckpt.inprocess.spares=1",
+                                        "launch.simulate_network=true"], run_dir=tmp_path / "run")
+    assert launch._run_inprocess(plan, {}) == 0
+    (procs,) = seen
+    assert made == [5] and procs.network is not None and procs.network.tag == "00ab"  # 4 ranks + a spare node
+    assert all(cmd[0] == "nsenter" for cmd, _ in procs.agents)
+    assert procs.stores.split(",")[4].startswith("10.200.2.5:")
+    seen.clear()
+    plain = plan_launch("gpt_tiny_cpu", ["neighbor_ckpt.inprocess.enabled=true"], run_dir=tmp_path / "run2")
+    assert launch._run_inprocess(plain, {}) == 0 and seen[0].network is None and made == [5]  # type: ignore[attr-defined]
