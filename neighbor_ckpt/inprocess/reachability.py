@@ -5,7 +5,8 @@ When the ranks' connections between nodes are cut while the store stays reachabl
 beating: the hang detector finds no laggard (:func:`~neighbor_ckpt.inprocess.monitor.laggards`). Before it declares
 ``hang_all`` (the same ranks re-form, and meet the same cut), each stuck process probes its peers' gloo listeners
 (``gen/<g>/listen/<p>``: a TCP connect, which the peer's kernel answers even when the peer is busy; gloo drops such a
-connection) and reports whom it could not reach (``gen/<g>/reach/<p>``). A process that more than half of the
+connection), on threads of the monitor's own (its heartbeat goes on meanwhile), and reports whom it could not reach
+(``gen/<g>/reach/<p>``). A process that more than half of the
 generation's ranks cannot reach is blamed (:func:`unreachable_by_majority`, pure): declared dead and replaced, as a
 lost node. The side cut off sees the same reports, so everyone reaches the same decision; two halves that cannot
 reach each other blame nobody (no majority), and the generation fails with ``hang_all`` as before.
@@ -21,7 +22,10 @@ from typing import Any, Iterable, Mapping, Optional
 from neighbor_ckpt.inprocess.abort import Endpoint, parse_endpoints
 from neighbor_ckpt.inprocess.protocol import key
 
-__all__ = ["unreachable_by_majority", "probe", "format_report", "parse_report", "ReachProbe"]
+__all__ = ["unreachable_by_majority", "probe", "format_report", "parse_report", "ReachProbe", "PROBE_THREAD"]
+
+PROBE_THREAD = "neighbor_ckpt-inprocess-monitor.reach"
+"""The probes' thread names: under the monitor's prefix, so the hygiene check counts them among the engine's own."""
 
 _UNREACHABLE = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
 
@@ -39,7 +43,8 @@ def unreachable_by_majority(reports: Mapping[int, frozenset[int]], active: Itera
 
 def probe(endpoints: Mapping[int, Iterable[Endpoint]], timeout_s: float) -> frozenset[int]:
     """The processes none of whose ``endpoints`` this process can connect to within ``timeout_s`` for a network
-    reason (a timeout, no route). A refused connection is an answer: the peer's host is reachable. All at once."""
+    reason (a timeout, no route). A refused connection is an answer: the peer's host is reachable. Every peer at once,
+    one endpoint per address of the peer (its listeners share the host's interface)."""
     lost: set[int] = set()
     lock = threading.Lock()
 
@@ -57,7 +62,11 @@ def probe(endpoints: Mapping[int, Iterable[Endpoint]], timeout_s: float) -> froz
         with lock:
             lost.add(p)
 
-    threads = [threading.Thread(target=one, args=(p, sorted(eps)), daemon=True) for p, eps in endpoints.items() if eps]
+    def per_host(eps: Iterable[Endpoint]) -> list[Endpoint]:
+        return sorted({e.host: e for e in sorted(eps)}.values())
+
+    threads = [threading.Thread(target=one, args=(p, per_host(eps)), name=f"{PROBE_THREAD}-{p}", daemon=True)
+               for p, eps in endpoints.items() if eps]
     for t in threads:
         t.start()
     for t in threads:
@@ -85,16 +94,19 @@ class ReachProbe:
 
     def __init__(self, store: Any, process: int, timeout_s: float) -> None:
         self.store, self.process, self.timeout_s = store, process, timeout_s
-        self._done: Optional[int] = None
+        self._started: Optional[int] = None
+        self._reported: Optional[int] = None
+        self._result: dict[int, frozenset[int]] = {}
 
     def _get(self, k: str) -> Optional[bytes]:
         return self.store.get(k) if self.store.check([k]) else None
 
     def blame(self, gen: int, active: Iterable[int]) -> tuple[tuple[int, ...], bool]:
-        """Probe (once per generation) and report; then the processes a majority cannot reach (empty: nobody, or not
-        enough reports yet) and whether every active process reported."""
+        """Start this generation's probe (once; on a thread, this call does not wait for it), report its result
+        once it is there (from the caller's thread: the store connection is the caller's); then the processes a
+        majority cannot reach (empty: nobody, or not enough reports yet) and whether every active process reported."""
         procs = sorted(set(active))
-        if self._done != gen:
+        if self._started != gen:
             endpoints: dict[int, frozenset[Endpoint]] = {}
             for p in procs:
                 raw = self._get(key("gen", gen, "listen", p)) if p != self.process else None
@@ -103,9 +115,15 @@ class ReachProbe:
                         endpoints[p] = parse_endpoints(raw.decode())
                     except ValueError:
                         pass
-            lost = probe(endpoints, self.timeout_s)
-            self.store.set(key("gen", gen, "reach", self.process), format_report(lost))
-            self._done = gen
+            self._started = gen
+
+            def run() -> None:
+                self._result[gen] = probe(endpoints, self.timeout_s)
+
+            threading.Thread(target=run, name=PROBE_THREAD, daemon=True).start()
+        if self._reported != gen and gen in self._result:
+            self.store.set(key("gen", gen, "reach", self.process), format_report(self._result.pop(gen)))
+            self._reported = gen
         reports = {}
         for p in procs:
             raw = self._get(key("gen", gen, "reach", p))

@@ -220,3 +220,45 @@ def test_neighbor_ckpt_launch_runs_its_launchers_inside_the_network_it_makes(mon
     seen.clear()
     plain = plan_launch("gpt_tiny_cpu", ["neighbor_ckpt.inprocess.enabled=true"], run_dir=tmp_path / "run2")
     assert launch._run_inprocess(plain, {}) == 0 and seen[0].network is None and made == [5]  # type: ignore[attr-defined]
+
+
+class _DictStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, k: str) -> bytes:
+        return self.data[k]
+
+    def set(self, k: str, v: str | bytes) -> None:
+        self.data[k] = v.encode() if isinstance(v, str) else v
+
+
+def test_a_monitor_probes_on_a_thread_of_its_own_reports_once_and_blames_what_the_majority_reports() -> None:
+    import socket
+    import threading
+    import time
+
+    from neighbor_ckpt.inprocess.reachability import PROBE_THREAD, ReachProbe
+
+    store = _DictStore()
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        store.set("gen/0/listen/1", f"127.0.0.1:{listening.getsockname()[1]}")
+        store.set("gen/0/reach/1", "2")  # process 1 could not reach 2
+        reach = ReachProbe(store, 0, timeout_s=0.5)
+        assert reach.blame(0, [0, 1, 2]) == ((), False)  # the probe runs meanwhile
+        deadline = time.monotonic() + 10
+        while "gen/0/reach/0" not in store.data:
+            assert time.monotonic() < deadline, "the probe's report never came"
+            time.sleep(0.05)
+            reach.blame(0, [0, 1, 2])
+    assert store.data["gen/0/reach/0"] == b"-"  # process 2 published no listener: not probed, not blamed by 0
+    store.set("gen/0/reach/2", "-")
+    assert reach.blame(0, [0, 1, 2]) == ((), True)
+    store.set("gen/0/reach/0", "2")
+    assert reach.blame(0, [0, 1, 2]) == ((2,), True)
+    assert not [t for t in threading.enumerate() if t.name.startswith(PROBE_THREAD)]
