@@ -15,6 +15,7 @@ reach each other blame nobody (no majority), and the generation fails with ``han
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import threading
 from typing import Any, Iterable, Mapping, Optional
@@ -43,35 +44,40 @@ def unreachable_by_majority(reports: Mapping[int, frozenset[int]], active: Itera
 
 def probe(endpoints: Mapping[int, Iterable[Endpoint]], timeout_s: float) -> frozenset[int]:
     """The processes none of whose ``endpoints`` this process can connect to within ``timeout_s`` for a network
-    reason (a timeout, no route). A refused connection is an answer: the peer's host is reachable. Every peer at once,
-    one endpoint per address of the peer (its listeners share the host's interface)."""
-    lost: set[int] = set()
+    reason (a timeout, no route). A refused connection is an answer: the peer's host is reachable. Every endpoint at
+    once, so the whole probe takes ``timeout_s`` at most."""
+    answered: set[int] = set()
     lock = threading.Lock()
 
-    def one(p: int, eps: list[Endpoint]) -> None:
-        for ep in eps:
-            try:
-                with socket.create_connection((ep.host, ep.port), timeout=timeout_s):
-                    return
-            except socket.timeout:
-                continue
-            except OSError as e:
-                if e.errno in _UNREACHABLE:
-                    continue
-                return  # refused, reset: the host answered
-        with lock:
-            lost.add(p)
+    def one(p: int, ep: Endpoint) -> None:
+        try:
+            with socket.create_connection((ep.host, ep.port), timeout=timeout_s):
+                pass
+        except socket.timeout:
+            return
+        except OSError as e:
+            if e.errno in _UNREACHABLE:
+                return
+        with lock:  # connected, refused, reset: the host answered
+            answered.add(p)
 
-    def per_host(eps: Iterable[Endpoint]) -> list[Endpoint]:
-        return sorted({e.host: e for e in sorted(eps)}.values())
-
-    threads = [threading.Thread(target=one, args=(p, per_host(eps)), name=f"{PROBE_THREAD}-{p}", daemon=True)
-               for p, eps in endpoints.items() if eps]
+    targets = {p: sorted(set(eps)) for p, eps in endpoints.items()}
+    threads = [threading.Thread(target=one, args=(p, ep), name=f"{PROBE_THREAD}-{p}", daemon=True)
+               for p, eps in targets.items() for ep in eps]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout_s * 4 + 1)
-    return frozenset(lost)
+    return frozenset(p for p, eps in targets.items() if eps and p not in answered)
+
+
+def _remote(host: str) -> bool:
+    """Whether ``host`` names another host than this one's loopback (an unparsable name counts as remote)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    return not (ip.is_loopback or ip.is_unspecified)
 
 
 def format_report(lost: Iterable[int]) -> str:
@@ -111,8 +117,8 @@ class ReachProbe:
             for p in procs:
                 raw = self._get(key("gen", gen, "listen", p)) if p != self.process else None
                 if raw:
-                    try:
-                        endpoints[p] = parse_endpoints(raw.decode())
+                    try:  # a loopback listener is reached from here on this host, not the peer's: not probed
+                        endpoints[p] = frozenset(e for e in parse_endpoints(raw.decode()) if _remote(e.host))
                     except ValueError:
                         pass
             self._started = gen

@@ -257,6 +257,13 @@ def test_a_monitor_probes_on_a_thread_of_its_own_reports_once_and_blames_what_th
             time.sleep(0.05)
             reach.blame(0, [0, 1, 2])
     assert store.data["gen/0/reach/0"] == b"-"  # process 2 published no listener: not probed, not blamed by 0
+    loop = _DictStore()
+    loop.set("gen/0/listen/1", "127.0.0.1:9,0.0.0.0:9")  # a loopback address names this host, not process 1's
+    other = ReachProbe(loop, 0, timeout_s=0.5)
+    while "gen/0/reach/0" not in loop.data:
+        other.blame(0, [0, 1])
+        time.sleep(0.05)
+    assert loop.data["gen/0/reach/0"] == b"-"
     store.set("gen/0/reach/2", "-")
     assert reach.blame(0, [0, 1, 2]) == ((), True)
     store.set("gen/0/reach/0", "2")
