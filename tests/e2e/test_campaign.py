@@ -8,7 +8,13 @@ broke CI), ``kill-optimizer`` and ``kill-replaced-store`` (test_mcore_recovery.p
 with a replaced store, quick tier), ``kill-bitflip`` (test_lightning_recovery.py's flipped byte),
 ``lose-adjacent-pair`` (test_lightning_recovery.py's rank and successor losing their stores, test_nemo_recovery.py's
 fallback to NeMo's disk checkpoint), ``inproc-kill`` (test_inprocess_recovery.py's kill with a hot spare, quick
-tier), ``inproc-node-lost``, ``inproc-node-lost-elastic`` and ``inproc-node-hung`` (test_inprocess_nodes.py's node
+tier), ``hang`` (test_mcore_recovery.py's SIGSTOPped rank found by the heartbeat), ``data-misplaced``
+(test_data_check.py's loaders that read other data after the restart), ``inproc-shrink`` (test_elastic.py's plain
+loop and NeMo recipe losing a rank for good in process), ``inproc-stuck``, ``inproc-spare-lost`` and
+``inproc-grow-back`` (test_inprocess_recovery.py's training thread blocked in a C call, idle spare killed, and
+replacement taking the second lost rank), ``inproc-store-node`` and ``inproc-store-stop``
+(test_store_failover.py's store node lost and store host stopped), ``inproc-node-lost``, ``inproc-node-lost-elastic``
+and ``inproc-node-hung`` (test_inprocess_nodes.py's node
 killed whole with a spare node, without under elastic, and hung whole: a hung node's processes must start cold, so
 that they go with their launcher when the launch ends it), ``node-lost-for-good`` (test_torchrun_nodes.py's node lost for good on
 the restart path under elastic). The full randomized campaign (docs/campaign.md) runs every kind with
@@ -30,13 +36,13 @@ pytest.importorskip("megatron.core")
 
 SEED = 149
 """One case per kind, TP 1 throughout (TP 2 layouts are in test_mcore_recovery.py), two failure-free configurations
-(distributed and replicated optimizer): the hang strikes a distributed-optimizer rank in its backward pass, a
-replicated-optimizer rank restarts with its newest snapshot truncated (its weights come from a survivor's lazy
+(distributed and replicated optimizer): a replicated-optimizer rank restarts with its newest snapshot truncated (its weights come from a survivor's lazy
 backup), and the lost DP group is the whole job (no snapshot anywhere: the insurance checkpoint)."""
 KINDS = tuple(k for k in cases.KINDS if k != "inproc-hang")
 COVERED_ELSEWHERE = ("kill-forward", "kill-backward", "kill-optimizer", "kill-replaced-store", "kill-bitflip",
-                     "lose-adjacent-pair", "inproc-kill", "inproc-node-lost", "inproc-node-lost-elastic",
-                     "inproc-node-hung", "node-lost-for-good")
+                     "lose-adjacent-pair", "hang", "data-misplaced", "inproc-kill", "inproc-shrink", "inproc-stuck",
+                     "inproc-store-node", "inproc-store-stop", "inproc-spare-lost", "inproc-grow-back",
+                     "inproc-node-lost", "inproc-node-lost-elastic", "inproc-node-hung", "node-lost-for-good")
 """Kinds whose drawn case CI does not run: a dedicated end-to-end test covers each (module docstring)."""
 RUN = tuple(i + 1 for i, k in enumerate(KINDS) if k not in COVERED_ELSEWHERE)
 
@@ -50,7 +56,7 @@ def _log(root: Path, c: dict) -> str:
     return (d / "launch.log" if (d / "launch.log").exists() else d / "torchrun.log").read_text()
 
 
-@pytest.mark.timeout(3600)  # 19 faulted jobs + 3 failure-free ones + 1 resumed one, about 60 s each on 2 quiet cores
+@pytest.mark.timeout(3600)  # 9 faulted jobs + the failure-free ones + 1 resumed one, about 60 s each on 2 quiet cores
 def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announced(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     kinds = KINDS
@@ -69,8 +75,6 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
         assert o["result"] in case.acceptable, o
     by_kind = {o["case"]["kind"]: o for o in outcomes}
 
-    hang = by_kind["hang"]
-    assert hang["detection_s"] is not None and hang["detection_s"] <= 3.0 + 0.5 + 2.0, hang
     for kind in ("kill-truncate", "kill-bad-header"):
         c = by_kind[kind]["case"]
         log = _log(tmp_path, c)
@@ -90,8 +94,6 @@ def test_every_fault_kind_resumes_exactly_or_falls_back_to_insurance_as_announce
     assert len((_case_dir(tmp_path, two) / "faults.jsonl").read_text().splitlines()) == 2
     recovered = by_kind["inproc-two-faults"]["recoveries"]
     assert len(recovered) == 2 and all(r["mttr_s"] is not None for r in recovered), "each recovery is timed"
-    assert "continuing on" in _log(tmp_path, by_kind["inproc-shrink"]["case"])
-    assert "DataPositionError" in _log(tmp_path, by_kind["data-misplaced"]["case"])
     # The startup window (the CI flake of an earlier version): the victim dies with its first snapshot half copied,
     # before any replica exists; no complete version anywhere and no insurance yet. The job starts over, announced,
     # and trains exactly what the failure-free run did.
