@@ -26,6 +26,8 @@ is empty: it pulls the lost rank's unique state from the ring successor).
 * :mod:`~neighbor_ckpt.inprocess.store_host` — a store in a process of its own (every launcher runs one);
 * :mod:`~neighbor_ckpt.inprocess.stores` — the primary and its standbys, bounded operations, the failover and fencing;
 * :mod:`~neighbor_ckpt.inprocess.store_auth` — the per-job token: a gate before each store, a tunnel in each client;
+* :mod:`~neighbor_ckpt.inprocess.loopback` — the loopback sockets admit the job only (a sealed store, tunnels for
+  their own process);
 * :mod:`~neighbor_ckpt.inprocess.protocol` — the keys, environment and exit statuses they share.
 
 May import: the checkpointer and everything below it, :mod:`megatron_patches`; never the framework glue

@@ -5,15 +5,19 @@ torch's TCPStore server serves whoever connects, and its client cannot present a
 its TCPStore on the loopback interface (``127.0.0.1``, an ephemeral port) and puts a :class:`Gate` on the job's
 address (the port of the launch's store list): a client proves that it holds the job's token, then the gate splices
 its connection to the store. A process reaches a gate through a :class:`Tunnel` of its own (a loopback listener per
-store address, :func:`tunnel_address`): it does the handshake for torch's client, then splices too. A client without
+store address, :func:`tunnel_address`): it does the handshake for torch's client, then splices too. The loopback
+sockets are the job's too: the store behind a gate is sealed with a key only its gate signs with, and a tunnel admits
+connections from its own process only (:mod:`~neighbor_ckpt.inprocess.loopback`, which says how). A client without
 the token, or with another job's, is refused and the gate logs who it was (one line per address per minute, with the
 count it stands for: :class:`RefusalLog`); at most :data:`MAX_HANDSHAKES` handshakes run at once, a connection
 beyond them is closed unanswered, so a flood of connections holds neither threads nor log lines; nothing read from a
 store is unpickled (the stores hold text and raw bytes only).
 
-**The handshake** (:func:`prove`, :func:`challenge`): the gate sends :data:`MAGIC` and 16 fresh random bytes, the
-client answers with their HMAC-SHA256 under the token, the gate answers one byte ``1``. The token never crosses the
-network, and an answer is good for one connection only.
+**The handshake** (:func:`prove`, :func:`challenge`), mutual: the gate sends :data:`MAGIC` and 16 fresh random
+bytes; the client answers with their HMAC-SHA256 under the token and 16 fresh bytes of its own; the gate answers with
+the HMAC of both under the token (another label: neither answer can be replayed as the other). So the gate knows the
+client holds the token, and the client knows it reached a gate of its job, not whatever took the address of a store
+that went away. The token never crosses the network, and an answer is good for one connection only.
 
 **The token** (:func:`new_token_file`, :func:`read_token`): 32 random bytes, as hex, in a file of the run directory
 (``store.token``, mode 0600, made once per launch before the launchers start); the launchers get its *path*
@@ -21,9 +25,8 @@ network, and an answer is good for one connection only.
 token itself on a command line or in an environment, where ``ps`` and ``/proc`` show them to other users. A file
 that others can read, or that is not the user's, is refused.
 
-**What it does not cover.** The loopback ports (the store behind its gate, each process's tunnel) are open to other
-users *of the same node*, as every loopback service is; the gloo and NCCL connections between ranks are not
-authenticated (torch's own). The gate keeps other nodes and other jobs out of the stores.
+**What it does not cover.** The gloo and NCCL connections between ranks are not authenticated (torch's own). The
+gate keeps other nodes, other jobs and other users out of the stores.
 """
 
 from __future__ import annotations
@@ -43,15 +46,17 @@ from pathlib import Path
 from typing import Optional
 
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.inprocess import loopback
 
 __all__ = ["MAGIC", "TOKEN_FILE", "TUNNEL_THREAD", "MAX_HANDSHAKES", "REFUSAL_LOG_EVERY_S", "RefusalLog", "Gate",
-           "Tunnel", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
+           "Tunnel", "Door", "DOOR_HOST", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
            "challenge", "Refused"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"NCKPT-STORE-1\n"
-"""What a gate says first (a client that reaches something else stops at once)."""
+MAGIC = b"NCKPT-STORE-2\n"
+"""What a gate says first (a client that reaches something else stops at once; ``-1``: the one-way handshake of
+earlier releases)."""
 NONCE_BYTES = 16
 TOKEN_FILE = "store.token"
 """The token file's name in the run directory."""
@@ -67,12 +72,12 @@ REFUSAL_LOG_EVERY_S = 60.0
 in the next line (and at :meth:`Gate.close`)."""
 TUNNEL_THREAD = "neighbor_ckpt-store-tunnel"
 """The name (prefix) of a tunnel's threads (they live as long as the process)."""
-_OK = b"\x01"
+_CLIENT, _GATE = b"client\n", b"gate\n"
 _CHUNK = 1 << 16
 
 
 class Refused(ConnectionError):
-    """The gate refused this client (wrong or missing token), or what answered is not a gate."""
+    """The gate refused this client (wrong or missing token), or what answered is not a gate of this job."""
 
 
 # -- the token -------------------------------------------------------------------------------------------------------
@@ -130,33 +135,39 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-def _answer(token: bytes, nonce: bytes) -> bytes:
-    return hmac.new(token, MAGIC + nonce, hashlib.sha256).digest()
+_DIGEST = hashlib.sha256().digest_size
+
+
+def _answer(token: bytes, label: bytes, *nonces: bytes) -> bytes:
+    return hmac.new(token, label + MAGIC + b"".join(nonces), hashlib.sha256).digest()
 
 
 def challenge(sock: socket.socket, token: bytes) -> bool:
-    """The gate's side: True when the client proved the token (it is then told so)."""
+    """The gate's side: True when the client proved the token (it is then given the gate's proof)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(MAGIC + nonce)
-    got = _recv_exact(sock, hashlib.sha256().digest_size)
-    if not hmac.compare_digest(got, _answer(token, nonce)):
+    got = _recv_exact(sock, _DIGEST + NONCE_BYTES)
+    if not hmac.compare_digest(got[:_DIGEST], _answer(token, _CLIENT, nonce)):
         return False
-    sock.sendall(_OK)
+    sock.sendall(_answer(token, _GATE, nonce, got[_DIGEST:]))
     return True
 
 
 def prove(sock: socket.socket, token: bytes) -> None:
-    """The client's side; :class:`Refused` when the gate refuses (it closes the connection) or is not a gate."""
+    """The client's side; :class:`Refused` when the gate refuses (it closes the connection), is not a gate, or
+    cannot prove that it holds the token too."""
     hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
     if not hello.startswith(MAGIC):
-        raise Refused("what answered is not a neighbor_ckpt store gate")
-    sock.sendall(_answer(token, hello[len(MAGIC):]))
+        raise Refused("what answered is not a neighbor_ckpt store gate (or one of another release)")
+    nonce, mine = hello[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(_answer(token, _CLIENT, nonce) + mine)
     try:
-        ok = _recv_exact(sock, 1) == _OK
+        proof = _recv_exact(sock, _DIGEST)
     except ConnectionError:
-        ok = False  # the gate closes the connection on a wrong answer
-    if not ok:
-        raise Refused("the store gate refused this process's token (another job's, or an old token file)")
+        raise Refused("the store gate refused this process's token (another job's, or an old token file)") from None
+    if not hmac.compare_digest(proof, _answer(token, _GATE, nonce, mine)):
+        raise Refused("what answered as a store gate does not hold this job's token (another job's gate, or "
+                      "whatever took the address of a store that went away)")
 
 
 # -- splicing --------------------------------------------------------------------------------------------------------
@@ -201,8 +212,9 @@ def _listener(host: str, port: int) -> socket.socket:
 
 
 def _serve(sock: socket.socket, handle, name: str, *, slots: Optional[threading.Semaphore] = None,  # noqa: ANN001
-           full=None) -> threading.Thread:  # noqa: ANN001 - callables per connection
-    """Accept on ``sock`` and run ``handle(conn, peer)`` on a thread per connection; with ``slots``, only while one
+           full=None, admit=None) -> threading.Thread:  # noqa: ANN001 - callables per connection
+    """Accept on ``sock`` and run ``handle(conn, peer)`` on a thread per connection; with ``admit``, only for a
+    connection it admits (``admit(conn, peer)``, on this thread: it closes the others); with ``slots``, only while one
     is free (``handle`` releases it): a connection that finds none goes to ``full(conn, peer)`` on this thread."""
     def run() -> None:
         while True:
@@ -210,6 +222,8 @@ def _serve(sock: socket.socket, handle, name: str, *, slots: Optional[threading.
                 conn, peer = sock.accept()
             except OSError:
                 return  # closed
+            if admit is not None and not admit(conn, peer):
+                continue
             if slots is not None and not slots.acquire(blocking=False):
                 full(conn, peer)
                 continue
@@ -221,8 +235,29 @@ def _serve(sock: socket.socket, handle, name: str, *, slots: Optional[threading.
     return t
 
 
-def _connect(address: tuple[str, int], timeout_s: float) -> socket.socket:
-    sock = socket.create_connection(address, timeout=timeout_s)
+def _close_listener(sock: socket.socket) -> None:
+    """Stop listening now: a thread blocked in ``accept`` keeps a merely closed socket listening (Linux), so shut it
+    down first (the ``accept`` then fails and its thread ends)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _connect(address: tuple[str, int], timeout_s: float, key: Optional[bytes] = None) -> socket.socket:
+    """A connection to ``address``; signed with ``key`` (:func:`~neighbor_ckpt.inprocess.loopback.sign`) if given."""
+    if key is None:
+        sock = socket.create_connection(address, timeout=timeout_s)
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            loopback.sign(sock, key)
+            sock.settimeout(timeout_s)
+            sock.connect(address)
+        except OSError:
+            sock.close()
+            raise
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
@@ -259,12 +294,13 @@ class RefusalLog:
 
 class Gate:
     """Admits clients that prove ``token`` on ``listen`` (a bound, listening socket on the job's address) and splices
-    each to the store at ``backend`` (loopback). :meth:`refused` counts the clients turned away. At most
+    each to the store at ``backend`` (loopback; its connections signed with ``backend_key`` when the store is sealed
+    with it, :func:`~neighbor_ckpt.inprocess.loopback.seal`). :meth:`refused` counts the clients turned away. At most
     :data:`MAX_HANDSHAKES` handshakes run at once; refusals are logged through a :class:`RefusalLog`."""
 
     def __init__(self, listen: socket.socket, backend: tuple[str, int], token: bytes, *,
-                 max_handshakes: int = MAX_HANDSHAKES) -> None:
-        self.backend, self._token = backend, token
+                 max_handshakes: int = MAX_HANDSHAKES, backend_key: Optional[bytes] = None) -> None:
+        self.backend, self._token, self._backend_key = backend, token, backend_key
         self._sock = listen
         self._refused = 0
         self._lock = threading.Lock()
@@ -306,7 +342,7 @@ class Gate:
             self._refuse(conn, peer, why)
             return
         try:
-            store = _connect(self.backend, HANDSHAKE_TIMEOUT_S)
+            store = _connect(self.backend, HANDSHAKE_TIMEOUT_S, self._backend_key)
         except OSError as e:
             logger.error("store gate: the store behind the gate (%s:%d) does not answer: %s", *self.backend, e)
             conn.close()
@@ -316,7 +352,7 @@ class Gate:
         _splice(conn, store, "neighbor_ckpt-store-gate")
 
     def close(self) -> None:
-        self._sock.close()
+        self._sock.close()  # only this descriptor: the launcher may hold the port's socket for a next store host
         with self._lock:
             held = self._log.held()
         for host, n in sorted(held.items()):
@@ -326,15 +362,36 @@ class Gate:
 # -- the tunnel (in each client process) ----------------------------------------------------------------------------
 
 class Tunnel:
-    """A loopback listener of this process for torch's store client: each connection it accepts is carried to the
-    gate at ``remote`` once the handshake passed; when the gate does not answer, refuses or goes away, the local
-    connection is closed (torch's client then fails, as it would on a lost store)."""
+    """A loopback listener of this process for torch's store client: each connection it accepts from this very
+    process (:func:`~neighbor_ckpt.inprocess.loopback.foreign_peer`; any other is closed unanswered, counted in
+    :meth:`refused` and logged through a :class:`RefusalLog`) is carried to the gate at ``remote`` once the handshake
+    passed; when the gate does not answer, refuses or goes away, the local connection is closed (torch's client then
+    fails, as it would on a lost store)."""
 
     def __init__(self, remote: tuple[str, int], token: bytes) -> None:
         self.remote, self._token = remote, token
         self._sock = _listener("127.0.0.1", 0)
         self.address: tuple[str, int] = ("127.0.0.1", self._sock.getsockname()[1])
-        self._thread = _serve(self._sock, self._carry, f"{TUNNEL_THREAD}-{remote[1]}")
+        self._refused = 0
+        self._log = RefusalLog()
+        self._thread = _serve(self._sock, self._carry, f"{TUNNEL_THREAD}-{remote[1]}", admit=self._admit)
+
+    def refused(self) -> int:
+        return self._refused  # written by the accepting thread only
+
+    def _admit(self, conn: socket.socket, peer: tuple) -> bool:
+        """The accepting thread: admit ``conn`` only from this process (a look-up per connection, not per operation)."""
+        why = loopback.foreign_peer(conn)
+        if why is None:
+            return True
+        conn.close()
+        self._refused += 1
+        count = self._log.refused(why, time.monotonic())
+        if count is not None:
+            more = f" ({count} refusals of this kind since the last line)" if count > 1 else ""
+            logger.warning("store tunnel %s:%d: refused a connection from %s:%s: %s%s; at most one line per kind per "
+                           "%.0f s", *self.address, peer[0], peer[1], why, more, self._log.every_s)
+        return False
 
     def _carry(self, conn: socket.socket, peer: tuple) -> None:
         try:
@@ -357,7 +414,47 @@ class Tunnel:
         _splice(conn, remote, f"{TUNNEL_THREAD}-{self.remote[1]}")
 
     def close(self) -> None:
-        self._sock.close()
+        _close_listener(self._sock)
+
+
+DOOR_HOST = "127.0.0.2"
+"""Where a store host's :class:`Door` listens (at its store's port: loopback, another address)."""
+
+
+class Door:
+    """The store host's own way into its sealed store while torch starts it: torch's server makes a client of its own
+    and connects it to the host it is given at the store's port, and that client cannot sign. So the store host
+    gives torch :data:`DOOR_HOST` and listens there, at the store's port, for the connections of this very process
+    only (:func:`~neighbor_ckpt.inprocess.loopback.foreign_peer`), each carried to the sealed store at ``store``,
+    signed with ``key``. Closed once torch's server has started: the store is sealed from before its first connection
+    on, with no moment open to anyone. ``OSError`` when :data:`DOOR_HOST` or that port cannot be bound."""
+
+    def __init__(self, store: tuple[str, int], key: bytes) -> None:
+        self.store, self._key = store, key
+        self._sock = _listener(DOOR_HOST, store[1])
+        self.host = DOOR_HOST
+        self._thread = _serve(self._sock, self._carry, "neighbor_ckpt-store-door", admit=self._admit)
+
+    def _admit(self, conn: socket.socket, peer: tuple) -> bool:
+        why = loopback.foreign_peer(conn)
+        if why is not None:
+            conn.close()
+            logger.warning("store door %s:%d: refused a connection from %s:%s: %s", DOOR_HOST, self.store[1],
+                           peer[0], peer[1], why)
+        return why is None
+
+    def _carry(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            store = _connect(self.store, HANDSHAKE_TIMEOUT_S, self._key)
+        except OSError as e:
+            logger.error("store door: the store (%s:%d) does not answer: %s", *self.store, e)
+            conn.close()
+            return
+        store.settimeout(None)
+        _splice(conn, store, "neighbor_ckpt-store-door")
+
+    def close(self) -> None:
+        _close_listener(self._sock)
 
 
 def tunnel_ports() -> set[int]:

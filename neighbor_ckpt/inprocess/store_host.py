@@ -13,13 +13,17 @@ with ``--parent`` is gone (its launcher: losing the node loses its store host to
 ``--listen-fd FD``: serve on this inherited listening socket instead of binding ``--host:--port``: a single-machine
 launch binds every store's port before anything starts and hands each socket down (launcher, then store host), so no
 other process can take the port between its choice and its use (:func:`neighbor_ckpt.cli.launch.run_inprocess`).
-With ``--token-file`` (every launch's launchers pass it) the store itself listens on the loopback interface only and
-a :class:`~neighbor_ckpt.inprocess.store_auth.Gate` on ``--host:--port`` admits the clients that hold the job's token.
+With ``--token-file`` (every launch's launchers pass it) the store itself listens on the loopback interface only,
+sealed before torch serves it with a key of this process's that only the gate signs with (torch's own client comes
+in through a :class:`~neighbor_ckpt.inprocess.store_auth.Door`; no other user of the node reaches the store:
+:mod:`~neighbor_ckpt.inprocess.loopback`), and a :class:`~neighbor_ckpt.inprocess.store_auth.Gate` on
+``--host:--port`` admits the clients that hold the job's token.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -28,6 +32,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 
 def _alive(pid: int) -> bool:
@@ -62,6 +67,38 @@ def failed_path(ready: Path) -> Path:
     return ready.with_name(ready.name + ".failed")
 
 
+def _sealed_listener(host: str) -> tuple[socket.socket, bytes | None, Any]:
+    """The store's listening socket on ``host`` (loopback, a free port), sealed with a new key before torch serves
+    it, with the :class:`~neighbor_ckpt.inprocess.store_auth.Door` that lets torch's own client in (to close once
+    torch's server has started): (socket, key, door). Without TCP-MD5 in this kernel, or without the door's address:
+    (socket, None, None), said in one warning: the store is then open to the node's users, as before."""
+    from neighbor_ckpt.inprocess import loopback, store_auth
+
+    key = loopback.new_key()
+    why = "no port for its door"
+    for _ in range(8):  # a port free on host but taken on the door's address: another port
+        sock = listen_socket(host, 0)
+        try:
+            door = store_auth.Door(sock.getsockname()[:2], key)
+        except OSError as e:
+            sock.close()
+            why = f"{store_auth.DOOR_HOST} at its port: {e.strerror or e}"
+            if e.errno == errno.EADDRINUSE:
+                continue
+            break
+        try:
+            loopback.seal(sock, key)
+        except loopback.Unsealable as e:
+            door.close()
+            why = str(e)
+            break
+        return sock, key, door
+    sock = listen_socket(host, 0)
+    logging.getLogger(__name__).warning("the store behind the gate (%s:%d) is open to every user of this node: %s",
+                                        *sock.getsockname()[:2], why)
+    return sock, None, None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="0.0.0.0")
@@ -94,18 +131,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.ready is not None:
                 failed_path(args.ready).write_text(why + "\n")
             return 1
-    sock = public if token is None else listen_socket("127.0.0.1", 0)
+    sock, key, door = (public, None, None) if token is None else _sealed_listener("127.0.0.1")
     host, port = sock.getsockname()[:2]
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
-                          timeout=timedelta(seconds=30), master_listen_fd=sock.fileno())
+    store = dist.TCPStore(host if door is None else door.host, port, is_master=True, wait_for_workers=False,
+                          use_libuv=True, timeout=timedelta(seconds=30), master_listen_fd=sock.fileno())
     sock.detach()  # the server owns the descriptor now (and closes it)
-    gate = None if token is None else store_auth.Gate(public, (host, port), token)
+    if door is not None:
+        door.close()  # torch's own client is in: nobody else comes in unsigned
+    gate = None if token is None else store_auth.Gate(public, (host, port), token, backend_key=key)
     if args.ready is not None:
         tmp = args.ready.with_name(args.ready.name + ".tmp")
         tmp.write_text(f"{os.getpid()} {args.port}\n")
         os.replace(tmp, args.ready)
     print(f"neighbor_ckpt store host: listening on {args.host}:{args.port} (pid {os.getpid()})"
-          + ("" if gate is None else f", a gate before the store on {host}:{port}"), flush=True)
+          + ("" if gate is None else f", a gate before the store on {host}:{port}"
+                                     + (" (sealed)" if key is not None else " (open to this node's users)")),
+          flush=True)
     stop = False
 
     def _stop(signum: int, frame: object) -> None:

@@ -239,3 +239,62 @@ def test_a_launcher_never_signals_a_recorded_pid_of_another_user(other_user: pwd
         for p in (theirs, mine):
             p.kill()
             p.wait()
+
+
+def test_another_user_reaches_neither_a_store_nor_a_tunnel_nor_through_a_gate(other_user: pwd.struct_passwd,
+                                                                             tmp_path: Path) -> None:
+    """A real store host (its gate, the sealed store behind it) and a tunnel of this process: the other user's
+    attempts to read a key and to write ``complete``, ``dead`` and ``proc/<i>`` (tests/e2e/store_probe.py, torch's
+    store protocol) are all refused, and nothing of theirs reaches the store. The same against a whole running launch:
+    tests/e2e/test_shared_node_sockets.py."""
+    import re
+    import socket
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from neighbor_ckpt.inprocess.store_auth import read_token, tunnel_address
+
+    os.chmod(tmp_path, 0o755)
+    token_file = new_token_file(tmp_path / "run" / "store.token")
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host", "127.0.0.1",
+                             "--port", str(port), "--token-file", str(token_file), "--parent", str(os.getpid())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = host.stdout.readline()
+            assert line, "the store host did not start"
+        assert line.rstrip().endswith("(sealed)"), line
+        gate_port, store_port = (int(p) for p in re.search(r"listening on 127\.0\.0\.1:(\d+) .* on 127\.0\.0\.1:(\d+)",
+                                                           line).groups())
+        tunnel = tunnel_address(("127.0.0.1", gate_port), read_token(token_file))
+        job = dist.PrefixStore("job", dist.TCPStore(*tunnel, is_master=False, wait_for_workers=False, use_libuv=True,
+                                                    timeout=timedelta(seconds=30)))
+        job.set("secret", "the-job-secret")
+        probe_src = (Path(__file__).parents[1] / "e2e" / "store_probe.py").read_text()
+        spec = {"prefix": "/job/", "secret_key": "secret", "timeout_s": 3.0, "unix": [],
+                "tcp": [["127.0.0.1", gate_port], ["127.0.0.1", store_port], list(tunnel)],
+                "records": {"1": {"pid": os.getpid(), "node": "node1", "start": 1.0}}}
+        probe = subprocess.run(["runuser", "-u", OTHER, "--", "/usr/bin/python3", "-c", probe_src],
+                               input=json.dumps(spec), capture_output=True, text=True, timeout=300)
+        assert probe.returncode == 0, probe.stderr
+        attempts = {(tuple(a["target"]), a["attempt"]): a for a in map(json.loads, probe.stdout.splitlines())}
+        assert len(attempts) == 3 * 3
+        for (target, what), a in attempts.items():
+            got = bytes.fromhex(a["received"])
+            if target[1] == store_port:
+                assert not a["connected"], (what, a)  # sealed: the connection never completes
+            elif target[1] == gate_port:
+                assert got.startswith(b"NCKPT-STORE-2\n") and len(got) == 30, (what, a)  # asked, then closed
+            else:
+                assert a["connected"] and got == b"", (what, a)  # a tunnel: closed unanswered
+        for key in ("complete", "dead", "proc/1"):
+            assert not job.check([key]), key
+        assert job.get("secret") == b"the-job-secret"
+    finally:
+        host.terminate()
+        host.wait(timeout=60)

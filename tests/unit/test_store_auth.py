@@ -89,12 +89,38 @@ def test_what_is_not_a_gate_is_refused_by_the_client_and_the_token_never_crosses
     t = threading.Thread(target=gate_side)
     t.start()
     hello = client.recv(len(MAGIC) + 16)
-    client.sendall(b"\0" * 32)  # a wrong answer: no reply, closed
+    client.sendall(b"\0" * 48)  # a wrong answer (and a nonce): no reply, closed
     while chunk := client.recv(64):
         seen += chunk
     t.join()
     client.close()
     assert hello.startswith(MAGIC) and token not in hello and not seen
+
+
+@pytest.mark.parametrize("impostor", ["accepts anything", "another job's token"])
+def test_a_client_refuses_a_gate_that_cannot_prove_the_token(impostor: str) -> None:
+    """Mutual: whatever took a store's address (a gate of another job, or a listener that answers as the gate of an
+    earlier release did) is refused by the client before any store operation goes through it."""
+    gate, client = socket.socketpair()
+    for s in (gate, client):
+        s.settimeout(5)
+    token = os.urandom(32)
+
+    def fake_gate() -> None:
+        if impostor == "accepts anything":
+            gate.sendall(MAGIC + os.urandom(16))
+            gate.recv(48)
+            gate.sendall(b"\x01" + bytes(31))
+        else:
+            challenge(gate, os.urandom(32))  # a real gate, with another token: it refuses and closes
+        gate.close()
+
+    t = threading.Thread(target=fake_gate)
+    t.start()
+    with pytest.raises(Refused):
+        prove(client, token)
+    t.join()
+    client.close()
 
 
 def test_the_refusal_log_writes_one_line_per_address_per_period_with_the_count_it_stands_for() -> None:
@@ -136,7 +162,7 @@ def test_a_flood_of_unauthenticated_connections_is_refused_in_a_bounded_log_and_
     flood = []
     for _ in range(1000):
         s = socket.create_connection(address)
-        s.sendall(b"\0" * 32)  # a wrong answer (or none: a full gate closes it first)
+        s.sendall(b"\0" * 48)  # a wrong answer (or none: a full gate closes it first)
         flood.append(s)
     for s in flood:
         s.close()

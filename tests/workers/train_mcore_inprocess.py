@@ -190,6 +190,17 @@ def inject_fault(rank: int, att: Attempt) -> None:
     raise RuntimeError(f"injected fault on rank {rank} at step {KILL_STEP}")
 
 
+def hold_until_released(rank: int) -> None:
+    """Every active rank waits here (``HOLD_AT_STEP``, first generation of the first launch) until the file
+    ``HOLD_FILE`` exists, having written ``held.rank<r>.json`` (its pid): a test does something to the running launch
+    meanwhile (its heartbeats go on; set ``HANG_TIMEOUT`` above the wait). Bounded: 600 s."""
+    write_json(f"held.rank{rank}.json", {"rank": rank, "pid": os.getpid(), "unix": time.time()})
+    log.info("rank %d holds before step %s until %s exists", rank, os.environ["HOLD_AT_STEP"], os.environ["HOLD_FILE"])
+    deadline = time.monotonic() + 600
+    while not Path(os.environ["HOLD_FILE"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def stop_store_host(rank: int) -> None:
     """SIGSTOP the store host this process's launcher runs (the primary), SIGCONT it ``STOP_STORE_FOR`` seconds
     later (default 15): the job fails over to the next store meanwhile, and the resumed host must stay unused."""
@@ -243,8 +254,11 @@ def train(att: Attempt) -> dict[str, Any]:
                   and os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED") == "0")
     second = (os.environ.get("KILL2_STEP") is not None and att.iteration == 1 and LAUNCH_ATTEMPT == 0
               and rank == int(os.environ.get("KILL2_RANK", "-1")))
+    hold = os.environ.get("HOLD_AT_STEP") is not None and att.iteration == 0 and LAUNCH_ATTEMPT == 0
 
     def maybe_fault() -> None:
+        if hold and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == int(os.environ["HOLD_AT_STEP"]):
+            hold_until_released(rank)
         if armed and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == KILL_STEP:
             inject_fault(rank, att)
         if stop_store and ckpt.last_iteration is not None and ckpt.last_iteration + 1 == int(os.environ["STOP_STORE_AT_STEP"]):

@@ -1,0 +1,98 @@
+"""What another local user tries against every socket of a running launch (``python3 store_probe.py`` as that user,
+the standard library only: it is run with the system's Python, outside the job's environment).
+
+Reads a JSON object on stdin: ``{"prefix": ..., "secret_key": ..., "tcp": [[host, port], ...], "unix": [path, ...],
+"records": {"<process index>": {"pid", "node", "start"}, ...}, "timeout_s": float}``, and for each socket makes one
+connection per attempt, speaking torch's TCPStore protocol as torch's own client does (``VALIDATE``, then the
+operation): *read* the secret key (``GET``), *write* ``complete`` (``SET``), and per record *write* ``dead`` naming the
+process and ``proc/<i>`` naming the record's pid (``SET`` twice), each followed by a ``CHECK`` of what it wrote (a
+store answers one byte). Prints one JSON line per attempt: the socket, the attempt, whether the connection completed,
+and every byte that came back (hex): a store that served the attempt answers; a refused one closes, resets, never
+completes the connection, or (a gate) asks for the token first.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import sys
+
+VALIDATE, SET, GET, CHECK = 0, 1, 3, 5
+MAGIC = 0x3C85F7CE
+
+
+def _str(b: bytes) -> bytes:
+    return struct.pack("=Q", len(b)) + b
+
+
+def _attempt(target: object, payload: bytes, timeout_s: float) -> dict:
+    out = {"target": target, "connected": False, "received": ""}
+    try:
+        if isinstance(target, str):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: object = target if not target.startswith("@") else "\0" + target[1:]
+        else:
+            host, port = target
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            address = (host, port)
+        s.settimeout(timeout_s)
+        s.connect(address)
+        out["connected"] = True
+        s.sendall(bytes([VALIDATE]) + struct.pack("=I", MAGIC) + payload)
+        got = b""
+        while len(got) < 4096:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    except OSError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        got = locals().get("got", b"")
+    finally:
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001
+            pass
+    out["received"] = got.hex()
+    return out
+
+
+def _set_then_check(key: bytes, value: bytes) -> bytes:
+    return bytes([SET]) + _str(key) + _str(value) + bytes([CHECK]) + struct.pack("=Q", 1) + _str(key)
+
+
+def main() -> int:
+    spec = json.load(sys.stdin)
+    prefix = spec["prefix"].encode()
+    attempts = [("read", bytes([GET]) + _str(prefix + spec["secret_key"].encode())),
+                ("complete", _set_then_check(prefix + b"complete", b"1"))]
+    for index, record in sorted(spec["records"].items()):
+        attempts.append((f"dead {index} (pid {record['pid']})",
+                         _set_then_check(prefix + b"dead", f"{index}:killed by another user;".encode())
+                         + _set_then_check(prefix + f"proc/{index}".encode(), json.dumps(record).encode())))
+    targets = [tuple(t) for t in spec["tcp"]] + list(spec["unix"])
+    import threading
+
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def run(target: object) -> None:
+        for name, payload in attempts:
+            r = _attempt(list(target) if isinstance(target, tuple) else target, payload, spec["timeout_s"])
+            r["attempt"] = name
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
