@@ -80,8 +80,9 @@ def assert_cut_off(res: RunResult, tmp: Path, processes: tuple[int, ...], nodes:
     host stores written since; the reports and timelines are the majority's: :func:`assert_one_recovery_on`; no
     insurance in these jobs). What a process notes before its lease ends (its failure event, ``events.json``) is not
     a snapshot."""
-    from neighbor_ckpt.inprocess.protocol import EXIT_CUT_OFF
-
+    said = {int(m.group(1)) for m in re.finditer(rf"{CUT_OFF} .*exiting with status (\d+)", res.log)}
+    assert len(said) == 1 and 0 not in said, said  # the cut-off status (protocol.EXIT_CUT_OFF), one for all
+    (EXIT_CUT_OFF,) = said
     for p in processes:
         mine = lines_of(res, p)
         assert any(CUT_OFF in line and f"status {EXIT_CUT_OFF}" in line for line in mine), res.log[-10000:]
