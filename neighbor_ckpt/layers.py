@@ -35,7 +35,7 @@ def _layer(unit: str, what: str, *may_import: str) -> Layer:
 
 
 _ERRORS = "neighbor_ckpt.errors"
-_FOUNDATION = (_ERRORS, "neighbor_ckpt.validation", "neighbor_ckpt.config")
+_FOUNDATION = (_ERRORS, "neighbor_ckpt.validation", "neighbor_ckpt.fault_config", "neighbor_ckpt.config")
 _CORE = (*_FOUNDATION, "neighbor_ckpt.runtime", "neighbor_ckpt.snapshot", "neighbor_ckpt.recovery",
          "neighbor_ckpt.planning", "neighbor_ckpt.report", "neighbor_ckpt.adapters")
 _GLUE = (*_CORE, "neighbor_ckpt.checkpointer", "megatron_patches", "neighbor_ckpt.inprocess", "neighbor_ckpt.glue")
@@ -50,7 +50,10 @@ LAYERS: tuple[Layer, ...] = (
     _layer(_ERRORS, "the exception types"),
     _layer("neighbor_ckpt.layers", "this table"),
     _layer("neighbor_ckpt.validation", "one validation mechanism for config and job files", _ERRORS),
-    _layer("neighbor_ckpt.config", "NeighborCkptConfig (YAML neighbor_ckpt:)", _ERRORS, "neighbor_ckpt.validation"),
+    _layer("neighbor_ckpt.fault_config", "fault injection's section of the configuration", _ERRORS,
+           "neighbor_ckpt.validation"),
+    _layer("neighbor_ckpt.config", "NeighborCkptConfig (YAML neighbor_ckpt:)", _ERRORS, "neighbor_ckpt.validation",
+           "neighbor_ckpt.fault_config"),
     # -- megatron-core / NeMo internals: patched in one place, knowing nothing of ours but the errors
     _layer("megatron_patches", "the only code touching megatron-core / NeMo / Megatron-Bridge internals", _ERRORS),
     # -- the core

@@ -45,6 +45,8 @@ from neighbor_ckpt.inprocess.completion import marker_path
 from neighbor_ckpt.inprocess.store_auth import TOKEN_FILE
 from neighbor_ckpt.cli.torchrun_nodes import NodeAgents, node_agents, run_node_agents
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
+from neighbor_ckpt.runtime.network_plan import NetworkPlan
+from neighbor_ckpt.runtime.netns import simulated_network
 from neighbor_ckpt.runtime.procs import stop_processes
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
@@ -228,6 +230,10 @@ class InprocessProcesses:
     """The launch's store token file (:mod:`~neighbor_ckpt.inprocess.store_auth`), made by :func:`run_inprocess`
     before the launchers start."""
 
+    network: NetworkPlan | None = None
+    """``launch.simulate_network``: the simulated network the launchers run in (made around :func:`run_inprocess`,
+    :func:`neighbor_ckpt.runtime.netns.simulated_network`), each in its node's namespace; None: this machine's."""
+
 
 def _store_ports(store_port: int | Sequence[int], n: int) -> list[int]:
     ports = list(range(store_port, store_port + n)) if isinstance(store_port, int) else list(store_port)
@@ -256,7 +262,8 @@ def free_ports(n: int, *, host: str = "127.0.0.1", avoid: Sequence[int] = ()) ->
 
 
 def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], store_root: Path,
-                        host: str = "127.0.0.1") -> InprocessProcesses:
+                        host: str = "127.0.0.1",
+                        network: tuple[NetworkPlan, Path] | None = None) -> InprocessProcesses:
     """One launcher per simulated node for a single-machine in-process launch (:attr:`LaunchPlan.simulated_nodes`:
     one process per node for a one-node job, ``trainer.devices`` per node for ``trainer.num_nodes > 1``, spares on
     spare nodes of their own): node ``i`` has its own host store ``<store_root>/node<i>`` and its own store host
@@ -272,7 +279,7 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], st
                               store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back,
                               token_file=plan.run_dir / TOKEN_FILE,
                               detector_timeout_s=plan.job.neighbor_ckpt.detector.timeout_s, devices=plan.per_node,
-                              elastic=plan.job.neighbor_ckpt.elastic.enabled)
+                              elastic=plan.job.neighbor_ckpt.elastic.enabled, network=network)
 
 
 def simulated_nodes(active: int, spares: int, devices: int = 1) -> tuple[tuple[int, int], ...]:
@@ -292,7 +299,7 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
                        store_port: int | Sequence[int], store_root: Path, host: str = "127.0.0.1",
                        grow_back: bool = False, token_file: Path | None = None,
                        detector_timeout_s: float | None = None, devices: int = 1,
-                       elastic: bool = False) -> InprocessProcesses:
+                       elastic: bool = False, network: tuple[NetworkPlan, Path] | None = None) -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments):
     ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop.
     ``token_file``: the launch's store token (default: ``store.token`` in ``store_root``); the completion marker
@@ -300,24 +307,33 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
     ``detector.timeout_s``, which the launchers' timeouts follow (None: the launcher's default, the detector's).
     ``devices``: processes per simulated node (:func:`simulated_nodes`); node ``i`` hosts store ``i``, its
     processes share its host store directory ``<store_root>/node<i>``. ``elastic``: the job's
-    ``neighbor_ckpt.elastic.enabled`` (a launchers' restart may go on without a node lost for good)."""
+    ``neighbor_ckpt.elastic.enabled`` (a launchers' restart may go on without a node lost for good). ``network``: a
+    simulated network and its plan file (:func:`neighbor_ckpt.runtime.netns.simulated_network`): node ``i``'s
+    launcher runs in its namespace, its store listens on its store address (``host`` is not used), gloo on its rank
+    interface."""
     processes = active + spares
     nodes = simulated_nodes(active, spares, devices)
-    stores = ",".join(f"{host}:{p}" for p in _store_ports(store_port, len(nodes)))
+    net, net_file = network if network is not None else (None, None)
+    if net is not None and net.nodes != len(nodes):
+        raise ConfigError(f"in-process launch: a simulated network of {net.nodes} nodes for {len(nodes)} nodes")
+    hosts = [host if net is None else net.address(i) for i in range(len(nodes))]
+    stores = ",".join(f"{h}:{p}" for h, p in zip(hosts, _store_ports(store_port, len(nodes))))
     token = Path(token_file) if token_file is not None else Path(store_root) / TOKEN_FILE
     options, worker = worker_program(program)
-    agents = tuple((tuple(launcher_command(worker, options=options, store=stores, run_id=run_id,
+    agents = tuple(((*(net.enter(i) if net is not None else ()), *launcher_command(
+                        worker, options=options, store=stores, run_id=run_id,
                                            node=f"node{i}", first=str(first), count=str(count), processes=processes,
                                            spares=spares, max_restarts=max_restarts, nodes=len(nodes),
                                            store_root=str(store_root), grow_back=grow_back, host_store=str(i),
-                                           store_listen=host, token_file=str(token),
+                                           store_listen=hosts[i], token_file=str(token),
                                            complete_file=str(marker_path(token.parent, run_id)),
                                            detector_timeout_s=detector_timeout_s, elastic=elastic)),
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
-                     ("TORCH_CPP_LOG_LEVEL", "error")))
+                     ("TORCH_CPP_LOG_LEVEL", "error"),
+                     *(sorted(net.env(str(net_file)).items()) if net is not None else ())))
                    for i, (first, count) in enumerate(nodes))
-    return InprocessProcesses(stores=stores, agents=agents, token_file=token)
+    return InprocessProcesses(stores=stores, agents=agents, token_file=token, network=net)
 
 
 def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), store: str, run_id: str, node: str,
@@ -412,6 +428,9 @@ def _check_script_values(plan: LaunchPlan) -> None:
     Raises:
         ConfigError: naming the setting."""
     job, lc = plan.job, plan.job.launch
+    if lc.simulate_network:
+        raise ConfigError("launch.simulate_network: simulated nodes on one machine only (`neighbor-ckpt launch` "
+                          "without --slurm): a Slurm job runs on real nodes; set it false")
     values = {"name": job.name, "neighbor_ckpt.job_id (the run id)": plan.run_id, "the run directory": str(plan.run_dir),
               "launch.slurm_time": lc.slurm_time, "launch.slurm_partition": lc.slurm_partition or "",
               "launch.slurm_account": lc.slurm_account or "", "neighbor_ckpt.store.dir": job.neighbor_ckpt.store.dir}
@@ -570,9 +589,14 @@ def _store_root(plan: LaunchPlan) -> Path:
 
 
 def _run_inprocess(plan: LaunchPlan, kw: dict) -> int:
-    """Start one launcher per simulated node (each hosting one of the stores), wait for all of them."""
-    procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=_store_root(plan))
-    return run_inprocess(procs, **kw)
+    """Start one launcher per simulated node (each hosting one of the stores), wait for all of them; with
+    ``launch.simulate_network`` each in its node's network namespace, made here and removed at the end."""
+    ports = free_ports(len(plan.simulated_nodes))
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(simulated_network(len(plan.simulated_nodes))) \
+            if plan.job.launch.simulate_network else None
+        return run_inprocess(inprocess_processes(plan, store_port=ports, store_root=_store_root(plan), network=net),
+                             **kw)
 
 
 def launch_status(codes: Sequence[int]) -> int:
@@ -691,7 +715,8 @@ def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = Non
     """Start the launchers of ``procs`` (environment: ``env`` or this process's, plus each one's additions), wait
     for all of them; returns :func:`launch_status` of their exit statuses. The stores' ports are bound here first
     and handed down (:func:`bind_stores`; ``bind_ports=False``: each store host binds its own, as the launchers of a
-    cluster do, and one that cannot is its launcher's to report). ``timeout``: seconds for the launchers, then
+    cluster do, and one that cannot is its launcher's to report; never with a simulated network, where each store
+    binds its node's own address in its node's namespace). ``timeout``: seconds for the launchers, then
     :class:`subprocess.TimeoutExpired`; every launcher still running is stopped on the way out (a launcher stops its
     own processes and its store host when it is terminated)."""
     from neighbor_ckpt.inprocess.store_auth import new_token_file
@@ -699,7 +724,7 @@ def run_inprocess(procs: InprocessProcesses, *, env: dict[str, str] | None = Non
     new_token_file(procs.token_file)
     base = dict(os.environ if env is None else env)
     agents: list[subprocess.Popen] = []
-    procs, held = bind_stores(procs) if bind_ports else (procs, {})
+    procs, held = bind_stores(procs) if bind_ports and procs.network is None else (procs, {})
     try:
         for i, (cmd, extra) in enumerate(procs.agents):
             marker = _option(cmd, "--complete-file")

@@ -20,8 +20,10 @@ current generation in the store, where every process waits for it, and the engin
   dead in that one decision, so a node of ``k`` ranks costs one detection, not ``k`` in a row;
 * watches its own training thread: when its progress tag stood still for ``detector.hang_timeout_s`` it reads every
   active rank's tag. The ranks whose tag lags the others' are declared dead and replaced (``hung``: stuck in a C
-  call or a collective the others already left); when every tag is equal, nobody is to blame: the generation fails
-  with ``hang_all`` and the same ranks re-form (a second time, the engine falls back to the restart path);
+  call or a collective the others already left); when every tag is equal, the ranks a majority cannot reach over
+  their own network are blamed (:mod:`~neighbor_ckpt.inprocess.reachability`: a cut of the ranks' links, the store
+  reachable), else nobody is: the generation fails with ``hang_all`` and the same ranks re-form (a second time, the
+  engine falls back to the restart path);
 * exits the process with :data:`~neighbor_ckpt.inprocess.protocol.EXIT_FENCED` when it finds itself declared dead.
 
 The decision on the tags is :func:`laggards` (pure).
@@ -39,6 +41,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from neighbor_ckpt.inprocess.generation import Fault, GenerationFailure, GenerationStore
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
+from neighbor_ckpt.inprocess.reachability import ReachProbe
 from neighbor_ckpt.runtime.detector import PAUSED, ProgressClock, Watch
 from neighbor_ckpt.runtime.procs import flush_logs
 
@@ -201,6 +204,7 @@ class Monitor:
         """Process -> its node (``proc/<p>``), read once per process."""
         self._clock: tuple[int, ProgressClock] = (-1, ProgressClock(hang_timeout_s))
         self._grace_until = 0.0
+        self._reach = ReachProbe(gens.store, gens.process, timeout_s=max(0.5, timeout_s / 2))
         self.decisions: list[GenerationFailure] = []
         """Failures this monitor recorded itself (for tests and the log)."""
 
@@ -362,6 +366,14 @@ class Monitor:
                       f"{where}")
             self.gens.record_fault(gen, Fault(time.time() - stalled, f"last progress seen by {self.gens.name}"))
             return self._decide(gen, kind="hung", culprits=blame, reason=reason)
+        cut, complete = self._reach.blame(gen, procs)
+        if cut:
+            reason = (f"no progress on any rank for {stalled:.1f} s (detector.hang_timeout_s {self.hang_timeout_s:g}) "
+                      f"and process(es) {list(cut)} unreachable from a majority over the ranks' network")
+            self.gens.record_fault(gen, Fault(time.time() - stalled, f"last progress seen by {self.gens.name}"))
+            return self._decide(gen, kind="hung", culprits=cut, reason=reason)
+        if not complete and stalled < 2 * self.hang_timeout_s:
+            return None  # the others' reports may still come
         reason = (f"no progress on any rank for {stalled:.1f} s (detector.hang_timeout_s {self.hang_timeout_s:g}), "
                   "every progress tag equal: the same ranks re-form")
         self.gens.record_fault(gen, Fault(time.time() - stalled, f"last progress seen by {self.gens.name}"))

@@ -46,6 +46,10 @@ types): nothing read from the store is unpickled.
     The gloo listeners of process ``p``'s groups in generation ``g`` (``"host:port,..."``, published once its groups
     exist): a survivor's abort shuts down its own side of connections to them too (a peer that is stopped or stuck
     never closes its side, :mod:`neighbor_ckpt.inprocess.abort`).
+``gen/<g>/reach/<p>``
+    The processes whose gloo listeners process ``p`` could not reach once every rank of generation ``g`` stalled
+    alike (``"1,3"``, ``"-"`` for none): a process a majority cannot reach is blamed for the hang
+    (:mod:`neighbor_ckpt.inprocess.reachability`).
 ``gen/<g>/finished``
     Append-only ``"<p>,"`` per active rank whose training function returned in generation ``g`` (a list, so that a
     rank writes it again on a new store after a failover without counting twice).

@@ -1,10 +1,10 @@
 """Fault injection for demos and fault campaigns: ``neighbor_ckpt.fault_injection`` in a job's YAML.
 
 :class:`FaultInjector` kills (SIGKILL) or hangs (SIGSTOP) ranks at the steps the section plans
-(:meth:`~neighbor_ckpt.config.FaultInjectionConfig.planned`: the one-fault keys, or a ``faults`` list), each fault
+(:meth:`~neighbor_ckpt.fault_config.FaultInjectionConfig.planned`: the one-fault keys, or a ``faults`` list), each fault
 once, in the first launch attempt only (``TORCHELASTIC_RESTART_COUNT == 0``), so the restarted job trains through.
 Under in-process recovery a fault fires in whichever generation first runs its step (:meth:`FaultSpec.fires
-<neighbor_ckpt.config.FaultSpec.fires>`): with faults in steps 3 and 7, the second fires in generation 1, after the
+<neighbor_ckpt.fault_config.FaultSpec.fires>`): with faults in steps 3 and 7, the second fires in generation 1, after the
 first was recovered, on the rank of that number in generation 1 (a spare, if it took that rank's place). Build a
 new injector for every generation (it reads the generation from the :class:`~neighbor_ckpt.NeighborCheckpoint`
 beside it, or takes it as ``generation``). On the restart path the whole job restarts after the first fault, so only
@@ -13,7 +13,9 @@ the faults of the earliest planned step fire.
 With ``replace_store`` the victim restarts with an empty host store, as a replacement node would; with ``permanent``
 its launcher agent is killed with it (its node is gone: no restart brings it back). ``target: node`` (in process)
 loses node ``fault_injection.node`` whole: its ranks SIGKILL its launcher, its processes and store host die with it.
-``target: store_node`` is refused here: only the plain megatron-core recipe injects it, in process.
+``target: store_node`` is refused here: only the plain megatron-core recipe injects it, in process. ``target:
+partition`` (in process, ``launch.simulate_network``) cuts the network between simulated nodes; rank ``rank`` cuts it
+and trains on.
 
 Phases: ``forward`` (start of the training batch), ``backward`` (when the first gradient is computed: a tensor
 hook, so it fires inside megatron-core's forward-backward too) and ``optimizer`` (Lightning's
@@ -27,7 +29,7 @@ import os
 from typing import Any
 
 from neighbor_ckpt.config import NeighborCkptConfig
-from neighbor_ckpt.glue.faults import empty_host_store, fire
+from neighbor_ckpt.glue.faults import empty_host_store, fire, partition_possible
 from neighbor_ckpt.inprocess.identity import node_index
 from neighbor_ckpt.lightning._compat import callback_bases
 
@@ -59,7 +61,7 @@ class FaultInjector(*callback_bases()):  # type: ignore[misc]
         self.config = config
         self.faults = config.fault_injection.refuse_unsupported(
             node=config.inprocess.enabled or node_index() is not None,  # in process, or a simulated node's agent
-            hung_node=config.inprocess.enabled)
+            hung_node=config.inprocess.enabled, partition=config.inprocess.enabled and partition_possible())
         self.generation = generation
         self._launch = _attempt()
         self._start_step: int | None = None

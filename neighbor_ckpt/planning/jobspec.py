@@ -252,6 +252,11 @@ class LaunchSpec:
     slurm_time: str = "04:00:00"
     """Slurm time limit for ``--slurm``."""
 
+    simulate_network: bool = False
+    """Run each simulated node of an in-process launch on one machine in a network namespace of its own (veth pairs
+    on bridges, one address per node; root only), so that ``neighbor_ckpt.fault_injection.target: partition`` can cut
+    the network between nodes for real (docs/nodes.md, network partitions). Not for ``--slurm`` (real nodes have real networks)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class JobSpec:
@@ -334,6 +339,13 @@ class JobSpec:
                     p.check(world % emp == 0, "parallelism.expert",
                             f"expert_tensor x expert x pipeline = {self.expert_tensor} x {par.expert} x {par.pipeline}"
                             f" = {emp} does not divide the world size {world}")
+        nc = self.neighbor_ckpt
+        p.check(not self.launch.simulate_network or nc.inprocess.enabled, "launch.simulate_network",
+                "the simulated network is made for the simulated nodes of an in-process launch: set "
+                "neighbor_ckpt.inprocess.enabled: true, or launch.simulate_network: false")
+        p.check(self.launch.simulate_network or not any(f.target == "partition" for f in nc.fault_injection.planned()),
+                "neighbor_ckpt.fault_injection.target", "partition cuts the network between simulated nodes: it needs "
+                "launch.simulate_network: true (root; in process)")
         if p.ok("model", *sizes, "parallelism.virtual_pipeline", "parallelism.expert", "parallelism.expert_tensor"):
             self._check_split(shape, p)
         p.check(t.accelerator != "cpu" or self.model.preset in ("gpt_tiny", "llama_tiny"), "model.preset",

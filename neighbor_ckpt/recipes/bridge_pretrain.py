@@ -160,7 +160,7 @@ def callbacks(job: JobSpec, run_dir: Path, *, record: bool) -> list[Any]:
 
     class Faults(Callback):
         """Fault injection: each planned fault once, in the first launch attempt, in the generation that first runs
-        its step (:meth:`neighbor_ckpt.config.FaultSpec.fires`); with ``--record`` when each fired
+        its step (:meth:`neighbor_ckpt.fault_config.FaultSpec.fires`); with ``--record`` when each fired
         (``faults.jsonl``; the first also as ``fault.json``)."""
 
         def __init__(self) -> None:

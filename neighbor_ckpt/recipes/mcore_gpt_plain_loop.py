@@ -559,12 +559,14 @@ def planned_faults(config: Any, args: argparse.Namespace) -> tuple[Any, ...]:
             outside a launch of simulated nodes, a phase other than forward, backward or optimizer), or faults planned
             both there and with ``--kill``."""
     from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.glue.faults import partition_possible
     from neighbor_ckpt.inprocess.identity import node_index
 
     planned = config.fault_injection.refuse_unsupported(where=" by recipes/mcore_gpt_plain_loop.py",
                                                         store_node=config.inprocess.enabled,
                                                         node=config.inprocess.enabled or node_index() is not None,
-                                                        hung_node=config.inprocess.enabled)
+                                                        hung_node=config.inprocess.enabled,
+                                                        partition=config.inprocess.enabled and partition_possible())
     if planned and args.kill:
         raise ConfigError("faults planned twice: --kill and neighbor_ckpt.fault_injection in the --config file; use "
                           "one of them (the config's faults list for several faults in one launch)")
@@ -572,7 +574,7 @@ def planned_faults(config: Any, args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
-    """Inject one planned fault (a :class:`~neighbor_ckpt.config.FaultSpec`) into this process now: record it
+    """Inject one planned fault (a :class:`~neighbor_ckpt.fault_config.FaultSpec`) into this process now: record it
     (``faults.jsonl``, a line each; ``fault.json`` for the first), lose the node if ``permanent``, send the signal."""
     entry = {"rank": RANK, "step": fault.step, "phase": phase, "signal": fault.signal, "unix": time.time(),
              "pid": os.getpid(), "target": fault.target, **({"node": fault.node} if fault.target == "node" else {})}
@@ -584,6 +586,10 @@ def planned_fault(rec: Recorder, fault: Any, phase: str) -> None:
     logging.getLogger(__name__).warning("fault injection: %s", fault.describe())
     for h in logging.getLogger().handlers:
         h.flush()
+    if fault.target == "partition":  # the network between nodes is cut (healed later, if planned); this rank trains on
+        from neighbor_ckpt.glue.faults import fire
+
+        return fire(fault, RANK, phase)
     if fault.target == "store_node":
         _lose_store_node(fault.signal)
         if fault.signal == "SIGSTOP":

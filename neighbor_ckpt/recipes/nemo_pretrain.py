@@ -274,7 +274,7 @@ class _Record:
     def fault_clock(out: Path, job: JobSpec, *, generation: int = 0) -> Any:
         """When the injected faults fire (unix time): ``fault.json`` for the first one, a line of ``faults.jsonl``
         for each. Placed before the fault injector; a fault is stamped where the injector fires it (the same rule,
-        :meth:`~neighbor_ckpt.config.FaultSpec.fires`, in in-process generation ``generation``), in its phase's hook
+        :meth:`~neighbor_ckpt.fault_config.FaultSpec.fires`, in in-process generation ``generation``), in its phase's hook
         (``backward``: the start of that step's batch)."""
         import lightning.pytorch as pl
 

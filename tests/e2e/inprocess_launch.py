@@ -48,7 +48,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
                      program: str | list[str] | None = None, grow_back: bool = False, detector_timeout_s: float = 2.0,
                      steal_store: int | None = None, hold_store: int | None = None, devices: int = 1,
                      elastic_launchers: bool | None = None, unreachable_node: int | None = None,
-                     **env: Any) -> RunResult:
+                     simulate_network: bool = False, **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
@@ -61,7 +61,8 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     ``env``: the workers' environment on top of :func:`tests.conftest.job_env`'s (``SPARES`` and a job id
     fixed for the launch are set here). ``devices``: processes per simulated node (the spares on spare nodes of their
     own, :func:`neighbor_ckpt.cli.launch.simulated_nodes`; 1: a node per process). ``elastic_launchers``: the
-    launchers' ``--elastic`` (default: as the workers' ``ELASTIC``). The workers start warm or cold as ``tests/conftest.py`` decided for this
+    launchers' ``--elastic`` (default: as the workers' ``ELASTIC``). ``simulate_network``: each node in a network
+    namespace of its own (``launch.simulate_network``, :mod:`neighbor_ckpt.runtime.netns`; root). The workers start warm or cold as ``tests/conftest.py`` decided for this
     test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
     out = tmp / "out"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
             "run_id": f"inproc-{tmp.name}", "store_root": str(tmp / "store"), "ready": str(tmp / "store_host.ready"),
             "out": str(out), "timeout": timeout, "detector_timeout_s": detector_timeout_s,
             "steal_store": steal_store, "hold_store": hold_store, "devices": devices,
-            "unreachable_node": unreachable_node,
+            "unreachable_node": unreachable_node, "simulate_network": simulate_network,
             "elastic": env.get("ELASTIC") == 1 or env.get("ELASTIC") == "1" if elastic_launchers is None
             else elastic_launchers}
     spec_path = tmp / "launch.json"
@@ -266,6 +267,26 @@ def find_orphans(tracker: _Tracker, out: Path, *, within_s: float = GONE_WITHIN_
 
 
 def _run(spec: dict[str, Any]) -> int:
+    """Run the launch ``spec`` describes; with a simulated network (the job file's ``launch.simulate_network``, or the
+    spec's ``simulate_network``) inside it, as ``neighbor-ckpt launch`` does."""
+    import contextlib
+
+    from neighbor_ckpt.cli.launch import plan_launch, simulated_nodes
+    from neighbor_ckpt.runtime.netns import simulated_network
+
+    if "config" in spec:
+        plan = plan_launch(spec["config"], spec["overrides"], run_dir=Path(spec["run_dir"]), record=True)
+        nodes, simulate = len(plan.simulated_nodes), plan.job.launch.simulate_network
+    else:
+        plan = None
+        nodes = len(simulated_nodes(spec["active"], spec["spares"], int(spec.get("devices", 1))))
+        simulate = bool(spec.get("simulate_network"))
+    with contextlib.ExitStack() as stack:
+        network = stack.enter_context(simulated_network(nodes)) if simulate else None
+        return _run_in(spec, plan, network)
+
+
+def _run_in(spec: dict[str, Any], plan: Any, network: Any) -> int:
     from neighbor_ckpt.cli.launch import free_ports, inprocess_commands, run_inprocess, simulated_nodes
 
     tracker = _Tracker()
@@ -277,14 +298,14 @@ def _run(spec: dict[str, Any]) -> int:
             tracker.popens.append(self)
 
     out = Path(spec["out"])
-    if "config" in spec:  # a job file, as `neighbor-ckpt launch CONFIG OVERRIDES --record` plans it
-        from neighbor_ckpt.cli.launch import inprocess_processes, plan_launch, write_run_dir
+    if plan is not None:  # a job file, as `neighbor-ckpt launch CONFIG OVERRIDES --record` plans it
+        from neighbor_ckpt.cli.launch import inprocess_processes, write_run_dir
         from neighbor_ckpt.config import expand_store_dir
 
-        plan = plan_launch(spec["config"], spec["overrides"], run_dir=Path(spec["run_dir"]), record=True)
         write_run_dir(plan)
         root = expand_store_dir(os.environ.get("NEIGHBOR_CKPT_STORE_DIR") or plan.job.neighbor_ckpt.store.dir)
-        procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=root)
+        procs = inprocess_processes(plan, store_port=free_ports(len(plan.simulated_nodes)), store_root=root,
+                                    network=network)
     else:
         devices = int(spec.get("devices", 1))
         ports = free_ports(len(simulated_nodes(spec["active"], spec["spares"], devices)))
@@ -292,7 +313,7 @@ def _run(spec: dict[str, Any]) -> int:
                                    max_restarts=spec["max_restarts"], run_id=spec["run_id"], store_port=ports,
                                    store_root=Path(spec["store_root"]), grow_back=bool(spec.get("grow_back")),
                                    detector_timeout_s=spec.get("detector_timeout_s"), devices=devices,
-                                   elastic=bool(spec.get("elastic")))
+                                   elastic=bool(spec.get("elastic")), network=network)
     taken = spec.get("steal_store")
     if taken is None:
         taken = spec.get("hold_store")
@@ -326,6 +347,10 @@ def _run(spec: dict[str, Any]) -> int:
         rc = 124
     finally:
         subprocess.Popen = real_popen  # type: ignore[misc]
+        if network is not None:  # as the launch's end removes it (its heal timers too), before the orphan check
+            from neighbor_ckpt.runtime.netns import teardown
+
+            teardown(network[0])
         tracker.stop()
         if thief is not None:
             thief.close()

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from neighbor_ckpt.config import FaultInjectionConfig, FaultSpec, NeighborCkptConfig
+from neighbor_ckpt.config import NeighborCkptConfig
+from neighbor_ckpt.fault_config import FaultInjectionConfig, FaultSpec
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.planning.jobspec import load_job
 
@@ -49,8 +50,8 @@ def test_entries_are_validated_like_every_section() -> None:
         fi(faults=[{"rank": -1, "stp": 3, "phase": "sideways", "step": "3"}, 7, {"target": "switch"}])
     lines = str(e.value).splitlines()
     assert "neighbor_ckpt.fault_injection.faults[0].stp: unknown key (allowed keys of " \
-           "neighbor_ckpt.fault_injection.faults[0]: node, permanent, phase, rank, replace_store, signal, step, target)" \
-           in lines
+           "neighbor_ckpt.fault_injection.faults[0]: heal_after_s, node, nodes, permanent, phase, rank, replace_store, " \
+           "signal, step, target, traffic)" in lines
     assert "neighbor_ckpt.fault_injection.faults[0].step: expected an integer, got '3'" in lines
     assert any(line.startswith("neighbor_ckpt.fault_injection.faults[0].phase: 'sideways' is not allowed")
                for line in lines)
