@@ -580,11 +580,15 @@ def launch_status(codes: Sequence[int]) -> int:
     completed), or when the only failures are launchers killed by SIGKILL (a node lost on purpose:
     ``fault_injection.permanent`` or ``target: node`` kills the node's launcher, its processes die with it) and at
     least one succeeded (a launcher exits 0 only once the job completed: the survivors finished it, on spares or on a
-    smaller data-parallel size); else the worst status (a signal's negative status is not lost behind a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process recovery gave up and the
-    restarts are used up)."""
+    smaller data-parallel size), or cut off from the majority (a partition's minority stopped itself,
+    :data:`~neighbor_ckpt.inprocess.protocol.EXIT_CUT_OFF`); else the worst status (a signal's negative status is
+    not lost behind a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process
+    recovery gave up and the restarts are used up)."""
+    from neighbor_ckpt.inprocess.protocol import EXIT_CUT_OFF
+
     ok = sum(c == 0 for c in codes)
     lost = [c for c in codes if c != 0]
-    if all(c == -signal.SIGKILL for c in lost) and ok:
+    if all(c in (-signal.SIGKILL, EXIT_CUT_OFF) for c in lost) and ok:
         return 0
     return max(codes, key=abs)
 

@@ -20,6 +20,7 @@ suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``W
 * :data:`~protocol.EXIT_FENCED`, or a process already listed in ``dead`` (this launcher killed it because a detector
   listed it, or it exited after being listed): nothing more, it is declared already;
 * :data:`~protocol.EXIT_FALLBACK`: the job gives up in-process recovery: the launcher-level restart below;
+* :data:`~protocol.EXIT_CUT_OFF` (cut off from the majority): declared dead like any exit, but final: no replacement;
 * anything else (a signal, an error, :data:`~protocol.EXIT_HYGIENE`, :data:`~protocol.EXIT_ABORT_HUNG`): the
   launcher declares the process dead: it appends ``"<p>:exited: <how>;"`` to ``dead`` and records the current
   generation's failure (``gen/<g>/failed``, kind ``exited``, first ``compare_set`` wins), the push every survivor
@@ -53,10 +54,10 @@ process that starts after completion finds the marker and exits 0 without a stor
 
 **Exit status**: 0 once ``complete`` is set and its processes have exited (they get ``--complete-grace`` seconds,
 then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
-:data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (the launcher keeps reaping its
-processes meanwhile, queues what it has to write, and tries to reconnect every few seconds; a store that comes back
-in time changes nothing); 1 when the store cannot be reached at the start or the restart's rendezvous times out;
-``128 + signal`` when it was stopped by SIGTERM/SIGINT/SIGHUP. Every one of them comes with one log line.
+:data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (it reaps, queues its writes
+and reconnects meanwhile); 1 when the store cannot be reached at the start or the restart's rendezvous times out;
+``128 + signal`` when stopped by SIGTERM/SIGINT/SIGHUP; :data:`~protocol.EXIT_CUT_OFF` when it saw no majority of the
+launchers' beats for its lease (:mod:`~neighbor_ckpt.inprocess.quorum`; its processes SIGKILLed first). One line each.
 
 **No process outlives it.** Each process starts in a session of its own (its process group is what the launcher
 signals, so what the process started goes with it) with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: SIGKILL of the launcher
@@ -64,14 +65,12 @@ kills its processes, which is how a test loses a node. On its own way out the la
 SIGKILLs it after ``--grace`` seconds. (What a process started in a session of its own is not reached when the
 launcher is SIGKILLed; torchrun does no better.)
 
-**Why plain** :class:`subprocess.Popen` **and not torch.distributed.elastic's pieces.** ``start_processes`` returns a
-``PContext`` that runs a fixed set of processes as one group: ``wait()`` reports the group failed when any one fails
-and ``close()`` stops them all, with no way to start one process into a running group (a replacement) or to let the
-others run on after one died, which is the whole point here; its log redirection and ``tee`` are built around that
-context. ``SubprocessHandler`` is a thin ``Popen(start_new_session=True)`` whose constructor gives no way to pass the
-``preexec_fn`` that sets the parent-death signal short of overriding its private ``_popen``. So: ``Popen`` with
-``start_new_session=True`` (as ``SubprocessHandler``) and that ``preexec_fn``; the processes write to the launcher's
-stdout and stderr (the launch log), as ``ft_launcher``'s workers did.
+**Why plain** :class:`subprocess.Popen` **and not torch.distributed.elastic's pieces.** ``start_processes``'s
+``PContext`` runs a fixed set of processes as one group (``wait()`` fails the group when one fails, ``close()`` stops
+them all): no replacement started into a running group, no running on after one died, the whole point here.
+``SubprocessHandler``'s constructor takes no ``preexec_fn`` (the parent-death signal) short of overriding its private
+``_popen``. So: ``Popen`` with ``start_new_session=True`` and that ``preexec_fn``; the processes write to the
+launcher's stdout and stderr (the launch log), as ``ft_launcher``'s workers did.
 
 The pure decisions (:mod:`~neighbor_ckpt.inprocess.launcher_plan`: :class:`LauncherPlan` from argv,
 :func:`child_env`, :func:`classify_exit`; :func:`parse_dead` from :mod:`~neighbor_ckpt.inprocess.generation`) are
@@ -103,6 +102,7 @@ from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dea
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
                                                    describe_exit, exit_status, parse_args)
 from neighbor_ckpt.inprocess.protocol import key
+from neighbor_ckpt.inprocess.quorum import LauncherLease
 from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
 
 __all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR", "recorded_pid_to_kill"]
@@ -247,9 +247,12 @@ class Launcher:
         self.pid = os.getpid()
         token = None if plan.token_file is None else read_token(Path(plan.token_file))
         self.stores = StoreSet(StoreAddresses(plan.stores), run_id=plan.run_id, timeout_s=plan.store_timeout_s,
-                               connect_timeout_s=plan.connect_timeout_s, name=plan.name, token=token)
+                               connect_timeout_s=plan.connect_timeout_s, name=plan.name, token=token,
+                               voter=plan.node, voters=plan.nodes)
         """The launch's stores; every operation bounded, failed over to the next standby when one is lost."""
         self.stores.on_failover(self._on_failover)
+        self._lease = LauncherLease(node=plan.node, nodes=plan.nodes, timeout_s=plan.detector_timeout_s,
+                                    beat_s=plan.beat_s, stores=self.stores, owner=self)
         self._views: dict[int, Any] = {}
         self._down_since: Optional[float] = None
         self._outbox: list[tuple[int, Callable[[Any], Any]]] = []
@@ -334,8 +337,10 @@ class Launcher:
                 break
         if att.exited:
             s.add("exited", att.exited)
-        if att.dead:
-            s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(att.dead.items())))
+        gone = {p: r if r.startswith("exited:") else f"exited: after {r}" for p, r in att.dead.items()  # facts only
+                if r.startswith("exited:") or (p in self.plan.indices and p not in att.children)}
+        if gone:
+            s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(gone.items())))
         s.add("launchers", 1)
         s.append("nodes", f"{self.plan.node},")
         logger.warning("attempt %d: this node's processes %s, %d exited, %d known dead: written again to store %d",
@@ -350,10 +355,13 @@ class Launcher:
     def _call(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
         """``fn(store)`` under ``attempt``'s prefix; :class:`StoreDown` when no store of the list answers (the
         first failure is logged)."""
-        from neighbor_ckpt.inprocess.stores import StoresLost
+        from neighbor_ckpt.inprocess.stores import NoPromotedStore, StoresLost
 
         try:
             value = fn(self._store(attempt))
+        except NoPromotedStore as e:
+            self._lease.stop(str(e))
+            raise
         except StoresLost as e:
             self._mark_down(str(e))
             raise StoreDown(str(e)) from None
@@ -430,6 +438,7 @@ class Launcher:
         self._beats += 1
         beat = str(self._beats)
         self._try(attempt, lambda s: s.set(key("lhb", self.plan.node), beat))
+        self._try(attempt, self._lease.look)  # the others' beats under the same prefix: the cut-off lease
 
     def _report(self, att: _Attempt) -> None:
         info = json.dumps({"pid": self.pid, "processes": sorted(att.children)})
@@ -501,6 +510,7 @@ class Launcher:
             elif action is Action.DECLARED:
                 logger.info("process %d (pid %d) %s; declared dead already (%s)", index, child.proc.pid, how,
                             child.killed or att.dead.get(index, "fenced"))
+                self._later(att.number, lambda s, fact=f"{index}:exited: {how};": s.append("dead", fact))  # gone
             elif action is Action.FALLBACK:
                 logger.warning("process %d (pid %d) %s: the job falls back to the launcher's restart", index,
                                child.proc.pid, how)
@@ -721,6 +731,7 @@ class Launcher:
             self._stop_host("the launcher did not start")
             return EXIT_LAUNCHER_ERROR
         self.stores.start_following()  # fencing: a newer store promoted while this launcher was cut off
+        self._lease.guard.start()
         number = 0
         self._later(number, lambda s: s.add("launchers", 1))
         try:
@@ -754,6 +765,7 @@ class Launcher:
                         return 128 + self._signal
                     return EXIT_LAUNCHER_ERROR
         finally:
+            self._lease.guard.close()
             self.stores.close()
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)

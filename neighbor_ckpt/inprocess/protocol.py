@@ -69,6 +69,10 @@ types): nothing read from the store is unpickled.
 ``exited``
     Counter: processes that exited (any status), added by their launchers. When it reaches ``processes`` and
     ``complete`` is not set, no process of the launch is left: a launcher that sees it sets ``giveup``.
+``vote/<k>``
+    Outside the launch prefix, on store ``k`` (next to the epoch key): append-only ``"<node>,"`` per launcher that
+    lost store ``k - 1`` and votes to promote store ``k``; the vote that makes a majority of the nodes promotes it
+    (:mod:`~neighbor_ckpt.inprocess.stores`).
 ``launchers``
     Counter: launchers that started this launcher-level attempt (each adds 1). A launcher restarting the job waits,
     under the next attempt's prefix, until it equals the number of nodes (the restart's rendezvous).
@@ -76,7 +80,7 @@ types): nothing read from the store is unpickled.
 
 from __future__ import annotations
 
-__all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
+__all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "EXIT_CUT_OFF", "FAILURE_KINDS", "ENV_STORE",
            "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID", "ENV_NODE_INDEX", "ENV_COMPLETE_FILE",
            "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
            "launch_prefix", "key"]
@@ -90,6 +94,10 @@ EXIT_HYGIENE = 77
 process in its place, which joins as a spare."""
 EXIT_ABORT_HUNG = 78
 """A process whose NCCL abort itself hung (the abort watchdog ended it)."""
+EXIT_CUT_OFF = 79
+"""A process or launcher that could not see a majority of the launch (a network partition left it on the minority
+side, :mod:`~neighbor_ckpt.inprocess.quorum`): it stopped without writing anything more. Final: its launcher neither
+restarts nor replaces it."""
 
 FAILURE_KINDS = ("exception", "exited", "silent", "hung", "hang_all", "launcher", "store")
 """``exception``: the training function raised on a rank; ``exited``: a launcher saw its process exit;
