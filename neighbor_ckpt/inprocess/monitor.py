@@ -282,24 +282,33 @@ class Monitor:
 
     def _look_at_majority(self, members: frozenset[int], dead: Mapping[int, str]) -> None:
         """Feed the lease: the heartbeat of every member that may still run, with its node's launcher's beat (a
-        process stopped on a node whose launcher beats is on this side of any cut); this round answered."""
+        process stopped on a node whose launcher beats is on this side of any cut); this round answered. Once the
+        job completed, the others leave: the lease is disarmed."""
         if self.lease is None:
             return
+        if self.gens.complete():
+            self.lease.disarm()
+            return
         quorum_set = sorted(members - self.gens.exited - {self.gens.process})
-        seen: dict[int, object] = {}
-        for p in quorum_set:
-            raw = self.gens.store.get(key("hb", p)) if self.gens.store.check([key("hb", p)]) else None
-            node = self._node_of(p)
-            beat = None
-            if node is not None:
-                k = key("lhb", node)
-                beat = self.gens.store.get(k) if self.gens.store.check([k]) else None
-            if raw is not None or beat is not None:
-                seen[p] = (raw, beat)
+        beats = dict(zip(quorum_set, self._read([key("hb", p) for p in quorum_set])))
+        nodes = {p: self._node_of(p) for p in quorum_set}
+        names = sorted({n for n in nodes.values() if n is not None})
+        launchers = dict(zip(names, self._read([key("lhb", n) for n in names])))
+        seen = {p: (beats[p], launchers.get(nodes[p])) for p in quorum_set
+                if beats[p] is not None or launchers.get(nodes[p]) is not None}
         now = time.monotonic()
         with self.lease_lock:
             self.answered_at = now
             self.lease.observe(set(quorum_set) | {self.gens.process}, seen, now)
+
+    def _read(self, keys: list[str]) -> list[Optional[bytes]]:
+        """The values of ``keys`` (None: absent): two store operations when every key is there."""
+        if not keys:
+            return []
+        s = self.gens.store
+        if s.check(keys):
+            return list(s.multi_get(keys))
+        return [s.get(k) if s.check([k]) else None for k in keys]
 
     def _leaves_majority(self, gen: int, members: frozenset[int], lost: tuple[int, ...], *,
                          vouched: tuple[int, ...] = ()) -> bool:

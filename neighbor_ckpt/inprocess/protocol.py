@@ -80,7 +80,8 @@ types): nothing read from the store is unpickled.
 
 from __future__ import annotations
 
-__all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "EXIT_CUT_OFF", "FAILURE_KINDS", "ENV_STORE",
+__all__ = ["EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "EXIT_CUT_OFF", "FAILURE_KINDS",
+           "ENV_STORE",
            "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID", "ENV_NODE_INDEX", "ENV_COMPLETE_FILE",
            "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
            "launch_prefix", "key"]

@@ -79,6 +79,11 @@ class MajorityLease:
         self._renewed = now
         self.armed = False
         """Set once a majority was first seen: before that (the others still starting) the lease never expires."""
+        self._over = False
+
+    def disarm(self) -> None:
+        """The job completed: the others leave, and that is no cut; the lease never expires again."""
+        self.armed, self._over = False, True
 
     def restart(self, now: float) -> None:
         """A fresh start (after a move to another store: every beat starts again there); ``now`` may lie ahead."""
@@ -96,7 +101,7 @@ class MajorityLease:
         self._last[self.me] = (None, now)
         fresh = sum(1 for p in members if p in self._last and now - self._last[p][1] <= self.lease_s)
         if fresh >= majority(members):
-            self._renewed, self.armed = max(self._renewed, now), True
+            self._renewed, self.armed = max(self._renewed, now), not self._over
             return True
         return False
 
@@ -147,14 +152,16 @@ class LeaseGuard:
         stop: what cuts off (default :func:`cut_off`; tests and the launcher pass their own: a launcher stops its
             processes first).
         done: True once there is nothing to guard (the job completed): the guard ends.
+        last_look: asked (bounded: one store operation) before a cut-off while the store answers: True when the
+            job completed meanwhile (the others left because it is over): the guard ends instead.
     """
 
     def __init__(self, lease: MajorityLease, *, answered_at: Callable[[], float], epoch: Callable[[], int],
                  name: str, doubt_s: float, grace_s: float, tick_s: float = 0.1,
                  stop: Optional[Callable[[str], None]] = None, done: Callable[[], bool] = lambda: False,
-                 lock: Optional[threading.Lock] = None) -> None:
+                 lock: Optional[threading.Lock] = None, last_look: Callable[[], bool] = lambda: False) -> None:
         self.lease, self.answered_at, self.epoch, self.name = lease, answered_at, epoch, name
-        self.doubt_s, self.grace_s, self.tick_s, self.done = doubt_s, grace_s, tick_s, done
+        self.doubt_s, self.grace_s, self.tick_s, self.done, self.last_look = doubt_s, grace_s, tick_s, done, last_look
         self.stop = stop or (lambda why: cut_off(name, why))
         self.lock = lock or threading.Lock()
         """Held by the client while it feeds the lease (a look and its verdict are one step)."""
@@ -175,9 +182,17 @@ class LeaseGuard:
             if self.done():
                 return
             verdict = self.check(time.monotonic())
-            if verdict is not None:
-                self.stop(verdict)
+            if verdict is None:
+                continue
+            try:
+                over = self.done() or self.last_look()
+            except Exception as e:  # noqa: BLE001 - no answer: nothing says the job completed
+                logger.debug("%s: the last look before the cut-off: %s", self.name, e)
+                over = False
+            if over:
                 return
+            self.stop(verdict)
+            return
 
     def check(self, now: float) -> Optional[str]:
         """One look at the lease (pure but for the clocks it is given): why the client is cut off, or None."""
@@ -231,13 +246,20 @@ class LauncherLease:
         self.node, self.nodes, self.owner = node, nodes, owner
 
         def done() -> bool:
-            return bool(stores.over) or getattr(owner._att, "complete_at", None) is not None
+            return bool(stores.over) or getattr(getattr(owner, "_att", None), "complete_at", None) is not None
 
         self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic())
         self.answered_at = time.monotonic()
         doubt_s, grace_s = guard_times(stores, timeout_s)
+        att = lambda: getattr(owner, "_att", None)  # noqa: E731
+
+        def last_look() -> bool:
+            a = att()
+            return a is not None and bool(owner._try(a.number, lambda s: s.check(["complete"])))
+
         self.guard = LeaseGuard(self.lease, answered_at=lambda: self.answered_at, epoch=lambda: stores.epoch,
-                                name=f"launcher {node}", doubt_s=doubt_s, grace_s=grace_s, stop=self.stop, done=done)
+                                name=f"launcher {node}", doubt_s=doubt_s, grace_s=grace_s, stop=self.stop, done=done,
+                                last_look=last_look)
 
     def look(self, store: object) -> None:
         """One look at the launchers' beats, through ``store`` (a view under the attempt's prefix this launcher
@@ -259,7 +281,7 @@ class LauncherLease:
         import signal
 
         try:
-            for child in list(getattr(self.owner._att, "children", {}).values()):
+            for child in list(getattr(getattr(self.owner, "_att", None), "children", {}).values()):
                 try:
                     os.killpg(child.proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):

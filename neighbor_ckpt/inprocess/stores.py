@@ -54,7 +54,8 @@ from typing import Any, Callable, Optional, Sequence
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 
 __all__ = ["StoreAddresses", "StoreUnreachable", "StoresLost", "NoPromotedStore", "BoundedClient", "StoreSet",
-           "StoreView", "epoch_key", "vote_key", "quiesce", "leave", "store_timeout_for", "CLIENT_THREAD", "STORE_TIMEOUT_MIN_S"]
+           "StoreView", "epoch_key", "vote_key", "quiesce", "leave", "store_timeout_for", "CLIENT_THREAD",
+           "STORE_TIMEOUT_MIN_S"]
 
 logger = logging.getLogger(__name__)
 

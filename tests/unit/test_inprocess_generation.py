@@ -337,3 +337,29 @@ def test_a_death_decided_about_a_generation_never_fails_the_next_one_formed_mean
     assert g.failure(0).kind == "exception" and [f.what for f in g.faults(0)] == [
         "last heartbeat of process 3 seen by process 4"]
     assert {2, 3} <= g.dead().keys()
+
+
+def test_the_monitor_renews_the_lease_with_the_members_beats_or_their_launchers_and_disarms_it_at_completion(
+        store: Any) -> None:
+    """Members 0..4 on nodes a..e: process 0 sees 1's heartbeat and node c's launcher (2 is stopped, its launcher
+    beats: on this side of any cut): 3 of 5, the lease is renewed; 3 and 4 are never seen. Once the job completed
+    the lease is disarmed (the others leave)."""
+    from neighbor_ckpt.inprocess.monitor import Monitor
+    from neighbor_ckpt.inprocess.quorum import MajorityLease
+
+    members = frozenset(range(5))
+    base = _node_monitor(store, process=0, nodes={0: "a", 1: "b", 2: "c", 3: "d", 4: "e"}, members=members)
+    lease = MajorityLease(60.0, me=0, now=0.0)
+    monitor = Monitor(base.gens, state=lambda: (0, members, None, False), progress=lambda: (0, None, "idle"),
+                      listener=None, interval_s=0.2, timeout_s=2.0, hang_timeout_s=None, lease=lease)
+    monitor._look_at_majority(members, {})
+    assert not lease.armed, "only itself: 1 of 5"
+    monitor.gens.store.set(key("hb", 1), "1 0 0 None idle")
+    monitor._look_at_majority(members, {})
+    assert not lease.armed, "2 of 5"
+    monitor.gens.store.set(key("lhb", "c"), "9")
+    monitor._look_at_majority(members, {})
+    assert lease.armed and monitor.answered_at > 0
+    monitor.gens.store.set("complete", "0")
+    monitor._look_at_majority(members, {})
+    assert not lease.armed and not lease.expired(1e9)

@@ -161,3 +161,26 @@ def test_what_a_client_read_as_exited_is_kept_as_a_fact_whatever_was_suspected_f
     gens.declare_dead([1], "exited: killed by signal 9 (SIGKILL)")
     assert gens.dead().keys() == {1, 2} and gens.exited == {1}
     assert gens.seen_dead[1].startswith("exited:") and gens.seen_dead[2].startswith("silent:")
+
+
+def test_the_guard_stops_a_client_whose_lease_ran_out_unless_the_job_completed_meanwhile() -> None:
+    """The others leave when the job completed: that is no cut (the last look before a cut-off says so)."""
+    for completed in (True, False):
+        lease = MajorityLease(0.05, me=0, now=0.0)
+        import time
+
+        lease.observe({0, 1, 2}, {1: "a"}, time.monotonic())
+        stopped: list[str] = []
+        guard = LeaseGuard(lease, answered_at=time.monotonic, epoch=lambda: 0, name="process 0", doubt_s=20.0,
+                           grace_s=3.0, tick_s=0.01, stop=stopped.append, last_look=lambda c=completed: c)
+        guard.start()
+        assert guard._thread is not None
+        guard._thread.join(timeout=60)
+        assert not guard._thread.is_alive()
+        assert (stopped == []) is completed, stopped
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
+    lease.disarm()
+    assert not lease.expired(50.0) and not lease.observe({0, 1, 2}, {}, 50.0)
+    lease.observe({0, 1, 2}, {1: "b", 2: "c"}, 51.0)
+    assert not lease.expired(99.0), "never armed again once the job completed"
