@@ -315,7 +315,10 @@ class Monitor:
         """Whether declaring ``lost`` dead leaves a majority of the members that may still run; said once per
         decision when it does not."""
         dead = self.gens.dead()
-        if majority_left(members, dead=dead.keys(), lost=lost, exited=self.gens.exited, vouched=vouched):
+        with self.lease_lock:  # the survivors are those seen within the detector's timeout, not merely undeclared
+            alive = None if self.lease is None else self.lease.fresh(time.monotonic(), self.timeout_s)
+        if majority_left(members, dead=dead.keys(), lost=lost, exited=self.gens.exited, vouched=vouched,
+                         alive=alive):
             return True
         if (gen, lost) not in self._refused:
             self._refused.add((gen, lost))

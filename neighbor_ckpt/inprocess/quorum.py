@@ -56,13 +56,16 @@ def majority(quorum_set: Iterable[int]) -> int:
 
 
 def majority_left(members: Iterable[int], *, dead: Iterable[int], lost: Iterable[int], exited: Iterable[int],
-                  vouched: Iterable[int] = ()) -> bool:
+                  vouched: Iterable[int] = (), alive: Optional[Iterable[int]] = None) -> bool:
     """Whether declaring ``lost`` dead leaves a majority of the quorum set (pure). ``members``: the generation's;
     ``dead``: declared already; ``exited``: gone for sure (a launcher saw the exit); ``vouched``: processes whose own
-    launcher beats on this store (declared, they are killed: gone for sure too)."""
+    launcher beats on this store (declared, they are killed: gone for sure too); ``alive``: the members seen lately
+    (None: every member not declared), only those count as left."""
     members = frozenset(members)
     gone = frozenset(exited) | (frozenset(vouched) & frozenset(lost))
     left = members - frozenset(dead) - frozenset(lost) - frozenset(exited)
+    if alive is not None:
+        left &= frozenset(alive)
     return len(left) >= majority(members - gone)
 
 
@@ -104,6 +107,10 @@ class MajorityLease:
             self._renewed, self.armed = max(self._renewed, now), not self._over
             return True
         return False
+
+    def fresh(self, now: float, within_s: float) -> set[object]:
+        """The members seen within ``within_s`` of ``now`` (this client included)."""
+        return {p for p, (_, when) in self._last.items() if now - when <= within_s} | {self.me}
 
     def renewed(self) -> float:
         return self._renewed

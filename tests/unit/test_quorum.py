@@ -34,6 +34,9 @@ def test_a_declaration_must_leave_a_majority_of_the_members_that_may_still_run()
     assert majority_left(range(2), dead=(), lost=(1,), exited=(), vouched=(1,)), \
         "its launcher beats here: declared, it is killed, not running elsewhere"
     assert majority_left(range(3), dead=(1,), lost=(2,), exited=(1,), vouched=(2,))
+    assert not majority_left(range(3), dead=(), lost=(2,), exited=(), alive=(0,)), \
+        "1 is silent too (not seen lately): declaring 2 would leave 0 alone"
+    assert majority_left(range(3), dead=(), lost=(2,), exited=(), alive=(0, 1))
 
 
 def test_the_lease_is_renewed_by_a_majority_of_changing_beats_and_armed_only_once_one_was_seen() -> None:
