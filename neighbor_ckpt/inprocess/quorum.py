@@ -237,9 +237,10 @@ def launcher_lease_s(timeout_s: float, beat_s: float) -> float:
 
 class LauncherLease:
     """A launcher's side of the rules (see the module docstring): its lease over the launchers' beats
-    (``lhb/<node>`` of the nodes listed in ``nodes``, every node of the launch in the quorum set), renewed by
-    :meth:`look` after each of its own beats, and the guard that stops its processes, then itself, when the lease
-    runs out (unless the job completed: ``done``).
+    (``lhb/<node>``), renewed by :meth:`look` after each of its own beats, and the guard that stops its processes,
+    then itself, when the lease runs out (unless the job completed: ``done``). The quorum set is the nodes of the
+    last generation's members (every node of the launch until one formed): like the processes', it changes only
+    through a generation that a majority formed, so nodes lost for good leave it once the survivors re-formed.
 
     Args:
         node: this launcher's node; nodes: how many nodes the launch has.
@@ -251,6 +252,8 @@ class LauncherLease:
 
     def __init__(self, *, node: str, nodes: int, timeout_s: float, beat_s: float, stores: Any, owner: Any) -> None:
         self.node, self.nodes, self.owner = node, nodes, owner
+        self._base: Optional[frozenset[str]] = None
+        self._based_on: Optional[tuple[object, int]] = None
 
         def done() -> bool:
             return bool(stores.over) or getattr(getattr(owner, "_att", None), "complete_at", None) is not None
@@ -275,13 +278,39 @@ class LauncherLease:
         from neighbor_ckpt.inprocess.restart_rendezvous import parse_nodes
 
         s: Any = store
-        names = [n for n in parse_nodes(s.get("nodes") if s.check(["nodes"]) else None) if n != self.node]
+        self._rebase(s)
+        if self._base is not None:
+            names, unknown = sorted(self._base - {self.node}), []
+        else:
+            names = [n for n in parse_nodes(s.get("nodes") if s.check(["nodes"]) else None) if n != self.node]
+            unknown = [f"?{i}" for i in range(max(0, self.nodes - 1 - len(names)))]  # not announced (yet)
         seen = {n: s.get(key("lhb", n)) for n in names if s.check([key("lhb", n)])}
-        unknown = [f"?{i}" for i in range(max(0, self.nodes - 1 - len(names)))]  # not announced (yet)
         now = time.monotonic()
         with self.guard.lock:
             self.answered_at = now
-            self.lease.observe([*names, *unknown], seen, now)
+            self.lease.observe([*names, *unknown, self.node], seen, now)
+
+    def _rebase(self, s: Any) -> None:
+        """The nodes of the current generation's members, once per generation (kept across a restart until the new
+        attempt's first generation formed)."""
+        import json
+
+        from neighbor_ckpt.inprocess.protocol import key
+
+        raw = s.get("gen") if s.check(["gen"]) else None
+        g = int(raw) if raw else 0
+        where = (getattr(s, "prefix", None), g)
+        members_key = key("gen", g, "members")
+        if where == self._based_on or not s.check([members_key]):
+            return
+        nodes = set()
+        for p in json.loads(s.get(members_key))["members"]:
+            rec = s.get(key("proc", p)) if s.check([key("proc", p)]) else None
+            node = json.loads(rec).get("node") if rec else None
+            if node is not None:
+                nodes.add(str(node))
+        if nodes:
+            self._base, self._based_on = frozenset(nodes | {self.node}), where
 
     def stop(self, why: str) -> None:
         """Cut off: this launcher's processes first (SIGKILL: they write nothing more either), then itself."""

@@ -187,3 +187,30 @@ def test_the_guard_stops_a_client_whose_lease_ran_out_unless_the_job_completed_m
     assert not lease.expired(50.0) and not lease.observe({0, 1, 2}, {}, 50.0)
     lease.observe({0, 1, 2}, {1: "b", 2: "c"}, 51.0)
     assert not lease.expired(99.0), "never armed again once the job completed"
+
+
+def test_a_launchers_quorum_set_is_every_node_then_the_nodes_of_the_last_generation(
+        stores: tuple[list[Any], StoreAddresses]) -> None:
+    """4 nodes: before a generation formed every node counts (node0 alone with node3: 2 of 4, no majority); once
+    generation 1 formed on nodes 0, 2, 3 (node 1 lost for good), node0 with node3 are 2 of 3."""
+    import json
+    from types import SimpleNamespace
+
+    from neighbor_ckpt.inprocess.quorum import LauncherLease
+
+    masters, _ = stores
+    s = dist.PrefixStore("job/0/", masters[0])
+    fake = SimpleNamespace(timeout_s=4.0, promotion_wait_s=14.0, move_bound_s=6.0, epoch=0, over=False)
+    lease = LauncherLease(node="node0", nodes=4, timeout_s=2.0, beat_s=0.5, stores=fake,
+                          owner=SimpleNamespace(_att=None))
+    s.set("nodes", "node0,node1,node2,node3,")
+    s.set("lhb/node3", "1")
+    lease.look(s)
+    assert not lease.lease.armed
+    for p, node in enumerate(("node0", "node1", "node2", "node3")):
+        s.set(f"proc/{p}", json.dumps({"node": node}))
+    s.set("gen/1/members", json.dumps({"members": [0, 2, 3], "progressed": True, "hangs": 0}))
+    s.set("gen", "1")
+    s.set("lhb/node3", "2")
+    lease.look(s)
+    assert lease.lease.armed and lease._base == {"node0", "node2", "node3"}
