@@ -78,7 +78,7 @@ from neighbor_ckpt.inprocess.quorum import LeaseGuard, MajorityLease, cut_off, c
 from neighbor_ckpt.inprocess.spare_slot import SPARE_SLOT_THREAD, SpareSlot
 from neighbor_ckpt.inprocess.store_auth import TUNNEL_THREAD
 from neighbor_ckpt.inprocess.store_clients import StoreClients, open_stores
-from neighbor_ckpt.inprocess.stores import CLIENT_THREAD, NoPromotedStore, StoreAddresses, StoreSet, StoresLost
+from neighbor_ckpt.inprocess.stores import CLIENT_THREAD, StoreAddresses, StoreSet, StoresLost
 from neighbor_ckpt.recovery.attempt import AttemptInfo
 from neighbor_ckpt.recovery.reshard import ElasticPolicy
 from neighbor_ckpt.runtime.procs import flush_logs, stall_report
@@ -384,7 +384,10 @@ class InprocessRecovery:
     def run(self, fn: Callable[[Attempt], Any]) -> Any:
         """Call ``fn(attempt)`` in generation after generation until the job completes. Returns ``fn``'s value
         (None on a spare never used); raises ``SystemExit(FALLBACK_EXIT_CODE)`` after one log line when in-process
-        recovery gives up, ``SystemExit(EXIT_FENCED)`` when this process was declared dead."""
+        recovery gives up, ``SystemExit(EXIT_FENCED)`` when this process was declared dead; leaves with
+        :data:`~neighbor_ckpt.inprocess.protocol.EXIT_CUT_OFF` (``os._exit``: nothing more is written) when it is
+        cut off from the majority (no quorum, no promoted store, or its lease ran out:
+        :mod:`~neighbor_ckpt.inprocess.quorum`)."""
         if completed(self.identity.complete_file, self.identity.run_id):
             return None  # the job completed before this process started (a late replacement): no store to ask
         self._main_tid = self.aborts.main_tid = threading.get_ident()
@@ -421,13 +424,9 @@ class InprocessRecovery:
         except Fenced as e:
             logger.error("%s: %s: exiting with status %d", self.state.name(), e, protocol.EXIT_FENCED)
             raise SystemExit(protocol.EXIT_FENCED) from None
-        except (QuorumLost, NoPromotedStore) as e:  # the other side may go on: write nothing more, now
+        except (QuorumLost, StoresLost) as e:  # no majority, no promoted store: the others may go on without it
             cut_off(self.state.name(), str(e))
-            raise  # not reached (os._exit); a test's exit that returns ends here
-        except StoresLost as e:
-            self.gave_up = str(e)
-            logger.error("neighbor_ckpt: %s: exiting with status %d", e, FALLBACK_EXIT_CODE)
-            raise SystemExit(FALLBACK_EXIT_CODE) from None
+            raise  # not reached (os._exit)
         except _GiveUp as e:
             self.gave_up = e.reason
             main.give_up(e.reason)
