@@ -278,7 +278,10 @@ class LauncherLease:
         from neighbor_ckpt.inprocess.restart_rendezvous import parse_nodes
 
         s: Any = store
-        self._rebase(s)
+        try:
+            self._rebase(s)
+        except (ValueError, KeyError, TypeError) as e:  # a garbled record: the base stays as it was
+            logger.warning("launcher %s: the last generation's nodes: %s", self.node, e)
         if self._base is not None:
             names, unknown = sorted(self._base - {self.node}), []
         else:

@@ -450,8 +450,8 @@ class StoreSet:
                 return self.epoch
             logger.error("%s: %s does not answer (%s): failing over", self.name, self.addresses.describe(epoch), why)
             if epoch + 1 >= len(self.addresses):
-                raise StoresLost(f"{self.name}: no store after {self.addresses.describe(epoch)} in the list: the job "
-                                 "cannot go on in process")
+                raise StoresLost(f"{self.name}: no store of the {len(self.addresses)} answers (the last: "
+                                 f"{self.addresses.describe(epoch)}): the job cannot go on in process")
             deadline = time.monotonic() + self.promotion_wait_s
             voted: set[int] = set()
             answered = False
