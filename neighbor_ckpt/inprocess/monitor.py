@@ -180,6 +180,8 @@ class Monitor:
         listener: the failure push (its records wake this thread too).
         interval_s, timeout_s, hang_timeout_s: ``neighbor_ckpt.detector``.
         exit: how to leave when fenced (``os._exit``; tests pass a recorder).
+        lease: the cut-off lease this monitor renews each round (:class:`~neighbor_ckpt.inprocess.quorum.
+            MajorityLease`; None: none), under ``lease_lock`` (its guard's).
     """
 
     def __init__(self, gens: GenerationStore, *,
