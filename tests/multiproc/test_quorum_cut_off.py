@@ -68,7 +68,7 @@ def members(tmp_path: Path) -> Iterator[tuple[dist.TCPStore, list[subprocess.Pop
     try:
         for proc in procs:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "armed", "a member did not start"
-        yield dist.PrefixStore("job/0/", master), procs
+        yield dist.PrefixStore("job/0", master), procs  # the same keys as the members' views
     finally:
         for proc in procs:
             os.kill(proc.pid, signal.SIGCONT) if proc.poll() is None else None
@@ -83,12 +83,15 @@ def _log(tmp_path: Path, p: int) -> str:
 def test_a_process_left_alone_with_the_store_declares_nobody_and_cuts_itself_off(
         members: tuple[dist.TCPStore, list[subprocess.Popen]], tmp_path: Path) -> None:
     store, procs = members
+    assert store.check(["hb/0"]), "the test reads the members' keys"
     for proc in procs[1:]:
         os.kill(proc.pid, signal.SIGSTOP)
-    assert procs[0].wait(timeout=120) == protocol.EXIT_CUT_OFF
+    code = procs[0].wait(timeout=120)
     log = _log(tmp_path, 0)
+    assert code == protocol.EXIT_CUT_OFF, log
     assert log.count(CUT_OFF) == 1 and "while the store answers" in log, log
-    assert not store.check(["dead"]) and not store.check(["gen/0/failed"]), "nobody declared: nothing written"
+    dead = store.get("dead") if store.check(["dead"]) else None
+    assert dead is None and not store.check(["gen/0/failed"]), ("nobody declared: nothing written", dead, log)
 
 
 def test_one_silent_process_of_three_is_declared_by_the_two_others_who_go_on(
