@@ -234,6 +234,10 @@ def test_sigkill_of_a_launcher_takes_its_processes_with_it_and_sigterm_stops_the
     assert run.wait("node1") == 128 + signal.SIGTERM, run.logs()
     assert _gone(other["pid"], other["start"])
     assert "stopped by SIGTERM" in (run.tmp / "launcher.node1.log").read_text()
+    third = run.env(3)
+    run.launchers["node2"].terminate()  # alone of three by now: it may have stopped itself, cut off
+    assert run.wait("node2") in (128 + signal.SIGTERM, protocol.EXIT_CUT_OFF), run.logs()
+    _wait("node2's process to go", lambda: _gone(third["pid"], third["start"]))
 
 
 def test_a_launcher_left_without_a_majority_of_the_launchers_stops_its_processes_then_itself(launch) -> None:
