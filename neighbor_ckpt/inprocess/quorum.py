@@ -280,14 +280,17 @@ class LauncherLease:
         s: Any = store
         try:
             self._rebase(s)
-        except (ValueError, KeyError, TypeError) as e:  # a garbled record: the base stays as it was
-            logger.warning("launcher %s: the last generation's nodes: %s", self.node, e)
-        if self._base is not None:
-            names, unknown = sorted(self._base - {self.node}), []
-        else:
-            names = [n for n in parse_nodes(s.get("nodes") if s.check(["nodes"]) else None) if n != self.node]
-            unknown = [f"?{i}" for i in range(max(0, self.nodes - 1 - len(names)))]  # not announced (yet)
-        seen = {n: s.get(key("lhb", n)) for n in names if s.check([key("lhb", n)])}
+            if self._base is not None:
+                names, unknown = sorted(self._base - {self.node}), []
+            else:
+                names = [n for n in parse_nodes(s.get("nodes") if s.check(["nodes"]) else None) if n != self.node]
+                unknown = [f"?{i}" for i in range(max(0, self.nodes - 1 - len(names)))]  # not announced (yet)
+            seen = {n: s.get(key("lhb", n)) for n in names if s.check([key("lhb", n)])}
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            # a garbled record, or a key found on one store and asked of the next (a move in between: torch's
+            # DistStoreError): no look this time
+            logger.debug("launcher %s: a look at the launchers' beats: %s", self.node, e)
+            return
         now = time.monotonic()
         with self.guard.lock:
             self.answered_at = now
