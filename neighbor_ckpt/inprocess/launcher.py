@@ -438,7 +438,7 @@ class Launcher:
         self._beats += 1
         beat = str(self._beats)
         self._try(attempt, lambda s: s.set(key("lhb", self.plan.node), beat))
-        self._try(attempt, self._lease.look)  # the others' beats under the same prefix: the cut-off lease
+        self._try(attempt, lambda s: self._lease.look(s, self._store(attempt - 1) if attempt else None))  # lease
 
     def _report(self, att: _Attempt) -> None:
         info = json.dumps({"pid": self.pid, "processes": sorted(att.children)})

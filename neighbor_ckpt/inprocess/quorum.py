@@ -271,9 +271,10 @@ class LauncherLease:
                                 name=f"launcher {node}", doubt_s=doubt_s, grace_s=grace_s, stop=self.stop, done=done,
                                 last_look=last_look)
 
-    def look(self, store: object) -> None:
+    def look(self, store: object, before: object = None) -> None:
         """One look at the launchers' beats, through ``store`` (a view under the attempt's prefix this launcher
-        beats in); raises what the store raises."""
+        beats in) and ``before`` (the previous attempt's, during a restart: a launcher still stopping its processes
+        or meeting the others beats there); raises what the store raises."""
         from neighbor_ckpt.inprocess.protocol import key
         from neighbor_ckpt.inprocess.restart_rendezvous import parse_nodes
 
@@ -285,7 +286,10 @@ class LauncherLease:
             else:
                 names = [n for n in parse_nodes(s.get("nodes") if s.check(["nodes"]) else None) if n != self.node]
                 unknown = [f"?{i}" for i in range(max(0, self.nodes - 1 - len(names)))]  # not announced (yet)
-            seen = {n: s.get(key("lhb", n)) for n in names if s.check([key("lhb", n)])}
+            views: list[Any] = [s] if before is None else [s, before]
+            seen = {n: tuple(v.get(key("lhb", n)) if v.check([key("lhb", n)]) else None for v in views)
+                    for n in names}
+            seen = {n: v for n, v in seen.items() if any(x is not None for x in v)}
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             # a garbled record, or a key found on one store and asked of the next (a move in between: torch's
             # DistStoreError): no look this time
