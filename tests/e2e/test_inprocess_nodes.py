@@ -221,12 +221,13 @@ def test_two_nodes_that_lose_one_whole_stop_cut_off_from_the_majority_and_write_
     assert "in-process recovery gives up" not in res.log and "restart 1" not in res.log, res.log[-6000:]
 
 
-def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_without_it_at_dp2(
+def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_without_it_at_dp3(
         nodes_elastic_baseline: RunResult, tmp_path) -> None:
-    """Elastic, one spare on a third node (the majority with node 0): node 1 lost in step 5, then rank 0 killed while it loads the resharded state: in-process
-    recovery gives up, the launchers restart the job, and the restart goes on without node 1 (lost for good): the
-    restarted job reshards the DP-4 snapshots of node 0's host memory to DP 2 (one version back: the one the dead
-    recovery loaded is never chosen again) and finishes, the same samples, the losses within 1e-4 from there."""
+    """Elastic, one spare on a third node (the majority with node 0): node 1 lost in step 5, then rank 0 killed while
+    it loads the resharded state: in-process recovery gives up, the launchers restart the job, and the restart goes
+    on without node 1 (lost for good): the restarted job (node 0's two processes and the spare) reshards the DP-4
+    snapshots of node 0's host memory to DP 3 (one version back: the one the dead recovery loaded is never chosen
+    again) and finishes, the same samples, the losses within 1e-4 from there."""
     res = launch_inprocess(tmp_path, active=ACTIVE, spares=1, devices=DEVICES, max_restarts=1, ELASTIC=1,
                            RECOVERY_KILL_RANK=0, **NODE_KILL, **ELASTIC_ENV)
     assert res.returncode == 0, res.log[-8000:]
@@ -238,8 +239,8 @@ def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_withou
     steps = ELASTIC_ENV["STEPS"]
     assert set(range(steps)) <= set(got), sorted(got)
     # The iteration the dead recovery restored (4) is never chosen again (the restore journal): the restarted job
-    # reshards iteration 3 and runs steps 4.. at DP 2.
-    assert "resharded iteration 3 from data-parallel size 4 (4 ranks) to 2 (2 ranks)" in res.log, res.log[-6000:]
+    # reshards iteration 3 and runs steps 4.. at DP 3.
+    assert "resharded iteration 3 from data-parallel size 4 (4 ranks) to 3 (3 ranks)" in res.log, res.log[-6000:]
     for step in range(steps):
         ref = base[step][-1]
         first, last = got[step][0], got[step][-1]  # the first launch attempt's, the restarted job's
@@ -248,4 +249,4 @@ def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_withou
             assert (first["loss"], first["dp"]) == (ref["loss"], 4), (step, first, ref)
         if step >= KILL_STEP - 1:
             a, b = float.fromhex(last["loss"]), float.fromhex(ref["loss"])
-            assert last["launch_attempt"] == 1 and last["dp"] == 2 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+            assert last["launch_attempt"] == 1 and last["dp"] == 3 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
