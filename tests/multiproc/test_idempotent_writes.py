@@ -183,8 +183,8 @@ def test_a_replayed_exited_counts_once_and_a_failover_in_the_restart_rendezvous_
     """Two launchers (their loops not run: the test drives their store writes) on store 0 behind the proxy, store 1
     a standby. Both joined attempt 1's restart rendezvous; node1's process 1 exited and its ``exited`` write is still
     queued behind a write that needs a reply. Store 0 stops answering (every reply dropped): node1's launcher fails
-    over to store 1, its failover handler writes its facts there (``exited``, its join), then the queued write goes
-    there too. node0's launcher follows the promoted store and writes its join again. On store 1: process 1 exited
+    over to store 1 (node0's launcher loses it too: their two votes promote store 1), each failover handler writes its
+    facts there (``exited``, its join), then the queued write goes there too. On store 1: process 1 exited
     once (no premature "every process exited"), and both launchers joined attempt 1."""
     l0, l1 = _launcher("node0", proxy.port, hosts[1], tmp_path), _launcher("node1", proxy.port, hosts[1], tmp_path)
     try:
@@ -195,14 +195,22 @@ def test_a_replayed_exited_counts_once_and_a_failover_in_the_restart_rendezvous_
             launcher._rendezvous.joining = 1  # as meet(1) does, before it waits
             launcher._later(1, lambda s, n=launcher.plan.node: s.append("joined", f"{n},"))
         old = _direct(hosts[0], protocol.launch_prefix("r", 1))
-        assert set(parse_nodes(old.get("joined"))) == {"node0", "node1"}
+        deadline = time.monotonic() + 30  # torch's client sends an append without waiting for its reply
+        while set(parse_nodes(old.get("joined") if old.check(["joined"]) else None)) != {"node0", "node1"}:
+            assert time.monotonic() < deadline, old.get("joined") if old.check(["joined"]) else "no joined key"
+            time.sleep(0.05)
 
         proxy.mute()
         l1._att.exited.add(1)  # as _reap does: the fact first, then its write
         l1._outbox += [(0, lambda s: s.check(["dead"])), (0, lambda s: mark_exited(s, (1,)))]
+        # node0 loses store 0 as well: a standby is promoted by a majority of the launchers' votes (2 of 2 here)
+        l0._outbox += [(0, lambda s: s.check(["dead"]))]
+        other = threading.Thread(target=l0._flush, name="node0-flush")
+        other.start()
         l1._flush()  # the check fails over (its reply never comes), the handler writes, then the queued write
-        assert l1.stores.epoch == 1 and not l1._outbox
-        assert l0.stores.follow_newer() == 1
+        other.join(120)
+        assert not other.is_alive()
+        assert l1.stores.epoch == 1 and l0.stores.epoch == 1 and not l1._outbox and not l0._outbox
 
         new0, new1 = _direct(hosts[1], protocol.launch_prefix("r", 0)), _direct(hosts[1], protocol.launch_prefix("r", 1))
         assert new0.get("exited") == b"1,1,", "written twice: by the failover handler and by the queued write"
