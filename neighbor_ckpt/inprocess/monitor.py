@@ -321,8 +321,11 @@ class Monitor:
         """Whether declaring ``lost`` dead leaves a majority of the members that may still run; said once per
         decision when it does not."""
         dead = self.gens.dead()
-        with self.lease_lock:  # the survivors are those seen within the detector's timeout, not merely undeclared
-            alive = None if self.lease is None else self.lease.fresh(time.monotonic(), self.timeout_s)
+        # The survivors are those seen within the lease, not merely undeclared nor within the detector's timeout: the
+        # peers on the far side of a cut go silent together, and the first to pass timeout_s would otherwise be
+        # declared while the others still counted as seen (a minority's spare once declared a majority member so)
+        with self.lease_lock:
+            alive = None if self.lease is None else self.lease.fresh(time.monotonic(), self.lease.lease_s)
         if majority_left(members, dead=dead.keys(), lost=lost, exited=self.gens.exited, vouched=vouched,
                          alive=alive):
             return True
