@@ -86,11 +86,13 @@ class FaultSpec:
         Once per launch: only in the first launch attempt, and, after generation 0, only at a step beyond the one its
         generation resumed at (the steps up to it ran in an earlier generation, which is where this fault fired or
         was passed). So a fault that killed a rank in step 3 does not fire again when the next generation replays
-        step 3, and one at step 7 fires in that next generation."""
+        step 3, and one at step 7 fires in that next generation. A partition fires in generation 0 only: the rank
+        that cuts survives it, and a cut early in training can be replayed from an iteration before its step (the
+        campaign saw one cut twice, 14 s apart)."""
         victim = {"rank": rank == self.rank, "store_node": hosts_store, "partition": rank == self.rank,
                   "node": node is not None and node == self.node}[self.target]
-        return (launch == 0 and victim and step == self.step and phase == self.phase
-                and (generation == 0 or step > start_step))
+        later = generation == 0 or (step > start_step and self.target != "partition")
+        return launch == 0 and victim and step == self.step and phase == self.phase and later
 
     def describe(self) -> str:
         """``SIGKILL of rank 1 in the optimizer phase of step 5``."""

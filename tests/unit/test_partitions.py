@@ -89,6 +89,9 @@ def test_a_partition_fault_needs_its_nodes_and_is_refused_outside_a_simulated_ne
                            "step 5"
     assert f.fires(rank=2, step=5, phase="optimizer", launch=0, generation=0, start_step=0)
     assert not f.fires(rank=0, step=5, phase="optimizer", launch=0, generation=0, start_step=0)
+    # once: the rank that cut survives, and a generation that replays from an iteration before the cut's step (a cut
+    # early in training) does not cut again
+    assert not f.fires(rank=2, step=5, phase="optimizer", launch=0, generation=1, start_step=3)
     with pytest.raises(ConfigError) as e:
         cfg.fault_injection.refuse_unsupported(where=" by this injector")
     assert str(e.value) == ("neighbor_ckpt.fault_injection.target: partition (a cut between simulated nodes) needs "
