@@ -44,11 +44,14 @@ def test_each_partition_kind_plans_its_cut_in_the_config_of_an_in_process_case_i
         assert c.recipe_args() == [], "the config's fault_injection cuts it, not --kill"
         cfg = NeighborCkptConfig.from_yaml(write_config(tmp_path / f"{c.index}.yaml",
                                                         base=write_config(tmp_path / "base.yaml"),
-                                                        inprocess_spares=c.spares, faults=c.planned_faults))
+                                                        inprocess_spares=c.spares, faults=c.planned_faults,
+                                                        hang=True))
         assert [(f.target, f.rank, f.step, f.phase, f.nodes, f.traffic, f.heal_after_s)
                 for f in cfg.fault_injection.planned()] == [
             ("partition", CUTTING_RANK, c.step, "optimizer", nodes, traffic, heal)]
         assert cfg.inprocess.enabled and cfg.inprocess.spares == spares
+        # the ranks stall in a collective with their heartbeats alive: the progress tags' bound of test_partitions.py
+        assert cfg.detector.hang_timeout_s == 3.0 and cfg.inprocess.abort_timeout_s == 60.0
     assert not any(c.simulate_network for c in draw_cases(len(KINDS), 5, steps=6) if c.kind not in PARTITION_KINDS)
 
 

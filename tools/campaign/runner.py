@@ -208,7 +208,7 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     elif case.inprocess:
         own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=case.spares, report_dir=out / "reports",
                            faults=case.planned_faults, elastic=case.spec.shrink, stuck=case.signal == "block",
-                           grow_back=case.spec.grow_back)
+                           grow_back=case.spec.grow_back, hang=case.simulate_network)
         rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
                                  steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares,
                                  grow_back=case.spec.grow_back, devices=case.devices,
@@ -346,21 +346,22 @@ def resume_baseline(case: Case, *, run: Path, work: Path, steps: int, config: Pa
 def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0, base: Path | None = None,
                  inprocess_spares: int | None = None, report_dir: Path | None = None,
                  faults: list[dict[str, Any]] | None = None, elastic: bool = False, stuck: bool = False,
-                 grow_back: bool = False) -> Path:
+                 grow_back: bool = False, hang: bool = False) -> Path:
     """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
     middle of streaming leaves a replica really half written. ``base``: that section as written before (the
     campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares),
     ``report_dir`` (where the recovery timeline goes), ``faults`` (``fault_injection.faults``: the faults the recipe
     injects itself), ``elastic`` (``elastic.enabled``) and ``stuck`` (the hang and abort bounds of the CPU job files,
     ``detector.hang_timeout_s`` 3 s and ``inprocess.abort_timeout_s`` 10 s, for a stuck training thread) and
-    ``grow_back`` (``inprocess.grow_back``)."""
+    ``grow_back`` (``inprocess.grow_back``) and ``hang`` (only ``detector.hang_timeout_s`` 3 s: a partition's ranks
+    stall in a collective with their heartbeats alive, as in tests/e2e/test_partitions.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = base.read_text() if base is not None else (
         f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
         "  store:\n    cleanup_on_success: true\n  transport:\n    chunk_mb: 0.0625\n")
-    if stuck:
+    if stuck or hang:
         if "  detector:\n" not in text:
-            raise ValueError("write_config: stuck=True needs the campaign's detector section in base")
+            raise ValueError("write_config: stuck=True or hang=True needs the campaign's detector section in base")
         text = text.replace("  detector:\n", "  detector:\n    hang_timeout_s: 3.0\n", 1)
     if inprocess_spares is not None:
         text += f"  inprocess:\n    enabled: true\n    spares: {inprocess_spares}\n"
