@@ -38,7 +38,7 @@ def test_each_partition_kind_plans_its_cut_in_the_config_of_an_in_process_case_i
     assert len(drawn) == 3
     for c in drawn:
         assert c.inprocess and c.simulate_network and c.dist_opt and c.tp == 1 and c.phase == "optimizer"
-        assert 1 <= c.step <= 4 and c.expected == "exact" and c.acceptable == ("exact",) and not c.may_fall_back
+        assert (c.step == 1 if heal else 1 <= c.step <= 4) and c.expected == "exact" and c.acceptable == ("exact",) and not c.may_fall_back
         assert (c.spares, c.devices, list(c.victims), c.rank) == (spares, 1, nodes, nodes[0])
         assert c.flavour == (True, 1, False), "the failure-free run of the other in-process cases"
         assert c.recipe_args() == [], "the config's fault_injection cuts it, not --kill"

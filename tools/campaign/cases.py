@@ -373,6 +373,8 @@ def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequ
             case = dataclasses.replace(case, rank=LOST_NODE * DEVICES)
         if spec.partition:  # the first node cut off (for the record: the fault names the nodes)
             case = dataclasses.replace(case, rank=PARTITIONS[spec.partition]["nodes"][0])
+        if spec.partition and PARTITIONS[spec.partition]["heal_after_s"] is not None:  # the most steps after the cut,
+            case = dataclasses.replace(case, step=1)  # so that the job still runs when it heals
         if spec.faults > 1:  # the second fault after the recovered generation completed a step
             first = min(step, steps - 3)
             case = dataclasses.replace(case, step=first, second_rank=rng.randrange(world),
