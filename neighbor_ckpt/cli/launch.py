@@ -606,13 +606,15 @@ def launch_status(codes: Sequence[int]) -> int:
     launchers that reached no store (:data:`~neighbor_ckpt.inprocess.protocol.EXIT_NO_STORE`: the others declared
     their processes dead), and at
     least one succeeded (a launcher exits 0 only once the job completed: the survivors finished it, on spares or on a
-    smaller data-parallel size); else the worst status (a signal's negative status is not lost behind a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process recovery gave up and the
-    restarts are used up)."""
-    from neighbor_ckpt.inprocess.protocol import EXIT_NO_STORE
+    smaller data-parallel size), or cut off from the majority (a partition's minority stopped itself,
+    :data:`~neighbor_ckpt.inprocess.protocol.EXIT_CUT_OFF`); else the worst status (a signal's negative status is
+    not lost behind a 0). A launcher's own statuses: :mod:`neighbor_ckpt.inprocess.launcher` (75: in-process
+    recovery gave up and the restarts are used up)."""
+    from neighbor_ckpt.inprocess.protocol import EXIT_CUT_OFF, EXIT_NO_STORE
 
     ok = sum(c == 0 for c in codes)
     lost = [c for c in codes if c != 0]
-    if all(c in (-signal.SIGKILL, EXIT_NO_STORE) for c in lost) and ok:
+    if all(c in (-signal.SIGKILL, EXIT_NO_STORE, EXIT_CUT_OFF) for c in lost) and ok:
         return 0
     return max(codes, key=abs)
 

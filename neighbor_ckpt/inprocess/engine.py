@@ -74,6 +74,7 @@ from neighbor_ckpt.inprocess.hygiene import HygieneGuard
 from neighbor_ckpt.inprocess.identity import ProcessIdentity
 from neighbor_ckpt.inprocess.monitor import IDLE_TAG, FailureListener, Monitor, Tag
 from neighbor_ckpt.inprocess.peer_listeners import PeerListeners
+from neighbor_ckpt.inprocess.quorum import LeaseGuard, MajorityLease, cut_off, cut_off_lease_s, guard_times
 from neighbor_ckpt.inprocess.spare_slot import SPARE_SLOT_THREAD, SpareSlot
 from neighbor_ckpt.inprocess.store_auth import TUNNEL_THREAD
 from neighbor_ckpt.inprocess.store_clients import StoreClients, open_stores
@@ -93,7 +94,8 @@ PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
                        r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
 """What a collective raises when a peer process died (gloo's, NCCL's words)."""
 
-LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener", CLIENT_THREAD,
+LIFETIME_THREADS = ("neighbor_ckpt-inprocess-monitor", "neighbor_ckpt-inprocess-listener",
+                    "neighbor_ckpt-inprocess-lease", CLIENT_THREAD,
                     TUNNEL_THREAD, "neighbor_ckpt-abort-watchdog", SPARE_SLOT_THREAD, "neighbor-ckpt-prefault-",
                     "TMonitor", "tqdm_monitor")
 """Threads that may outlive a generation: the engine's own (a spare's slot preparation included), tqdm's
@@ -382,7 +384,10 @@ class InprocessRecovery:
     def run(self, fn: Callable[[Attempt], Any]) -> Any:
         """Call ``fn(attempt)`` in generation after generation until the job completes. Returns ``fn``'s value
         (None on a spare never used); raises ``SystemExit(FALLBACK_EXIT_CODE)`` after one log line when in-process
-        recovery gives up, ``SystemExit(EXIT_FENCED)`` when this process was declared dead."""
+        recovery gives up, ``SystemExit(EXIT_FENCED)`` when this process was declared dead; leaves with
+        :data:`~neighbor_ckpt.inprocess.protocol.EXIT_CUT_OFF` (``os._exit``: nothing more is written) when it is
+        cut off from the majority (no quorum, no promoted store, or its lease ran out:
+        :mod:`~neighbor_ckpt.inprocess.quorum`)."""
         if completed(self.identity.complete_file, self.identity.run_id):
             return None  # the job completed before this process started (a late replacement): no store to ask
         self._main_tid = self.aborts.main_tid = threading.get_ident()
@@ -391,11 +396,18 @@ class InprocessRecovery:
         first = main.current() if self.identity.is_replacement else 0
         self._listener = FailureListener(GenerationStore(self.clients.view("listener"), process=self.process),
                                          on_failure=self._on_failure, first=first)
+        lease = MajorityLease(cut_off_lease_s(self.detector.timeout_s, self.detector.interval_s),
+                              me=self.process, now=time.monotonic())
         monitor = Monitor(self._monitor_gens, state=self._monitor_view,
                           progress=self._progress, listener=self._listener,
                           interval_s=self.detector.interval_s, timeout_s=self.detector.timeout_s,
                           hang_timeout_s=self.detector.hang_timeout_s, stores=self.stores,
-                          every_round=lambda: self.listeners.remember(self.clients.view("monitor")))
+                          every_round=lambda: self.listeners.remember(self.clients.view("monitor")), lease=lease)
+        doubt_s, grace_s = guard_times(self.stores, self.detector.timeout_s)
+        guard = LeaseGuard(lease, answered_at=lambda: monitor.answered_at, epoch=lambda: self.stores.epoch,
+                           name=self.state.name(), done=lambda: self.stores.over, lock=monitor.lease_lock,
+                           doubt_s=doubt_s, grace_s=grace_s,
+                           last_look=GenerationStore(self.clients.view("lease"), process=self.process).complete)
         main.store.set(protocol.key("proc", self.process), self.identity.record())
         # Everything alive now (modules, the imports' objects) lives as long as the process: exempt it from
         # collection, so a generation's clean-up collects only what the generation made.
@@ -405,16 +417,16 @@ class InprocessRecovery:
         main.announce_ready()
         self._listener.start()
         monitor.start()
+        guard.start()
         self.stores.start_following()
         try:
             return self._loop(fn, main)
         except Fenced as e:
             logger.error("%s: %s: exiting with status %d", self.state.name(), e, protocol.EXIT_FENCED)
             raise SystemExit(protocol.EXIT_FENCED) from None
-        except StoresLost as e:
-            self.gave_up = str(e)
-            logger.error("neighbor_ckpt: %s: exiting with status %d", e, FALLBACK_EXIT_CODE)
-            raise SystemExit(FALLBACK_EXIT_CODE) from None
+        except (QuorumLost, StoresLost) as e:  # no majority, no promoted store: the others may go on without it
+            cut_off(self.state.name(), str(e))
+            raise  # not reached (os._exit)
         except _GiveUp as e:
             self.gave_up = e.reason
             main.give_up(e.reason)
@@ -423,6 +435,7 @@ class InprocessRecovery:
                          self.process, e.reason, FALLBACK_EXIT_CODE)
             raise SystemExit(FALLBACK_EXIT_CODE) from None
         finally:
+            guard.close()
             monitor.stop()
             self.stores.close()
 
@@ -430,7 +443,6 @@ class InprocessRecovery:
         assignment = initial_assignment(self.world_size, self.spares)
         expected: set[int] = set(range(self.world_size))
         generation = 0
-        formed_on = self.stores.epoch
         if self.identity.is_replacement:  # started by a launcher after generation 0: a spare from the next generation
             generation, assignment, expected = self._join_late(main)
             if generation < 0:
@@ -439,20 +451,19 @@ class InprocessRecovery:
             reason = main.gave_up()
             if reason is not None:
                 raise _GiveUp(f"another process gave up: {reason}")
-            # after a store failover, the next generation needs a majority of the last one's members that may still
-            # run: a minority cut off with a standby of its own must not go on beside the others
-            last = self.state.members if self.stores.epoch != formed_on else frozenset()
+            # every generation after the first needs a majority of the last one's members that may still run: a
+            # minority cut off from the others (with the store, or a standby) must not go on beside them
+            last = self.state.members if generation > 0 else frozenset()
             if generation > 0:
                 self._publish_holdings(main, generation)
             self.state.joining = generation
             try:
                 members = main.join(generation, expected=expected, timeout_s=self.config.barrier_timeout_s,
                                     quorum_of=last)
-            except (BarrierTimeout, QuorumLost) as e:
+            except BarrierTimeout as e:
                 raise _GiveUp(str(e)) from None
             finally:
                 self.state.joining = None
-            formed_on = self.stores.epoch
             st = self.state
             st.generation, st.members, st.members_record = generation, members.members, members
             self.event("initialize")

@@ -1,8 +1,10 @@
 """What a process writes again to a new store after a failover, from its own memory.
 
 A standby store starts empty. Every process that moves to it writes there what the next generation needs to form
-(:mod:`neighbor_ckpt.inprocess.stores` says why this is enough): its ``proc/<p>`` record and readiness, the deaths it
-has seen, the current generation's barrier outcome and assignment, its progress and ``finished`` entry, the
+(:mod:`neighbor_ckpt.inprocess.stores` says why this is enough): its ``proc/<p>`` record and readiness, the exits it
+has seen (facts: a launcher saw the process exit; never a suspicion of its own or another detector's, ``silent`` or
+``hung``: a client that comes back from the minority side of a partition would fence the healthy majority with
+them), the current generation's barrier outcome and assignment, its progress and ``finished`` entry, the
 generation's failure (kind ``store`` when none was recorded and the training thread is still inside), its gloo
 listeners and its arrival at a barrier it is joining. :class:`ReplayFacts` is what one process knows (pure, frozen);
 :func:`replay` writes it.
@@ -28,7 +30,7 @@ class ReplayFacts:
     record: str
     """This process's ``proc/<p>`` value."""
     dead: Mapping[int, str]
-    """Every death this process has seen (process -> reason)."""
+    """Every death this process has seen (process -> reason); only exits (``exited:``) are written again."""
     generation: int
     """The generation this process is in."""
     members: Optional[Members] = None
@@ -53,8 +55,9 @@ def replay(gens: GenerationStore, facts: ReplayFacts, *, by: str, why: str, new_
     s, g = gens.store, facts.generation
     s.set(protocol.key("proc", gens.process), facts.record)
     gens.announce_ready()
-    if facts.dead:
-        s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(facts.dead.items())))
+    gone = "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(facts.dead.items()) if r.startswith("exited:"))
+    if gone:
+        s.append("dead", gone)
     if facts.members is not None:
         s.compare_set(protocol.key("gen", g, "members"), "", facts.members.to_json())
     if facts.assignment is not None:

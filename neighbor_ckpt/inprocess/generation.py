@@ -8,6 +8,21 @@ written once (``gen/<g>/members``), and every process derives its rank from it w
 :func:`~neighbor_ckpt.inprocess.assignment.next_assignment`. Key names and formats:
 :mod:`neighbor_ckpt.inprocess.protocol`.
 
+**Split brain (a network partition).** Every training step needs every rank of its generation (the data-parallel
+all-reduce), so once the network is cut neither side completes a step of the generation it was in. A new generation
+forms only with more than half of the last one's members that may still run (its members, idle spares included,
+less those whose exit a launcher saw: :func:`quorum`), at every generation; a detector declares nobody dead when the
+processes it would leave are not such a majority (:func:`~neighbor_ckpt.inprocess.quorum.majority_left`); and a
+standby store is promoted only by a majority of the launchers' votes (:mod:`~neighbor_ckpt.inprocess.stores`). At
+most one side of a cut holds a majority, so at most one side forms a generation. The other side stops itself: a
+process or launcher that sees no majority's heartbeats for its lease (shorter than the ``detector.timeout_s`` of
+silence the majority waits for before it declares anyone dead, and the barrier after it) logs one line, "cut off
+from the majority", writes nothing more and exits (:mod:`~neighbor_ckpt.inprocess.quorum`); one that can reach no
+store waits, bounded, for a store the majority promoted, and is cut off when none comes. When the cut heals, a
+client that moves to the majority's store writes there only facts (exits a launcher saw), never its own
+suspicions, so it cannot fence a member of the majority; it finds itself fenced (declared dead, or not a member of
+the current generation) and exits, or its node's processes come back as spares (``grow_back``).
+
 **Fencing.** A process declared dead (its launcher saw it exit, or a detector found it silent or hung) is listed in
 ``dead`` for good: when it runs again (a SIGSTOPped process resumed) it finds itself there at its next store access
 and exits with :data:`~neighbor_ckpt.inprocess.protocol.EXIT_FENCED`; the generations after its own use process
@@ -45,7 +60,7 @@ class BarrierTimeout(NeighborCkptError):
 
 
 class QuorumLost(NeighborCkptError):
-    """After a store failover, fewer than a majority of the last generation's members joined the next one."""
+    """Fewer than a majority of the last generation's members that may still run joined the next one."""
 
 
 @dataclass(frozen=True)
@@ -175,8 +190,8 @@ def exited(raw: bytes | str | None) -> set[int]:
 
 
 def quorum(last: frozenset[int], gone: set[int]) -> int:
-    """The fewest live processes a generation may form with after a store failover (pure): more than half of the
-    last generation's members that may still run (``gone``: those whose exit a launcher saw)."""
+    """The fewest live processes a generation may form with (pure): more than half of the last generation's members
+    that may still run (``gone``: those whose exit a launcher saw)."""
     return len(last - gone) // 2 + 1
 
 
@@ -190,7 +205,10 @@ class GenerationStore:
         self.process = process
         self.name = name or f"process {process}"
         self.seen_dead: dict[int, str] = {}
-        """Every process this client has read in ``dead`` (written again after a store failover)."""
+        """Every process this client has read in ``dead`` (only those whose exit a launcher saw are written again
+        after a store failover: the rest are suspicions, :mod:`~neighbor_ckpt.inprocess.failover_replay`)."""
+        self.exited: set[int] = set()
+        """The processes of ``dead`` whose exit a launcher saw, as of the last read (:func:`exited`)."""
 
     # -- reads --------------------------------------------------------------------------------------------------
 
@@ -198,9 +216,14 @@ class GenerationStore:
         return self.store.get(k) if self.store.check([k]) else None
 
     def dead(self) -> dict[int, str]:
-        dead = parse_dead(self._get("dead"))
+        raw = self._get("dead")
+        dead = parse_dead(raw)
+        self.exited = exited(raw)
         for p, why in dead.items():
             self.seen_dead.setdefault(p, why)
+        for p in self.exited:  # a fact now, whatever was suspected of it first
+            if not self.seen_dead[p].startswith("exited:"):
+                self.seen_dead[p] = f"exited: after {self.seen_dead[p]}"
         return dead
 
     def ready(self) -> list[int]:
@@ -337,14 +360,16 @@ class GenerationStore:
              poll_s: float = 0.01, quorum_of: Iterable[int] = ()) -> Members:
         """Arrive at ``generation``'s barrier and return its canonical outcome, once every expected process arrived
         or was declared dead (whoever sees that first writes the outcome; everyone reads the same). ``quorum_of``
-        (after a store failover: the last generation's members): the generation needs more than half of those of
-        them whose exit no launcher reported, i.e. that may still run, cut off with a standby of their own
-        (:func:`quorum`).
+        (the last generation's members; every generation after the first): the generation needs more than half of
+        those of them whose exit no launcher reported, i.e. that may still run, cut off with the other side of a
+        partition (:func:`quorum`); while fewer are live it does not form, and waits for the launchers' reports of
+        exits (a process declared dead is killed by its launcher, which reports it).
 
         Raises:
             Fenced: this process was declared dead.
             BarrierTimeout: not complete within ``timeout_s`` (the processes still missing are named).
-            QuorumLost: every expected process arrived or was declared dead, and fewer than the quorum are live."""
+            QuorumLost: every expected process arrived or was declared dead within ``timeout_s``, and fewer than
+                the quorum were live."""
         last = frozenset(quorum_of)
         members_key = key("gen", generation, "members")
         arrived_key = key("gen", generation, "arrived")
@@ -361,15 +386,18 @@ class GenerationStore:
                              f"{generation} formed")
             arrived = set(parse_list(self._get(arrived_key)))
             missing = want - arrived - dead.keys()
+            short: Optional[tuple[int, int]] = None
             if not missing:
                 live = arrived - dead.keys()
                 need = quorum(last, exited(self._get("dead"))) if last else 0
-                if len(live) < need:
-                    raise QuorumLost(f"generation {generation} would form with {len(live)} process(es) after a store "
-                                     f"failover, fewer than a majority ({need}) of the last generation's that may "
-                                     "still run: the others may go on elsewhere, so these stop")
-                return self._admitted(self._settle(generation, live))
+                if len(live) >= need:
+                    return self._admitted(self._settle(generation, live))
+                short = (len(live), need)
             if time.monotonic() > deadline:
+                if short is not None:
+                    raise QuorumLost(f"generation {generation} would form with {short[0]} process(es), fewer than a "
+                                     f"majority ({short[1]}) of the last generation's that may still run: the others "
+                                     "may go on elsewhere, so these stop")
                 raise BarrierTimeout(f"generation {generation} did not form within {timeout_s:g} s "
                                      f"(inprocess.barrier_timeout_s): processes {sorted(missing)} neither joined nor "
                                      f"were declared dead")

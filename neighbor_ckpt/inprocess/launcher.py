@@ -20,6 +20,7 @@ suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``W
 * :data:`~protocol.EXIT_FENCED`, or a process already listed in ``dead`` (this launcher killed it because a detector
   listed it, or it exited after being listed): nothing more, it is declared already;
 * :data:`~protocol.EXIT_FALLBACK`: the job gives up in-process recovery: the launcher-level restart below;
+* :data:`~protocol.EXIT_CUT_OFF` (cut off from the majority): declared dead like any exit, but final: no replacement;
 * anything else (a signal, an error, :data:`~protocol.EXIT_HYGIENE`, :data:`~protocol.EXIT_ABORT_HUNG`): the
   launcher declares the process dead: it appends ``"<p>:exited: <how>;"`` to ``dead`` and records the current
   generation's failure (``gen/<g>/failed``, kind ``exited``, first ``compare_set`` wins), the push every survivor
@@ -55,12 +56,12 @@ process that starts after completion finds the marker and exits 0 without a stor
 
 **Exit status**: 0 once ``complete`` is set and its processes have exited (they get ``--complete-grace`` seconds,
 then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
-:data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (the launcher keeps reaping its
-processes meanwhile, queues what it has to write, and tries to reconnect every few seconds; a store that comes back
-in time changes nothing); :data:`~protocol.EXIT_NO_STORE` when it can connect to no store at the start (the others'
+:data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (it reaps, queues its writes
+and reconnects meanwhile); :data:`~protocol.EXIT_NO_STORE` when it can connect to no store at the start (the others'
 roll call declares its processes dead: :mod:`~neighbor_ckpt.inprocess.roll_call`); 1 when the first store operation
 fails, the restart's rendezvous times out, or the roll call leaves too few processes for the job's ranks;
-``128 + signal`` when it was stopped by SIGTERM/SIGINT/SIGHUP. Every one of them comes with one log line.
+``128 + signal`` when stopped by SIGTERM/SIGINT/SIGHUP; :data:`~protocol.EXIT_CUT_OFF` when it saw no majority of the
+launchers' beats for its lease (:mod:`~neighbor_ckpt.inprocess.quorum`; its processes SIGKILLed first). One line each.
 
 **No process outlives it.** Each process starts in a session of its own (its process group is what the launcher
 signals, so what the process started goes with it) with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: SIGKILL of the launcher
@@ -68,20 +69,13 @@ kills its processes, which is how a test loses a node. On its own way out the la
 SIGKILLs it after ``--grace`` seconds. (What a process started in a session of its own is not reached when the
 launcher is SIGKILLed; torchrun does no better.)
 
-**Why plain** :class:`subprocess.Popen` **and not torch.distributed.elastic's pieces.** ``start_processes`` returns a
-``PContext`` that runs a fixed set of processes as one group: ``wait()`` reports the group failed when any one fails
-and ``close()`` stops them all, with no way to start one process into a running group (a replacement) or to let the
-others run on after one died, which is the whole point here; its log redirection and ``tee`` are built around that
-context. ``SubprocessHandler`` is a thin ``Popen(start_new_session=True)`` whose constructor gives no way to pass the
-``preexec_fn`` that sets the parent-death signal short of overriding its private ``_popen``. So: ``Popen`` with
-``start_new_session=True`` (as ``SubprocessHandler``) and that ``preexec_fn``; the processes write to the launcher's
-stdout and stderr (the launch log), as ``ft_launcher``'s workers did.
+Why plain :class:`subprocess.Popen` and not torch.distributed.elastic's pieces:
+:mod:`~neighbor_ckpt.inprocess.launcher_children`.
 
 The pure decisions (:mod:`~neighbor_ckpt.inprocess.launcher_plan`: :class:`LauncherPlan` from argv,
 :func:`child_env`, :func:`classify_exit`; :func:`parse_dead` from :mod:`~neighbor_ckpt.inprocess.generation`) are
-apart from the loop (:class:`Launcher`) and tested in one process
-(``tests/unit/test_inprocess_launcher.py``); the loop with toy programs and a real store host
-(``tests/multiproc/test_inprocess_launcher.py``).
+apart from the loop (:class:`Launcher`) and tested in one process (``tests/unit/test_inprocess_launcher.py``); the
+loop with toy programs and a real store host (``tests/multiproc/test_inprocess_launcher.py``).
 """
 
 from __future__ import annotations
@@ -110,6 +104,7 @@ from neighbor_ckpt.inprocess.launch_counts import claim_index, everyone_exited, 
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
                                                    describe_exit, exit_status, parse_args)
 from neighbor_ckpt.inprocess.protocol import key
+from neighbor_ckpt.inprocess.quorum import LauncherLease
 from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
 from neighbor_ckpt.inprocess.roll_call import RollCall, reach_any
 
@@ -204,9 +199,12 @@ class Launcher:
         self.pid = os.getpid()
         token = None if plan.token_file is None else read_token(Path(plan.token_file))
         self.stores = StoreSet(StoreAddresses(plan.stores), run_id=plan.run_id, timeout_s=plan.store_timeout_s,
-                               connect_timeout_s=plan.connect_timeout_s, name=plan.name, token=token)
+                               connect_timeout_s=plan.connect_timeout_s, name=plan.name, token=token,
+                               voter=plan.node, voters=plan.nodes)
         """The launch's stores; every operation bounded, failed over to the next standby when one is lost."""
         self.stores.on_failover(self._on_failover)
+        self._lease = LauncherLease(node=plan.node, nodes=plan.nodes, timeout_s=plan.detector_timeout_s,
+                                    beat_s=plan.beat_s, stores=self.stores, owner=self)
         self._views: dict[int, Any] = {}
         self._down_since: Optional[float] = None
         self._outbox: list[tuple[int, Callable[[Any], Any]]] = []
@@ -220,9 +218,9 @@ class Launcher:
         self._beat_at = 0.0
         self._rendezvous = RestartRendezvous(
             node=plan.node, nodes=plan.nodes, call=self._try, later=self._later, pending=lambda: bool(self._outbox),
-            beat=self._beat, timeout_s=plan.detector_timeout_s, store_timeout_s=plan.store_timeout_s, poll_s=plan.poll_s,
-            rendezvous_timeout_s=plan.rendezvous_timeout_s, processes=plan.processes, spares=plan.spares,
-            elastic=plan.elastic, stopped=lambda: self._signal is not None, store_lost=self._store_lost)
+            beat=self._beat, timeout_s=plan.detector_timeout_s, store_timeout_s=plan.store_timeout_s,
+            poll_s=plan.poll_s, rendezvous_timeout_s=plan.rendezvous_timeout_s, processes=plan.processes,
+            spares=plan.spares, elastic=plan.elastic, stopped=lambda: self._signal is not None, store_lost=self._store_lost)
         """The restart rendezvous, which goes on without a node lost for good when the job can."""
         self._roll = RollCall(processes=plan.processes, nodes=plan.nodes, bound_s=plan.reach_s)
         """Attempt 0's roll call: the processes of a launcher that never reached a store are declared dead."""
@@ -291,8 +289,10 @@ class Launcher:
         s.set(key("launcher", self.plan.node), json.dumps({"pid": self.pid, "processes": sorted(att.children)}))
         raise_processes(s, max([self.plan.processes, *(i + 1 for i in att.started)]))
         mark_exited(s, att.exited)
-        if att.dead:
-            s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(att.dead.items())))
+        gone = {p: r if r.startswith("exited:") else f"exited: after {r}" for p, r in att.dead.items()  # facts only
+                if r.startswith("exited:") or (p in self.plan.indices and p not in att.children)}
+        if gone:
+            s.append("dead", "".join(f"{p}:{r.replace(';', ',')};" for p, r in sorted(gone.items())))
         s.append("nodes", f"{self.plan.node},")
         joining = self._rendezvous.joining
         if joining is not None and joining > att.number:  # in the restart rendezvous: its join, under its attempt
@@ -311,10 +311,13 @@ class Launcher:
     def _call(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
         """``fn(store)`` under ``attempt``'s prefix; :class:`StoreDown` when no store of the list answers (the
         first failure is logged)."""
-        from neighbor_ckpt.inprocess.stores import StoresLost
+        from neighbor_ckpt.inprocess.stores import NoPromotedStore, StoresLost
 
         try:
             value = fn(self._store(attempt))
+        except NoPromotedStore as e:
+            self._lease.stop(str(e))
+            raise
         except StoresLost as e:
             self._mark_down(str(e))
             raise StoreDown(str(e)) from None
@@ -392,6 +395,7 @@ class Launcher:
         self._beats += 1
         beat = str(self._beats)
         self._try(attempt, lambda s: s.set(key("lhb", self.plan.node), beat))
+        self._try(attempt, lambda s: self._lease.look(s, self._store(attempt - 1) if attempt else None))  # lease
 
     def _roll_call(self, att: _Attempt) -> None:
         """Attempt 0's roll call (:mod:`~neighbor_ckpt.inprocess.roll_call`), every :attr:`~LauncherPlan.beat_s`:
@@ -490,6 +494,7 @@ class Launcher:
             elif action is Action.DECLARED:
                 logger.info("process %d (pid %d) %s; declared dead already (%s)", index, child.proc.pid, how,
                             child.killed or att.dead.get(index, "fenced"))
+                self._later(att.number, lambda s, fact=f"{index}:exited: {how};": s.append("dead", fact))  # gone
             elif action is Action.FALLBACK:
                 logger.warning("process %d (pid %d) %s: the job falls back to the launcher's restart", index,
                                child.proc.pid, how)
@@ -724,6 +729,7 @@ class Launcher:
             logger.error("node %s: its process(es) %s were %s: they do not start; this launcher stays in the launch "
                          "without them", self.plan.node, list(self.plan.indices), self._cannot_start)
         self.stores.start_following()  # fencing: a newer store promoted while this launcher was cut off
+        self._lease.guard.start()
         number = 0
         try:
             while True:
@@ -759,6 +765,7 @@ class Launcher:
                         return 128 + self._signal
                     return EXIT_LAUNCHER_ERROR
         finally:
+            self._lease.guard.close()
             self.stores.close()
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)

@@ -1,6 +1,14 @@
 """The launcher's children as processes (:mod:`neighbor_ckpt.inprocess.launcher` runs them): each dies with its
 launcher (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, set between fork and exec), is signalled as its own session's process
-group, and a pid another process recorded beside it is SIGKILLed only when it is the same process on this node."""
+group, and a pid another process recorded beside it is SIGKILLed only when it is the same process on this node.
+
+**Why plain** :class:`subprocess.Popen` **and not torch.distributed.elastic's pieces.** ``start_processes``'s
+``PContext`` runs a fixed set of processes as one group (``wait()`` fails the group when one fails, ``close()`` stops
+them all): no replacement started into a running group, no running on after one died, the whole point here.
+``SubprocessHandler``'s constructor takes no ``preexec_fn`` (the parent-death signal) short of overriding its private
+``_popen``. So: ``Popen`` with ``start_new_session=True`` and that ``preexec_fn``; the processes write to the
+launcher's stdout and stderr (the launch log), as ``ft_launcher``'s workers did.
+"""
 
 from __future__ import annotations
 

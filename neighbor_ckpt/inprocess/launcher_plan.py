@@ -291,6 +291,9 @@ class Action(enum.Enum):
     """Declare it dead (``dead`` + ``gen/<g>/failed``)."""
     REPLACE = "replace"
     """Declare it dead and start a replacement (:data:`~protocol.EXIT_HYGIENE`)."""
+    CUT_OFF = "cut_off"
+    """Nothing more, for good (:data:`~protocol.EXIT_CUT_OFF`): no restart, no replacement, nothing written for it
+    (the majority declares it, if it goes on)."""
 
 
 def classify_exit(code: int, declared: bool) -> Action:
@@ -300,6 +303,8 @@ def classify_exit(code: int, declared: bool) -> Action:
         return Action.NOTHING
     if code == protocol.EXIT_FALLBACK:
         return Action.FALLBACK
+    if code == protocol.EXIT_CUT_OFF:
+        return Action.CUT_OFF
     if code == protocol.EXIT_FENCED or declared:
         return Action.DECLARED
     if code == protocol.EXIT_HYGIENE:
@@ -316,7 +321,8 @@ def describe_exit(code: int) -> str:
             name = "?"
         return f"killed by signal {-code} ({name})"
     known = {protocol.EXIT_HYGIENE: " (hygiene: replaced)", protocol.EXIT_ABORT_HUNG: " (its abort hung)",
-             protocol.EXIT_FENCED: " (fenced)", protocol.EXIT_FALLBACK: " (in-process recovery gave up)"}
+             protocol.EXIT_FENCED: " (fenced)", protocol.EXIT_CUT_OFF: " (cut off from the majority)",
+             protocol.EXIT_FALLBACK: " (in-process recovery gave up)"}
     return f"exited with status {code}{known.get(code, '')}"
 
 

@@ -24,7 +24,11 @@ current generation in the store, where every process waits for it, and the engin
   their own network are blamed (:mod:`~neighbor_ckpt.inprocess.reachability`: a cut of the ranks' links, the store
   reachable), else nobody is: the generation fails with ``hang_all`` and the same ranks re-form (a second time, the
   engine falls back to the restart path);
-* exits the process with :data:`~neighbor_ckpt.inprocess.protocol.EXIT_FENCED` when it finds itself declared dead.
+* exits the process with :data:`~neighbor_ckpt.inprocess.protocol.EXIT_FENCED` when it finds itself declared dead;
+* never declares peers dead when the processes it would leave are not a majority of the generation's members that may
+  still run (:func:`~neighbor_ckpt.inprocess.quorum.majority_left`: a minority cut off with the store does not
+  re-form with its spares), and reads every such member's heartbeat (or its node's launcher's) for the cut-off lease
+  (:class:`~neighbor_ckpt.inprocess.quorum.MajorityLease`).
 
 The decision on the tags is :func:`laggards` (pure).
 """
@@ -41,6 +45,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from neighbor_ckpt.inprocess.generation import Fault, GenerationFailure, GenerationStore
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
+from neighbor_ckpt.inprocess.quorum import MajorityLease, majority_left
 from neighbor_ckpt.inprocess.reachability import ReachProbe
 from neighbor_ckpt.runtime.detector import PAUSED, ProgressClock, Watch
 from neighbor_ckpt.runtime.procs import flush_logs
@@ -178,14 +183,22 @@ class Monitor:
         listener: the failure push (its records wake this thread too).
         interval_s, timeout_s, hang_timeout_s: ``neighbor_ckpt.detector``.
         exit: how to leave when fenced (``os._exit``; tests pass a recorder).
+        lease: the cut-off lease this monitor renews each round (:class:`~neighbor_ckpt.inprocess.quorum.
+            MajorityLease`; None: none), under ``lease_lock`` (its guard's).
     """
 
     def __init__(self, gens: GenerationStore, *,
                  state: Callable[[], tuple[int, frozenset[int], Optional[Mapping[int, int]], bool]],
                  progress: Callable[[], Tag], listener: FailureListener, interval_s: float, timeout_s: float, hang_timeout_s: Optional[float],
                  exit: Callable[[int], None] = os._exit, stores: Any = None,  # noqa: A002
-                 every_round: Optional[Callable[[], None]] = None) -> None:
+                 every_round: Optional[Callable[[], None]] = None, lease: Optional[MajorityLease] = None,
+                 lease_lock: Optional[threading.Lock] = None) -> None:
         self.gens, self.state, self.progress, self._listener = gens, state, progress, listener
+        self.lease, self.lease_lock = lease, lease_lock or threading.Lock()
+        """The cut-off lease this monitor renews (None: no lease), and the lock its guard holds while it judges."""
+        self.answered_at = time.monotonic()
+        """When the store last answered a whole round of this monitor (the lease guard's *in doubt*)."""
+        self._refused: set[tuple[int, tuple[int, ...]]] = set()
         self.stores = stores
         """The process's :class:`~neighbor_ckpt.inprocess.stores.StoreSet` (None: one store, no failover): after
         every move to another store a peer is silent only once it has had the time a live process needs to follow
@@ -266,11 +279,59 @@ class Monitor:
         now = time.monotonic()
         if self.stores is not None and self.stores.epoch != self._epoch:
             self.moved(self.stores.epoch, now)
+        self._look_at_majority(members, dead)
         # Silent peers are looked for after a failure too: the next generation's barrier waits for every process
         # not declared dead, and a process killed without a launcher to report it is found only this way.
         self._silent_peer(gen, members - dead.keys(), now)
         if failed is None and active is not None and inside and self.gens.process in active:
             self._hang(gen, active, now)
+
+    def _look_at_majority(self, members: frozenset[int], dead: Mapping[int, str]) -> None:
+        """Feed the lease: the heartbeat of every member that may still run, with its node's launcher's beat (a
+        process stopped on a node whose launcher beats is on this side of any cut); this round answered. Once the
+        job completed, the others leave: the lease is disarmed."""
+        if self.lease is None:
+            return
+        if self.gens.complete():
+            self.lease.disarm()
+            return
+        quorum_set = sorted(members - self.gens.exited - {self.gens.process})
+        beats = dict(zip(quorum_set, self._read([key("hb", p) for p in quorum_set])))
+        nodes = {p: self._node_of(p) for p in quorum_set}
+        names = sorted({n for n in nodes.values() if n is not None})
+        launchers = dict(zip(names, self._read([key("lhb", n) for n in names])))
+        seen = {p: (beats[p], launchers.get(nodes[p])) for p in quorum_set
+                if beats[p] is not None or launchers.get(nodes[p]) is not None}
+        now = time.monotonic()
+        with self.lease_lock:
+            self.answered_at = now
+            self.lease.observe(set(quorum_set) | {self.gens.process}, seen, now)
+
+    def _read(self, keys: list[str]) -> list[Optional[bytes]]:
+        """The values of ``keys`` (None: absent): two store operations when every key is there."""
+        if not keys:
+            return []
+        s = self.gens.store
+        if s.check(keys):
+            return list(s.multi_get(keys))
+        return [s.get(k) if s.check([k]) else None for k in keys]
+
+    def _leaves_majority(self, gen: int, members: frozenset[int], lost: tuple[int, ...], *,
+                         vouched: tuple[int, ...] = ()) -> bool:
+        """Whether declaring ``lost`` dead leaves a majority of the members that may still run; said once per
+        decision when it does not."""
+        dead = self.gens.dead()
+        with self.lease_lock:  # the survivors are those seen within the detector's timeout, not merely undeclared
+            alive = None if self.lease is None else self.lease.fresh(time.monotonic(), self.timeout_s)
+        if majority_left(members, dead=dead.keys(), lost=lost, exited=self.gens.exited, vouched=vouched,
+                         alive=alive):
+            return True
+        if (gen, lost) not in self._refused:
+            self._refused.add((gen, lost))
+            logger.error("%s: not declaring process(es) %s dead: the processes left would not be a majority of "
+                         "generation %d's %d member(s) that may still run (this side may be the one cut off)",
+                         self.gens.name, list(lost), gen, len(members - self.gens.exited))
+        return False
 
     def moved(self, epoch: int, now: float) -> None:
         """This process now uses store ``epoch``: every peer starts again there, and is not looked at before it has
@@ -327,8 +388,14 @@ class Monitor:
         if peer in self.gens.dead() or self.gens.complete():
             return None  # already declared (its launcher saw it go), or the job is over and it left
         lost = (peer,)
+        # on this node, or its node's launcher beats here: declared, it is killed (it cannot go on elsewhere)
+        known = self._node_of(peer) is not None
+        vouched: tuple[int, ...] = (peer,) if known else ()
         if node is not None and watch.quiet(LAUNCHER, now) > self.timeout_s * NODE_LAUNCHER_QUIET:
             lost = tuple(sorted(p for p in members if self._node_of(p) == node)) or lost
+            vouched = ()
+        if not self._leaves_majority(gen, self.state()[1], lost, vouched=vouched):
+            return None
         if len(lost) > 1:
             reason = (f"node {node} is lost: process {peer} sent no heartbeat for {length:.1f} s (detector.timeout_s "
                       f"{self.timeout_s:g}) and its launcher none for {watch.quiet(LAUNCHER, now):.1f} s")
@@ -379,9 +446,11 @@ class Monitor:
         self.gens.record_fault(gen, Fault(time.time() - stalled, f"last progress seen by {self.gens.name}"))
         return self._decide(gen, kind="hang_all", culprits=(), reason=reason)
 
-    def _decide(self, gen: int, *, kind: str, culprits: tuple[int, ...], reason: str) -> GenerationFailure:
+    def _decide(self, gen: int, *, kind: str, culprits: tuple[int, ...], reason: str) -> Optional[GenerationFailure]:
         """Record the failure; if this record is the one that stands, declare the culprits dead (their launchers
         kill them). The record that stands (maybe another process's) is returned either way."""
+        if culprits and not self._leaves_majority(gen, self.state()[1], culprits, vouched=culprits):
+            return None
         record = self.gens.fail(gen, kind=kind, ranks=culprits, reason=reason)
         if self.gens.won(record):
             self.decisions.append(record)

@@ -75,6 +75,10 @@ types): nothing read from the store is unpickled.
     Append-only ``"<p>,"`` per process that exited (any status), by its launcher; read as a set. When every index
     handed out is in it and ``complete`` is not set, no process of the launch is left: a launcher that sees it sets
     ``giveup``.
+``vote/<k>``
+    Outside the launch prefix, on store ``k`` (next to the epoch key): append-only ``"<node>,"`` per launcher that
+    lost store ``k - 1`` and votes to promote store ``k``; the vote that makes a majority of the nodes promotes it
+    (:mod:`~neighbor_ckpt.inprocess.stores`).
 ``nodes``, ``joined``
     Append-only ``"<node>,"`` per launcher that started this launcher-level attempt, and per launcher that joined its
     restart rendezvous (read as sets). A launcher restarting the job waits, under the next attempt's prefix, until
@@ -87,10 +91,10 @@ again on a new store after a failover, so every count is a set of writer ids or 
 
 from __future__ import annotations
 
-__all__ = ["EXIT_NO_STORE", "EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "FAILURE_KINDS", "ENV_STORE",
-           "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID", "ENV_NODE_INDEX", "ENV_COMPLETE_FILE",
-           "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES", "ENV_SPARES", "ENV_REPLACES",
-           "launch_prefix", "key"]
+__all__ = ["EXIT_NO_STORE", "EXIT_FALLBACK", "EXIT_FENCED", "EXIT_HYGIENE", "EXIT_ABORT_HUNG", "EXIT_CUT_OFF",
+           "FAILURE_KINDS", "ENV_STORE", "ENV_STORE_TOKEN", "ENV_STORE_EPOCH", "ENV_STORE_HOSTED", "ENV_STORE_HOST_PID",
+           "ENV_NODE_INDEX", "ENV_COMPLETE_FILE", "ENV_RUN_ID", "ENV_LAUNCHER", "ENV_PROCESS", "ENV_PROCESSES",
+           "ENV_SPARES", "ENV_REPLACES", "launch_prefix", "key"]
 
 EXIT_NO_STORE = 68
 """A launcher that reached no store of the launch at its start (EX_NOHOST): it started nothing; the other launchers'
@@ -104,6 +108,10 @@ EXIT_HYGIENE = 77
 process in its place, which joins as a spare."""
 EXIT_ABORT_HUNG = 78
 """A process whose NCCL abort itself hung (the abort watchdog ended it)."""
+EXIT_CUT_OFF = 79
+"""A process or launcher that could not see a majority of the launch (a network partition left it on the minority
+side, :mod:`~neighbor_ckpt.inprocess.quorum`): it stopped without writing anything more. Final: its launcher neither
+restarts nor replaces it."""
 
 FAILURE_KINDS = ("exception", "exited", "silent", "hung", "hang_all", "launcher", "store")
 """``exception``: the training function raised on a rank; ``exited``: a launcher saw its process exit;

@@ -8,11 +8,15 @@ that dies with it); every process and launcher holds the ordered list of their a
 
 **Failover.** An operation that does not answer (a refused or reset connection: the node is gone; or no reply
 within ``timeout_s``: the host is stopped or cut off) is tried once more on a new connection; when that fails too,
-the client moves to the next store of the list that answers and *promotes* it (``compare_set`` of
-:func:`epoch_key` to its index), then hands the change to its ``on_failover`` callbacks, which write again what the
-new store must know (the engine: generation, membership, progress, the dead; a launcher: its processes and
-counters) and record the current generation's failure (kind ``store``). Whoever loses the store first does this;
-the others find the next store promoted, or lose the store themselves moments later.
+the store is lost for this client. A *launcher* (a voter: ``voter``, one of ``voters`` nodes) then votes to promote
+the next store of the list that answers (``vote/<k>`` there, :func:`vote_key`); the vote that makes a majority of
+the nodes promotes it (``compare_set`` of :func:`epoch_key` to its index), so at most one side of a partition can
+promote a store. A launcher that sees no majority within :attr:`StoreSet.promotion_wait_s`, and a *process* (which
+never promotes) that finds no promoted store within it, raise :class:`NoPromotedStore`: the client is cut off from
+the majority (:mod:`~neighbor_ckpt.inprocess.quorum`). A client that moves hands the change to its ``on_failover``
+callbacks, which write again what the new store must know (the engine: generation, membership, progress; a
+launcher: its processes and counters; facts only, never a suspicion: see
+:mod:`~neighbor_ckpt.inprocess.failover_replay`) and record the current generation's failure (kind ``store``).
 
 **Fencing.** A client follows the highest promoted store it can see: :meth:`StoreSet.follow_newer` (on a thread of
 its own in every process and launcher, every :data:`FOLLOW_EVERY_S`) looks at the next stores of the list and moves
@@ -56,8 +60,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 
-__all__ = ["StoreAddresses", "StoreUnreachable", "StoresLost", "BoundedClient", "StoreSet", "StoreView",
-           "epoch_key", "quiesce", "leave", "store_timeout_for", "CLIENT_THREAD", "STORE_TIMEOUT_MIN_S"]
+__all__ = ["StoreAddresses", "StoreUnreachable", "StoresLost", "NoPromotedStore", "BoundedClient", "StoreSet",
+           "StoreView", "epoch_key", "vote_key", "quiesce", "leave", "store_timeout_for", "CLIENT_THREAD",
+           "STORE_TIMEOUT_MIN_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +131,16 @@ class StoreUnreachable(NeighborCkptError):
 
 class StoresLost(NeighborCkptError):
     """No store of the list answers: the job cannot go on in process."""
+
+
+class NoPromotedStore(StoresLost):
+    """The store was lost and no store of the list was promoted by a majority of the launchers in time: this client
+    is cut off from the majority."""
+
+
+def vote_key(run_id: str, index: int) -> str:
+    """The launchers' votes to promote store ``index`` (``"<node>,"`` each), on that store, beside the epoch key."""
+    return f"neighbor_ckpt/inprocess/{run_id}/vote/{index}"
 
 
 def epoch_key(run_id: str) -> str:
@@ -333,16 +348,20 @@ class StoreSet:
         name: who this is, for the log (``process 3``, ``launcher:node1``).
         token: the launch's store token (:mod:`~neighbor_ckpt.inprocess.store_auth`; None: the stores have no
             gate).
+        voter: this launcher's node (it votes to promote a store); None: a process (it never promotes).
+        voters: how many nodes (launchers) vote: a promotion needs more than half of them.
     """
 
     def __init__(self, addresses: StoreAddresses, *, run_id: str, epoch: int = 0, timeout_s: float = 5.0,
-                 connect_timeout_s: float = 120.0, name: str = "", token: Optional[bytes] = None) -> None:
+                 connect_timeout_s: float = 120.0, name: str = "", token: Optional[bytes] = None,
+                 voter: Optional[str] = None, voters: int = 1) -> None:
         if not 0 <= epoch < len(addresses):
             raise ConfigError(f"in-process recovery: store epoch {epoch} is not an index of the {len(addresses)} "
                               "store(s)")
         self.addresses, self.run_id, self.timeout_s = addresses, run_id, timeout_s
         self.connect_timeout_s, self.name, self.token = connect_timeout_s, name or "this process", token
         self.epoch = epoch
+        self.voter, self.voters = voter, voters
         self._clients: dict[str, BoundedClient] = {}
         self._made: list[BoundedClient] = []
         """Every client this set made, replaced ones too (their workers may still be inside torch's client)."""
@@ -361,6 +380,14 @@ class StoreSet:
         lost store is given up after ``timeout_s``, and the follower looks for a promoted store every
         :data:`FOLLOW_EVERY_S`. Its heartbeat may lapse that long on the new store without the process being dead."""
         return self.timeout_s + FOLLOW_EVERY_S
+
+    @property
+    def promotion_wait_s(self) -> float:
+        """How long a client that lost its store waits for a promoted one (a launcher: for the majority's votes):
+        the other launchers lose the store within two of their operations' timeouts of this one (an operation and
+        its second try), a connection to the next store takes one more, and a follower looks every
+        :data:`FOLLOW_EVERY_S`."""
+        return 3 * self.timeout_s + FOLLOW_EVERY_S
 
     # -- clients ------------------------------------------------------------------------------------------------
 
@@ -421,28 +448,64 @@ class StoreSet:
     # -- moving -------------------------------------------------------------------------------------------------
 
     def lost(self, epoch: int, why: str) -> int:
-        """Store ``epoch`` does not answer: move to the next store that does and promote it (nothing when another
-        thread moved already). Returns the epoch now current."""
+        """Store ``epoch`` does not answer: move to the next store promoted by a majority of the launchers (a
+        launcher votes for the next one that answers first; nothing when another thread moved already). Returns
+        the epoch now current; raises :class:`NoPromotedStore` when none is promoted within
+        :attr:`promotion_wait_s`, :class:`StoresLost` when no later store answers at all."""
         with self._lock:
             if self.epoch != epoch:
                 return self.epoch
             logger.error("%s: %s does not answer (%s): failing over", self.name, self.addresses.describe(epoch), why)
-            for k in range(epoch + 1, len(self.addresses)):
-                promote = BoundedClient(self.addresses[k], timeout_s=self.timeout_s, name=f"promote{k}",
-                                        token=self.token)
-                self._made.append(promote)
-                try:
-                    stood = promote.call("compare_set", epoch_key(self.run_id), "", str(k))
-                except StoreUnreachable as e:
-                    logger.error("%s: %s does not answer either (%s)", self.name, self.addresses.describe(k), e)
-                    continue
-                finally:
-                    promote.retire()
-                first = stood.decode(errors="replace") == str(k)
-                self._move(epoch, k, f"{self.addresses.describe(epoch)} lost: {why}", promoted=first)
-                return k
-            raise StoresLost(f"{self.name}: no store of the {len(self.addresses)} answers (the last: "
-                             f"{self.addresses.describe(len(self.addresses) - 1)}): the job cannot go on in process")
+            if epoch + 1 >= len(self.addresses):
+                raise StoresLost(f"{self.name}: no store of the {len(self.addresses)} answers (the last: "
+                                 f"{self.addresses.describe(epoch)}): the job cannot go on in process")
+            deadline = time.monotonic() + self.promotion_wait_s
+            voted: set[int] = set()
+            answered = False
+            while True:
+                for k in range(epoch + 1, len(self.addresses)):
+                    try:
+                        promoted = self._promotion(k, vote=k not in voted and not voted)
+                    except StoreUnreachable as e:
+                        logger.debug("%s: %s does not answer (%s)", self.name, self.addresses.describe(k), e)
+                        continue
+                    answered = True
+                    if self.voter is not None:
+                        voted.add(k)
+                    if promoted is not None:
+                        self._move(epoch, k, f"{self.addresses.describe(epoch)} lost: {why}", promoted=promoted)
+                        return k
+                    break  # the first store that answers is the one voted for and waited on
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(min(0.2, self.timeout_s))
+            if not answered:
+                raise StoresLost(f"{self.name}: no store of the {len(self.addresses)} answers (the last: "
+                                 f"{self.addresses.describe(len(self.addresses) - 1)}): the job cannot go on in "
+                                 "process")
+            raise NoPromotedStore(f"{self.name}: {self.addresses.describe(epoch)} lost and no later store promoted by "
+                                  f"a majority of the {self.voters} launcher(s) within {self.promotion_wait_s:.0f} s")
+
+    def _promotion(self, k: int, *, vote: bool) -> Optional[bool]:
+        """One look at store ``k`` (through a client of its own): None while it is not promoted; True when this
+        client promoted it now (its vote made the majority), False when it was promoted already. A voter votes
+        first when ``vote``."""
+        c = BoundedClient(self.addresses[k], timeout_s=self.timeout_s, name=f"promote{k}", token=self.token)
+        self._made.append(c)
+        try:
+            if c.call("check", [epoch_key(self.run_id)]):
+                return False
+            if self.voter is None:
+                return None
+            if vote:
+                c.call("append", vote_key(self.run_id, k), f"{self.voter},")
+            votes = {v for v in c.call("get", vote_key(self.run_id, k)).decode(errors="replace").split(",") if v}
+            if len(votes) <= self.voters // 2:
+                return None
+            stood = c.call("compare_set", epoch_key(self.run_id), "", str(k))
+            return stood.decode(errors="replace") == str(k)
+        finally:
+            c.retire()
 
     def follow_newer(self) -> Optional[int]:
         """Move to the next store of the list when it was promoted (fencing: see the module docstring); the new
@@ -483,6 +546,11 @@ class StoreSet:
 
         self._follower = threading.Thread(target=run, name=f"{CLIENT_THREAD}-follower", daemon=True)
         self._follower.start()
+
+    @property
+    def over(self) -> bool:
+        """The job completed (:meth:`settle`) or the clients are closed: no more moves."""
+        return self._settled or self._closed
 
     def settle(self) -> None:
         """The job completed: stay on the current store (no follower, no failover; an operation the store no longer

@@ -124,18 +124,6 @@ def test_nemo_reading_other_data_after_the_restart_stops_at_the_replayed_step(tm
     assert_stopped_at_the_replayed_step(res, restored=KILL, checked=KILL + 1)
 
 
-def test_nemo_reading_other_data_with_warn_logs_it_and_trains_on(tmp_path: Path) -> None:
-    pytest.importorskip("nemo")
-    res = run_torchrun("train_nemo_data.py", tmp_path, max_restarts=1, NCKPT_DATA_CHECK="warn", **NEMO_FAULT)
-    assert res.returncode == 0, res.log[-6000:]
-    assert res.killed(), "the kill did not happen"
-    assert "neighbor_ckpt data check (data_check: warn, training goes on)" in res.log
-    assert f"the data position was not restored: step {KILL + 1}" in res.log
-    assert "DataPositionError" not in res.log
-    for rank, steps in res.losses().items():
-        assert sorted(steps) == list(range(STEPS)), rank
-
-
 def test_the_data_check_runs_across_an_elastic_reshard(tmp_path: Path) -> None:
     """The plain-loop recipe (``install_hooks``, no observe()) at DP 3 dies in step 5 on every rank; it comes back on
     4 nodes (one new, empty) with elastic on: the DP-3 snapshots are resharded to DP 4, and the replayed step's

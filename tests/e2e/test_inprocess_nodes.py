@@ -9,8 +9,14 @@ node, each with its processes, its own host store directory and a store host. Th
 In step 5 node 1 is lost whole: its ranks SIGKILL their launcher, which takes its processes and its store host with it
 (parent-death signal), so nobody reports an exit. The next node's first process watches node 1's last process and
 node 1's launcher: both silent, it declares both of node 1's processes dead in one decision. The spare node takes
-both ranks and pulls their state from node 0 (or, with ``elastic.enabled`` and no spare, the survivors go on at
-DP 2). Compared with the failure-free run of the same topology: bit for bit (or within 1e-4 after a shrink)."""
+both ranks and pulls their state from node 0 (or, with ``elastic.enabled`` and one spare for two lost ranks, the
+spare takes one and the job goes on at DP 3). Compared with the failure-free run of the same topology: bit for bit (or within 1e-4 after
+a shrink).
+
+Two nodes alone never survive a node lost whole: one node of two is no majority, and from node 0 a lost node and a
+cut network look the same, so node 0 stops (cut off from the majority) rather than train beside a node 1 that may
+go on. The layouts that lose a node therefore have a third node (a spare node, of one spare where the test is about
+running short of spares)."""
 
 from __future__ import annotations
 
@@ -129,14 +135,16 @@ def nodes_elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResul
     return res
 
 
-def test_a_node_lost_without_a_spare_under_elastic_goes_on_at_dp2_with_the_same_samples(
+def test_a_node_lost_with_one_spare_for_two_ranks_under_elastic_goes_on_at_dp2_with_the_same_samples(
         nodes_elastic_baseline: RunResult, tmp_path) -> None:
-    res = launch_inprocess(tmp_path, active=ACTIVE, spares=0, devices=DEVICES, ELASTIC=1, **NODE_KILL, **ELASTIC_ENV)
+    """A third node of one spare (the majority with node 0: 3 processes of 5): node 1 lost whole, one spare for two
+    ranks: the spare takes rank 2 and the job goes on at DP 3 (the global batch divides by 3), the same samples."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=1, devices=DEVICES, ELASTIC=1, **NODE_KILL, **ELASTIC_ENV)
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
-    assert_node_lost_once(res, watcher=0)
+    assert_node_lost_once(res, watcher=4)
     assert_survivors_kept(res, (0, 1))
-    assert "continuing on 2 of 4 ranks (elastic)" in res.log, res.log[-6000:]
+    assert "continuing on 3 of 4 ranks (elastic)" in res.log, res.log[-6000:]
     base, got = _global_losses(nodes_elastic_baseline), _global_losses(res)
     steps = ELASTIC_ENV["STEPS"]
     assert sorted(got) == list(range(steps)), sorted(got)
@@ -148,9 +156,9 @@ def test_a_node_lost_without_a_spare_under_elastic_goes_on_at_dp2_with_the_same_
                 assert (rec["loss"], rec["dp"]) == (ref["loss"], 4), (step, rec)
             else:
                 a, b = float.fromhex(rec["loss"]), float.fromhex(ref["loss"])
-                assert rec["dp"] == 2 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+                assert rec["dp"] == 3 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
     tl = timeline(res, "0.1")
-    assert (tl["data_parallel_before"], tl["data_parallel_after"]) == (4, 2), tl
+    assert (tl["data_parallel_before"], tl["data_parallel_after"]) == (4, 3), tl
 
 
 @pytest.mark.timeout(2400)
@@ -181,41 +189,58 @@ def test_nemo_recipe_on_two_nodes_of_two_ranks_loses_node_1_whole_and_the_spare_
     assert [(t["mode"], sorted(t["spare_ranks"])) for t in tls] == [("in-process", [2, 3])], tls
 
 
-def test_a_node_lost_for_good_without_spare_or_elastic_stops_the_restart_at_once_naming_the_setting(
+def test_a_node_lost_for_good_without_enough_spares_or_elastic_stops_the_restart_at_once_naming_the_setting(
         tmp_path) -> None:
-    """No spare, no elastic: in-process recovery gives up (no spare left for ranks 2 and 3), the launchers restart
-    the job, and node 0's launcher finds node 1 lost for good (its launcher silent, both processes declared dead):
-    one line naming the node and the setting, exit 1, without waiting out the rendezvous timeout."""
-    res = launch_inprocess(tmp_path, active=ACTIVE, spares=0, devices=DEVICES, max_restarts=1, STEPS=10,
+    """One spare (a third node) for two lost ranks, no elastic: in-process recovery gives up (no spare left for rank
+    3), the launchers restart the job, and the launchers find node 1 lost for good (its launcher silent, both
+    processes declared dead): one line naming the node and the setting, exit 1, without waiting out the rendezvous
+    timeout."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=1, devices=DEVICES, max_restarts=1, STEPS=10,
                            **NODE_KILL)
     assert res.returncode != 0, res.log[-6000:]
     assert_no_orphans(res)
-    assert "no hot spare left to replace the lost rank(s) [2, 3]" in res.log, res.log[-6000:]
+    assert "no hot spare left to replace the lost rank(s) [3]" in res.log, res.log[-6000:]
     assert "restart 1: node(s) node1 lost for good (processes [2, 3]" in res.log, res.log[-6000:]
     assert "set neighbor_ckpt.elastic.enabled: true" in res.log
     assert "launcher(s) joined within" not in res.log, "waited for the lost node's launcher"
-    assert launcher_exits(res) == {"node0": 1, "node1": -9}, launcher_exits(res)
+    assert launcher_exits(res) == {"node0": 1, "node1": -9, "node2": 1}, launcher_exits(res)
 
 
-def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_without_it_at_dp2(
+def test_two_nodes_that_lose_one_whole_stop_cut_off_from_the_majority_and_write_nothing_more(tmp_path) -> None:
+    """2 nodes x 2 ranks, no spare: node 1 lost whole leaves 2 processes of 4 and 1 launcher of 2, no majority; from
+    node 0 that is what a cut between the nodes looks like, where node 1 might go on. Node 0 declares nobody dead,
+    forms no generation, and stops: its processes and its launcher each say "cut off from the majority" once and
+    exit 79 (the launch's status); no generation after the first."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=0, devices=DEVICES, max_restarts=1, STEPS=10,
+                           **NODE_KILL)
+    assert res.returncode == 79, res.log[-6000:]
+    assert_no_orphans(res)
+    assert launcher_exits(res) == {"node0": 79, "node1": -9}, launcher_exits(res)
+    assert "declaring its process(es) [2, 3] dead" not in res.log and "generation 1:" not in res.log, res.log[-6000:]
+    assert res.log.count("cut off from the majority") >= 1, res.log[-6000:]
+    assert "in-process recovery gives up" not in res.log and "restart 1" not in res.log, res.log[-6000:]
+
+
+def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_without_it_at_dp3(
         nodes_elastic_baseline: RunResult, tmp_path) -> None:
-    """Elastic, no spare: node 1 lost in step 5, then rank 0 killed while it loads the resharded state: in-process
-    recovery gives up, the launchers restart the job, and the restart goes on without node 1 (lost for good): the
-    restarted job reshards the DP-4 snapshots of node 0's host memory to DP 2 (one version back: the one the dead
-    recovery loaded is never chosen again) and finishes, the same samples, the losses within 1e-4 from there."""
-    res = launch_inprocess(tmp_path, active=ACTIVE, spares=0, devices=DEVICES, max_restarts=1, ELASTIC=1,
+    """Elastic, one spare on a third node (the majority with node 0): node 1 lost in step 5, then rank 0 killed while
+    it loads the resharded state: in-process recovery gives up, the launchers restart the job, and the restart goes
+    on without node 1 (lost for good): the restarted job (node 0's two processes and the spare) reshards the DP-4
+    snapshots of node 0's host memory to DP 3 (one version back: the one the dead recovery loaded is never chosen
+    again) and finishes, the same samples, the losses within 1e-4 from there."""
+    res = launch_inprocess(tmp_path, active=ACTIVE, spares=1, devices=DEVICES, max_restarts=1, ELASTIC=1,
                            RECOVERY_KILL_RANK=0, **NODE_KILL, **ELASTIC_ENV)
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
     assert "restart 1: node(s) node1 lost for good (processes [2, 3])" in res.log, res.log[-6000:]
     assert "a smaller data-parallel size" in res.log
-    assert launcher_exits(res) == {"node0": 0, "node1": -9}, launcher_exits(res)
+    assert launcher_exits(res) == {"node0": 0, "node1": -9, "node2": 0}, launcher_exits(res)
     base, got = _global_losses(nodes_elastic_baseline), _global_losses(res)
     steps = ELASTIC_ENV["STEPS"]
     assert set(range(steps)) <= set(got), sorted(got)
     # The iteration the dead recovery restored (4) is never chosen again (the restore journal): the restarted job
-    # reshards iteration 3 and runs steps 4.. at DP 2.
-    assert "resharded iteration 3 from data-parallel size 4 (4 ranks) to 2 (2 ranks)" in res.log, res.log[-6000:]
+    # reshards iteration 3 and runs steps 4.. at DP 3.
+    assert "resharded iteration 3 from data-parallel size 4 (4 ranks) to 3 (3 ranks)" in res.log, res.log[-6000:]
     for step in range(steps):
         ref = base[step][-1]
         first, last = got[step][0], got[step][-1]  # the first launch attempt's, the restarted job's
@@ -224,4 +249,4 @@ def test_a_node_lost_for_good_then_a_failure_in_recovery_restarts_the_job_withou
             assert (first["loss"], first["dp"]) == (ref["loss"], 4), (step, first, ref)
         if step >= KILL_STEP - 1:
             a, b = float.fromhex(last["loss"]), float.fromhex(ref["loss"])
-            assert last["launch_attempt"] == 1 and last["dp"] == 2 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+            assert last["launch_attempt"] == 1 and last["dp"] == 3 and abs(a - b) <= 1e-4 * abs(b), (step, a, b)

@@ -220,15 +220,19 @@ def test_a_process_listed_dead_is_sigkilled_by_its_launcher_even_when_stopped(la
     os.kill(victim["pid"], signal.SIGSTOP)  # a detector found it silent
     run.store().append("dead", "1:silent: no heartbeat for 2.0 s;")
     _wait("the stopped process to be killed", lambda: _gone(victim["pid"], victim["start"]), timeout=120)
-    time.sleep(0.5)  # its launcher saw it exit: declared already, nothing more written
-    assert run.get("dead") == "1:silent: no heartbeat for 2.0 s;" and run.get("gen/0/failed") is None
+    # its launcher saw it exit: declared already, no failure written; its exit is a fact now (gone for sure: the
+    # quorum of the next generation no longer counts it)
+    _wait("the exit written as a fact", lambda: "1:exited:" in (run.get("dead") or ""))
+    assert run.get("dead") == "1:silent: no heartbeat for 2.0 s;1:exited: killed by signal 9 (SIGKILL);"
+    assert run.get("gen/0/failed") is None
     assert "listed dead (silent: no heartbeat for 2.0 s): SIGKILL" in (run.tmp / "launcher.node1.log").read_text()
     run.complete()
     assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
 
 
 def test_sigkill_of_a_launcher_takes_its_processes_with_it_and_sigterm_stops_them(launch) -> None:
-    run = launch({"node0": (0, 2), "node1": (2, 1)}, processes=3)
+    # three nodes: two launchers of three are a majority (with two, the one left would stop, cut off)
+    run = launch({"node0": (0, 2), "node1": (2, 1), "node2": (3, 1)}, processes=4)
     lost = [run.env(r) for r in (0, 1)]
     other = run.env(2)
     run.launchers["node0"].kill()  # the node is lost
@@ -238,6 +242,26 @@ def test_sigkill_of_a_launcher_takes_its_processes_with_it_and_sigterm_stops_the
     assert run.wait("node1") == 128 + signal.SIGTERM, run.logs()
     assert _gone(other["pid"], other["start"])
     assert "stopped by SIGTERM" in (run.tmp / "launcher.node1.log").read_text()
+    third = run.env(3)
+    run.launchers["node2"].terminate()  # alone of three by now: it may have stopped itself, cut off
+    assert run.wait("node2") in (128 + signal.SIGTERM, protocol.EXIT_CUT_OFF), run.logs()
+    _wait("node2's process to go", lambda: _gone(third["pid"], third["start"]))
+
+
+def test_a_launcher_left_without_a_majority_of_the_launchers_stops_its_processes_then_itself(launch) -> None:
+    """Two nodes: node0's launcher is SIGKILLed (from node1, a lost node and a cut look the same): node1's
+    launcher, one of two, says it is cut off from the majority once, SIGKILLs its process and exits 79."""
+    run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2)
+    run.env(0)
+    other = run.env(1)
+    _wait("node0's beat", lambda: run.get("lhb/node0"))
+    seen = int(_wait("node1's beat", lambda: run.get("lhb/node1")))
+    _wait("two looks of node1 since", lambda: int(run.get("lhb/node1") or 0) >= seen + 2)  # it saw node0 beat
+    run.launchers["node0"].kill()
+    assert run.wait("node0") == -signal.SIGKILL
+    assert run.wait("node1", timeout=120) == protocol.EXIT_CUT_OFF, run.logs()
+    assert _gone(other["pid"], other["start"])
+    assert (run.tmp / "launcher.node1.log").read_text().count("cut off from the majority") == 1, run.logs()
 
 
 def test_a_process_that_exits_77_is_replaced_by_a_new_process_index(launch) -> None:

@@ -56,13 +56,15 @@ def hosts(tmp_path: Path) -> Iterator[list[subprocess.Popen]]:
 
 
 def _set(procs: list[subprocess.Popen], **kw) -> StoreSet:  # noqa: ANN003
+    """A client of the stores; ``voter=...`` for a launcher of a one-node launch (its own vote promotes a store),
+    else a process (it never promotes)."""
     return StoreSet(StoreAddresses(tuple(("127.0.0.1", p.port) for p in procs)), run_id="r",  # type: ignore[attr-defined]
                     timeout_s=1.0, connect_timeout_s=5.0, **kw)
 
 
 def test_a_killed_store_is_replaced_by_the_next_one_which_is_promoted_and_the_others_follow(
         hosts: list[subprocess.Popen]) -> None:
-    a, b = _set(hosts, name="a"), _set(hosts, name="b")
+    a, b = _set(hosts, name="a", voter="node0"), _set(hosts, name="b")
     moves: list[tuple[int, int]] = []
     a.on_failover(lambda old, new, why: moves.append((old, new)))
     view = a.view("main", "job/0")
@@ -93,7 +95,7 @@ def _stop(pid: int) -> None:
 
 
 def test_a_stopped_store_is_left_within_the_timeout_and_never_used_again(hosts: list[subprocess.Popen]) -> None:
-    a = _set(hosts, name="a")
+    a = _set(hosts, name="a", voter="node0")
     view = a.view("main", "job/0")
     view.set("k", "v")
     _stop(hosts[0].pid)
@@ -197,7 +199,7 @@ def gated(tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen], bytes, Path]
 def test_the_holders_of_the_token_use_the_gated_stores_and_fail_over_between_them(
         gated: tuple[list[subprocess.Popen], bytes, Path]) -> None:
     procs, token, _ = gated
-    a, b = _set(procs, name="a", token=token), _set(procs, name="b", token=token)
+    a, b = _set(procs, name="a", token=token, voter="node0"), _set(procs, name="b", token=token)
     a.view("main", "job").set("k", "v")
     assert b.view("main", "job").get("k") == b"v"
     procs[0].kill()

@@ -212,6 +212,8 @@ def test_an_inprocess_launch_succeeds_when_only_a_lost_nodes_launcher_died() -> 
     assert launch_status([0, 1, 0, 0]) == 1 and launch_status([0, -15, 0, 0]) == -15
     assert launch_status([0, 68, 0, 0]) == 0, "a launcher that reached no store: the others finished the job"
     assert launch_status([68, 68]) == 68, "nobody finished the job"
+    assert launch_status([0, 79, 0, -9]) == 0, "a partition's minority cut itself off, the majority finished"
+    assert launch_status([79, 79, 79]) == 79, "nobody finished the job"
 
 
 def test_worker_prefix_runs_every_worker_under_the_command_and_a_bad_one_is_a_config_error() -> None:

@@ -62,25 +62,27 @@ def test_the_barrier_goes_on_without_a_process_declared_dead(store: Any) -> None
     assert not m.progressed, "generation 0 never marked a completed step"
 
 
-def test_after_a_store_failover_a_minority_does_not_form_a_generation(store: Any) -> None:
-    """Quorum 3 (a majority of five): two live processes, the other three declared dead, stop with QuorumLost; three
-    form the generation."""
+def test_a_minority_does_not_form_a_generation_and_a_majority_does(store: Any) -> None:
+    """Quorum 3 (a majority of five), at every generation, the store moved or not: two live processes, the other
+    three declared dead (suspected: no launcher saw them exit), wait and stop with QuorumLost; three form the next
+    generation."""
     a, b = GenerationStore(store(), process=0), GenerationStore(store(), process=1)
-    b.declare_dead([2, 3, 4], "silent: no heartbeat on the new store")
+    b.declare_dead([2, 3, 4], "silent: no heartbeat")
     errors: list[BaseException] = []
 
     def join_b() -> None:
         try:
-            b.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum_of={0, 1, 2, 3, 4})
+            b.join(1, expected={0, 1, 2, 3, 4}, timeout_s=1, quorum_of={0, 1, 2, 3, 4})
         except QuorumLost as e:
             errors.append(e)
 
     t = threading.Thread(target=join_b)
     t.start()
-    with pytest.raises(QuorumLost, match=r"2 process\(es\) after a store failover, fewer than a majority \(3\) of"):
-        a.join(1, expected={0, 1, 2, 3, 4}, timeout_s=10, quorum_of={0, 1, 2, 3, 4})
+    with pytest.raises(QuorumLost, match=r"2 process\(es\), fewer than a majority \(3\) of"):
+        a.join(1, expected={0, 1, 2, 3, 4}, timeout_s=1, quorum_of={0, 1, 2, 3, 4})
     t.join()
     assert len(errors) == 1, "both stop"
+    assert not a.store.check([key("gen", 1, "members")]), "nothing formed"
     c = GenerationStore(store(), process=5)
     out: list[Members] = []
     threads = [threading.Thread(target=lambda g=g: out.append(g.join(2, expected={0, 1, 5}, timeout_s=10,
@@ -91,7 +93,23 @@ def test_after_a_store_failover_a_minority_does_not_form_a_generation(store: Any
     for t in threads:
         t.join()
     assert {m.members for m in out} == {frozenset({0, 1, 5})}
-    assert a.seen_dead.keys() == {2, 3, 4}, "what a client read in `dead` is kept (written again after a failover)"
+    assert a.seen_dead.keys() == {2, 3, 4}, "what a client read in `dead` is kept"
+
+
+def test_a_short_barrier_waits_for_the_launchers_reports_of_exits_and_then_forms(store: Any) -> None:
+    """Members {0, 1, 2}: 1 and 2 declared silent (suspicions: the base stays 3, quorum 2, 0 alone is short), then
+    their launcher reports both exited: the base shrinks to {0} and 0 forms the generation alone."""
+    a = GenerationStore(store(), process=0)
+    a.declare_dead([1, 2], "silent: no heartbeat")
+    out: list[Members] = []
+    t = threading.Thread(target=lambda: out.append(a.join(1, expected={0, 1, 2}, timeout_s=60, quorum_of={0, 1, 2})))
+    t.start()
+    while not a.store.check([key("gen", 1, "arrived")]):
+        threading.Event().wait(0.01)
+    assert not a.store.check([key("gen", 1, "members")])
+    GenerationStore(store(), process=-1).declare_dead([1, 2], "exited: killed by signal 9 (SIGKILL)")
+    t.join()
+    assert out[0].members == frozenset({0})
 
 
 def test_a_missing_process_times_the_barrier_out_and_is_named(store: Any) -> None:
@@ -212,13 +230,13 @@ def test_after_a_store_move_a_peer_is_silent_only_once_a_live_process_could_have
 
     gens = GenerationStore(store(), process=1)
     stores = SimpleNamespace(epoch=1, move_bound_s=8.0)
-    monitor = Monitor(gens, state=lambda: (0, frozenset({0, 1}), None, False), progress=lambda: (0, None, "idle"),
+    monitor = Monitor(gens, state=lambda: (0, frozenset({0, 1, 2}), None, False), progress=lambda: (0, None, "idle"),
                       listener=None, interval_s=0.5, timeout_s=3.0, hang_timeout_s=None, stores=stores)
     monitor.moved(1, now=100.0)
-    assert monitor._silent_peer(0, frozenset({0, 1}), 100.5) is None
-    assert monitor._silent_peer(0, frozenset({0, 1}), 110.5) is None, "declared within the time to follow + timeout_s"
+    assert monitor._silent_peer(0, frozenset({0, 1, 2}), 100.5) is None
+    assert monitor._silent_peer(0, frozenset({0, 1, 2}), 110.5) is None, "declared within the time to follow + timeout_s"
     assert 0 not in gens.dead()
-    record = monitor._silent_peer(0, frozenset({0, 1}), 111.5)
+    record = monitor._silent_peer(0, frozenset({0, 1, 2}), 111.5)
     assert record is not None and record.kind == "silent" and 0 in gens.dead()
 
 
@@ -247,10 +265,12 @@ def _node_monitor(store: Any, *, process: int, nodes: dict[int, str], members: f
 
 
 def test_a_silent_predecessor_whose_launcher_is_silent_too_takes_its_whole_node_in_one_decision(store: Any) -> None:
-    """2 nodes x 2 processes: process 0 watches process 3 (node b) and node b's launcher. Both stand still: 2 and 3
-    are declared dead in one record, before process 2 itself was ever watched."""
-    members = frozenset({0, 1, 2, 3})
-    monitor = _node_monitor(store, process=0, nodes={0: "a", 1: "a", 2: "b", 3: "b"}, members=members)
+    """3 nodes x 2 processes: process 4 (node c) watches process 3 (node b) and node b's launcher. Both stand still:
+    2 and 3 are declared dead in one record, before process 2 itself was ever watched (4 of 6 are left: a
+    majority)."""
+    members = frozenset(range(6))
+    monitor = _node_monitor(store, process=4, nodes={0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"},
+                            members=members)
     gens = monitor.gens
     gens.store.set(key("hb", 3), "7 0 1 None idle")
     gens.store.set(key("lhb", "b"), "40")
@@ -259,6 +279,22 @@ def test_a_silent_predecessor_whose_launcher_is_silent_too_takes_its_whole_node_
     record = monitor._silent_peer(0, members, 102.5)
     assert record is not None and record.kind == "silent" and set(record.ranks) == {2, 3}, record
     assert {2, 3} <= gens.dead().keys() and "node b is lost" in record.reason
+
+
+def test_a_node_lost_whole_that_leaves_no_majority_is_not_declared(store: Any, caplog: Any) -> None:
+    """2 nodes x 2 processes: node b silent with its launcher leaves 2 of 4, not a majority: from node a, a node lost
+    and a cut between the nodes look the same, so nothing is declared (node a stops on its lease instead)."""
+    members = frozenset({0, 1, 2, 3})
+    monitor = _node_monitor(store, process=0, nodes={0: "a", 1: "a", 2: "b", 3: "b"}, members=members)
+    gens = monitor.gens
+    gens.store.set(key("hb", 3), "7 0 1 None idle")
+    gens.store.set(key("lhb", "b"), "40")
+    assert monitor._silent_peer(0, members, 100.0) is None
+    with caplog.at_level("ERROR"):
+        assert monitor._silent_peer(0, members, 102.5) is None
+        assert monitor._silent_peer(0, members, 103.5) is None
+    assert not gens.dead() and gens.failure(0) is None
+    assert caplog.text.count("not declaring process(es) [2, 3] dead") == 1, "said once"
 
 
 def test_a_silent_predecessor_whose_launcher_beats_on_is_declared_alone(store: Any) -> None:
@@ -301,3 +337,29 @@ def test_a_death_decided_about_a_generation_never_fails_the_next_one_formed_mean
     assert g.failure(0).kind == "exception" and [f.what for f in g.faults(0)] == [
         "last heartbeat of process 3 seen by process 4"]
     assert {2, 3} <= g.dead().keys()
+
+
+def test_the_monitor_renews_the_lease_with_the_members_beats_or_their_launchers_and_disarms_it_at_completion(
+        store: Any) -> None:
+    """Members 0..4 on nodes a..e: process 0 sees 1's heartbeat and node c's launcher (2 is stopped, its launcher
+    beats: on this side of any cut): 3 of 5, the lease is renewed; 3 and 4 are never seen. Once the job completed
+    the lease is disarmed (the others leave)."""
+    from neighbor_ckpt.inprocess.monitor import Monitor
+    from neighbor_ckpt.inprocess.quorum import MajorityLease
+
+    members = frozenset(range(5))
+    base = _node_monitor(store, process=0, nodes={0: "a", 1: "b", 2: "c", 3: "d", 4: "e"}, members=members)
+    lease = MajorityLease(60.0, me=0, now=0.0)
+    monitor = Monitor(base.gens, state=lambda: (0, members, None, False), progress=lambda: (0, None, "idle"),
+                      listener=None, interval_s=0.2, timeout_s=2.0, hang_timeout_s=None, lease=lease)
+    monitor._look_at_majority(members, {})
+    assert not lease.armed, "only itself: 1 of 5"
+    monitor.gens.store.set(key("hb", 1), "1 0 0 None idle")
+    monitor._look_at_majority(members, {})
+    assert not lease.armed, "2 of 5"
+    monitor.gens.store.set(key("lhb", "c"), "9")
+    monitor._look_at_majority(members, {})
+    assert lease.armed and monitor.answered_at > 0
+    monitor.gens.store.set("complete", "0")
+    monitor._look_at_majority(members, {})
+    assert not lease.armed and not lease.expired(1e9)

@@ -27,8 +27,9 @@ victim's launcher starts takes the second lost rank. ``inproc-node-lost``: 2 sim
 spare node of 2 hot spares; node 1 lost whole in the case's step (``fault_injection.target: node``: its launcher, its
 store host and both ranks); the spare node takes both ranks, and the judge also checks that one decision declared
 both of node 1's processes dead, that one generation failed, and that the recovery timeline has its detection
-(:func:`~tools.campaign.judge.node_loss`). ``inproc-node-lost-elastic``: the same without a spare, ``elastic.enabled``:
-DP 4 -> 2, judged as a shrink. ``inproc-node-hung``: as ``inproc-node-lost`` with SIGSTOP: node 1's launcher and
+(:func:`~tools.campaign.judge.node_loss`). ``inproc-node-lost-elastic``: the same with one spare on a third node (two nodes
+alone are no majority once one is lost: they stop, cut off) for the two lost ranks, ``elastic.enabled``: DP 4 -> 2,
+judged as a shrink. ``inproc-node-hung``: as ``inproc-node-lost`` with SIGSTOP: node 1's launcher and
 ranks hang (its store host runs on); found and replaced the same way, and the launch ends the stopped launcher once
 the job completed. ``node-lost-for-good``: the restart path on 2 simulated nodes of 2 ranks, a torchrun agent each
 (``neighbor_ckpt.cli.torchrun_nodes``), ``elastic.enabled``: node 1 lost whole (its agent and both ranks SIGKILLed);

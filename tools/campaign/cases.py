@@ -245,9 +245,10 @@ class Case:
 
     @property
     def spares(self) -> int:
-        """Hot spares of an in-process case: one per fault (a whole spare node per lost node), none for a shrink."""
+        """Hot spares of an in-process case: one per fault (a whole spare node per lost node), none for a shrink but
+        a whole node's (one spare on a third node: two nodes alone have no majority once one is lost, and stop)."""
         if self.spec.shrink:
-            return 0
+            return SPARES if self.spec.whole_node and self.inprocess else 0
         if self.spec.partition:
             return int(PARTITIONS[self.spec.partition]["spares"])
         return SPARES if self.spec.grow_back else self.spec.faults * SPARES * self.devices

@@ -1,0 +1,336 @@
+"""The majority rules of a launch cut in two (a network partition), on both sides of the cut.
+
+A cut that leaves both sides running must never leave two trainings under one job. The rules (the argument:
+:mod:`neighbor_ckpt.inprocess.generation`):
+
+* **Quorum set**: the last generation's members (idle spares included) less those whose exit a launcher saw
+  (:func:`~neighbor_ckpt.inprocess.generation.exited`); for the launchers, every node of the launch.
+* **Declare only with a majority left** (:func:`majority_left`): a detector never declares peers dead when the
+  processes it would leave are not a majority of the quorum set, so a minority that still reaches the store does not
+  re-form with its spares. A peer whose own launcher still beats on this store is not counted against: declared, it
+  is killed by that launcher (it cannot go on elsewhere).
+* **The cut-off lease** (:class:`MajorityLease`, :class:`LeaseGuard`): a process or launcher that has not seen a
+  majority of its quorum set for :func:`cut_off_lease_s` logs one line containing :data:`CUT_OFF`, writes nothing
+  more and exits with :data:`~neighbor_ckpt.inprocess.protocol.EXIT_CUT_OFF` (:func:`cut_off`), before the majority
+  can declare it dead. "Seen" is a heartbeat that changed on the store it follows (``hb/<p>``; or, for a process,
+  its node's launcher's ``lhb/<node>``). A client whose store does not answer is *in doubt* (the store may be the
+  one cut off, with the majority moving to a standby): it waits, bounded, for a store promoted by a majority of the
+  launchers, and is cut off when none comes; meanwhile nothing it would write reaches a store, and its training is
+  blocked on the cut (every step needs every rank).
+
+Pure rules first (:func:`majority_left`, :class:`MajorityLease`), then the thread that applies the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from neighbor_ckpt.inprocess.protocol import EXIT_CUT_OFF
+
+__all__ = ["CUT_OFF", "cut_off_lease_s", "launcher_lease_s", "majority", "majority_left", "MajorityLease", "LeaseGuard",
+           "LauncherLease", "cut_off", "guard_times"]
+
+logger = logging.getLogger(__name__)
+
+CUT_OFF = "cut off from the majority"
+"""The words of the one line a process or launcher logs when it stops itself (tests and operators grep for it)."""
+
+
+def cut_off_lease_s(timeout_s: float, interval_s: float) -> float:
+    """The lease: how long a process may go without seeing a majority, for a job whose ``detector.timeout_s`` and
+    ``detector.interval_s`` are given: half-way between what a healthy majority may look like (a beat every
+    ``interval_s``, seen by a look every ``interval_s``: up to two intervals old) and what the majority waits before
+    it declares this process silent (``timeout_s`` after the last beat it saw, which is at most an interval older
+    than the cut): ``(timeout_s + interval_s) / 2``. 3 s at the defaults (5 s, 1 s)."""
+    return (timeout_s + interval_s) / 2.0
+
+
+def majority(quorum_set: Iterable[int]) -> int:
+    """More than half of ``quorum_set``."""
+    return len(frozenset(quorum_set)) // 2 + 1
+
+
+def majority_left(members: Iterable[int], *, dead: Iterable[int], lost: Iterable[int], exited: Iterable[int],
+                  vouched: Iterable[int] = (), alive: Optional[Iterable[int]] = None) -> bool:
+    """Whether declaring ``lost`` dead leaves a majority of the quorum set (pure). ``members``: the generation's;
+    ``dead``: declared already; ``exited``: gone for sure (a launcher saw the exit); ``vouched``: processes whose own
+    launcher beats on this store (declared, they are killed: gone for sure too); ``alive``: the members seen lately
+    (None: every member not declared), only those count as left."""
+    members = frozenset(members)
+    gone = frozenset(exited) | (frozenset(vouched) & frozenset(lost))
+    left = members - frozenset(dead) - frozenset(lost) - frozenset(exited)
+    if alive is not None:
+        left &= frozenset(alive)
+    return len(left) >= majority(members - gone)
+
+
+class MajorityLease:
+    """When this client last saw a majority of its quorum set (pure: times are given).
+
+    :meth:`observe` takes what a look read for each member of the quorum set (its heartbeat text, with its node's
+    launcher's beat for a process: any change counts); the client itself counts as seen at each look (a look is a
+    store round trip that answered). :meth:`renewed` is the latest time at which a majority had been seen since."""
+
+    def __init__(self, lease_s: float, *, me: object, now: float) -> None:
+        self.lease_s, self.me = lease_s, me
+        self._last: dict[object, tuple[object, float]] = {}
+        self._renewed = now
+        self.armed = False
+        """Set once a majority was first seen: before that (the others still starting) the lease never expires."""
+        self._over = False
+
+    def disarm(self) -> None:
+        """The job completed: the others leave, and that is no cut; the lease never expires again."""
+        self.armed, self._over = False, True
+
+    def restart(self, now: float) -> None:
+        """A fresh start (after a move to another store: every beat starts again there); ``now`` may lie ahead."""
+        self._last.clear()
+        self._renewed = max(self._renewed, now)
+
+    def observe(self, quorum_set: Iterable[object], seen: Mapping[object, object], now: float) -> bool:
+        """One look: ``seen`` maps members to what was read for them (absent: nothing read). True when a majority
+        of ``quorum_set`` has been seen within the lease, counting this look."""
+        members = frozenset(quorum_set) | {self.me}
+        for p, value in seen.items():
+            old = self._last.get(p)
+            if old is None or old[0] != value:
+                self._last[p] = (value, now)
+        self._last[self.me] = (None, now)
+        fresh = sum(1 for p in members if p in self._last and now - self._last[p][1] <= self.lease_s)
+        if fresh >= majority(members):
+            self._renewed, self.armed = max(self._renewed, now), not self._over
+            return True
+        return False
+
+    def fresh(self, now: float, within_s: float) -> set[object]:
+        """The members seen within ``within_s`` of ``now`` (this client included)."""
+        return {p for p, (_, when) in self._last.items() if now - when <= within_s} | {self.me}
+
+    def renewed(self) -> float:
+        return self._renewed
+
+    def expired(self, now: float) -> bool:
+        return self.armed and now - self._renewed > self.lease_s
+
+
+def guard_times(stores: Any, timeout_s: float) -> tuple[float, float]:
+    """:class:`LeaseGuard`'s ``doubt_s`` and ``grace_s`` for a client of ``stores`` (a
+    :class:`~neighbor_ckpt.inprocess.stores.StoreSet`) in a job whose ``detector.timeout_s`` is ``timeout_s``. In
+    doubt, a move is waited for as long as the failover takes: the lost operation and its second try, the wait for
+    the launchers' promotion, the peers' move after it. After a move, the peers get the time a live one needs to
+    follow, or ``timeout_s`` if longer (what the monitor allows them too)."""
+    return (2 * stores.timeout_s + stores.promotion_wait_s + stores.move_bound_s,
+            max(timeout_s, stores.move_bound_s))
+
+
+def cut_off(name: str, why: str, *, exit: Callable[[int], None] = os._exit) -> None:  # noqa: A002
+    """Stop now, writing nothing more: one log line, the streams flushed, ``os._exit`` (no finalizer, no ``atexit``,
+    no clean-up of the training function: those write snapshots, insurance and reports)."""
+    logger.error("%s: %s (%s): stopping without writing anything more; exiting with status %d", name, CUT_OFF, why,
+                 EXIT_CUT_OFF)
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit(EXIT_CUT_OFF)
+
+
+class LeaseGuard:
+    """The lease applied (a daemon thread, ``neighbor_ckpt-inprocess-lease``): every ``tick_s`` it looks at the
+    lease; when it has expired and the store still answers (``answered_at``: when the client's last look returned),
+    the client is cut off at once; when the store does not answer either, the client is in doubt and waits up to
+    ``doubt_s`` for a move to a promoted store (``epoch`` changes; the lease then starts again, ``grace_s`` ahead),
+    and is cut off when none comes.
+
+    Args:
+        lease: the lease, renewed by the client's looks.
+        answered_at: monotonic time of the last look that the store answered.
+        epoch: the store epoch the client is on.
+        name: who this is, for the line.
+        stop: what cuts off (default :func:`cut_off`; tests and the launcher pass their own: a launcher stops its
+            processes first).
+        done: True once there is nothing to guard (the job completed): the guard ends.
+        last_look: asked (bounded: one store operation) before a cut-off while the store answers: True when the
+            job completed meanwhile (the others left because it is over): the guard ends instead.
+    """
+
+    def __init__(self, lease: MajorityLease, *, answered_at: Callable[[], float], epoch: Callable[[], int],
+                 name: str, doubt_s: float, grace_s: float, tick_s: float = 0.1,
+                 stop: Optional[Callable[[str], None]] = None, done: Callable[[], bool] = lambda: False,
+                 lock: Optional[threading.Lock] = None, last_look: Callable[[], bool] = lambda: False) -> None:
+        self.lease, self.answered_at, self.epoch, self.name = lease, answered_at, epoch, name
+        self.doubt_s, self.grace_s, self.tick_s, self.done, self.last_look = doubt_s, grace_s, tick_s, done, last_look
+        self.stop = stop or (lambda why: cut_off(name, why))
+        self.lock = lock or threading.Lock()
+        """Held by the client while it feeds the lease (a look and its verdict are one step)."""
+        self._doubt: Optional[tuple[float, int]] = None
+        self._epoch = epoch()
+        self._quit = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="neighbor_ckpt-inprocess-lease", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._quit.set()
+
+    def _run(self) -> None:
+        while not self._quit.wait(self.tick_s):
+            if self.done():
+                return
+            verdict = self.check(time.monotonic())
+            if verdict is None:
+                continue
+            try:
+                over = self.done() or self.last_look()
+            except Exception as e:  # noqa: BLE001 - no answer: nothing says the job completed
+                logger.debug("%s: the last look before the cut-off: %s", self.name, e)
+                over = False
+            if over:
+                return
+            self.stop(verdict)
+            return
+
+    def check(self, now: float) -> Optional[str]:
+        """One look at the lease (pure but for the clocks it is given): why the client is cut off, or None."""
+        with self.lock:
+            epoch = self.epoch()
+            if epoch != self._epoch:
+                self._epoch, self._doubt = epoch, None
+                self.lease.restart(now + self.grace_s)
+                return None
+            if not self.lease.expired(now):
+                self._doubt = None
+                return None
+            quiet = now - self.lease.renewed()
+            if now - self.answered_at() <= self.lease.lease_s:
+                return (f"no majority of the last generation seen for {quiet:.1f} s (the lease: "
+                        f"{self.lease.lease_s:g} s) while the store answers")
+            if self._doubt is None:
+                self._doubt = (now, epoch)
+                logger.warning("%s: no majority seen for %.1f s and the store does not answer: waiting up to %.0f s "
+                               "for a store promoted by a majority of the launchers", self.name, quiet, self.doubt_s)
+                return None
+            if now - self._doubt[0] > self.doubt_s:
+                return (f"no majority seen for {quiet:.1f} s and no store promoted by a majority of the launchers "
+                        f"within {self.doubt_s:.0f} s")
+            return None
+
+
+def launcher_lease_s(timeout_s: float, beat_s: float) -> float:
+    """A launcher's lease: ``timeout_s - beat_s``. The others take its node for lost only once its beat stood still
+    for ``timeout_s`` (its last beat they saw is at most a beat older than the cut); its processes stop earlier, on
+    their own lease (:func:`cut_off_lease_s`), so this one guards the launcher's own acts (a restart, a
+    replacement), and leaves a healthy launcher two beats and more of slack on a loaded machine."""
+    return timeout_s - beat_s
+
+
+class LauncherLease:
+    """A launcher's side of the rules (see the module docstring): its lease over the launchers' beats
+    (``lhb/<node>``), renewed by :meth:`look` after each of its own beats, and the guard that stops its processes,
+    then itself, when the lease runs out (unless the job completed: ``done``). The quorum set is the nodes of the
+    last generation's members (every node of the launch until one formed): like the processes', it changes only
+    through a generation that a majority formed, so nodes lost for good leave it once the survivors re-formed.
+
+    Args:
+        node: this launcher's node; nodes: how many nodes the launch has.
+        timeout_s, beat_s: ``detector.timeout_s`` and the launchers' beat period.
+        stores: the launcher's :class:`~neighbor_ckpt.inprocess.stores.StoreSet` (:func:`guard_times`).
+        owner: the :class:`~neighbor_ckpt.inprocess.launcher.Launcher` (its current attempt's ``children`` are
+            SIGKILLed first, by process group; its ``complete_at`` set: the job completed, nothing to guard).
+    """
+
+    def __init__(self, *, node: str, nodes: int, timeout_s: float, beat_s: float, stores: Any, owner: Any) -> None:
+        self.node, self.nodes, self.owner = node, nodes, owner
+        self._base: Optional[frozenset[str]] = None
+        self._based_on: Optional[tuple[object, int]] = None
+
+        def done() -> bool:
+            return bool(stores.over) or getattr(getattr(owner, "_att", None), "complete_at", None) is not None
+
+        self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic())
+        self.answered_at = time.monotonic()
+        doubt_s, grace_s = guard_times(stores, timeout_s)
+        att = lambda: getattr(owner, "_att", None)  # noqa: E731
+
+        def last_look() -> bool:
+            a = att()
+            return a is not None and bool(owner._try(a.number, lambda s: s.check(["complete"])))
+
+        self.guard = LeaseGuard(self.lease, answered_at=lambda: self.answered_at, epoch=lambda: stores.epoch,
+                                name=f"launcher {node}", doubt_s=doubt_s, grace_s=grace_s, stop=self.stop, done=done,
+                                last_look=last_look)
+
+    def look(self, store: object, before: object = None) -> None:
+        """One look at the launchers' beats, through ``store`` (a view under the attempt's prefix this launcher
+        beats in) and ``before`` (the previous attempt's, during a restart: a launcher still stopping its processes
+        or meeting the others beats there); raises what the store raises."""
+        from neighbor_ckpt.inprocess.protocol import key
+        from neighbor_ckpt.inprocess.restart_rendezvous import parse_nodes
+
+        s: Any = store
+        try:
+            self._rebase(s)
+            if self._base is not None:
+                names, unknown = sorted(self._base - {self.node}), []
+            else:
+                names = [n for n in parse_nodes(s.get("nodes") if s.check(["nodes"]) else None) if n != self.node]
+                unknown = [f"?{i}" for i in range(max(0, self.nodes - 1 - len(names)))]  # not announced (yet)
+            views: list[Any] = [s] if before is None else [s, before]
+            seen = {n: tuple(v.get(key("lhb", n)) if v.check([key("lhb", n)]) else None for v in views)
+                    for n in names}
+            seen = {n: v for n, v in seen.items() if any(x is not None for x in v)}
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            # a garbled record, or a key found on one store and asked of the next (a move in between: torch's
+            # DistStoreError): no look this time
+            logger.debug("launcher %s: a look at the launchers' beats: %s", self.node, e)
+            return
+        now = time.monotonic()
+        with self.guard.lock:
+            self.answered_at = now
+            self.lease.observe([*names, *unknown, self.node], seen, now)
+
+    def _rebase(self, s: Any) -> None:
+        """The nodes of the current generation's members, once per generation (kept across a restart until the new
+        attempt's first generation formed)."""
+        import json
+
+        from neighbor_ckpt.inprocess.protocol import key
+
+        raw = s.get("gen") if s.check(["gen"]) else None
+        g = int(raw) if raw else 0
+        where = (getattr(s, "prefix", None), g)
+        members_key = key("gen", g, "members")
+        if where == self._based_on or not s.check([members_key]):
+            return
+        nodes = set()
+        for p in json.loads(s.get(members_key))["members"]:
+            rec = s.get(key("proc", p)) if s.check([key("proc", p)]) else None
+            node = json.loads(rec).get("node") if rec else None
+            if node is not None:
+                nodes.add(str(node))
+        if nodes:
+            self._base, self._based_on = frozenset(nodes | {self.node}), where
+
+    def stop(self, why: str) -> None:
+        """Cut off: this launcher's processes first (SIGKILL: they write nothing more either), then itself."""
+        import signal
+
+        try:
+            for child in list(getattr(getattr(self.owner, "_att", None), "children", {}).values()):
+                try:
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        finally:
+            cut_off(f"launcher {self.node}", why)

@@ -1,0 +1,216 @@
+"""The majority rules of a launch cut in two (:mod:`neighbor_ckpt.inprocess.quorum`): who may be declared dead, the
+cut-off lease and its guard, promotion by a majority of the launchers' votes, a failover's replay that writes facts
+only, and the launchers' handling of a process cut off. Pure rules with given clocks, and real TCP stores in one
+process."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Iterator
+
+import pytest
+import torch.distributed as dist
+
+from neighbor_ckpt.inprocess import protocol
+from neighbor_ckpt.inprocess.failover_replay import ReplayFacts, replay
+from neighbor_ckpt.inprocess.generation import GenerationStore, parse_dead
+from neighbor_ckpt.inprocess.launcher_plan import Action, classify_exit, describe_exit
+from neighbor_ckpt.inprocess.quorum import (CUT_OFF, LeaseGuard, MajorityLease, cut_off, cut_off_lease_s,
+                                            launcher_lease_s, majority, majority_left)
+from neighbor_ckpt.inprocess.stores import NoPromotedStore, StoreAddresses, StoreSet, epoch_key, vote_key
+from tests.conftest import free_port
+
+
+def test_a_declaration_must_leave_a_majority_of_the_members_that_may_still_run() -> None:
+    five = range(5)
+    assert majority(five) == 3 and majority(range(4)) == 3 and majority(range(2)) == 2
+    assert majority_left(five, dead=(), lost=(3, 4), exited=())
+    assert not majority_left(five, dead=(), lost=(2, 3, 4), exited=()), "2 of 5 left: maybe the side cut off"
+    assert not majority_left(five, dead=(4,), lost=(2, 3), exited=()), "a suspicion still counts in the base"
+    assert majority_left(five, dead=(4,), lost=(3,), exited=(4,)), "gone for sure: out of the base (3 of 4)"
+    assert not majority_left(range(4), dead=(), lost=(2, 3), exited=()), "2 nodes x 2: a node lost whole is a tie"
+    assert majority_left(range(6), dead=(), lost=(2, 3), exited=()), "3 nodes x 2: 4 of 6"
+    assert not majority_left(range(2), dead=(), lost=(1,), exited=()), "1 + 1 spare on two nodes: a tie"
+    assert majority_left(range(2), dead=(), lost=(1,), exited=(), vouched=(1,)), \
+        "its launcher beats here: declared, it is killed, not running elsewhere"
+    assert majority_left(range(3), dead=(1,), lost=(2,), exited=(1,), vouched=(2,))
+    assert not majority_left(range(3), dead=(), lost=(2,), exited=(), alive=(0,)), \
+        "1 is silent too (not seen lately): declaring 2 would leave 0 alone"
+    assert majority_left(range(3), dead=(), lost=(2,), exited=(), alive=(0, 1))
+
+
+def test_the_lease_is_renewed_by_a_majority_of_changing_beats_and_armed_only_once_one_was_seen() -> None:
+    assert cut_off_lease_s(5.0, 1.0) == 3.0 and cut_off_lease_s(2.0, 0.2) == pytest.approx(1.1)
+    assert launcher_lease_s(2.0, 0.5) == 1.5
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    assert not lease.observe({0, 1, 2, 3, 4}, {1: "a"}, 0.0), "2 of 5"
+    assert not lease.expired(100.0), "never armed (the others may still be starting)"
+    assert lease.observe({0, 1, 2, 3, 4}, {1: "b", 2: "x"}, 100.0) and lease.armed
+    assert not lease.expired(100.9)
+    assert not lease.observe({0, 1, 2, 3, 4}, {1: "b", 2: "x"}, 101.2), "beats that stand still are not seen"
+    assert lease.expired(101.2) and lease.renewed() == 100.0
+    assert lease.observe({0, 1, 2, 3, 4}, {1: "c", 2: "x", 3: "q"}, 101.3), "1 and 3 changed: 0, 1, 3"
+    lease.restart(110.0)
+    assert not lease.expired(110.5) and lease.expired(111.5), "after a move: from the grace on"
+
+
+def _guard(lease: MajorityLease, answered: list[float], epoch: list[int]) -> LeaseGuard:
+    return LeaseGuard(lease, answered_at=lambda: answered[0], epoch=lambda: epoch[0], name="process 0",
+                      doubt_s=20.0, grace_s=3.0)
+
+
+def test_the_guard_cuts_off_at_once_while_the_store_answers_and_waits_for_a_promoted_store_in_doubt() -> None:
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
+    answered, epoch = [0.0], [0]
+    guard = _guard(lease, answered, epoch)
+    assert guard.check(0.5) is None
+    answered[0] = 1.4
+    why = guard.check(1.5)
+    assert why is not None and "while the store answers" in why, "a minority that holds the store: now"
+
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
+    guard = _guard(lease, [0.0], epoch)
+    assert guard.check(1.5) is None, "no store answers either: in doubt"
+    assert guard.check(21.0) is None
+    why = guard.check(21.6)
+    assert why is not None and "no store promoted by a majority of the launchers" in why
+
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
+    guard = _guard(lease, [0.0], epoch)
+    assert guard.check(1.5) is None
+    epoch[0] = 1  # moved to a store the majority promoted: the lease starts again there, after the grace
+    assert guard.check(10.0) is None and guard.check(13.9) is None
+    assert guard.check(14.2) is None, "nothing answered since: in doubt again, not cut off"
+
+
+def test_cut_off_says_the_line_and_exits_with_its_own_status(caplog: Any) -> None:
+    codes: list[int] = []
+    with caplog.at_level("ERROR"):
+        cut_off("process 3", "no majority seen for 1.2 s", exit=codes.append)
+    assert codes == [protocol.EXIT_CUT_OFF] and caplog.text.count(CUT_OFF) == 1
+
+
+def test_a_launcher_takes_a_cut_off_exit_as_final() -> None:
+    assert classify_exit(protocol.EXIT_CUT_OFF, False) is Action.CUT_OFF
+    assert classify_exit(protocol.EXIT_CUT_OFF, True) is Action.CUT_OFF, "declared or not: nothing restarts it"
+    assert "cut off from the majority" in describe_exit(protocol.EXIT_CUT_OFF)
+
+
+@pytest.fixture()
+def stores() -> Iterator[tuple[list[Any], StoreAddresses]]:
+    """Store 0 is gone (nothing listens), stores 1 and 2 are up."""
+    ports = [free_port() for _ in range(3)]
+    masters = [dist.TCPStore("127.0.0.1", p, is_master=True, wait_for_workers=False, use_libuv=True,
+                             timeout=timedelta(seconds=10)) for p in ports[1:]]
+    yield masters, StoreAddresses(tuple(("127.0.0.1", p) for p in ports))
+    del masters
+
+
+def test_a_store_is_promoted_by_the_vote_that_makes_a_majority_of_the_launchers_and_processes_never_promote(
+        stores: tuple[list[Any], StoreAddresses]) -> None:
+    import threading
+
+    masters, addresses = stores
+
+    def voter(node: str) -> StoreSet:
+        return StoreSet(addresses, run_id="r", timeout_s=0.5, connect_timeout_s=1.0, name=f"launcher:{node}",
+                        voter=node, voters=3)
+
+    alone = voter("node1")
+    with pytest.raises(NoPromotedStore, match="no later store promoted by a majority of the 3 launcher"):
+        alone.lost(0, "refused")
+    assert not masters[0].check([epoch_key("r")]), "one vote of three promotes nothing"
+    assert masters[0].get(vote_key("r", 1)) == b"node1,"
+
+    process = StoreSet(addresses, run_id="r", timeout_s=0.5, connect_timeout_s=1.0, name="process 3")
+    moved: list[int] = []
+    t = threading.Thread(target=lambda: moved.append(process.lost(0, "refused")))
+    t.start()
+    assert voter("node2").lost(0, "refused") == 1, "the second vote of three promotes store 1"
+    t.join()
+    assert masters[0].get(epoch_key("r")) == b"1" and moved == [1] and process.epoch == 1
+    assert not masters[1].check([epoch_key("r")]) and not masters[1].check([vote_key("r", 2)])
+
+
+def test_a_process_that_finds_no_promoted_store_is_cut_off(stores: tuple[list[Any], StoreAddresses]) -> None:
+    _, addresses = stores
+    process = StoreSet(addresses, run_id="r", timeout_s=0.5, connect_timeout_s=1.0, name="process 3")
+    with pytest.raises(NoPromotedStore):
+        process.lost(0, "refused")
+    assert process.epoch == 0
+
+
+def test_a_failover_replay_writes_exits_only_never_a_suspicion(stores: tuple[list[Any], StoreAddresses]) -> None:
+    """A client back from the minority's side suspected the majority's processes (silent): none of that reaches
+    the store it moves to; the exits it saw (facts) do."""
+    masters, _ = stores
+    gens = GenerationStore(dist.PrefixStore("job/0/", masters[0]), process=4)
+    facts = ReplayFacts(record="{}", dead={0: "silent: no heartbeat for 2.1 s", 1: "hung: lagging",
+                                           2: "exited: killed by signal 9 (SIGKILL)",
+                                           3: "exited: after silent: no heartbeat"}, generation=1)
+    replay(gens, facts, by="process 4", why="store 0 lost", new_store="store 1")
+    assert parse_dead(gens.store.get("dead")).keys() == {2, 3}
+
+
+def test_what_a_client_read_as_exited_is_kept_as_a_fact_whatever_was_suspected_first(
+        stores: tuple[list[Any], StoreAddresses]) -> None:
+    masters, _ = stores
+    gens = GenerationStore(dist.PrefixStore("job/0/", masters[0]), process=0)
+    gens.declare_dead([1], "silent: no heartbeat")
+    gens.declare_dead([2], "silent: no heartbeat")
+    gens.declare_dead([1], "exited: killed by signal 9 (SIGKILL)")
+    assert gens.dead().keys() == {1, 2} and gens.exited == {1}
+    assert gens.seen_dead[1].startswith("exited:") and gens.seen_dead[2].startswith("silent:")
+
+
+def test_the_guard_stops_a_client_whose_lease_ran_out_unless_the_job_completed_meanwhile() -> None:
+    """The others leave when the job completed: that is no cut (the last look before a cut-off says so)."""
+    for completed in (True, False):
+        lease = MajorityLease(0.05, me=0, now=0.0)
+        import time
+
+        lease.observe({0, 1, 2}, {1: "a"}, time.monotonic())
+        stopped: list[str] = []
+        guard = LeaseGuard(lease, answered_at=time.monotonic, epoch=lambda: 0, name="process 0", doubt_s=20.0,
+                           grace_s=3.0, tick_s=0.01, stop=stopped.append, last_look=lambda c=completed: c)
+        guard.start()
+        assert guard._thread is not None
+        guard._thread.join(timeout=60)
+        assert not guard._thread.is_alive()
+        assert (stopped == []) is completed, stopped
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
+    lease.disarm()
+    assert not lease.expired(50.0) and not lease.observe({0, 1, 2}, {}, 50.0)
+    lease.observe({0, 1, 2}, {1: "b", 2: "c"}, 51.0)
+    assert not lease.expired(99.0), "never armed again once the job completed"
+
+
+def test_a_launchers_quorum_set_is_every_node_then_the_nodes_of_the_last_generation(
+        stores: tuple[list[Any], StoreAddresses]) -> None:
+    """4 nodes: before a generation formed every node counts (node0 alone with node3: 2 of 4, no majority); once
+    generation 1 formed on nodes 0, 2, 3 (node 1 lost for good), node0 with node3 are 2 of 3."""
+    import json
+    from types import SimpleNamespace
+
+    from neighbor_ckpt.inprocess.quorum import LauncherLease
+
+    masters, _ = stores
+    s = dist.PrefixStore("job/0/", masters[0])
+    fake = SimpleNamespace(timeout_s=4.0, promotion_wait_s=14.0, move_bound_s=6.0, epoch=0, over=False)
+    lease = LauncherLease(node="node0", nodes=4, timeout_s=2.0, beat_s=0.5, stores=fake,
+                          owner=SimpleNamespace(_att=None))
+    s.set("nodes", "node0,node1,node2,node3,")
+    s.set("lhb/node3", "1")
+    lease.look(s)
+    assert not lease.lease.armed
+    for p, node in enumerate(("node0", "node1", "node2", "node3")):
+        s.set(f"proc/{p}", json.dumps({"node": node}))
+    s.set("gen/1/members", json.dumps({"members": [0, 2, 3], "progressed": True, "hangs": 0}))
+    s.set("gen", "1")
+    s.set("lhb/node3", "2")
+    lease.look(s)
+    assert lease.lease.armed and lease._base == {"node0", "node2", "node3"}
