@@ -38,7 +38,8 @@ def test_each_partition_kind_plans_its_cut_in_the_config_of_an_in_process_case_i
     assert len(drawn) == 3
     for c in drawn:
         assert c.inprocess and c.simulate_network and c.dist_opt and c.tp == 1 and c.phase == "optimizer"
-        assert (c.step == 1 if heal else 1 <= c.step <= 4) and c.expected == "exact" and c.acceptable == ("exact",) and not c.may_fall_back
+        assert (c.step == 1 if heal else 1 <= c.step <= 4) and not c.may_fall_back
+        assert c.expected == "exact" and c.acceptable == ("exact",)
         assert (c.spares, c.devices, list(c.victims), c.rank) == (spares, 1, nodes, nodes[0])
         assert c.flavour == (True, 1, False), "the failure-free run of the other in-process cases"
         assert c.recipe_args() == [], "the config's fault_injection cuts it, not --kill"
@@ -177,3 +178,18 @@ def test_the_campaign_refuses_the_partition_kinds_in_one_line_where_no_network_c
     assert rc == 2 and err.count("\n") == 1 and "partition kinds cannot run here" in err and "needs root" in err, err
     assert not (tmp_path / "c" / "baseline-distopt-tp1").exists(), "nothing ran"
     assert set(PARTITIONS) == {"primary", "minority-with-spare", "heal", "ranks"}
+
+
+def test_a_partitions_mttr_and_detection_are_measured_from_the_cut_not_the_timelines_own_fault_estimate(
+        tmp_path: Path) -> None:
+    case, base, run = _run(tmp_path, "inproc-partition-primary")  # cut at unix 1_700_000_000
+    (run / "reports").mkdir()
+    (run / "reports" / "recovery_timeline.attempt0.1.json").write_text(json.dumps({
+        "attempt": "0.1", "mode": "in-process", "restarted_ranks": [], "spare_ranks": [0], "mttr_s": 3.5,
+        "phases_s": {"detect": 0.0, "reform": 3.4}, "detect_from": "the fault: last heartbeat of process 0 seen by "
+                                                                   "process 1",
+        "events_unix": {"fault": 1_700_000_020.0, "failure_noticed": 1_700_000_016.5,
+                        "first_step_end": 1_700_000_023.5}}))
+    o = _judge(case, base, run, PRIMARY_LOG)
+    assert o.result == "exact" and (o.detection_s, o.mttr_s) == (16.5, 23.5), o
+    assert [(r["mttr_s"], r["detection_s"], r["measured_from"]) for r in o.recoveries] == [(23.5, 16.5, "the cut")]

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["compare", "compare_fallback", "compare_resized", "failed_generations", "failure_lines",
-           "insurance_iteration", "node_loss", "partition", "recoveries", "restart_attempts", "CUT_OFF"]
+           "insurance_iteration", "node_loss", "partition", "recoveries", "recoveries_from", "restart_attempts",
+           "CUT_OFF"]
 
 _REPORT_RE = re.compile(r"^report\.rank\d+\.attempt(\d+)(?:\.\d+)*\.json$")
 
@@ -144,6 +145,20 @@ def recoveries(run: Path) -> list[dict[str, Any]]:
         out.append({"attempt": t.get("attempt"), "mode": t.get("mode"),
                     "mttr_s": None if mttr is None else float(mttr),
                     "detection_s": None if detect is None else float(detect), "file": t["file"]})
+    return out
+
+
+def recoveries_from(run: Path, unix: float) -> list[dict[str, Any]]:
+    """:func:`recoveries` measured from ``unix`` (a partition's cut, ``fault.json``) instead of each timeline's own
+    fault estimate (the last heartbeat or snapshot its witness saw, which a cut that silences nobody's process at once
+    can place well after the cut): ``mttr_s`` to the timeline's ``first_step_end``, ``detection_s`` to its
+    ``failure_noticed`` (None where the timeline lacks the event)."""
+    out = []
+    for t, entry in zip(_timelines(run), recoveries(run)):
+        events = t.get("events_unix") or {}
+        end, noticed = events.get("first_step_end"), events.get("failure_noticed")
+        out.append(dict(entry, mttr_s=None if end is None else float(end) - unix,
+                        detection_s=None if noticed is None else float(noticed) - unix, measured_from="the cut"))
     return out
 
 

@@ -26,7 +26,7 @@ from neighbor_ckpt.snapshot.store import rank_dir
 
 from .cases import KINDS, LOST_NODE, NODES, PARTITIONS, SPARES, WORLD, Case, Outcome, draw_cases
 from .judge import (compare, compare_fallback, compare_resized, failure_lines, insurance_iteration, node_loss,
-                    partition, recoveries, restart_attempts)
+                    partition, recoveries, recoveries_from, restart_attempts)
 from .report import load_outcomes, mttrs, results_document, summarize
 
 __all__ = ["RECIPE", "GAVE_UP", "inprocess_job", "judge_run", "main", "resume_baseline", "resume_point", "run_case",
@@ -171,7 +171,7 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
             rc = run_inprocess(procs, env=env, timeout=timeout, stdout=f, stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
             rc = -999
-        except ConfigError as e:  # the store host never listened (or no network): this case failed, the campaign goes on
+        except ConfigError as e:  # no store host listened, or no network: this case failed, the campaign goes on
             f.write(f"\ncampaign: {e}\n")
             rc = -998
     kill_tagged(tag)  # a stopped victim nobody killed, or a process its launcher left behind
@@ -235,6 +235,8 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
     if seen_in_log:  # the hang's detection: from the victim's stop to the first detection line
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
     all_recoveries = _recoveries(out, log, detection)
+    if case.spec.partition and (out / "fault.json").exists():  # from the cut: nobody's process stops at once
+        all_recoveries = recoveries_from(out, float(json.loads((out / "fault.json").read_text())["unix"]))
     if not seen_in_log and (case.signal in ("SIGSTOP", "block") or case.spec.whole_node or case.spec.partition) \
             and case.inprocess:
         detection = next((r["detection_s"] for r in all_recoveries if r["detection_s"] is not None), None)
