@@ -17,7 +17,10 @@ replacement taking the second lost rank), ``inproc-store-node`` and ``inproc-sto
 and ``inproc-node-hung`` (test_inprocess_nodes.py's node
 killed whole with a spare node, without under elastic, and hung whole: a hung node's processes must start cold, so
 that they go with their launcher when the launch ends it), ``node-lost-for-good`` (test_torchrun_nodes.py's node lost for good on
-the restart path under elastic). The full randomized campaign (docs/campaign.md) runs every kind with
+the restart path under elastic), ``inproc-partition-primary``, ``inproc-partition-minority-with-spare``,
+``inproc-partition-heal`` and ``inproc-partition-ranks`` (test_partitions.py's same four cuts of simulated nodes in
+network namespaces: node 0 with the primary store cut off for good, a minority holding it and a spare, that cut healed,
+one node's rank traffic cut; they need root). The full randomized campaign (docs/campaign.md) runs every kind with
 more faults."""
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ KINDS = tuple(k for k in cases.KINDS if k != "inproc-hang")
 COVERED_ELSEWHERE = ("kill-forward", "kill-backward", "kill-optimizer", "kill-replaced-store", "kill-bitflip",
                      "lose-adjacent-pair", "hang", "data-misplaced", "inproc-kill", "inproc-shrink", "inproc-stuck",
                      "inproc-store-node", "inproc-store-stop", "inproc-spare-lost", "inproc-grow-back",
-                     "inproc-node-lost", "inproc-node-lost-elastic", "inproc-node-hung", "node-lost-for-good")
+                     "inproc-node-lost", "inproc-node-lost-elastic", "inproc-node-hung", "node-lost-for-good",
+                     "inproc-partition-primary", "inproc-partition-minority-with-spare", "inproc-partition-heal",
+                     "inproc-partition-ranks")
 """Kinds whose drawn case CI does not run: a dedicated end-to-end test covers each (module docstring)."""
 RUN = tuple(i + 1 for i, k in enumerate(KINDS) if k not in COVERED_ELSEWHERE)
 

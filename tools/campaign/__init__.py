@@ -34,6 +34,12 @@ ranks hang (its store host runs on); found and replaced the same way, and the la
 the job completed. ``node-lost-for-good``: the restart path on 2 simulated nodes of 2 ranks, a torchrun agent each
 (``neighbor_ckpt.cli.torchrun_nodes``), ``elastic.enabled``: node 1 lost whole (its agent and both ranks SIGKILLed);
 the launch says so and node 0 restarts alone at DP 2, resharded from its host memory: judged as a shrink.
+``inproc-partition-primary``, ``-minority-with-spare``, ``-heal``, ``-ranks``: each simulated node in a network
+namespace of its own (``launch.simulate_network``; root, workers started cold; refused in one line where it cannot be
+made), the network cut in the optimizer step (``fault_injection.target: partition``): node 0 (primary store, rank 0)
+for good; node 0 and a spare node; that cut healed after 10 s; node 1's rank traffic only. Judged exact, and as
+tests/e2e/test_partitions.py: the side cut off says it is cut off from the majority and forms no generation, the
+healed majority is never fenced, the spare takes the rank (:func:`~tools.campaign.judge.partition`).
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 

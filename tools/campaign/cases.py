@@ -7,8 +7,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["WORLD", "NODES", "SPARES", "GLOBAL_BATCH", "DEVICES", "LOST_NODE", "Kind", "KIND_SPECS", "KINDS", "Case",
-           "Outcome", "dp_ring", "draw_cases"]
+__all__ = ["WORLD", "NODES", "SPARES", "GLOBAL_BATCH", "DEVICES", "LOST_NODE", "PARTITIONS", "CUTTING_RANK", "Kind",
+           "KIND_SPECS", "KINDS", "Case", "Outcome", "dp_ring", "draw_cases"]
 
 WORLD, NODES = 4, 2
 """Every case: 4 ranks laid out as 2 "nodes" of 2 consecutive ranks (``--nodes 2``), so the ring of a DP group puts
@@ -65,6 +65,12 @@ class Kind:
     and it never comes back). The hot spares fill a spare node of their own (2 per fault); with ``shrink`` there is
     none and the job goes on at DP 2. Judged also on how the loss was found: one decision declaring both of the node's
     processes dead, one failed generation, a recovery timeline with its detection."""
+    partition: str = ""
+    """In process, each simulated node in a network namespace of its own (``launch.simulate_network``; root, workers
+    started cold): the network cut as :data:`PARTITIONS` says for this name (``fault_injection.target: partition``,
+    run by :data:`CUTTING_RANK`), nothing killed. ``primary``: node 0 (the primary store, rank 0) cut off for good;
+    ``minority-with-spare``: node 0 and the first spare node; ``heal``: the same cut healed after 10 s; ``ranks``:
+    node 1's rank traffic only (its stores reachable). Empty: no partition."""
     inprocess: bool = False
     """In-process recovery with a hot spare (the recipe's in-process mode under our per-node launchers); always the
     distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path (the launchers restart
@@ -101,6 +107,11 @@ KIND_SPECS: dict[str, Kind] = {
     "inproc-node-lost-elastic": Kind(phase="optimizer", tp=1, inprocess=True, whole_node=True, shrink=True),
     "inproc-node-hung": Kind(signal="SIGSTOP", phase="optimizer", tp=1, inprocess=True, whole_node=True),
     "node-lost-for-good": Kind(phase="optimizer", tp=1, whole_node=True, shrink=True),
+    "inproc-partition-primary": Kind(phase="optimizer", tp=1, inprocess=True, partition="primary"),
+    "inproc-partition-minority-with-spare": Kind(phase="optimizer", tp=1, inprocess=True,
+                                                 partition="minority-with-spare"),
+    "inproc-partition-heal": Kind(phase="optimizer", tp=1, inprocess=True, partition="heal"),
+    "inproc-partition-ranks": Kind(phase="optimizer", tp=1, inprocess=True, partition="ranks"),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete
@@ -116,6 +127,18 @@ process per node."""
 LOST_NODE = 1
 """The node a whole-node kind loses (``node1``: ranks 2 and 3; node 0 also hosts the primary store, whose loss is
 ``inproc-store-node``'s)."""
+PARTITIONS: dict[str, dict[str, Any]] = {
+    "primary": {"spares": 1, "nodes": [0], "traffic": "all", "heal_after_s": None},
+    "minority-with-spare": {"spares": 2, "nodes": [0, WORLD], "traffic": "all", "heal_after_s": None},
+    "heal": {"spares": 2, "nodes": [0, WORLD], "traffic": "all", "heal_after_s": 10.0},
+    "ranks": {"spares": 1, "nodes": [1], "traffic": "ranks", "heal_after_s": None},
+}
+"""The partition kinds' layouts (``WORLD`` ranks, one process per node ``node<i>``, the spares on nodes ``WORLD`` and
+on): hot spares, the nodes cut off (node ``WORLD`` is the first spare node: a minority holding the primary store and
+a spare, 2 of ``WORLD + 2`` nodes), which traffic, and when the cut heals (None: never). The scenarios of
+tests/e2e/test_partitions.py on the campaign's 4 ranks (so that they share its failure-free run)."""
+CUTTING_RANK = 1
+"""The rank that cuts the network in a partition case (it is not harmed by the cut; as in test_partitions.py)."""
 GLOBAL_BATCH = 16
 """Samples per step of every case: the recipe's default at DP 4 (2 micro-batches of 2 per rank); given to the recipe
 only where it must stay fixed across a shrink (``inproc-shrink`` and its failure-free run)."""
@@ -163,6 +186,8 @@ class Case:
 
     @property
     def victims(self) -> tuple[int, ...]:
+        if self.spec.partition:  # the processes of the nodes cut off (one per node)
+            return tuple(PARTITIONS[self.spec.partition]["nodes"])
         if self.spec.whole_node:
             return tuple(range(LOST_NODE * DEVICES, (LOST_NODE + 1) * DEVICES))
         how = self.spec.victims
@@ -208,6 +233,11 @@ class Case:
         return self.spec.inprocess
 
     @property
+    def simulate_network(self) -> bool:
+        """Each simulated node in a network namespace of its own (a partition kind): root only, workers start cold."""
+        return bool(self.spec.partition)
+
+    @property
     def devices(self) -> int:
         """Processes (ranks) per simulated node: :data:`DEVICES` for a whole-node kind (in process, our launchers; on
         the restart path, torchrun agents), else 1."""
@@ -219,14 +249,21 @@ class Case:
         a whole node's (one spare on a third node: two nodes alone have no majority once one is lost, and stop)."""
         if self.spec.shrink:
             return SPARES if self.spec.whole_node and self.inprocess else 0
+        if self.spec.partition:
+            return int(PARTITIONS[self.spec.partition]["spares"])
         return SPARES if self.spec.grow_back else self.spec.faults * SPARES * self.devices
 
     @property
     def planned_faults(self) -> list[dict[str, Any]] | None:
         """The ``fault_injection.faults`` entries of the case's config (the kinds with several faults or a lost node),
         or None: the recipe's ``--kill`` flags inject it."""
-        if not (self.spec.faults > 1 or self.spec.shrink or self.spec.store_node or self.spec.whole_node):
+        if not (self.spec.faults > 1 or self.spec.shrink or self.spec.store_node or self.spec.whole_node
+                or self.spec.partition):
             return None
+        if self.spec.partition:
+            cut = PARTITIONS[self.spec.partition]
+            return [{"target": "partition", "rank": CUTTING_RANK, "step": self.step, "phase": self.phase,
+                     "nodes": list(cut["nodes"]), "traffic": cut["traffic"], "heal_after_s": cut["heal_after_s"]}]
         if self.spec.whole_node:
             return [{"target": "node", "node": LOST_NODE, "step": self.step, "phase": self.phase,
                      "signal": self.signal}]
@@ -335,6 +372,10 @@ def draw_cases(n: int, seed: int, *, steps: int, world: int = WORLD, kinds: Sequ
             case = dataclasses.replace(case, rank=0)
         if spec.whole_node:  # the lost node's first rank (for the record: the fault names the node)
             case = dataclasses.replace(case, rank=LOST_NODE * DEVICES)
+        if spec.partition:  # the first node cut off (for the record: the fault names the nodes)
+            case = dataclasses.replace(case, rank=PARTITIONS[spec.partition]["nodes"][0])
+        if spec.partition and PARTITIONS[spec.partition]["heal_after_s"] is not None:  # the most steps after the cut,
+            case = dataclasses.replace(case, step=1)  # so that the job still runs when it heals
         if spec.faults > 1:  # the second fault after the recovered generation completed a step
             first = min(step, steps - 3)
             case = dataclasses.replace(case, step=first, second_rank=rng.randrange(world),

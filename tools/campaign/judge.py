@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["compare", "compare_fallback", "compare_resized", "failed_generations", "failure_lines",
-           "insurance_iteration", "node_loss", "recoveries", "restart_attempts"]
+           "insurance_iteration", "node_loss", "partition", "recoveries", "recoveries_from", "restart_attempts",
+           "CUT_OFF"]
 
 _REPORT_RE = re.compile(r"^report\.rank\d+\.attempt(\d+)(?:\.\d+)*\.json$")
 
@@ -147,6 +148,20 @@ def recoveries(run: Path) -> list[dict[str, Any]]:
     return out
 
 
+def recoveries_from(run: Path, unix: float) -> list[dict[str, Any]]:
+    """:func:`recoveries` measured from ``unix`` (a partition's cut, ``fault.json``) instead of each timeline's own
+    fault estimate (the last heartbeat or snapshot its witness saw, which a cut that silences nobody's process at once
+    can place well after the cut): ``mttr_s`` to the timeline's ``first_step_end``, ``detection_s`` to its
+    ``failure_noticed`` (None where the timeline lacks the event)."""
+    out = []
+    for t, entry in zip(_timelines(run), recoveries(run)):
+        events = t.get("events_unix") or {}
+        end, noticed = events.get("first_step_end"), events.get("failure_noticed")
+        out.append(dict(entry, mttr_s=None if end is None else float(end) - unix,
+                        detection_s=None if noticed is None else float(noticed) - unix, measured_from="the cut"))
+    return out
+
+
 def compare_fallback(base: Path, resumed: Path, run: Path, *, insurance_step: int) -> str:
     """'' when a fallback case trained what it should, bit for bit: what the first launch attempt trained equals the
     failure-free run ``base``; every step from ``insurance_step + 1`` on trained after the fallback (a later launcher
@@ -214,6 +229,58 @@ def node_loss(log: str, run: Path, *, node: str, processes: tuple[int, ...], spa
     if not spare_node and (t.get("data_parallel_before"), t.get("data_parallel_after")) != (4, 2):
         return (f"data-parallel {t.get('data_parallel_before')} -> {t.get('data_parallel_after')}, expected 4 -> 2 "
                 f"({t['file']})")
+    return ""
+
+
+CUT_OFF = "cut off from the majority"
+"""What a process that cannot see a majority logs (one line) before it exits."""
+
+
+def _lines_of(log: str, process: int) -> list[str]:
+    """The log lines process ``process`` wrote about itself (the engine's ``process P: ...`` and
+    ``process P (rank R): ...``)."""
+    return [line for line in log.splitlines() if re.search(rf"(INFO|WARNING|ERROR):? process {process}\b", line)]
+
+
+def partition(log: str, *, nodes: list[int], traffic: str, heal_after_s: float | None, processes: int, spare: int,
+              rank: int, store: Path | None = None, cut_unix: float | None = None) -> str:
+    """'' when a partition of ``nodes`` (one process per node: process ``i`` on node ``i``; ``processes`` in all) went
+    as it must: the cut was made (``traffic``); with ``all`` traffic each process cut off said it is cut off from the
+    majority and formed no generation after generation 0, and no slot of its node's host store (``store/node<i>``)
+    was written after the cut (``cut_unix``); with ``ranks`` traffic the majority found the node unreachable over
+    the ranks' network; with ``heal_after_s`` the cut healed and no process of the majority was declared dead by the
+    others; and spare process ``spare`` took rank ``rank``'s place in generation 1 (one recovery). Otherwise what
+    differs."""
+    made = f"fault injection: node(s) {nodes} cut off ({traffic} traffic)"
+    if made not in log:
+        return f"the cut was not made (no line {made!r})"
+    if traffic == "ranks":
+        found = f"process(es) {nodes} unreachable from a majority over the ranks' network"
+        if found not in log:
+            return f"no line {found!r}"
+    else:
+        for p in nodes:
+            mine = _lines_of(log, p)
+            if not any(CUT_OFF in line for line in mine):
+                return f"process {p} (cut off) never said it is {CUT_OFF}"
+            formed = [line for line in mine if re.search(r": generation [1-9]\d*: ", line)]
+            if formed:
+                return f"process {p} of the minority formed a generation: {formed[0].strip()[:200]}"
+            written = [] if store is None or cut_unix is None else sorted(
+                str(f) for f in (store / f"node{p}").rglob("*.slot") if f.is_file() and f.stat().st_mtime > cut_unix)
+            if written:
+                return f"node{p} (cut off) wrote snapshot slots after the cut: {written[:3]}"
+    if heal_after_s is not None:
+        healed = f"the partition of node(s) {nodes} healed after {heal_after_s:g} s"
+        if healed not in log:
+            return f"the cut did not heal before the launch ended (no line {healed!r})"
+        fenced = [p for p in range(processes) if p not in nodes
+                  and any("declared dead by the others" in line for line in _lines_of(log, p))]
+        if fenced:
+            return f"process(es) {fenced} of the majority fenced after the heal"
+    took = f"hot spare (process {spare}) takes rank {rank}'s place in generation 1"
+    if took not in log:
+        return f"no line {took!r}"
     return ""
 
 

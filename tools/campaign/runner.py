@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -16,16 +17,16 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from neighbor_ckpt.cli.launch import worker_program
+from neighbor_ckpt.cli.launch import WORKER_PREFIX_ENV, worker_program
 from neighbor_ckpt.recipes import RECIPES_DIR
 from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, kill_tagged, new_run_tag
 from neighbor_ckpt.snapshot.store import rank_dir
 
-from .cases import KINDS, LOST_NODE, NODES, SPARES, WORLD, Case, Outcome, draw_cases
+from .cases import KINDS, LOST_NODE, NODES, PARTITIONS, SPARES, WORLD, Case, Outcome, draw_cases
 from .judge import (compare, compare_fallback, compare_resized, failure_lines, insurance_iteration, node_loss,
-                    recoveries, restart_attempts)
+                    partition, recoveries, recoveries_from, restart_attempts)
 from .report import load_outcomes, mttrs, results_document, summarize
 
 __all__ = ["RECIPE", "GAVE_UP", "inprocess_job", "judge_run", "main", "resume_baseline", "resume_point", "run_case",
@@ -107,12 +108,14 @@ def _torchrun_nodes(out: Path, args: list[str], *, job_id: str, store: Path, con
 
 def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                   store_port: "int | list[int]", max_restarts: int, insurance_every: int = 0,
-                  spares: int = SPARES, grow_back: bool = False, devices: int = 1):  # noqa: ANN201
+                  spares: int = SPARES, grow_back: bool = False, devices: int = 1,
+                  network: Any = None):  # noqa: ANN201
     """The per-node launcher commands (each hosting one of the stores) of an in-process case (nothing runs):
     ``WORLD`` active ranks + ``SPARES``, the recipe in its in-process mode (``config`` enables it), one host store
     root per simulated node under ``store``; built by :func:`neighbor_ckpt.cli.launch.inprocess_commands`, as
     ``neighbor-ckpt launch`` builds its own. ``devices``: processes per simulated node (the spares on spare nodes
-    of their own), as ``trainer.devices`` of a job with ``trainer.num_nodes > 1``."""
+    of their own), as ``trainer.devices`` of a job with ``trainer.num_nodes > 1``. ``network``: the simulated
+    network (:func:`neighbor_ckpt.runtime.netns.simulated_network`) each node's launcher runs in, None: none."""
     from neighbor_ckpt.cli.launch import inprocess_commands
     from neighbor_ckpt.config import NeighborCkptConfig
 
@@ -122,33 +125,53 @@ def inprocess_job(out: Path, args: list[str], *, job_id: str, store: Path, confi
     detector_timeout_s = NeighborCkptConfig.from_yaml(config).detector.timeout_s
     return inprocess_commands(program, active=WORLD, spares=spares, max_restarts=max_restarts, run_id=job_id,
                               store_port=store_port, store_root=store, grow_back=grow_back,
-                              detector_timeout_s=detector_timeout_s, devices=devices)
+                              detector_timeout_s=detector_timeout_s, devices=devices, network=network)
+
+
+@contextlib.contextmanager
+def _cold() -> Iterator[None]:
+    """No worker prefix (:data:`~neighbor_ckpt.cli.launch.WORKER_PREFIX_ENV`) in this process's environment while the
+    block builds commands: a worker forked from a warm zygote would run outside its node's network namespace."""
+    prefix = os.environ.pop(WORKER_PREFIX_ENV, None)
+    try:
+        yield
+    finally:
+        if prefix is not None:
+            os.environ[WORKER_PREFIX_ENV] = prefix
 
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                    timeout: float, max_restarts: int, spares: int = SPARES, grow_back: bool = False,
-                   devices: int = 1) -> tuple[int, str]:
+                   devices: int = 1, simulate_network: bool = False) -> tuple[int, str]:
     """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
-    in ``launch.log``. Returns (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses,
-    -999 past ``timeout``; the log)."""
-    from neighbor_ckpt.cli.launch import free_ports, run_inprocess
+    in ``launch.log``. ``simulate_network``: each simulated node in a network namespace of its own, made around the
+    launch and removed after it (:func:`neighbor_ckpt.runtime.netns.simulated_network`, as ``neighbor-ckpt launch``
+    does with ``launch.simulate_network``; root), the workers started cold. Returns
+    (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses, -999 past ``timeout``; the
+    log)."""
+    from neighbor_ckpt.cli.launch import free_ports, run_inprocess, simulated_nodes
     from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.runtime.netns import simulated_network
 
     out.mkdir(parents=True, exist_ok=True)
-    procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
-                          store_port=free_ports(WORLD + spares), max_restarts=max_restarts, spares=spares,
-                          grow_back=grow_back, devices=devices)
     tag = new_run_tag()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
-    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same CPU arithmetic
     log = out / "launch.log"
-    with open(log, "w") as f:
+    with open(log, "w") as f, contextlib.ExitStack() as stack:
         try:
-            rc = run_inprocess(procs, env=env, timeout=timeout, stdout=f,
-                               stderr=subprocess.STDOUT)
+            network = stack.enter_context(simulated_network(len(simulated_nodes(WORLD, spares, devices)))) \
+                if simulate_network else None
+            with _cold() if simulate_network else contextlib.nullcontext():
+                procs = inprocess_job(out, args, job_id=job_id, store=store, config=config, steps=steps,
+                                      store_port=free_ports(WORLD + spares), max_restarts=max_restarts,
+                                      spares=spares, grow_back=grow_back, devices=devices, network=network)
+            env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_TAG_ENV: tag})
+            if simulate_network:
+                env.pop(WORKER_PREFIX_ENV, None)
+            env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same arithmetic
+            rc = run_inprocess(procs, env=env, timeout=timeout, stdout=f, stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
             rc = -999
-        except ConfigError as e:  # the store host never listened: this case failed, the campaign goes on
+        except ConfigError as e:  # no store host listened, or no network: this case failed, the campaign goes on
             f.write(f"\ncampaign: {e}\n")
             rc = -998
     kill_tagged(tag)  # a stopped victim nobody killed, or a process its launcher left behind
@@ -185,31 +208,37 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
     elif case.inprocess:
         own = write_config(out / "nckpt.yaml", base=config, inprocess_spares=case.spares, report_dir=out / "reports",
                            faults=case.planned_faults, elastic=case.spec.shrink, stuck=case.signal == "block",
-                           grow_back=case.spec.grow_back)
+                           grow_back=case.spec.grow_back, hang=case.simulate_network)
         rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
                                  steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares,
-                                 grow_back=case.spec.grow_back, devices=case.devices)
+                                 grow_back=case.spec.grow_back, devices=case.devices,
+                                 simulate_network=case.simulate_network)
     else:
         rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
                             config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
                             insurance_every=insurance_every)
     return judge_run(case, out=out, rc=rc, log=log, wall=time.time() - t0, base=base, work=work, steps=steps,
-                     config=config)
+                     config=config, store=inproc_store)
 
 
 def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Path, work: Path, steps: int,
-              config: Path) -> Outcome:
+              config: Path, store: Path | None = None) -> Outcome:
     """The outcome of ``case``'s run in ``out`` (exit status ``rc``, launcher output ``log``, ``wall`` seconds), judged
     against the failure-free run ``base``; a fallback to insurance runs the failure-free run resumed from it. An
     in-process case counts as recovered by the restart path only when a restart attempt really ran (its recovery
-    reports exist): a give-up line alone (a late replacement that gave up, say) does not make one."""
+    reports exist): a give-up line alone (a late replacement that gave up, say) does not make one. ``store``: the
+    in-process case's host stores (``node<i>`` under it), where a partition's minority must have written no slot
+    after the cut."""
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
     detection = None
     seen_in_log = case.signal == "SIGSTOP" and bool(detected) and (out / "fault.json").exists()
     if seen_in_log:  # the hang's detection: from the victim's stop to the first detection line
         detection = min(detected) - json.loads((out / "fault.json").read_text())["unix"]
     all_recoveries = _recoveries(out, log, detection)
-    if not seen_in_log and (case.signal in ("SIGSTOP", "block") or case.spec.whole_node) and case.inprocess:
+    if case.spec.partition and (out / "fault.json").exists():  # from the cut: nobody's process stops at once
+        all_recoveries = recoveries_from(out, float(json.loads((out / "fault.json").read_text())["unix"]))
+    if not seen_in_log and (case.signal in ("SIGSTOP", "block") or case.spec.whole_node or case.spec.partition) \
+            and case.inprocess:
         detection = next((r["detection_s"] for r in all_recoveries if r["detection_s"] is not None), None)
     mttr = next((r["mttr_s"] for r in all_recoveries if r["mttr_s"] is not None), None)
     common = dict(detection_s=detection, mttr_s=mttr, wall_s=wall, recoveries=tuple(all_recoveries))
@@ -252,6 +281,13 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
         lost = node_loss(log, out, node=f"node{LOST_NODE}", processes=case.victims, spare_node=not case.spec.shrink)
         if lost:
             return Outcome(case, "FAILED", lost, **common)
+    elif case.spec.partition:  # the minority stopped itself, formed nothing, wrote nothing; one recovery on a spare
+        cut = PARTITIONS[case.spec.partition]
+        found = partition(log, nodes=cut["nodes"], traffic=cut["traffic"], heal_after_s=cut["heal_after_s"],
+                          processes=WORLD + case.spares, spare=WORLD + case.spares - 1, rank=case.victims[0],
+                          store=store, cut_unix=json.loads((out / "fault.json").read_text())["unix"])
+        if found:
+            return Outcome(case, "FAILED", found, **common)
     no_restart = ("; a process announced that its in-process recovery gives up, but no restart attempt ran"
                   if gave_up and not restarted else "")
     if case.spec.shrink:
@@ -312,21 +348,22 @@ def resume_baseline(case: Case, *, run: Path, work: Path, steps: int, config: Pa
 def write_config(path: Path, *, interval_s: float = 0.5, timeout_s: float = 3.0, base: Path | None = None,
                  inprocess_spares: int | None = None, report_dir: Path | None = None,
                  faults: list[dict[str, Any]] | None = None, elastic: bool = False, stuck: bool = False,
-                 grow_back: bool = False) -> Path:
+                 grow_back: bool = False, hang: bool = False) -> Path:
     """The campaign's ``neighbor_ckpt:`` section: the detector's bound, and 64 KiB chunks so that a kill in the
     middle of streaming leaves a replica really half written. ``base``: that section as written before (the
     campaign's), extended by ``inprocess_spares`` (in-process recovery on, with that many hot spares),
     ``report_dir`` (where the recovery timeline goes), ``faults`` (``fault_injection.faults``: the faults the recipe
     injects itself), ``elastic`` (``elastic.enabled``) and ``stuck`` (the hang and abort bounds of the CPU job files,
     ``detector.hang_timeout_s`` 3 s and ``inprocess.abort_timeout_s`` 10 s, for a stuck training thread) and
-    ``grow_back`` (``inprocess.grow_back``)."""
+    ``grow_back`` (``inprocess.grow_back``) and ``hang`` (only ``detector.hang_timeout_s`` 3 s: a partition's ranks
+    stall in a collective with their heartbeats alive, as in tests/e2e/test_partitions.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = base.read_text() if base is not None else (
         f"neighbor_ckpt:\n  detector:\n    interval_s: {interval_s}\n    timeout_s: {timeout_s}\n"
         "  store:\n    cleanup_on_success: true\n  transport:\n    chunk_mb: 0.0625\n")
-    if stuck:
+    if stuck or hang:
         if "  detector:\n" not in text:
-            raise ValueError("write_config: stuck=True needs the campaign's detector section in base")
+            raise ValueError("write_config: stuck=True or hang=True needs the campaign's detector section in base")
         text = text.replace("  detector:\n", "  detector:\n    hang_timeout_s: 3.0\n", 1)
     if inprocess_spares is not None:
         text += f"  inprocess:\n    enabled: true\n    spares: {inprocess_spares}\n"
@@ -448,6 +485,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     (work / "campaign.json").write_text(json.dumps(settings, indent=1) + "\n")
     config = write_config(work / "nckpt.yaml", interval_s=args.detector_interval, timeout_s=args.detector_timeout)
     todo = cases[len(outcomes):]
+    if any(c.simulate_network for c in todo):  # the partition kinds: network namespaces, or no such case at all
+        from neighbor_ckpt.errors import ConfigError
+        from neighbor_ckpt.runtime.netns import refuse_impossible
+
+        try:
+            refuse_impossible()
+        except ConfigError as e:
+            print(f"campaign: the partition kinds cannot run here: {e}", file=sys.stderr)
+            return 2
     bases: dict[tuple[bool, int, bool], Path] = {}
     for flavour, case in sorted({c.flavour: c for c in todo}.items(), reverse=True):
         dist_opt, tp, fixed = flavour
