@@ -245,6 +245,21 @@ def _close_listener(sock: socket.socket) -> None:
     sock.close()
 
 
+def _forward(conn: socket.socket, address: tuple[str, int], key: Optional[bytes], what: str, name: str) -> None:
+    """Connect to the store at ``address`` (signed with ``key``, if given) and splice ``conn`` to it on threads
+    named ``name``; a store that does not answer is logged (``what``: who says it about which store) and ``conn``
+    closed."""
+    try:
+        store = _connect(address, HANDSHAKE_TIMEOUT_S, key)
+    except OSError as e:
+        logger.error("%s (%s:%d) does not answer: %s", what, *address, e)
+        conn.close()
+        return
+    conn.settimeout(None)
+    store.settimeout(None)
+    _splice(conn, store, name)
+
+
 def _connect(address: tuple[str, int], timeout_s: float, key: Optional[bytes] = None) -> socket.socket:
     """A connection to ``address``; signed with ``key`` (:func:`~neighbor_ckpt.inprocess.loopback.sign`) if given."""
     if key is None:
@@ -341,15 +356,8 @@ class Gate:
         if not ok:
             self._refuse(conn, peer, why)
             return
-        try:
-            store = _connect(self.backend, HANDSHAKE_TIMEOUT_S, self._backend_key)
-        except OSError as e:
-            logger.error("store gate: the store behind the gate (%s:%d) does not answer: %s", *self.backend, e)
-            conn.close()
-            return
-        conn.settimeout(None)
-        store.settimeout(None)
-        _splice(conn, store, "neighbor_ckpt-store-gate")
+        _forward(conn, self.backend, self._backend_key, "store gate: the store behind the gate",
+                 "neighbor_ckpt-store-gate")
 
     def close(self) -> None:
         self._sock.close()  # only this descriptor: the launcher may hold the port's socket for a next store host
@@ -444,14 +452,7 @@ class Door:
         return why is None
 
     def _carry(self, conn: socket.socket, peer: tuple) -> None:
-        try:
-            store = _connect(self.store, HANDSHAKE_TIMEOUT_S, self._key)
-        except OSError as e:
-            logger.error("store door: the store (%s:%d) does not answer: %s", *self.store, e)
-            conn.close()
-            return
-        store.settimeout(None)
-        _splice(conn, store, "neighbor_ckpt-store-door")
+        _forward(conn, self.store, self._key, "store door: the store", "neighbor_ckpt-store-door")
 
     def close(self) -> None:
         _close_listener(self._sock)
