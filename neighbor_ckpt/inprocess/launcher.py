@@ -310,15 +310,17 @@ class Launcher:
 
     def _call(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
         """``fn(store)`` under ``attempt``'s prefix; :class:`StoreDown` when no store of the list answers (the
-        first failure is logged)."""
+        first failure is logged), or none was promoted but the job completed (the others may have left: a process of
+        this node exited 0); cut off when none was promoted otherwise."""
         from neighbor_ckpt.inprocess.stores import NoPromotedStore, StoresLost
 
         try:
             value = fn(self._store(attempt))
-        except NoPromotedStore as e:
-            self._lease.stop(str(e))
-            raise
-        except StoresLost as e:
+        except (NoPromotedStore, StoresLost) as e:
+            att = self._att
+            if isinstance(e, NoPromotedStore) and (att is None or (att.complete_at is None and all(
+                    c.proc.poll() != 0 for c in att.children.values()))):
+                self._lease.stop(str(e))
             self._mark_down(str(e))
             raise StoreDown(str(e)) from None
         if self._down_since is not None:
@@ -452,8 +454,7 @@ class Launcher:
 
     def _declare(self, att: _Attempt, index: int, reason: str, pid: Optional[int] = None) -> None:
         """``dead`` + the current generation's failure: the push every survivor waits for; the fault's time is when
-        this launcher saw the exit (the kernel's word through :class:`ExitClock`, else now; the recovery timeline's
-        *detect* starts there)."""
+        this launcher saw the exit (:class:`ExitClock`'s, else now; the recovery timeline's *detect* starts there)."""
         when = (self._exits.seen(pid) if pid is not None else None) or time.time()
         seen = Fault(when, f"exit of process {index} seen by its launcher ({self.plan.name})")
 
@@ -577,8 +578,8 @@ class Launcher:
         processes of this node that never joined a generation (a replacement still starting) are stopped once
         ``detector.timeout_s`` has passed (:meth:`_stop_unjoined`) unless they exit on their own (the marker)."""
         att.complete_at = time.monotonic()
+        self.stores.settle()  # first: a store lost now is not failed over from (the others may have left)
         members = self._try(att.number, lambda s: _current_members(GenerationStore(s, process=-1)))
-        self.stores.settle()
         if self.plan.complete_file is not None:
             mark_complete(Path(self.plan.complete_file), self.plan.run_id)
         if members is not None:
@@ -696,8 +697,7 @@ class Launcher:
         self._signal = signum
 
     def run(self) -> int:
-        """Supervise until the job completes, gives up for good, the store is lost or a signal stops it; returns
-        the launcher's exit status."""
+        """Supervise until the job completes, gives up, loses the store or a signal stops it: the exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         failed = self._host_store()

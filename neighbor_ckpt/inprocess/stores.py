@@ -451,7 +451,8 @@ class StoreSet:
         """Store ``epoch`` does not answer: move to the next store promoted by a majority of the launchers (a
         launcher votes for the next one that answers first; nothing when another thread moved already). Returns
         the epoch now current; raises :class:`NoPromotedStore` when none is promoted within
-        :attr:`promotion_wait_s`, :class:`StoresLost` when no later store answers at all."""
+        :attr:`promotion_wait_s` (and two looks at each later store: one that does not answer costs its timeout, and
+        the first may come in the failover's rush), :class:`StoresLost` when no later store answers at all."""
         with self._lock:
             if self.epoch != epoch:
                 return self.epoch
@@ -462,6 +463,7 @@ class StoreSet:
             deadline = time.monotonic() + self.promotion_wait_s
             voted: set[int] = set()
             answered = False
+            looks = 0
             while True:
                 for k in range(epoch + 1, len(self.addresses)):
                     try:
@@ -476,7 +478,8 @@ class StoreSet:
                         self._move(epoch, k, f"{self.addresses.describe(epoch)} lost: {why}", promoted=promoted)
                         return k
                     break  # the first store that answers is the one voted for and waited on
-                if time.monotonic() > deadline:
+                looks += 1
+                if time.monotonic() > deadline and looks >= 2:  # a store slow in the failover's rush: a second look
                     break
                 time.sleep(min(0.2, self.timeout_s))
             if not answered:

@@ -17,7 +17,8 @@ from neighbor_ckpt.inprocess.generation import GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.launcher_plan import Action, classify_exit, describe_exit
 from neighbor_ckpt.inprocess.quorum import (CUT_OFF, LeaseGuard, MajorityLease, cut_off, cut_off_lease_s,
                                             launcher_lease_s, majority, majority_left)
-from neighbor_ckpt.inprocess.stores import NoPromotedStore, StoreAddresses, StoreSet, epoch_key, vote_key
+from neighbor_ckpt.inprocess.stores import (NoPromotedStore, StoreAddresses, StoreSet, StoreUnreachable, epoch_key,
+                                            vote_key)
 from tests.conftest import free_port
 
 
@@ -141,6 +142,29 @@ def test_a_process_that_finds_no_promoted_store_is_cut_off(stores: tuple[list[An
     with pytest.raises(NoPromotedStore):
         process.lost(0, "refused")
     assert process.epoch == 0
+
+
+def test_a_store_slow_in_the_failovers_rush_gets_a_second_look_after_the_promotion_wait(
+        stores: tuple[list[Any], StoreAddresses], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every client connects to the promoted store at once: a first look there may run out its timeout, and then the
+    other stores' looks use up the wait (a launcher that took the job for lost exited 79 while the others moved on).
+    Each later store gets a second look."""
+    import time
+
+    _, addresses = stores
+    process = StoreSet(addresses, run_id="r", timeout_s=0.5, connect_timeout_s=1.0, name="launcher:node3")
+    looks: list[int] = []
+
+    def promotion(k: int, *, vote: bool) -> Any:
+        looks.append(k)
+        if looks == [1]:
+            time.sleep(process.promotion_wait_s + 0.1)  # the first look outlasts the whole wait
+            raise StoreUnreachable("no answer to check within 1.5 s")
+        return None if k == 2 else False  # store 2 answers, not promoted; store 1 was promoted meanwhile
+
+    monkeypatch.setattr(process, "_promotion", promotion)
+    assert process.lost(0, "refused") == 1 and process.epoch == 1
+    assert looks == [1, 2, 1]
 
 
 def test_a_failover_replay_writes_exits_only_never_a_suspicion(stores: tuple[list[Any], StoreAddresses]) -> None:
