@@ -452,7 +452,8 @@ class StoreSet:
         launcher votes for the next one that answers first; nothing when another thread moved already). Returns
         the epoch now current; raises :class:`NoPromotedStore` when none is promoted within
         :attr:`promotion_wait_s` (and two looks at each later store: one that does not answer costs its timeout, and
-        the first may come in the failover's rush), :class:`StoresLost` when no later store answers at all."""
+        the first may come in the failover's rush), :class:`StoresLost` when no later store answers at all; stays on
+        store ``epoch`` (returns it) when it answers again by then and no later store was promoted."""
         with self._lock:
             if self.epoch != epoch:
                 return self.epoch
@@ -482,12 +483,28 @@ class StoreSet:
                 if time.monotonic() > deadline and looks >= 2:  # a store slow in the failover's rush: a second look
                     break
                 time.sleep(min(0.2, self.timeout_s))
+            if self._answers(epoch):  # a slow moment of its own (its tunnel, a loaded machine), not a lost store
+                logger.warning("%s: %s answers again and no later store was promoted: staying on it", self.name,
+                               self.addresses.describe(epoch))
+                return epoch
             if not answered:
                 raise StoresLost(f"{self.name}: no store of the {len(self.addresses)} answers (the last: "
                                  f"{self.addresses.describe(len(self.addresses) - 1)}): the job cannot go on in "
                                  "process")
             raise NoPromotedStore(f"{self.name}: {self.addresses.describe(epoch)} lost and no later store promoted by "
                                   f"a majority of the {self.voters} launcher(s) within {self.promotion_wait_s:.0f} s")
+
+    def _answers(self, k: int) -> bool:
+        """Whether store ``k`` answers one operation now (through a client of its own)."""
+        c = BoundedClient(self.addresses[k], timeout_s=self.timeout_s, name=f"recheck{k}", token=self.token)
+        self._made.append(c)
+        try:
+            c.call("check", [epoch_key(self.run_id)])
+            return True
+        except StoreUnreachable:
+            return False
+        finally:
+            c.retire()
 
     def _promotion(self, k: int, *, vote: bool) -> Optional[bool]:
         """One look at store ``k`` (through a client of its own): None while it is not promoted; True when this

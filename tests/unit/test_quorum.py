@@ -167,6 +167,19 @@ def test_a_store_slow_in_the_failovers_rush_gets_a_second_look_after_the_promoti
     assert looks == [1, 2, 1]
 
 
+def test_a_store_that_answers_again_by_the_end_of_the_wait_is_kept_when_no_later_one_was_promoted() -> None:
+    """Two operations that timed out (a tunnel slow on a loaded machine) are no lost store when it answers a fresh
+    connection after the promotion wait and nobody promoted a later one: the client stays (it would leave for a
+    store nobody uses and be cut off)."""
+    ports = [free_port() for _ in range(2)]
+    masters = [dist.TCPStore("127.0.0.1", p, is_master=True, wait_for_workers=False, use_libuv=True,
+                             timeout=timedelta(seconds=10)) for p in ports]
+    addresses = StoreAddresses(tuple(("127.0.0.1", p) for p in ports))
+    process = StoreSet(addresses, run_id="r", timeout_s=0.5, connect_timeout_s=1.0, name="process 0")
+    assert process.lost(0, "no answer to check within 0.5 s") == 0 and process.epoch == 0 and not process.history
+    assert not masters[1].check([epoch_key("r")])
+
+
 def test_a_failover_replay_writes_exits_only_never_a_suspicion(stores: tuple[list[Any], StoreAddresses]) -> None:
     """A client back from the minority's side suspected the majority's processes (silent): none of that reaches
     the store it moves to; the exits it saw (facts) do."""
