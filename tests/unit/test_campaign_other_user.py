@@ -166,6 +166,11 @@ def test_a_case_whose_spare_did_not_take_the_rank_or_a_gate_went_unprobed_or_the
     case, base, run = _run(tmp_path)
     o = _judge(case, base, run, _log(case).replace("(process 4)", "(process 3)"))
     assert o.result == "FAILED" and "takes rank 1's place" in o.detail, o
+    from tools.campaign.runner import judge_run
+
+    o = judge_run(case, out=run, rc=1, log=_log(case), wall=1.0, base=base, work=run.parent, steps=6,
+                  config=run / "nckpt.yaml")
+    assert o.result == "FAILED" and o.detail.startswith("exit 1: ") and "; other user: 4 attempts" in o.detail, o
     summary = json.loads((run / "other_user.json").read_text())
     (run / "other_user.json").write_text(json.dumps(dict(summary, gates=[["127.0.0.1", 4001], ["127.0.0.1", 4002]])))
     o = _judge(case, base, run, _log(case))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -236,7 +237,15 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
     in-process case counts as recovered by the restart path only when a restart attempt really ran (its recovery
     reports exist): a give-up line alone (a late replacement that gave up, say) does not make one. ``store``: the
     in-process case's host stores (``node<i>`` under it), where a partition's minority must have written no slot
-    after the cut."""
+    after the cut. An ``inproc-other-user`` case's notes end with the other user's attempts, whatever the outcome."""
+    o = _judge_run(case, out=out, rc=rc, log=log, wall=wall, base=base, work=work, steps=steps, config=config,
+                   store=store)
+    notes = other_user_notes(out) if case.spec.other_user else ""
+    return dataclasses.replace(o, detail="; ".join(filter(None, (o.detail, notes)))) if notes else o
+
+
+def _judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Path, work: Path, steps: int,
+               config: Path, store: Path | None = None) -> Outcome:
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
     detection = None
     seen_in_log = case.signal == "SIGSTOP" and bool(detected) and (out / "fault.json").exists()
@@ -296,12 +305,10 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
                           store=store, cut_unix=json.loads((out / "fault.json").read_text())["unix"])
         if found:
             return Outcome(case, "FAILED", found, **common)
-    notes = ""
     if case.spec.other_user:  # nothing the other user tried got through, and the kill recovered as inproc-kill's
-        notes = "; " + other_user_notes(out)
         found = other_user(log, out, victim=case.rank, spare=WORLD + case.spares - 1)
         if found:
-            return Outcome(case, "FAILED", found + notes, **common)
+            return Outcome(case, "FAILED", found, **common)
     no_restart = ("; a process announced that its in-process recovery gives up, but no restart attempt ran"
                   if gave_up and not restarted else "")
     if case.spec.shrink:
@@ -315,7 +322,7 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
     if not diff and gave_up and restarted:
         return Outcome(case, "fallback", "in-process recovery gave up (announced); the restart path recovered "
                                          "exactly", **common)
-    return Outcome(case, "FAILED" if diff else "exact", ((diff or no_restart) + notes).removeprefix("; "), **common)
+    return Outcome(case, "FAILED" if diff else "exact", diff or no_restart.removeprefix("; "), **common)
 
 
 def _faults_fired(out: Path) -> int:
