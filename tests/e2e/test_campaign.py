@@ -20,7 +20,9 @@ that they go with their launcher when the launch ends it), ``node-lost-for-good`
 the restart path under elastic), ``inproc-partition-primary``, ``inproc-partition-minority-with-spare``,
 ``inproc-partition-heal`` and ``inproc-partition-ranks`` (test_partitions.py's same four cuts of simulated nodes in
 network namespaces: node 0 with the primary store cut off for good, a minority holding it and a spare, that cut healed,
-one node's rank traffic cut; they need root). The full randomized campaign (docs/campaign.md) runs every kind with
+one node's rank traffic cut; they need root), ``inproc-other-user`` (test_shared_node_sockets.py's second Unix user
+probing every socket of a running in-process launch, all refused, the job bit for bit the failure-free run; root). The
+full randomized campaign (docs/campaign.md) runs every kind with
 more faults."""
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ COVERED_ELSEWHERE = ("kill-forward", "kill-backward", "kill-optimizer", "kill-re
                      "inproc-store-node", "inproc-store-stop", "inproc-spare-lost", "inproc-grow-back",
                      "inproc-node-lost", "inproc-node-lost-elastic", "inproc-node-hung", "node-lost-for-good",
                      "inproc-partition-primary", "inproc-partition-minority-with-spare", "inproc-partition-heal",
-                     "inproc-partition-ranks")
+                     "inproc-partition-ranks", "inproc-other-user")
 """Kinds whose drawn case CI does not run: a dedicated end-to-end test covers each (module docstring)."""
 RUN = tuple(i + 1 for i, k in enumerate(KINDS) if k not in COVERED_ELSEWHERE)
 

@@ -6,7 +6,7 @@ ranks before a step; meanwhile the test finds every listening socket of every pr
 listeners from ``/proc/<pid>/net/tcp{,6}`` and its Unix listeners from ``/proc/<pid>/net/unix``, matched with the
 process's descriptors), leaving out only the ranks' gloo listeners (torch's, out of scope; the ranks publish them in
 the store, where the test reads them with the job's token). The other user connects to each one (the system's
-Python, tests/e2e/store_probe.py speaking torch's store protocol) and tries to read a key the test wrote, to write
+Python, tools/store_probe.py speaking torch's store protocol) and tries to read a key the test wrote, to write
 ``complete``, and to write ``dead`` plus ``proc/<i>`` naming a process of its own and one of the job's. Every attempt
 is refused: the store behind each gate never completes the connection (sealed), a tunnel closes it unanswered, a gate
 asks for the token. Then the ranks go on: the job finishes bit for bit the failure-free run, no failure, no process
@@ -36,7 +36,7 @@ ACTIVE = 4
 STEPS = 6
 HOLD_AT_STEP = 3
 ENV = {"STEPS": STEPS, "FAULT": "none", "HANG_TIMEOUT": 600}
-PROBE = Path(__file__).with_name("store_probe.py")
+PROBE = Path(__file__).resolve().parents[2] / "tools" / "store_probe.py"
 TCP_LISTEN = "0A"
 SO_ACCEPTCON = 0x10000
 

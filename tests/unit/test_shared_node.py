@@ -244,7 +244,7 @@ def test_a_launcher_never_signals_a_recorded_pid_of_another_user(other_user: pwd
 def test_another_user_reaches_neither_a_store_nor_a_tunnel_nor_through_a_gate(other_user: pwd.struct_passwd,
                                                                              tmp_path: Path) -> None:
     """A real store host (its gate, the sealed store behind it) and a tunnel of this process: the other user's
-    attempts to read a key and to write ``complete``, ``dead`` and ``proc/<i>`` (tests/e2e/store_probe.py, torch's
+    attempts to read a key and to write ``complete``, ``dead`` and ``proc/<i>`` (tools/store_probe.py, torch's
     store protocol) are all refused, and nothing of theirs reaches the store. The same against a whole running launch:
     tests/e2e/test_shared_node_sockets.py."""
     import re
@@ -275,7 +275,7 @@ def test_another_user_reaches_neither_a_store_nor_a_tunnel_nor_through_a_gate(ot
         job = dist.PrefixStore("job", dist.TCPStore(*tunnel, is_master=False, wait_for_workers=False, use_libuv=True,
                                                     timeout=timedelta(seconds=30)))
         job.set("secret", "the-job-secret")
-        probe_src = (Path(__file__).parents[1] / "e2e" / "store_probe.py").read_text()
+        probe_src = (Path(__file__).resolve().parents[2] / "tools" / "store_probe.py").read_text()
         spec = {"prefix": "/job/", "secret_key": "secret", "timeout_s": 3.0, "unix": [],
                 "tcp": [["127.0.0.1", gate_port], ["127.0.0.1", store_port], list(tunnel)],
                 "records": {"1": {"pid": os.getpid(), "node": "node1", "start": 1.0}}}

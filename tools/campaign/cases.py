@@ -71,6 +71,11 @@ class Kind:
     run by :data:`CUTTING_RANK`), nothing killed. ``primary``: node 0 (the primary store, rank 0) cut off for good;
     ``minority-with-spare``: node 0 and the first spare node; ``heal``: the same cut healed after 10 s; ``ranks``:
     node 1's rank traffic only (its stores reachable). Empty: no partition."""
+    other_user: bool = False
+    """In process, as ``inproc-kill``, and during the whole launch a second Unix user (``nckpt_other``: root,
+    ``useradd``; refused in one line where it cannot be made) tries every 0.5 s to read a key of, write ``complete``
+    to and write a ``dead`` entry to every store address of the launch (:mod:`tools.campaign.other_user`): every
+    attempt must be refused, its process must live on, and the job must see nothing of it."""
     inprocess: bool = False
     """In-process recovery with a hot spare (the recipe's in-process mode under our per-node launchers); always the
     distributed optimizer. No insurance checkpoint: a give-up falls back to the restart path (the launchers restart
@@ -112,6 +117,7 @@ KIND_SPECS: dict[str, Kind] = {
                                                  partition="minority-with-spare"),
     "inproc-partition-heal": Kind(phase="optimizer", tp=1, inprocess=True, partition="heal"),
     "inproc-partition-ranks": Kind(phase="optimizer", tp=1, inprocess=True, partition="ranks"),
+    "inproc-other-user": Kind(phase="optimizer", tp=1, inprocess=True, other_user=True),
 }
 KINDS = tuple(KIND_SPECS)
 """Fault kinds, in the order cases are drawn. ``lose-adjacent-pair`` and ``lose-dp-group`` leave no complete

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["compare", "compare_fallback", "compare_resized", "failed_generations", "failure_lines",
-           "insurance_iteration", "node_loss", "partition", "recoveries", "recoveries_from", "restart_attempts",
-           "CUT_OFF"]
+           "insurance_iteration", "node_loss", "other_user", "other_user_notes", "partition", "recoveries",
+           "recoveries_from", "restart_attempts", "CUT_OFF", "FOREIGN"]
 
 _REPORT_RE = re.compile(r"^report\.rank\d+\.attempt(\d+)(?:\.\d+)*\.json$")
 
@@ -282,6 +282,75 @@ def partition(log: str, *, nodes: list[int], traffic: str, heal_after_s: float |
     if took not in log:
         return f"no line {took!r}"
     return ""
+
+
+FOREIGN = "killed by another user"
+"""The reason the other user's ``dead`` entries give (tools/store_probe.py): a job that logs it read one of them."""
+_DECLARED_RE = re.compile(r"\): process (\d+) \(pid \d+\) [^\n]*?[:;] declared dead|"
+                          r"process (\d+)(?: \(rank \d+\))?: declared dead by the others")
+"""A launcher declaring its process dead (it exited, or it was listed dead already), or a process finding itself
+declared dead by the others."""
+
+
+def other_user(log: str, run: Path, *, victim: int, spare: int) -> str:
+    """'' when the other user (``inproc-other-user``) got nothing and changed nothing: its probe
+    (``<run>/other_user.json``, :mod:`tools.campaign.other_user`) ran as that user, made attempts on every gate of
+    the launch and on at least one store behind them, every one refused, and its process lived to the end; the job
+    never read an entry of theirs (no :data:`FOREIGN` in its log), declared only ``victim`` dead, failed in
+    generation 0 only, and spare process ``spare`` took the victim's rank in one in-process recovery (one recovery
+    timeline, no process restarted). Otherwise what differs."""
+    path = run / "other_user.json"
+    if not path.exists():
+        return "the other user's probe left no summary (other_user.json)"
+    s = json.loads(path.read_text())
+    if not s.get("started") or s.get("uid") is None or s.get("uid") != s.get("other_uid") or s.get("uid") == 0:
+        return f"the probe did not run as the other user (started {s.get('started')}, uid {s.get('uid')}, " \
+               f"the other user's {s.get('other_uid')}): {s.get('stderr', '')[-300:]}"
+    if s.get("served"):
+        return f"{s['attempts'] - s['refused']} of {s['attempts']} attempts of the other user were answered: " \
+               f"{json.dumps(s['served'][:2])[:400]}"
+    if s.get("attempts", 0) == 0 or s.get("refused") != s.get("attempts"):
+        return f"the other user's attempts: {s.get('attempts')}, refused {s.get('refused')}"
+    probed = {tuple(a) for a in s.get("addresses", [])}
+    gates = {tuple(a) for a in s.get("gates", [])}
+    if not gates or not gates <= probed or len(probed - gates) < 2:
+        return (f"the other user probed {sorted(probed)}: not every gate of the launch ({sorted(gates)}) and a store "
+                "behind one and its door")
+    if not s.get("alive_at_end"):
+        return "the other user's probe process did not live to the end of the launch"
+    if FOREIGN in log:
+        line = next(ln for ln in log.splitlines() if FOREIGN in ln)
+        return f"the job read an entry the other user wrote: {line.strip()[:200]}"
+    declared = sorted({int(a or b) for a, b in _DECLARED_RE.findall(log)})
+    if declared != [victim]:
+        return f"processes {declared} declared dead, expected only the victim {victim}"
+    generations = sorted({g for g, _, _ in failed_generations(log)})
+    if generations != [0]:
+        return f"generations {generations} failed, expected only generation 0 (one failure)"
+    took = f"hot spare (process {spare}) takes rank {victim}'s place in generation 1"
+    if took not in log:
+        return f"no line {took!r}"
+    timelines = _timelines(run)
+    if len(timelines) != 1 or timelines[0].get("mode") != "in-process" or timelines[0].get("restarted_ranks") != []:
+        return f"recoveries {[(t.get('mode'), t.get('restarted_ranks'), t['file']) for t in timelines]}, expected " \
+               "one in process with no process restarted"
+    return ""
+
+
+def other_user_notes(run: Path) -> str:
+    """The other user's attempts in one phrase, for the outcome's notes ('' without ``<run>/other_user.json``)."""
+    path = run / "other_user.json"
+    if not path.exists():
+        return ""
+    s = json.loads(path.read_text())
+    by = ", ".join(f"{how} {n}" for how, n in sorted(s.get("by", {}).items()))
+    addresses = [tuple(a) for a in s.get("addresses", [])]
+    gates = sum(list(a) in s.get("gates", []) for a in addresses)
+    doors = sum(a[0] == "127.0.0.2" for a in addresses)
+    return (f"other user: {s.get('attempts')} attempts in {s.get('span_s', 0):g} s on {len(addresses)} store "
+            f"addresses ({gates} gates, {len(addresses) - gates - doors} stores behind them, {doors} doors), "
+            f"{s.get('refused')} refused ({by}); its process "
+            + ("alive at the end" if s.get("alive_at_end") else "NOT alive at the end"))
 
 
 _FAILURE_RE = re.compile(r"failed \(exitcode: -?\d+\) local_rank|detected a failure \((?!sigterm)|Traceback|"

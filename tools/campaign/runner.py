@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from neighbor_ckpt.snapshot.store import rank_dir
 
 from .cases import KINDS, LOST_NODE, NODES, PARTITIONS, SPARES, WORLD, Case, Outcome, draw_cases
 from .judge import (compare, compare_fallback, compare_resized, failure_lines, insurance_iteration, node_loss,
-                    partition, recoveries, recoveries_from, restart_attempts)
+                    other_user, other_user_notes, partition, recoveries, recoveries_from, restart_attempts)
 from .report import load_outcomes, mttrs, results_document, summarize
 
 __all__ = ["RECIPE", "GAVE_UP", "inprocess_job", "judge_run", "main", "resume_baseline", "resume_point", "run_case",
@@ -142,16 +143,20 @@ def _cold() -> Iterator[None]:
 
 def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, config: Path, steps: int,
                    timeout: float, max_restarts: int, spares: int = SPARES, grow_back: bool = False,
-                   devices: int = 1, simulate_network: bool = False) -> tuple[int, str]:
+                   devices: int = 1, simulate_network: bool = False, probe: bool = False) -> tuple[int, str]:
     """Run an in-process case (:func:`inprocess_job`); the launchers', their processes' and the store host's output
     in ``launch.log``. ``simulate_network``: each simulated node in a network namespace of its own, made around the
     launch and removed after it (:func:`neighbor_ckpt.runtime.netns.simulated_network`, as ``neighbor-ckpt launch``
-    does with ``launch.simulate_network``; root), the workers started cold. Returns
+    does with ``launch.simulate_network``; root), the workers started cold. ``probe``: the other user probes every
+    store address of the launch from its start to its end (:class:`~tools.campaign.other_user.Prober`, its summary
+    in ``out``). Returns
     (:func:`~neighbor_ckpt.cli.launch.launch_status` of the launchers' exit statuses, -999 past ``timeout``; the
     log)."""
     from neighbor_ckpt.cli.launch import free_ports, run_inprocess, simulated_nodes
     from neighbor_ckpt.errors import ConfigError
     from neighbor_ckpt.runtime.netns import simulated_network
+
+    from .other_user import Prober
 
     out.mkdir(parents=True, exist_ok=True)
     tag = new_run_tag()
@@ -168,6 +173,10 @@ def _run_inprocess(out: Path, args: list[str], *, job_id: str, store: Path, conf
             if simulate_network:
                 env.pop(WORKER_PREFIX_ENV, None)
             env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun gives the baseline's workers: the same arithmetic
+            if probe:  # from before the launchers start to after they all ended
+                prober = Prober(out, run_id=job_id, stores=procs.stores, log=log)
+                prober.start()
+                stack.callback(prober.stop)
             rc = run_inprocess(procs, env=env, timeout=timeout, stdout=f, stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
             rc = -999
@@ -212,7 +221,7 @@ def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, ti
         rc, log = _run_inprocess(out, case.recipe_args(), job_id=job_id, store=inproc_store, config=own,
                                  steps=steps, timeout=timeout, max_restarts=case.max_restarts, spares=case.spares,
                                  grow_back=case.spec.grow_back, devices=case.devices,
-                                 simulate_network=case.simulate_network)
+                                 simulate_network=case.simulate_network, probe=case.spec.other_user)
     else:
         rc, log = _torchrun(out, case.recipe_args(), job_id=job_id, store=work / "store",
                             config=config, steps=steps, timeout=timeout, max_restarts=case.max_restarts,
@@ -228,7 +237,15 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
     in-process case counts as recovered by the restart path only when a restart attempt really ran (its recovery
     reports exist): a give-up line alone (a late replacement that gave up, say) does not make one. ``store``: the
     in-process case's host stores (``node<i>`` under it), where a partition's minority must have written no slot
-    after the cut."""
+    after the cut. An ``inproc-other-user`` case's notes end with the other user's attempts, whatever the outcome."""
+    o = _judge_run(case, out=out, rc=rc, log=log, wall=wall, base=base, work=work, steps=steps, config=config,
+                   store=store)
+    notes = other_user_notes(out) if case.spec.other_user else ""
+    return dataclasses.replace(o, detail="; ".join(filter(None, (o.detail, notes)))) if notes else o
+
+
+def _judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Path, work: Path, steps: int,
+               config: Path, store: Path | None = None) -> Outcome:
     detected = [float(m.group(2)) for m in _DETECTED_RE.finditer(log) if m.group(1) != "sigterm"]
     detection = None
     seen_in_log = case.signal == "SIGSTOP" and bool(detected) and (out / "fault.json").exists()
@@ -286,6 +303,10 @@ def judge_run(case: Case, *, out: Path, rc: int, log: str, wall: float, base: Pa
         found = partition(log, nodes=cut["nodes"], traffic=cut["traffic"], heal_after_s=cut["heal_after_s"],
                           processes=WORLD + case.spares, spare=WORLD + case.spares - 1, rank=case.victims[0],
                           store=store, cut_unix=json.loads((out / "fault.json").read_text())["unix"])
+        if found:
+            return Outcome(case, "FAILED", found, **common)
+    if case.spec.other_user:  # nothing the other user tried got through, and the kill recovered as inproc-kill's
+        found = other_user(log, out, victim=case.rank, spare=WORLD + case.spares - 1)
         if found:
             return Outcome(case, "FAILED", found, **common)
     no_restart = ("; a process announced that its in-process recovery gives up, but no restart attempt ran"
@@ -493,6 +514,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             refuse_impossible()
         except ConfigError as e:
             print(f"campaign: the partition kinds cannot run here: {e}", file=sys.stderr)
+            return 2
+    if any(c.spec.other_user for c in todo):  # a second Unix user, or no such case at all
+        from .other_user import refuse_impossible as no_other_user
+
+        try:
+            no_other_user()
+        except ValueError as e:
+            print(f"campaign: the inproc-other-user kind cannot run here: {e}", file=sys.stderr)
             return 2
     bases: dict[tuple[bool, int, bool], Path] = {}
     for flavour, case in sorted({c.flavour: c for c in todo}.items(), reverse=True):
