@@ -519,7 +519,9 @@ class StoreSet:
                 return None
             if vote:
                 c.call("append", vote_key(self.run_id, k), f"{self.voter},")
-            votes = {v for v in c.call("get", vote_key(self.run_id, k)).decode(errors="replace").split(",") if v}
+            ballot = vote_key(self.run_id, k)  # a get of a key nobody wrote waits out the timeout: look first
+            raw = c.call("get", ballot) if c.call("check", [ballot]) else b""
+            votes = {v for v in raw.decode(errors="replace").split(",") if v}
             if len(votes) <= self.voters // 2:
                 return None
             stood = c.call("compare_set", epoch_key(self.run_id), "", str(k))

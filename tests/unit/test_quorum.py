@@ -167,6 +167,18 @@ def test_a_store_slow_in_the_failovers_rush_gets_a_second_look_after_the_promoti
     assert looks == [1, 2, 1]
 
 
+def test_a_look_without_a_vote_at_a_store_nobody_voted_for_is_no_error(
+        stores: tuple[list[Any], StoreAddresses]) -> None:
+    """A launcher's second look at a later store it did not vote for (it voted for the first that answered): no
+    ballot there is no vote yet (a ``get`` of the missing key would wait out the timeout and raise: the launcher
+    exited 1)."""
+    masters, addresses = stores
+    launcher = StoreSet(addresses, run_id="r", timeout_s=0.5, connect_timeout_s=1.0, name="launcher:node2",
+                        voter="node2", voters=5)
+    assert launcher._promotion(2, vote=False) is None
+    assert not masters[1].check([vote_key("r", 2)])
+
+
 def test_a_store_that_answers_again_by_the_end_of_the_wait_is_kept_when_no_later_one_was_promoted() -> None:
     """Two operations that timed out (a tunnel slow on a loaded machine) are no lost store when it answers a fresh
     connection after the promotion wait and nobody promoted a later one: the client stays (it would leave for a
