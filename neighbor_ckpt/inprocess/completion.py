@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 
-__all__ = ["marker_path", "mark_complete", "completed"]
+__all__ = ["marker_path", "mark_complete", "marked", "completed"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +46,22 @@ def mark_complete(path: Path, run_id: str) -> None:
         logger.warning("could not write the completion marker %s: %s", path, e)
 
 
-def completed(path: Optional[Path], run_id: Optional[str]) -> bool:
-    """Whether launch ``run_id`` has completed: its launcher wrote the marker at ``path`` (the identity's
-    :attr:`~neighbor_ckpt.inprocess.identity.ProcessIdentity.complete_file`); logs one line when it has. False
-    without a path (not started by our launcher)."""
+def marked(path: Optional[Path], run_id: Optional[str]) -> bool:
+    """Whether the marker of launch ``run_id`` is at ``path`` (False without a path); nothing logged."""
     if path is None:
         return False
     try:
         text = Path(path).read_text().strip()
     except OSError:
         return False
-    if run_id is not None and text != run_id:
+    return run_id is None or text == run_id
+
+
+def completed(path: Optional[Path], run_id: Optional[str]) -> bool:
+    """Whether launch ``run_id`` has completed: its launcher wrote the marker at ``path`` (the identity's
+    :attr:`~neighbor_ckpt.inprocess.identity.ProcessIdentity.complete_file`); logs one line when it has. False
+    without a path (not started by our launcher)."""
+    if not marked(path, run_id):
         return False
     logger.info("neighbor_ckpt: the job completed before this process joined it (%s): nothing to do, exiting", path)
     return True

@@ -94,11 +94,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from neighbor_ckpt.inprocess import protocol
-from neighbor_ckpt.inprocess.completion import mark_complete
+from neighbor_ckpt.inprocess.completion import mark_complete, marked
 from neighbor_ckpt.inprocess.exit_clock import ExitClock
 from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.launcher_children import child_setup as _child_setup
-from neighbor_ckpt.inprocess.launcher_children import recorded_pid_to_kill
+from neighbor_ckpt.inprocess.launcher_children import drop_staged, recorded_pid_to_kill
 from neighbor_ckpt.inprocess.launcher_children import signal_group as _signal_group
 from neighbor_ckpt.inprocess.launch_counts import claim_index, everyone_exited, mark_exited, raise_processes
 from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_command, child_env, classify_exit,
@@ -211,7 +211,7 @@ class Launcher:
         self._signal: Optional[int] = None
         self._att: Optional[_Attempt] = None
         self._host: Optional[subprocess.Popen] = None
-        self._started: dict[int, Optional[str]] = {}  # pid -> its NEIGHBOR_CKPT_STORE_DIR (staged slots: _drop_staged)
+        self._started: dict[int, Optional[str]] = {}  # pid -> its NEIGHBOR_CKPT_STORE_DIR (staged slots: drop_staged)
         self._cannot_start: Optional[str] = None
         """Why this node's processes do not start (its store host could not start), if they do not."""
         self._beats = 0
@@ -310,16 +310,14 @@ class Launcher:
 
     def _call(self, attempt: int, fn: Callable[[Any], Any]) -> Any:
         """``fn(store)`` under ``attempt``'s prefix; :class:`StoreDown` when no store of the list answers (the
-        first failure is logged), or none was promoted but the job completed (the others may have left: a process of
-        this node exited 0); cut off when none was promoted otherwise."""
+        first failure is logged), or none was promoted but the job completed (:meth:`known_complete`: the others may
+        have left); cut off when none was promoted otherwise."""
         from neighbor_ckpt.inprocess.stores import NoPromotedStore, StoresLost
 
         try:
             value = fn(self._store(attempt))
         except (NoPromotedStore, StoresLost) as e:
-            att = self._att
-            if isinstance(e, NoPromotedStore) and (att is None or (att.complete_at is None and all(
-                    c.proc.poll() != 0 for c in att.children.values()))):
+            if isinstance(e, NoPromotedStore) and not self.known_complete():
                 self._lease.stop(str(e))
             self._mark_down(str(e))
             raise StoreDown(str(e)) from None
@@ -327,6 +325,15 @@ class Launcher:
             logger.warning("the store %s answers again", self.plan.store_address)
         self._down_since = None
         return value
+
+    def known_complete(self) -> bool:
+        """Whether this node knows, without a store, that the job completed: it saw ``complete``, a process of its own
+        exited 0 (only once the job completed) or a launcher wrote the completion marker (the run directory)."""
+        att = self._att
+        if att is not None and (att.complete_at is not None
+                                or any(c.proc.poll() == 0 for c in [*att.children.values()])):
+            return True
+        return marked(self.plan.complete_file, self.plan.run_id)
 
     def _mark_down(self, why: str) -> None:
         if self._down_since is None:
@@ -372,17 +379,6 @@ class Launcher:
         self._exits.watch(proc.pid)
         self._started[proc.pid] = env.get("NEIGHBOR_CKPT_STORE_DIR")
         return child
-
-    def _drop_staged(self, pids: Sequence[int]) -> None:
-        """Remove the slots these processes staged as idle hot spares: a spare SIGKILLed, or stopped by this
-        launcher's SIGTERM, runs no clean-up of its own, and a staged slot is a full slot of /dev/shm."""
-        from neighbor_ckpt.config import DEFAULT_STORE_DIR, expand_store_dir
-        from neighbor_ckpt.snapshot.store import remove_staged_slots
-
-        for pid in pids:
-            root = expand_store_dir(self._started.get(pid) or DEFAULT_STORE_DIR)
-            for path in remove_staged_slots(root, [pid]):
-                logger.info("removed %s, staged by process %d, which exited", path, pid)
 
     def _beat(self, attempt: int) -> None:
         """This launcher's heartbeat under ``attempt``'s prefix (``lhb/<node>``, every :attr:`~LauncherPlan.beat_s`):
@@ -473,7 +469,7 @@ class Launcher:
                 continue
             del att.children[index]
             _signal_group(child.proc, signal.SIGKILL)  # what it started in its session goes with it
-            self._drop_staged([child.proc.pid])
+            drop_staged([child.proc.pid], self._started)
             att.exited.add(index)
             self._later(att.number, lambda s, i=index: mark_exited(s, (i,)))
             how = describe_exit(code)
@@ -564,6 +560,8 @@ class Launcher:
             return  # the job is over: nothing more to read (its store host may be gone already)
         got = self._try(att.number, look)
         if got is None:
+            if marked(self.plan.complete_file, self.plan.run_id):  # the others learnt it and may have left
+                self._completed(att)
             return
         dead, giveup, complete = got
         att.dead.update(parse_dead(dead))
@@ -769,7 +767,7 @@ class Launcher:
             self.stores.close()
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)
-            self._drop_staged(list(self._started))
+            drop_staged(list(self._started), self._started)
             self._exits.close()
             if self._host is not None and self._host.poll() is None:
                 self._host.terminate()

@@ -19,9 +19,9 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
-__all__ = ["child_setup", "signal_group", "recorded_pid_to_kill"]
+__all__ = ["child_setup", "signal_group", "recorded_pid_to_kill", "drop_staged"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +79,16 @@ def recorded_pid_to_kill(raw: Optional[bytes], *, node: str, child: int) -> Opti
                        other)
         return None
     return other if process_start(other) == start else None
+
+
+def drop_staged(pids: Sequence[int], started: Mapping[int, Optional[str]]) -> None:
+    """Remove the slots these processes staged as idle hot spares (``started``: pid -> its
+    ``NEIGHBOR_CKPT_STORE_DIR``): a spare SIGKILLed, or stopped by its launcher's SIGTERM, runs no clean-up of its own,
+    and a staged slot is a full slot of /dev/shm."""
+    from neighbor_ckpt.config import DEFAULT_STORE_DIR, expand_store_dir
+    from neighbor_ckpt.snapshot.store import remove_staged_slots
+
+    for pid in pids:
+        root = expand_store_dir(started.get(pid) or DEFAULT_STORE_DIR)
+        for path in remove_staged_slots(root, [pid]):
+            logger.info("removed %s, staged by process %d, which exited", path, pid)

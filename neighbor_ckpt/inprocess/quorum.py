@@ -247,7 +247,7 @@ class LauncherLease:
         timeout_s, beat_s: ``detector.timeout_s`` and the launchers' beat period.
         stores: the launcher's :class:`~neighbor_ckpt.inprocess.stores.StoreSet` (:func:`guard_times`).
         owner: the :class:`~neighbor_ckpt.inprocess.launcher.Launcher` (its current attempt's ``children`` are
-            SIGKILLed first, by process group; its ``complete_at`` set: the job completed, nothing to guard).
+            SIGKILLed first, by process group; its ``known_complete()``: the job completed, nothing to guard).
     """
 
     def __init__(self, *, node: str, nodes: int, timeout_s: float, beat_s: float, stores: Any, owner: Any) -> None:
@@ -256,7 +256,7 @@ class LauncherLease:
         self._based_on: Optional[tuple[object, int]] = None
 
         def done() -> bool:
-            return bool(stores.over) or getattr(getattr(owner, "_att", None), "complete_at", None) is not None
+            return bool(stores.over) or owner.known_complete()
 
         self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic())
         self.answered_at = time.monotonic()
