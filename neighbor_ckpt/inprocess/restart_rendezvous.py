@@ -18,7 +18,8 @@ store at once, :meth:`~neighbor_ckpt.inprocess.launcher.Launcher._on_failover`) 
 this launcher watched. Once every launcher of the launch has joined or is lost:
 
 * the launchers that joined are not a majority of the launch's (less the nodes lost for good at an earlier restart,
-  which a majority decided): this side may be the one cut off, and a minority must never restart the job (the
+  and the lost nodes that the previous attempt's last generation had left out: only a majority forms a generation,
+  as only a majority restarts): this side may be the one cut off, and a minority must never restart the job (the
   majority rules of :mod:`~neighbor_ckpt.inprocess.quorum`): one line containing
   :data:`~neighbor_ckpt.inprocess.quorum.CUT_OFF`, and the launcher exits
   :data:`~neighbor_ckpt.inprocess.protocol.EXIT_CUT_OFF` (:attr:`RestartRendezvous.cut_off`);
@@ -41,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from neighbor_ckpt.inprocess.generation import parse_dead
+from neighbor_ckpt.inprocess.generation import GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.quorum import CUT_OFF, majority
 
@@ -127,7 +128,8 @@ def restart_verdict(*, lost: Mapping[str, Sequence[int]], processes: int, spares
 
 def rendezvous_verdict(*, launchers: int, lost_before: Mapping[str, Sequence[int]],
                        joined: Mapping[str, Sequence[int]], lost: Mapping[str, Sequence[int]], processes: int,
-                       spares: int, elastic: bool) -> tuple[Verdict, dict[str, tuple[int, ...]]]:
+                       spares: int, elastic: bool, members: Optional[frozenset[int]] = None
+                       ) -> tuple[Verdict, dict[str, tuple[int, ...]]]:
     """The restart's verdict once every launcher of the launch joined or is lost (pure).
 
     Args:
@@ -139,11 +141,15 @@ def rendezvous_verdict(*, launchers: int, lost_before: Mapping[str, Sequence[int
             launcher never seen on this store); every process the joined launchers do not restart is lost with
             them, whichever node held it.
         processes, spares, elastic: the launch's.
+        members: the last generation of the previous attempt that formed, its members (idle spares included); None
+            when none formed. A lost node none of whose recorded processes is among them had left the quorum set
+            already (a generation, which only a majority forms, went on without it).
 
     Returns:
         the verdict, and the nodes lost now -> their processes (what the new attempt declares dead).
     """
-    quorum = launchers - len(lost_before)
+    left_out = [n for n, procs in lost.items() if members is not None and procs and not members.intersection(procs)]
+    quorum = launchers - len(lost_before) - len(left_out)
     if len(joined) < majority(range(quorum)):
         return Verdict(False, f"only {len(joined)} of the {quorum} launcher(s) joined ({', '.join(sorted(joined))}) "
                               f"and the others are silent: {CUT_OFF} (not a majority: this side may be the one cut "
@@ -250,7 +256,8 @@ class RestartRendezvous:
     def _look(self, prev: int, number: int, watch: LostNodes) -> Optional[Verdict]:
         """One look at the launchers of the launch that have not joined ``number`` (those of attempt ``prev`` on
         this store, and those never seen on it): the verdict once every one of them is lost, else None."""
-        def read(s: Any) -> tuple[list[str], dict[int, str], dict[str, Optional[str]], dict[str, tuple[int, ...]]]:
+        def read(s: Any) -> tuple[list[str], dict[int, str], dict[str, Optional[str]], dict[str, tuple[int, ...]],
+                                  Optional[frozenset[int]]]:
             nodes = parse_nodes(s.get("nodes") if s.check(["nodes"]) else None)
             dead = parse_dead(s.get("dead") if s.check(["dead"]) else None)
             beats: dict[str, Optional[str]] = {}
@@ -261,7 +268,9 @@ class RestartRendezvous:
                 r = key("launcher", n)
                 if s.check([r]):
                     procs[n] = tuple(int(p) for p in json.loads(s.get(r)).get("processes", []))
-            return nodes, dead, beats, procs
+            gens = GenerationStore(s, process=-1)
+            formed = next((m for m in (gens.members(g) for g in range(gens.current(), -1, -1)) if m is not None), None)
+            return nodes, dead, beats, procs, None if formed is None else formed.members
 
         def joins(s: Any) -> dict[str, Optional[tuple[int, ...]]]:
             names = parse_nodes(s.get("joined") if s.check(["joined"]) else None)
@@ -272,7 +281,7 @@ class RestartRendezvous:
         joined = self._call(number, joins)
         if got is None or joined is None:
             return None
-        nodes, dead, beats, procs = got
+        nodes, dead, beats, procs, members = got
         now = time.monotonic()
         missing = [n for n in nodes if n not in joined and n not in self.lost]
         known = set(nodes) | set(joined)
@@ -291,7 +300,7 @@ class RestartRendezvous:
         verdict, found = rendezvous_verdict(
             launchers=self.nodes, lost_before=self.lost, joined={n: v or () for n, v in joined.items()},
             lost={n: procs.get(n, ()) for n in lost}, processes=self.processes, spares=self.spares,
-            elastic=self.elastic)
+            elastic=self.elastic, members=members)
         if verdict.go_on:
             self.lost.update(found)
         return verdict

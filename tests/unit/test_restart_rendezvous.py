@@ -90,6 +90,19 @@ def test_nodes_lost_at_an_earlier_restart_leave_the_quorum_set_and_a_records_gap
     assert not short.go_on and not short.cut_off and "neighbor_ckpt.elastic.enabled: true" in short.message
 
 
+def test_a_node_the_last_generation_left_out_is_out_of_the_quorum_set_so_two_survivors_of_four_restart() -> None:
+    """Four nodes (node0, node1 and two spare nodes): node1 lost, generation 1 formed without it (a majority did), then
+    node2 lost during that recovery: node0 and node3 are a majority of the three the last generation held."""
+    joined = {"node0": (0, 1), "node3": (6, 7)}
+    lost = {"node1": (2, 3), "node2": (4, 5)}
+    verdict, found = rendezvous_verdict(launchers=4, lost_before={}, joined=joined, lost=lost, processes=8, spares=4,
+                                        elastic=False, members=frozenset({0, 1, 4, 5, 6, 7}))
+    assert verdict.go_on and found == lost and "node(s) node1, node2 lost for good" in verdict.message
+    none_formed, _ = rendezvous_verdict(launchers=4, lost_before={}, joined=joined, lost=lost, processes=8, spares=4,
+                                        elastic=False, members=None)
+    assert none_formed.cut_off, "without a generation that left node1 out, 2 of 4 is no majority"
+
+
 @pytest.fixture()
 def tcp() -> Any:
     port = free_port()
