@@ -31,6 +31,14 @@ the stopped peer cannot close its accepted side, and failures on other pairs do 
 SIGKILLed (its kernel closes its sockets). Peers must publish *after* creating their groups (megatron's included):
 a listener created later and not published leaves that fallback only.
 
+(1) and (2) miss the connections this process opened to a peer whose listeners it never read: a peer *cut off by the
+network* that published them only on the store the survivors lost (a cut early in training, before the survivors
+kept them in memory: :mod:`~neighbor_ckpt.inprocess.peer_listeners`). Such a peer never closes its side, and no RST
+ever comes, so a wait on that pair lasts until gloo's own timeout. The escalation, ``wide=True``, shuts down every
+connection the process opened since the baseline (and aborts a connect still in progress), but those from or to
+``keep_ports``: used only when the training thread is still blocked after the scoped abort, when the alternative is
+declaring the process dead (its kill closes every connection anyway).
+
 Never touched: sockets that existed before the baseline (the store client, the user's own connections opened
 before), connections from or to ``keep_ports``, and connections opened during the attempt to anything that is not
 a gloo listener (the user's new connections to other servers). **Limit:** a *listening* socket the process opens
@@ -210,10 +218,12 @@ class GlooAbortResult:
     accepted: int
     to_peers: int
     seconds: float
+    others: int = 0
+    """With ``wide``: the other connections (and connects in progress) of the attempt shut down."""
 
     @property
     def closed(self) -> int:
-        return self.accepted + self.to_peers
+        return self.accepted + self.to_peers + self.others
 
 
 def _shutdown(fd: int) -> bool:
@@ -233,29 +243,37 @@ def _shutdown(fd: int) -> bool:
 
 
 def abort_gloo(baseline: SocketBaseline, *, keep_ports: Iterable[int] = (),
-               peer_listeners: Iterable[Endpoint] = ()) -> GlooAbortResult:
+               peer_listeners: Iterable[Endpoint] = (), wide: bool = False) -> GlooAbortResult:
     """Shut down the connections of the process groups created since ``baseline`` (see the module docstring: our
     accepted side, and our side of connections to ``peer_listeners``), so that every collective blocked in this
-    process raises within milliseconds, and its peers' too. Connections from or to a port in ``keep_ports`` are
-    kept. Safe from any thread; safe to repeat."""
+    process raises within milliseconds, and its peers' too. ``wide``: every connection opened since ``baseline``
+    and every connect in progress (the escalation). Connections from or to a port in ``keep_ports`` are kept. Safe
+    from any thread; safe to repeat."""
     t0 = time.monotonic()
     keep = {int(p) for p in keep_ports}
     peers = tuple(peer_listeners)
     new = baseline.new()
     ours = [s.laddr for s in new if s.listening and s.laddr]
-    accepted = to_peers = 0
+    accepted = to_peers = others = 0
     for s in new:
-        if s.listening or s.laddr is None or s.raddr is None:
+        if s.listening or s.laddr is None or s.laddr.port in keep:
             continue
-        if s.laddr.port in keep or s.raddr.port in keep:
+        if s.raddr is None:  # not connected: a connect in progress (to a peer cut off: SYN_SENT), or never
+            if wide:
+                others += _shutdown(s.fd)
+            continue
+        if s.raddr.port in keep:
             continue
         if any(s.laddr.matches(lis) for lis in ours):
             accepted += _shutdown(s.fd)
         elif any(s.raddr.matches(lis) for lis in peers):
             to_peers += _shutdown(s.fd)
-    result = GlooAbortResult(accepted, to_peers, time.monotonic() - t0)
-    logger.info("gloo abort: shut down %d accepted and %d outgoing connection(s) of this attempt in %.1f ms",
-                accepted, to_peers, result.seconds * 1e3)
+        elif wide:
+            others += _shutdown(s.fd)
+    result = GlooAbortResult(accepted, to_peers, time.monotonic() - t0, others)
+    logger.info("gloo abort%s: shut down %d accepted and %d outgoing connection(s) of this attempt%s in %.1f ms",
+                " (every connection of the attempt)" if wide else "", accepted, to_peers,
+                f" and {others} other(s)" if wide else "", result.seconds * 1e3)
     return result
 
 

@@ -2,16 +2,22 @@
 
 When a generation fails, every active process shuts down the sockets of that generation's process groups (once per
 generation: :mod:`neighbor_ckpt.inprocess.abort` does the socket work), which frees a training thread blocked in a
-collective; a thread in Python code, or in a C call the sockets do not free, gets an exception raised into it. A
+collective; a thread in Python code, or in a C call the sockets do not free, gets an exception raised into it. Still
+inside a second later, the abort widens to every connection the attempt opened but the stores' (a wait on the pair to
+a peer cut off by the network, whose listeners this process never read, is freed by nothing else: no RST comes). A
 training thread still inside after that, or a clean-up that does not return, means the process cannot take part in
-the next generation: it declares itself dead, its launcher kills it and a spare takes its rank.
+the next generation: it declares itself dead (one line saying where the thread is), its launcher kills it and a
+spare takes its rank.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from neighbor_ckpt.inprocess.abort import GenerationAborted, abort_gloo, abort_nccl, interrupt_thread
@@ -66,19 +72,40 @@ class GenerationAbort:
         while st.inside and time.monotonic() < deadline:
             time.sleep(0.005)
         # Still inside: in Python code, or in a C call the sockets do not free. Raise into it; again only if a handler
-        # of the training function swallowed it (a bare ``except BaseException``).
+        # of the training function swallowed it (a bare ``except BaseException``). Still inside after a round: the
+        # escalation, every connection of the attempt (a wait on the pair to a peer cut off by the network, whose
+        # listeners this process never read: no RST ever comes), before the process is declared dead.
         stuck_at = time.monotonic() + self.stuck_after_s
+        rounds = 0
         while st.inside and generation == st.generation and self.main_tid is not None:
+            if rounds == 1:
+                logger.warning("%s: the training thread is still inside %.1f s after generation %d's abort: shutting "
+                               "down every connection of the attempt but the live stores' (a peer cut off never "
+                               "closes its side)", st.name(), REINTERRUPT_S, generation)
+                self.abort_gloo(generation, wide=True)
+            rounds += 1
             if time.monotonic() > stuck_at:
                 reason = (f"{st.name()}: the training thread is still inside the training function "
                           f"{self.stuck_after_s:g} s after generation {generation}'s abort (stuck in a C call)")
-                logger.error("%s: declaring this process dead; its launcher replaces it", reason)
+                logger.error("%s: declaring this process dead; its launcher replaces it; where it is: %s", reason,
+                             self.where(self.main_tid))
                 report_death((st.process,), kind="hung", reason=reason)
                 return
             interrupt_thread(self.main_tid, GenerationAborted)
             deadline = time.monotonic() + REINTERRUPT_S
             while st.inside and time.monotonic() < deadline:
                 time.sleep(0.01)
+
+    def where(self, thread_id: int) -> str:
+        """Where a stuck thread is (its innermost Python frames) and the attempt's connections still in the process's
+        fd table: what an operator needs to tell a collective from a store wait."""
+        frame = sys._current_frames().get(thread_id)
+        stack = " <- ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})"
+                            for f in reversed(traceback.extract_stack(frame)[-6:])) if frame else "gone"
+        base = self.listeners.baseline
+        left = [] if base is None else [f"{s.laddr.host}:{s.laddr.port}->{s.raddr.host}:{s.raddr.port}"
+                                        for s in base.new() if not s.listening and s.laddr and s.raddr]
+        return f"{stack}; connections of the attempt in its fd table: {', '.join(left) or 'none'}"
 
     def cleanup_stuck(self, generation: int) -> None:
         """The failed attempt's abort and clean-up have not returned after ``inprocess.abort_timeout_s`` (a thread
@@ -110,9 +137,12 @@ class GenerationAbort:
             logger.warning("%s: abort of generation %d: %s: %s", self.state.name(), generation, type(e).__name__, e)
         self.state.event("abort_end")
 
-    def abort_gloo(self, generation: int) -> None:
+    def abort_gloo(self, generation: int, *, wide: bool = False) -> None:
         """Shut down this process's side of ``generation``'s gloo connections: those it accepted, and those to the
-        peers' listeners it knows (read again each time: a peer that moved to a new store late publishes late)."""
+        peers' listeners it knows (read again each time: a peer that moved to a new store late publishes late);
+        ``wide``: every connection the attempt opened but those of the current store and the later ones
+        (:func:`~neighbor_ckpt.inprocess.abort.abort_gloo`): a store this process moved away from is lost to it, and
+        a thread blocked on it (a group's rendezvous on a store cut off) is freed too."""
         if self.listeners.baseline is None:
             return
         try:
@@ -121,4 +151,9 @@ class GenerationAbort:
         except Exception as e:  # noqa: BLE001 - our accepted side is still closed; the kill does the rest
             logger.warning("%s: peers' listeners unreadable: %s", self.state.name(), e)
             peers = frozenset()
-        abort_gloo(self.listeners.baseline, keep_ports=set(self.store_ports) | tunnel_ports(), peer_listeners=peers)
+        keep = set(self.store_ports) | tunnel_ports()
+        if wide:
+            stores = self.clients.stores
+            live = [stores.addresses[k] for k in range(stores.epoch, len(stores.addresses))]
+            keep = {p for _, p in live} | tunnel_ports(live)
+        abort_gloo(self.listeners.baseline, keep_ports=keep, peer_listeners=peers, wide=wide)

@@ -59,9 +59,10 @@ then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave
 :data:`EXIT_STORE_LOST` when the store has not answered for ``--store-grace`` seconds (it reaps, queues its writes
 and reconnects meanwhile); :data:`~protocol.EXIT_NO_STORE` when it can connect to no store at the start (the others'
 roll call declares its processes dead: :mod:`~neighbor_ckpt.inprocess.roll_call`); 1 when the first store operation
-fails, the restart's rendezvous times out, or the roll call leaves too few processes for the job's ranks;
-``128 + signal`` when stopped by SIGTERM/SIGINT/SIGHUP; :data:`~protocol.EXIT_CUT_OFF` when it saw no majority of the
-launchers' beats for its lease (:mod:`~neighbor_ckpt.inprocess.quorum`; its processes SIGKILLed first). One line each.
+fails, the restart's rendezvous times out, or the roll call leaves too few processes for the job's ranks; ``128 +
+signal`` when stopped by SIGTERM/SIGINT/SIGHUP; :data:`~protocol.EXIT_CUT_OFF` when it saw no majority of the launchers'
+beats for its lease (:mod:`~neighbor_ckpt.inprocess.quorum`; its processes SIGKILLed first), or no majority of the
+launchers joined its restart. One line each.
 
 **No process outlives it.** Each process starts in a session of its own (its process group is what the launcher
 signals, so what the process started goes with it) with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: SIGKILL of the launcher
@@ -217,8 +218,8 @@ class Launcher:
         self._beats = 0
         self._beat_at = 0.0
         self._rendezvous = RestartRendezvous(
-            node=plan.node, nodes=plan.nodes, call=self._try, later=self._later, pending=lambda: bool(self._outbox),
-            beat=self._beat, timeout_s=plan.detector_timeout_s, store_timeout_s=plan.store_timeout_s,
+            node=plan.node, nodes=plan.nodes, indices=plan.indices, call=self._try, later=self._later, beat=self._beat,
+            pending=lambda: bool(self._outbox), timeout_s=plan.detector_timeout_s, store_timeout_s=plan.store_timeout_s,
             poll_s=plan.poll_s, rendezvous_timeout_s=plan.rendezvous_timeout_s, processes=plan.processes,
             spares=plan.spares, elastic=plan.elastic, stopped=lambda: self._signal is not None, store_lost=self._store_lost)
         """The restart rendezvous, which goes on without a node lost for good when the job can."""
@@ -296,8 +297,7 @@ class Launcher:
         s.append("nodes", f"{self.plan.node},")
         joining = self._rendezvous.joining
         if joining is not None and joining > att.number:  # in the restart rendezvous: its join, under its attempt
-            self.stores.view("failover", protocol.launch_prefix(self.plan.run_id, joining)).append(
-                "joined", f"{self.plan.node},")
+            self._rendezvous.rejoin(self.stores.view("failover", protocol.launch_prefix(self.plan.run_id, joining)))
         logger.warning("attempt %d: this node's processes %s, %d exited, %d known dead%s: written again to store %d",
                        att.number, sorted(att.children), len(att.exited), len(att.dead),
                        "" if joining is None or joining <= att.number else f", its join of attempt {joining}", new)
@@ -761,7 +761,7 @@ class Launcher:
                 if not self._rendezvous.meet(number):
                     if self._signal is not None:
                         return 128 + self._signal
-                    return EXIT_LAUNCHER_ERROR
+                    return protocol.EXIT_CUT_OFF if self._rendezvous.cut_off else EXIT_LAUNCHER_ERROR
         finally:
             self._lease.guard.close()
             self.stores.close()

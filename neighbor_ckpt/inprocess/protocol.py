@@ -82,7 +82,11 @@ types): nothing read from the store is unpickled.
 ``nodes``, ``joined``
     Append-only ``"<node>,"`` per launcher that started this launcher-level attempt, and per launcher that joined its
     restart rendezvous (read as sets). A launcher restarting the job waits, under the next attempt's prefix, until
-    every node of the launch joined (the restart's rendezvous).
+    every node of the launch joined or is lost, and restarts only with a majority of them
+    (:mod:`~neighbor_ckpt.inprocess.restart_rendezvous`).
+``joined/<node>``
+    JSON list of the process indices node ``node``'s launcher restarts, written before its node is appended to
+    ``joined`` (the processes no joined launcher restarts are lost with the nodes that did not join).
 
 No count is kept with ``add``: a store operation that went unanswered is sent again, and a launcher writes its facts
 again on a new store after a failover, so every count is a set of writer ids or a claim by a write id

@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import loopback
@@ -458,11 +458,14 @@ class Door:
         _close_listener(self._sock)
 
 
-def tunnel_ports() -> set[int]:
+def tunnel_ports(remotes: Optional[Iterable[tuple[str, int]]] = None) -> set[int]:
     """The loopback ports of this process's tunnels (the in-process abort keeps the connections to them: they are
-    the store's)."""
+    the store's); only those to ``remotes`` when given."""
+    want = None if remotes is None else {(str(h), int(p)) for h, p in remotes}
     with _TUNNELS_LOCK:
-        return {t.address[1] for t in _TUNNELS.values()} if os.getpid() == _TUNNELS_PID else set()
+        if os.getpid() != _TUNNELS_PID:
+            return set()
+        return {t.address[1] for t in _TUNNELS.values() if want is None or tuple(t.remote) in want}
 
 
 _TUNNELS: dict[tuple[tuple[str, int], bytes], Tunnel] = {}

@@ -399,3 +399,47 @@ def test_a_launcher_that_reaches_no_store_says_so_and_the_others_declare_its_pro
         assert [run.wait(n) for n in ("node0", "node2")] == [0, 0], run.logs()
         for wait in ("did not form within", "launcher(s) joined within", "has not answered for"):
             assert wait not in run.logs()
+
+
+def test_a_launcher_cut_off_while_the_store_moved_is_not_waited_for_by_the_restart(launch, tmp_path: Path) -> None:
+    """Three launchers; node2's is SIGSTOPped (as if cut off: it writes nothing more, anywhere) and store 0's host
+    dies: node0 and node1 promote the standby (2 of 3 votes) and write their part there, node2 never does. Every
+    process then gives up (75): the restart's rendezvous on the standby goes on without node2, never seen there (lost
+    after ``detector.timeout_s`` + the store timeout, not ``--rendezvous-timeout``), a majority of the launchers
+    joined, and node2's process is declared dead in attempt 1 (the spare covers its rank)."""
+    import torch.distributed as dist
+
+    from neighbor_ckpt.inprocess.generation import parse_dead
+    from neighbor_ckpt.inprocess.restart_rendezvous import parse_nodes
+
+    standby, ready = free_port(), tmp_path / "standby.ready"
+    host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", "--host", "127.0.0.1",
+                             "--port", str(standby), "--ready", str(ready), "--parent", str(os.getpid())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait("the standby store host", ready.exists)
+        run = launch({"node0": (0, 1), "node1": (1, 1), "node2": (2, 1)}, processes=3, spares=1, max_restarts=1,
+                     standby=standby, extra=("--rendezvous-timeout", "600"))
+        for r in range(3):
+            run.env(r)
+        os.kill(run.launchers["node2"].pid, signal.SIGSTOP)
+        run.store_host.kill()
+        run.store_host.wait()
+        client = dist.TCPStore("127.0.0.1", standby, is_master=False, wait_for_workers=False, use_libuv=True)
+        moved = dist.PrefixStore(protocol.launch_prefix(RUN, 0), client)
+        _wait("node0 and node1 on the standby", lambda: set(parse_nodes(
+            moved.get("nodes") if moved.check(["nodes"]) else None)) == {"node0", "node1"}, timeout=120)
+        run.stop(0, protocol.EXIT_FALLBACK)
+        for r in (0, 1):
+            assert run.env(r, attempt=1, timeout=120)["env"]["TORCHELASTIC_RESTART_COUNT"] == "1", run.logs()
+        again = dist.PrefixStore(protocol.launch_prefix(RUN, 1), client)
+        _wait("process 2 declared dead in attempt 1", lambda: again.check(["dead"]) and 2 in parse_dead(
+            again.get("dead")))
+        assert set(parse_nodes(again.get("joined"))) == {"node0", "node1"}
+        again.set("complete", "0")
+        run.stop(1, 0)
+        assert [run.wait(n, timeout=120) for n in ("node0", "node1")] == [0, 0], run.logs()
+        assert "lost for good" in run.logs() and "joined within" not in run.logs(), run.logs()
+    finally:
+        host.kill()
+        host.wait()

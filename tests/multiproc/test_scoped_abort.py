@@ -8,6 +8,11 @@ survivor's collective raises within a second of its abort (tens of ms measured),
 ``GenerationAborted``, and the connections that are not gloo's survive: the store's, one the process opened before
 the attempt, and one it opened during the attempt to a non-gloo server.
 
+``unpublished``: the victim's listeners are not known to the survivors (a peer cut off by the network that published
+them only on the store the survivors lost): a survivor whose wait is on a pair it connected to the victim stays
+blocked after the scoped abort; the escalation (``wide=True``: every connection of the attempt but the store's)
+frees it, so it is not declared dead. The store's connection and the one from before the attempt survive that too.
+
 Subprocesses rather than ``torch.multiprocessing``: the victim stays stopped until the test SIGKILLs it."""
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ def _worker() -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     echo = _echo_server()
     before = socket.create_connection(echo.getsockname())  # the user's connection from before the attempt
+    assert _echoes(before)  # its server side accepted before the baseline too
 
     baseline = SocketBaseline.capture()
     dist.init_process_group("gloo", store=dist.PrefixStore("gen0", store), rank=rank, world_size=WORLD,
@@ -109,12 +115,18 @@ def _worker() -> None:
         if not inside.wait(120):
             raise AssertionError("the training thread never started its collective")
         time.sleep(1.0)  # the victim stopped, this rank (very likely) blocked in the collective; either way it errs
-        peers = frozenset().union(*(parse_endpoints(store.get(f"listen/{q}").decode())
-                                    for q in range(WORLD) if q != rank))
+        known = [q for q in range(WORLD) if q != rank and not (scenario == "unpublished" and q == VICTIM)]
+        peers = frozenset().union(*(parse_endpoints(store.get(f"listen/{q}").decode()) for q in known))
         abort_at.append(time.monotonic())
         res = abort_gloo(baseline, keep_ports={port}, peer_listeners=peers)
         result.update(accepted=res.accepted, to_peers=res.to_peers, abort_ms=res.seconds * 1e3)
         time.sleep(0.2)
+        if scenario == "unpublished":
+            time.sleep(0.8)
+            result["widened"] = not errors  # still blocked on the victim's pair: the escalation
+            if not errors:
+                result["others"] = abort_gloo(baseline, keep_ports={port}, peer_listeners=peers, wide=True).others
+                time.sleep(0.2)
         if inside.is_set():
             interrupt_thread(main_tid, GenerationAborted)
 
@@ -170,7 +182,7 @@ def _run(tmp: Path, scenario: str) -> dict[int, dict[str, object]]:
     return {r: json.loads((tmp / f"result{r}.json").read_text()) for r in survivors}
 
 
-@pytest.mark.parametrize("scenario", ["stopped", "holds_gil"])
+@pytest.mark.parametrize("scenario", ["stopped", "holds_gil", "unpublished"])
 def test_scoped_abort_frees_survivors_of_a_silent_peer_and_keeps_other_connections(tmp_path: Path,
                                                                                    scenario: str) -> None:
     results = _run(tmp_path, scenario)
@@ -178,9 +190,11 @@ def test_scoped_abort_frees_survivors_of_a_silent_peer_and_keeps_other_connectio
                 if res["freed_after_s"] is not None}
     print(scenario, "ms from the rank's own abort to its collective's error:",
           {r: round(ms, 1) for r, ms in freed_ms.items()},
-          "shut down (accepted, outgoing):", {r: (res["accepted"], res["to_peers"]) for r, res in results.items()})
+          "shut down (accepted, outgoing, widened: others):",
+          {r: (res["accepted"], res["to_peers"], res.get("widened") and res.get("others")) for r, res in results.items()})
     assert sorted(freed_ms) == sorted(results), results  # every survivor's collective erred (how fast: printed)
     for r, res in results.items():
         assert res.get("unwound") is True, (r, res)
-        assert res["before_ok"] and res["during_ok"] and res["store_ok"], (r, res)
+        assert res["before_ok"] and res["store_ok"], (r, res)
+        assert res["during_ok"] or res.get("widened"), (r, res)  # the escalation shuts the attempt's others too
     assert sum(int(str(res["to_peers"])) for res in results.values()) > 0

@@ -105,6 +105,36 @@ def test_abort_shuts_down_connections_to_peer_listeners(pairs: list[_Pair]) -> N
         peer_srv.close()
 
 
+def test_the_wide_abort_frees_a_wait_on_a_peer_whose_listeners_are_unknown_and_keeps_only_kept_ports(
+        pairs: list[_Pair]) -> None:
+    """A peer cut off by the network that published its listeners only on the store this process lost: the scoped
+    abort cannot tell the connection this process opened to it from the user's, and leaves it; the escalation
+    (``wide``) shuts down every connection opened since the baseline but the kept ports', and a connect still in
+    progress; the connections from before the baseline stay up."""
+    before = _Pair()
+    pairs.append(before)
+    peer_srv = socket.create_server(("127.0.0.1", 0))  # the cut peer's gloo listener, never published here
+    store_srv = socket.create_server(("127.0.0.1", 0))  # the live store
+    try:
+        baseline = ab.SocketBaseline.capture()
+        to_peer, store = _Pair(peer_srv), _Pair(store_srv)
+        pairs.extend([to_peer, store])
+        connecting = socket.socket()  # a connect in progress (to a peer behind a cut: SYN_SENT), or never made
+        try:
+            t, got = _recv_in_thread(to_peer.cli)
+            assert ab.abort_gloo(baseline, keep_ports={store.port}).closed == 0 and t.is_alive()
+            res = ab.abort_gloo(baseline, keep_ports={store.port}, wide=True)
+            t.join(120)
+            assert not t.is_alive() and got == [b""], "the blocked recv was not freed"
+            assert (res.accepted, res.to_peers) == (0, 0) and res.others >= 2  # both ends of the pair (one process)
+            assert store.works() and before.works(), "a kept or older connection was shut down"
+        finally:
+            connecting.close()
+    finally:
+        peer_srv.close()
+        store_srv.close()
+
+
 def test_endpoints_round_trip_and_match_unspecified_hosts() -> None:
     eps = {ab.Endpoint("10.0.0.2", 4000), ab.Endpoint("fe80::1", 5000), ab.Endpoint("0.0.0.0", 6000)}
     text = ab.format_endpoints(eps)
