@@ -10,9 +10,9 @@ with a replaced store, quick tier), ``kill-bitflip`` (test_lightning_recovery.py
 fallback to NeMo's disk checkpoint), ``inproc-kill`` (test_inprocess_recovery.py's kill with a hot spare, quick
 tier), ``hang`` (test_mcore_recovery.py's SIGSTOPped rank found by the heartbeat), ``data-misplaced``
 (test_data_check.py's loaders that read other data after the restart), ``inproc-shrink`` (test_elastic.py's plain
-loop and NeMo recipe losing a rank for good in process), ``inproc-stuck``, ``inproc-spare-lost`` and
-``inproc-grow-back`` (test_inprocess_recovery.py's training thread blocked in a C call, idle spare killed, and
-replacement taking the second lost rank), ``inproc-store-node`` and ``inproc-store-stop``
+loop and NeMo recipe losing a rank for good in process), ``inproc-stuck`` and ``inproc-grow-back``
+(test_inprocess_recovery.py's training thread blocked in a C call and replacement taking the second lost rank),
+``inproc-spare-lost`` (test_staged_slot_leak.py's idle spare killed), ``inproc-store-node`` and ``inproc-store-stop``
 (test_store_failover.py's store node lost and store host stopped), ``inproc-node-lost``, ``inproc-node-lost-elastic``
 and ``inproc-node-hung`` (test_inprocess_nodes.py's node
 killed whole with a spare node, without under elastic, and hung whole: a hung node's processes must start cold, so

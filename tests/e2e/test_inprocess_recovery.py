@@ -388,26 +388,6 @@ def test_a_process_whose_clean_up_blocks_declares_itself_dead_and_the_spare_take
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
 
 
-def test_an_idle_spare_killed_is_reported_and_the_job_goes_on_untouched(inprocess_baseline: RunResult,
-                                                                       tmp_path: Path) -> None:
-    """The hot spare (process 4) is SIGKILLed while idle, after rank 0's step 3. Its launcher reports the death; an
-    idle spare's death fails no generation: the four active ranks train on in generation 0, bit for bit, and the
-    log says the spare was lost."""
-    res = launch_inprocess(tmp_path, STEPS=10, FAULT="none", KILL_IDLE_SPARE_AT_STEP=3)
-    assert res.returncode == 0, res.log[-8000:]
-    assert_no_orphans(res)
-    assert (res.out / f"fault.spare{ACTIVE}.json").exists(), res.log[-8000:]
-    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
-    assert re.search(rf"idle spare\(s\) \[{ACTIVE}\] lost \(.*\): the job goes on without them", res.log), \
-        res.log[-8000:]
-    assert not failures(res), f"no generation failed: {failures(res)}"
-    procs = by_process(res)
-    assert sorted(procs) == list(range(ACTIVE)) and all([a["iteration"] for a in procs[p]] == [0] for p in procs)
-    assert "in-process recovery gives up" not in res.log
-    exits = launcher_exits(res)
-    assert all(code == 0 for node, code in exits.items()), exits
-
-
 def test_grow_back_a_replacement_takes_the_second_lost_rank(inprocess_baseline: RunResult, tmp_path: Path) -> None:
     """Launchers with ``--grow-back``, one hot spare. Rank 1 is SIGKILLed in step 3: the spare (process 4) takes it.
     Once generation 1 has completed a step, node1's launcher starts a replacement (process 5), which joins as a
