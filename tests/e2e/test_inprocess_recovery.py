@@ -148,15 +148,6 @@ def check_inprocess(base: RunResult, res: RunResult, *, kind: str) -> dict[str, 
     return m
 
 
-@pytest.fixture(scope="module")
-def inprocess_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    res = launch_inprocess(tmp_path_factory.mktemp("inproc-base"), STEPS=10, FAULT="none")
-    assert res.returncode == 0, res.log[-8000:]
-    assert_no_orphans(res)
-    assert failures(res) == [], f"a failure-free run detected a failure: {failures(res)}"
-    return res
-
-
 @pytest.mark.quick
 def test_inprocess_kill_with_hot_spare_is_bit_exact(inprocess_baseline: RunResult, tmp_path: Path) -> None:
     """SIGKILL of rank 1 in step 5: its launcher sees the exit and declares it dead (``exited by launcher:node1``);

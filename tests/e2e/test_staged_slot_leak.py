@@ -9,13 +9,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import RunResult, assert_same_training
 from tests.e2e.inprocess_launch import assert_no_orphans, failures, launch_inprocess, launcher_exits
-from tests.e2e.test_inprocess_recovery import ACTIVE, by_process, inprocess_baseline  # noqa: F401 - the fixture
+from tests.e2e.test_inprocess_recovery import ACTIVE, by_process
+
+pytestmark = pytest.mark.e2e
 
 
 def test_an_idle_spare_sigkilled_is_reported_leaves_no_staged_slot_and_the_job_goes_on_untouched(
-        inprocess_baseline: RunResult, tmp_path: Path) -> None:  # noqa: F811
+        inprocess_baseline: RunResult, tmp_path: Path) -> None:
     """The hot spare (process 4) SIGKILLed while idle, once it staged its slot, after rank 0's step 2. Its launcher
     reports the death; an idle spare's death fails no generation: the four active ranks train on in generation 0,
     bit for bit, and the log says the spare was lost."""

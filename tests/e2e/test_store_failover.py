@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import RunResult, assert_same_training
 from tests.e2e.inprocess_launch import assert_no_orphans, failures, launch_inprocess, launcher_exits, load
-from tests.e2e.test_inprocess_recovery import ACTIVE, by_process, inprocess_baseline  # noqa: F401 - the fixture
+from tests.e2e.test_inprocess_recovery import ACTIVE, by_process
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ def store_moves(res: RunResult) -> list[tuple[str, int, int]]:
 
 
 def test_the_node_hosting_the_store_is_lost_and_the_next_generation_forms_on_a_standby(
-        inprocess_baseline: RunResult, tmp_path: Path) -> None:  # noqa: F811
+        inprocess_baseline: RunResult, tmp_path: Path) -> None:
     """Node 0 (its launcher, the primary store host it runs and rank 0) is SIGKILLed inside rank 0's optimizer step
     5, one hot spare. The survivors and the launchers lose the store, move to store 1 (node 1's standby), write
     again what it must know, and generation 1 forms there without rank 0, which the spare replaces: bit for bit,
@@ -54,7 +54,7 @@ def test_the_node_hosting_the_store_is_lost_and_the_next_generation_forms_on_a_s
 
 
 def test_a_stopped_store_host_is_left_behind_and_fenced_when_it_resumes(inprocess_baseline: RunResult,
-                                                                       tmp_path: Path) -> None:  # noqa: F811
+                                                                       tmp_path: Path) -> None:
     """The primary store host is SIGSTOPped inside rank 0's optimizer step 5 and resumed 15 s later. Its clients'
     operations go unanswered: every process and launcher moves to store 1. Training needs no store between steps, so
     by then the ranks may still be training (generation 0 fails, kind ``store``, and generation 1 forms on store 1
