@@ -407,7 +407,8 @@ class InprocessRecovery:
         guard = LeaseGuard(lease, answered_at=lambda: monitor.answered_at, epoch=lambda: self.stores.epoch,
                            name=self.state.name(), done=lambda: self.stores.over, lock=monitor.lease_lock,
                            doubt_s=doubt_s, grace_s=grace_s,
-                           last_look=GenerationStore(self.clients.view("lease"), process=self.process).complete)
+                           last_look=GenerationStore(self.stores.once("lease", self.identity.prefix),
+                                                     process=self.process).complete)
         main.store.set(protocol.key("proc", self.process), self.identity.record())
         # Everything alive now (modules, the imports' objects) lives as long as the process: exempt it from
         # collection, so a generation's clean-up collects only what the generation made.

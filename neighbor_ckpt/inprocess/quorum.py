@@ -263,9 +263,12 @@ class LauncherLease:
         doubt_s, grace_s = guard_times(stores, timeout_s)
         att = lambda: getattr(owner, "_att", None)  # noqa: E731
 
-        def last_look() -> bool:
+        def last_look() -> bool:  # once, on the current store: a failover here could outlast the cut and a heal
+            from neighbor_ckpt.inprocess.protocol import launch_prefix
+
             a = att()
-            return a is not None and bool(owner._try(a.number, lambda s: s.check(["complete"])))
+            return a is not None and bool(stores.once("last-look", launch_prefix(owner.plan.run_id, a.number))
+                                          .check(["complete"]))
 
         self.guard = LeaseGuard(self.lease, answered_at=lambda: self.answered_at, epoch=lambda: stores.epoch,
                                 name=f"launcher {node}", doubt_s=doubt_s, grace_s=grace_s, stop=self.stop, done=done,

@@ -442,6 +442,20 @@ class StoreSet:
                 self.lost(epoch, str(e))
                 tried_again = False
 
+    def once(self, name: str, prefix: str) -> StoreView:
+        """A view whose every operation goes to the current store once, through a client of its own: no second try,
+        no failover; :class:`StoreUnreachable` when it does not answer within the timeout (a look that must end:
+        the lease's last look before a cut-off)."""
+        def op(method: str, *args: Any) -> Any:
+            c = BoundedClient(self.address(), timeout_s=self.timeout_s, name=name, token=self.token)
+            self._made.append(c)
+            try:
+                return c.call(method, *args)
+            finally:
+                c.retire()
+
+        return StoreView(op, prefix)
+
     def view(self, name: str, prefix: str) -> StoreView:
         return StoreView(lambda method, *args: self.op(name, method, *args), prefix)
 

@@ -179,6 +179,23 @@ def test_a_look_without_a_vote_at_a_store_nobody_voted_for_is_no_error(
     assert not masters[1].check([vote_key("r", 2)])
 
 
+def test_the_last_look_before_a_cut_off_asks_the_current_store_once_and_never_fails_over(
+        stores: tuple[list[Any], StoreAddresses]) -> None:
+    """A cut-off verdict's last look (did the job complete meanwhile?) is one bounded operation on the store the
+    client is on: a failover there could outlast the cut, find the majority's store after a heal and keep a
+    launcher of the minority alive."""
+    masters, addresses = stores
+    launcher = StoreSet(addresses, run_id="r", timeout_s=0.5, connect_timeout_s=1.0, name="launcher:node3",
+                        voter="node3", voters=3)
+    masters[0].set(epoch_key("r"), "1")  # store 1 promoted by the others
+    with pytest.raises(StoreUnreachable):
+        launcher.once("last-look", "job/0").check(["complete"])
+    assert launcher.epoch == 0 and not launcher.history
+    launcher.epoch = 1
+    masters[0].set("job/0/complete", "1")
+    assert launcher.once("last-look", "job/0").check(["complete"])
+
+
 def test_a_store_that_answers_again_by_the_end_of_the_wait_is_kept_when_no_later_one_was_promoted() -> None:
     """Two operations that timed out (a tunnel slow on a loaded machine) are no lost store when it answers a fresh
     connection after the promotion wait and nobody promoted a later one: the client stays (it would leave for a
