@@ -230,7 +230,8 @@ def check_fallback(base: RunResult, res: RunResult, *, why: str, lost: tuple[int
 def test_inprocess_two_ranks_lost_with_one_spare_fall_back_to_launcher_restart(inprocess_baseline: RunResult,
                                                                                tmp_path: Path) -> None:
     """Two failures in one window (ranks 1 and 2 SIGKILLed in step 5) and one spare: in-process recovery gives up,
-    announced (exit 75), and the launchers' restart recovers bit for bit."""
+    announced (exit 75), and the launchers' restart recovers bit for bit. (A launch with no spare at all gives up by
+    the same rule, fewer spares than lost ranks: tests/unit/test_inprocess_assignment.py.)"""
     res = launch_inprocess(tmp_path, max_restarts=1, STEPS=10, FAULT="kill", KILL_RANK="1,2", KILL_STEP=5)
     check_fallback(inprocess_baseline, res, why="no hot spare left", lost=(1, 2))
     assert sorted(load(p)["rank"] for p in res.out.glob("fault.rank*.json")) == [1, 2]
@@ -250,13 +251,6 @@ def test_inprocess_failure_during_recovery_falls_back_to_launcher_restart(inproc
                    iteration=3)
     assert "failpoint recovery.load reached" in res.log
     assert "iteration(s) [4] were restored by the previous attempt" in res.log
-
-
-def test_inprocess_without_spare_falls_back_to_launcher_restart(inprocess_baseline: RunResult, tmp_path: Path) -> None:
-    """No spare: the survivors give up in-process recovery, announced, and exit 75; the launchers (one restart)
-    restart every process, and recover() resumes from the host stores, bit for bit."""
-    res = launch_inprocess(tmp_path, spares=0, max_restarts=1, STEPS=10, FAULT="kill", KILL_RANK=1, KILL_STEP=5)
-    check_fallback(inprocess_baseline, res, why="no hot spare left", lost=(1,), spares=0)
 
 
 # --- the recipe, the user's connections, the hygiene check -------------------------------------------------------------

@@ -34,14 +34,6 @@ SILENT_WAITS = ("inprocess.barrier_timeout_s", "did not form within", "launcher(
                 "has not answered for")
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    res = launch_inprocess(tmp_path_factory.mktemp("ports-base"), STEPS=10, FAULT="none")
-    assert res.returncode == 0, res.log[-8000:]
-    assert_no_orphans(res)
-    return res
-
-
 def ranks_by_process(res: RunResult) -> dict[int, list[tuple[int, int]]]:
     """Process index -> its (generation, rank) records."""
     out: dict[int, list[tuple[int, int]]] = {}
@@ -50,7 +42,7 @@ def ranks_by_process(res: RunResult) -> dict[int, list[tuple[int, int]]]:
     return {p: sorted(v) for p, v in out.items()}
 
 
-def test_a_store_port_taken_between_its_choice_and_the_launch_is_replaced(baseline: RunResult,
+def test_a_store_port_taken_between_its_choice_and_the_launch_is_replaced(inprocess_baseline: RunResult,
                                                                           tmp_path: Path) -> None:
     """The runner takes the primary store's port after the launch chose it and holds it for the whole launch: the
     launch binds another port for the primary, every launcher and process uses that one, the job trains bit for bit
@@ -62,13 +54,13 @@ def test_a_store_port_taken_between_its_choice_and_the_launch_is_replaced(baseli
     assert taken, res.log[-8000:]
     assert re.search(rf"store 0 \(node node0\): port {taken.group(1)} was taken since it was chosen \(.*\): port "
                      rf"\d+ instead", res.log), res.log[-8000:]
-    assert_same_training(baseline, res, nranks=ACTIVE)
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
     assert failures(res) == [], failures(res)
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
 
 
 def test_a_store_host_that_cannot_listen_declares_its_process_dead_and_the_spare_takes_its_rank(
-        baseline: RunResult, tmp_path: Path) -> None:
+        inprocess_baseline: RunResult, tmp_path: Path) -> None:
     """node2's store port is held by another process for the whole launch and the store hosts bind their own ports
     (as on a cluster): node2's launcher says so in one line (node, store, port, cause), declares process 2 dead before
     it starts (``exited by launcher:node2``), and the spare (process 4) takes rank 2 from the start. Bit for bit; no
@@ -85,7 +77,7 @@ def test_a_store_host_that_cannot_listen_declares_its_process_dead_and_the_spare
     for wait in SILENT_WAITS:
         assert wait not in res.log, f"a silent wait ({wait!r}): {res.log[-8000:]}"
     assert "in-process recovery gives up" not in res.log
-    assert_same_training(baseline, res, nranks=ACTIVE)
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
     procs = ranks_by_process(res)
     assert 2 not in procs, f"process 2 never started: {procs.get(2)}"
     assert procs[4][-1][1] == 2 and all(r == 2 for _, r in procs[4]), procs
@@ -93,7 +85,7 @@ def test_a_store_host_that_cannot_listen_declares_its_process_dead_and_the_spare
     assert set(launcher_exits(res).values()) == {0}, launcher_exits(res)
 
 
-def test_a_launcher_that_reaches_no_store_exits_at_once_and_the_spare_takes_its_rank(baseline: RunResult,
+def test_a_launcher_that_reaches_no_store_exits_at_once_and_the_spare_takes_its_rank(inprocess_baseline: RunResult,
                                                                                       tmp_path: Path) -> None:
     """node2's launcher gets a store list of ports nobody listens on: it says so in one line naming every store it
     tried and exits ``EXIT_NO_STORE`` without starting anything; the other launchers' roll call declares process 2
@@ -111,7 +103,7 @@ def test_a_launcher_that_reaches_no_store_exits_at_once_and_the_spare_takes_its_
     for wait in SILENT_WAITS:
         assert wait not in res.log, f"a silent wait ({wait!r}): {res.log[-8000:]}"
     assert "in-process recovery gives up" not in res.log
-    assert_same_training(baseline, res, nranks=ACTIVE)
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
     procs = ranks_by_process(res)
     assert 2 not in procs, f"process 2 never started: {procs.get(2)}"
     assert procs[4][-1][1] == 2, procs
@@ -120,7 +112,7 @@ def test_a_launcher_that_reaches_no_store_exits_at_once_and_the_spare_takes_its_
 
 
 def test_a_grow_back_replacement_starting_as_the_job_completes_exits_0_and_its_launcher_ends_with_the_others(
-        baseline: RunResult, tmp_path: Path) -> None:
+        inprocess_baseline: RunResult, tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed in step 5, the spare takes it; with ``--grow-back`` node1's launcher starts a replacement
     (process 5) once generation 1 completed a step. The replacement is still starting when the job completes (the
     worker holds it until its launcher wrote the completion marker): it reads the marker, returns from the engine
@@ -132,7 +124,7 @@ def test_a_grow_back_replacement_starting_as_the_job_completes_exits_0_and_its_l
                            detector_timeout_s=5.0, DETECTOR_TIMEOUT=5.0, REPLACEMENT_WAITS_FOR_COMPLETION=1)
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
-    assert_same_training(baseline, res, nranks=ACTIVE)
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
     assert re.search(r"replacement process 5 \(pid \d+\) started, joins as a spare", res.log), res.log[-8000:]
     late = load(res.out / "late_start.5.json")
     assert late["marker"], late

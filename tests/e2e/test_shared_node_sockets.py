@@ -33,7 +33,7 @@ from tests.unit.test_shared_node import OTHER, other_user  # noqa: F401 - the fi
 pytestmark = pytest.mark.e2e
 
 ACTIVE = 4
-STEPS = 6
+STEPS = 10  # the session's failure-free in-process launch (tests/e2e/conftest.py) is what it is compared with
 HOLD_AT_STEP = 3
 ENV = {"STEPS": STEPS, "FAULT": "none", "HANG_TIMEOUT": 600}
 PROBE = Path(__file__).resolve().parents[2] / "tools" / "store_probe.py"
@@ -143,17 +143,9 @@ def _other_users_process(uid: int) -> tuple[subprocess.Popen, int]:
     pytest.fail("the other user's process did not start")
 
 
-@pytest.fixture(scope="module")
-def sockets_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    res = launch_inprocess(tmp_path_factory.mktemp("sockets-base"), **ENV)
-    assert res.returncode == 0, res.log[-8000:]
-    assert failures(res) == []
-    return res
-
-
 @pytest.mark.cold  # every process of the launch a descendant with its environment (a warm fork is the zygote's)
 def test_another_user_gets_nothing_from_any_socket_of_a_running_launch(  # noqa: PLR0915 - one scenario
-        other_user: Any, sockets_baseline: RunResult, tmp_path: Path) -> None:  # noqa: F811 - the fixture
+        other_user: Any, inprocess_baseline: RunResult, tmp_path: Path) -> None:  # noqa: F811 - the fixture
     from neighbor_ckpt.runtime.procs import process_start
 
     release = tmp_path / "release"
@@ -244,4 +236,4 @@ def test_another_user_gets_nothing_from_any_socket_of_a_running_launch(  # noqa:
     assert {e["code"] for e in events.values()} == {0}, {r: e["code"] for r, e in events.items()}
     assert {r: events[r]["pid"] for r in range(ACTIVE)} == rank_pid, "the ranks that held are the ones that finished"
     assert "store tunnel" in res.log and "refused a connection" in res.log, "the tunnels logged the refusals"
-    assert_same_training(sockets_baseline, res, nranks=ACTIVE)
+    assert_same_training(inprocess_baseline, res, nranks=ACTIVE)
