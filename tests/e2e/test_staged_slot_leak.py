@@ -15,7 +15,8 @@ from tests.conftest import RunResult, assert_same_training
 from tests.e2e.inprocess_launch import assert_no_orphans, failures, launch_inprocess, launcher_exits
 from tests.e2e.test_inprocess_recovery import ACTIVE, by_process
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.cold]  # a warm fork's own pid names its staged file, not its launcher's child's
 
 
 def test_an_idle_spare_sigkilled_is_reported_leaves_no_staged_slot_and_the_job_goes_on_untouched(
