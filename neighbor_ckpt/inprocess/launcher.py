@@ -761,6 +761,8 @@ class Launcher:
                 if not self._rendezvous.meet(number):
                     if self._signal is not None:
                         return 128 + self._signal
+                    if not self._rendezvous.cut_off and self.plan.host_store == self.stores.epoch and self._host:
+                        self._rendezvous.wait_stopped(number, self.plan.store_timeout_s + HOST_LINGER_S)  # in use
                     return protocol.EXIT_CUT_OFF if self._rendezvous.cut_off else EXIT_LAUNCHER_ERROR
         finally:
             self._lease.guard.close()

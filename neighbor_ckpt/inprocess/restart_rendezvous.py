@@ -28,7 +28,12 @@ this launcher watched. Once every launcher of the launch has joined or is lost:
   goes on without the lost nodes, whose processes are declared dead in the new attempt before it starts (one
   launcher claims each node: ``lost/<node>``), so no barrier waits for them;
 * else: one line naming the lost node(s) and the setting to change, and the launcher exits
-  (:data:`~neighbor_ckpt.inprocess.launcher.EXIT_LAUNCHER_ERROR`), every launcher alike, without the timeout.
+  (:data:`~neighbor_ckpt.inprocess.launcher.EXIT_LAUNCHER_ERROR`), every launcher alike, without the timeout. The
+  first launcher to reach that verdict writes it (``stop``, first write wins) and every other launcher of the
+  rendezvous takes it at its next look, so none of them is still watching when the store goes away; each one that
+  stops says so (``stopped``), and the launcher hosting the store in use keeps it up until every launcher that joined
+  has (:meth:`RestartRendezvous.wait_stopped`, bounded). Without that, a launcher whose own watch had not yet reached
+  the verdict lost the store with the first one's exit, and took itself for cut off (exit 79, where its peers said 1).
 
 The decisions are pure (:class:`LostNodes`, :func:`restart_verdict`, :func:`rendezvous_verdict`);
 :class:`RestartRendezvous` runs them against the store through the launcher's bounded calls.
@@ -49,6 +54,9 @@ from neighbor_ckpt.inprocess.quorum import CUT_OFF, majority
 __all__ = ["LostNodes", "restart_verdict", "rendezvous_verdict", "parse_nodes", "RestartRendezvous", "Verdict"]
 
 logger = logging.getLogger(__name__)
+
+STOP, STOPPED = "stop", "stopped"
+"""The restart's stop verdict (first write wins), and the launchers that took it (``node,`` each)."""
 
 
 def parse_nodes(raw: bytes | str | None) -> list[str]:
@@ -237,14 +245,21 @@ class RestartRendezvous:
         while not self._stopped():
             self._beat(prev)  # the others judge this launcher alive by its beat under the previous attempt
             if not self._pending():
-                joined = len(self._call(number, lambda s: parse_nodes(s.get("joined") if s.check(["joined"])
-                                                                      else None)) or ()) or joined
+                seen = self._call(number, lambda s: (parse_nodes(s.get("joined") if s.check(["joined"]) else None),
+                                                     s.get(STOP).decode(errors="replace") if s.check([STOP]) else None))
+                joined = len(seen[0]) if seen is not None else joined
+                if seen is not None and seen[1] is not None:  # another launcher's verdict: every launcher stops alike
+                    logger.error("restart %d: %s", number, seen[1])
+                    return self._stopped_here(number)
                 if joined >= want:
                     return True
                 verdict = self._look(prev, number, watch)
                 if verdict is not None:
                     (logger.warning if verdict.go_on else logger.error)("restart %d: %s", number, verdict.message)
                     self.cut_off = verdict.cut_off
+                    if not verdict.go_on and not verdict.cut_off:  # a minority's verdict binds nobody else
+                        self._call(number, lambda s: s.compare_set(STOP, "", verdict.message))
+                        return self._stopped_here(number)
                     return verdict.go_on
             if time.monotonic() > deadline or self._store_lost():
                 logger.error("restart %d: only %d of %d launcher(s) joined within %.0f s: not restarting", number,
@@ -252,6 +267,24 @@ class RestartRendezvous:
                 return False
             time.sleep(max(self.poll_s, 0.1))
         return False
+
+    def _stopped_here(self, number: int) -> bool:
+        """This launcher stops at restart ``number`` (the ``stop`` verdict): it says so in ``stopped``."""
+        me = self.node
+        self._call(number, lambda s: s.append(STOPPED, f"{me},"))
+        return False
+
+    def wait_stopped(self, number: int, bound_s: float) -> None:
+        """Until every launcher that joined restart ``number`` said it stops, or ``bound_s``: the launcher hosting the
+        store in use waits for it before it exits (taking the store with it)."""
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline:
+            got = self._call(number, lambda s: [parse_nodes(s.get(k) if s.check([k]) else None)
+                                                for k in ("joined", STOPPED)])
+            if got is not None and set(got[0]) <= set(got[1]):
+                return
+            time.sleep(max(self.poll_s, 0.1))
+        logger.warning("restart %d: not every launcher said it stops within %.0f s: exiting anyway", number, bound_s)
 
     def _look(self, prev: int, number: int, watch: LostNodes) -> Optional[Verdict]:
         """One look at the launchers of the launch that have not joined ``number`` (those of attempt ``prev`` on

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from neighbor_ckpt.inprocess.protocol import key, launch_prefix
 from neighbor_ckpt.inprocess.quorum import CUT_OFF
-from neighbor_ckpt.inprocess.restart_rendezvous import (LostNodes, RestartRendezvous, parse_nodes, rendezvous_verdict,
-                                                         restart_verdict)
+from neighbor_ckpt.inprocess.restart_rendezvous import (STOP, STOPPED, LostNodes, RestartRendezvous, parse_nodes,
+                                                         rendezvous_verdict, restart_verdict)
 from tests.conftest import free_port
 
 
@@ -112,7 +112,8 @@ def tcp() -> Any:
     del master
 
 
-def _rendezvous(port: int, node: str, indices: tuple[int, ...], *, nodes: int) -> RestartRendezvous:
+def _rendezvous(port: int, node: str, indices: tuple[int, ...], *, nodes: int, timeout_s: float = 1.0,
+                spares: int = 2) -> RestartRendezvous:
     client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, use_libuv=True,
                            timeout=timedelta(seconds=10))
     lock = threading.Lock()
@@ -128,8 +129,9 @@ def _rendezvous(port: int, node: str, indices: tuple[int, ...], *, nodes: int) -
         call(attempt, lambda s: s.set(key("lhb", node), str(beats[0])))
 
     return RestartRendezvous(node=node, nodes=nodes, indices=indices, call=call, later=call, pending=lambda: False,
-                             beat=beat, timeout_s=1.0, store_timeout_s=1.0, poll_s=0.05, rendezvous_timeout_s=600,
-                             processes=6, spares=2, elastic=False, stopped=lambda: False, store_lost=lambda: False)
+                             beat=beat, timeout_s=timeout_s, store_timeout_s=1.0, poll_s=0.05,
+                             rendezvous_timeout_s=600, processes=6, spares=spares, elastic=False,
+                             stopped=lambda: False, store_lost=lambda: False)
 
 
 def _meet_all(rendezvous: list[RestartRendezvous], number: int) -> list[bool]:
@@ -178,3 +180,31 @@ def test_a_minority_of_the_launchers_stops_its_restart_as_cut_off_instead_of_wai
         r.announce(0)
     assert _meet_all(rdzv, 1) == [False, False]
     assert all(r.cut_off and not r.lost for r in rdzv)
+
+
+@pytest.mark.timeout(120)
+def test_every_launcher_takes_the_first_stop_verdict_and_the_store_host_waits_until_each_said_it_stops(
+        tcp: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Node 1 (processes 2, 3) lost for good, one spare for two lost ranks, no elastic: the restart stops. Node 0's
+    watch reaches that verdict at once; node 2's would take 600 s (so without the written verdict this test would
+    wait out its 120 s limit): it takes node 0's ``stop`` at its next look, so it is not still watching when node 0,
+    hosting the store, exits with it (CI, stop 50: node 2 then took itself for cut off, exit 79 beside node 0's 1).
+    Neither is cut off; both say they stop, so the store's host waits for nobody; a joined launcher that never says
+    so is waited for only up to the bound."""
+    fast = _rendezvous(tcp, "node0", (0, 1), nodes=3, timeout_s=0.3, spares=1)
+    slow = _rendezvous(tcp, "node2", (4, 5), nodes=3, timeout_s=600, spares=1)
+    fast._call(0, lambda s: (s.append("nodes", "node0,node1,node2,"), s.set(key("lhb", "node1"), "7"),
+                             s.set(key("launcher", "node1"), json.dumps({"pid": 1, "processes": [2, 3]})),
+                             s.append("dead", "2:silent for 2.1 s;3:silent for 2.1 s;")))
+    assert _meet_all([fast, slow], 1) == [False, False]
+    assert not fast.cut_off and not slow.cut_off and not slow.lost
+    store = dist.PrefixStore(launch_prefix("r", 1), dist.TCPStore("127.0.0.1", tcp, is_master=False,
+                                                                  wait_for_workers=False, use_libuv=True,
+                                                                  timeout=timedelta(seconds=10)))
+    assert "node(s) node1 lost for good" in store.get(STOP).decode()
+    assert sorted(parse_nodes(store.get(STOPPED))) == ["node0", "node2"]
+    fast.wait_stopped(1, bound_s=60)  # returns at its first look
+    assert "not every launcher said it stops" not in caplog.text
+    store.append("joined", "node3,")
+    fast.wait_stopped(1, bound_s=0.3)
+    assert "restart 1: not every launcher said it stops within 0 s: exiting anyway" in caplog.text
