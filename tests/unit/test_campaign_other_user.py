@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.campaign_runs import same_training_runs
 from tools.campaign.cases import KINDS, SPARES, WORLD, Case, Outcome, draw_cases
 from tools.campaign.judge import FOREIGN
 from tools.campaign.other_user import (PROBE, refusal, stores_behind_gates, store_addresses, summarize)
@@ -92,13 +93,7 @@ def test_every_attempt_is_counted_and_only_a_closed_never_completed_or_challenge
 def _run(tmp_path: Path, *, lines: list[str] = REFUSED, alive: bool = True, **extra: object) -> tuple[Case, Path, Path]:
     """A finished other-user case whose training equals its failure-free run's, with the probe's summary."""
     case = Case(index=0, kind=KIND, rank=1, step=3, dist_opt=True, phase="optimizer")
-    runs = []
-    for name in ("base", "run"):
-        out = tmp_path / name
-        out.mkdir(parents=True)
-        (out / "losses.rank0.jsonl").write_text(json.dumps({"step": 0, "loss": (2.5).hex(), "attempt": 0}) + "\n")
-        (out / "final.rank0.json").write_text(json.dumps({"params": "x"}))
-        runs.append(out)
+    runs = same_training_runs(tmp_path)
     (runs[1] / "fault.json").write_text(json.dumps({"rank": case.rank, "step": case.step, "unix": 1_700_000_000.0}))
     summary = summarize(lines, uid=1001)
     summary.update(alive_at_end=alive, exit=0, gates=[["127.0.0.1", 4001]], stderr="", **extra)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.campaign_runs import same_training_runs
 from tools.campaign.cases import CUTTING_RANK, KINDS, PARTITIONS, WORLD, Case, Outcome, draw_cases
 from tools.campaign.judge import CUT_OFF, partition
 from tools.campaign.runner import inprocess_job, write_config
@@ -82,13 +83,7 @@ def test_a_partition_case_runs_each_launcher_in_its_nodes_namespace_with_the_sto
 def _run(tmp_path: Path, kind: str) -> tuple[Case, Path, Path]:
     """A finished partition case whose training equals its failure-free run, with the cutting rank's fault record."""
     case = next(c for c in draw_cases(len(KINDS), 2027, steps=6) if c.kind == kind)
-    runs = []
-    for name in ("base", "run"):
-        out = tmp_path / name
-        out.mkdir(parents=True)
-        (out / "losses.rank0.jsonl").write_text(json.dumps({"step": 0, "loss": (2.5).hex(), "attempt": 0}) + "\n")
-        (out / "final.rank0.json").write_text(json.dumps({"params": "x"}))
-        runs.append(out)
+    runs = same_training_runs(tmp_path)
     fault = {"rank": CUTTING_RANK, "step": case.step, "phase": "optimizer", "unix": 1_700_000_000.0,
              "target": "partition"}
     (runs[1] / "fault.json").write_text(json.dumps(fault))
@@ -130,7 +125,7 @@ def test_a_partition_is_exact_when_the_minority_said_it_is_cut_off_and_a_spare_t
 
 @pytest.mark.parametrize("kind, log, why", [
     ("inproc-partition-primary", PRIMARY_LOG.replace("node(s) [0] cut off", "node(s) [0] not cut"), "not made"),
-    ("inproc-partition-primary", PRIMARY_LOG.replace(CUT_OFF, "still here"), f"process 0 (cut off) never said"),
+    ("inproc-partition-primary", PRIMARY_LOG.replace(CUT_OFF, "still here"), "process 0 (cut off) never said"),
     ("inproc-partition-minority-with-spare", MINORITY_LOG.replace(f"process 4: {CUT_OFF}", "process 4: idle"),
      "process 4 (cut off) never said"),
     ("inproc-partition-minority-with-spare",
