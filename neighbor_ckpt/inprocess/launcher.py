@@ -24,9 +24,8 @@ suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``W
 * anything else (a signal, an error, :data:`~protocol.EXIT_HYGIENE`, :data:`~protocol.EXIT_ABORT_HUNG`): the
   launcher declares the process dead: it appends ``"<p>:exited: <how>;"`` to ``dead`` and records the current
   generation's failure (``gen/<g>/failed``, kind ``exited``, first ``compare_set`` wins), the push every survivor
-  waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*: a new process index (claimed:
-  :func:`~neighbor_ckpt.inprocess.launch_counts.claim_index`), the same local rank, :data:`~protocol.ENV_REPLACES`
-  set; it joins as a spare.
+  waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*, which joins as a spare: a new
+  process index (:func:`~neighbor_ckpt.inprocess.launch_counts.claim_index`), the same local rank, ``ENV_REPLACES``.
 
 It also reads ``dead`` every tick and SIGKILLs any process of its own listed there (a detector found it silent or
 hung; SIGKILL ends a SIGSTOPped process too), and the process whose pid the engine wrote under ``proc/<p>`` when that
@@ -52,7 +51,8 @@ own ports (a cluster).
 **Completion**: once ``complete`` is set the launcher writes the completion marker (``--complete-file``,
 :mod:`~neighbor_ckpt.inprocess.completion`), starts no replacement, and stops a process of its node that was in no
 generation then (a replacement still starting) after ``--detector-timeout`` seconds, unless it exits on its own (a
-process that starts after completion finds the marker and exits 0 without a store).
+process that starts after completion finds the marker and exits 0 without a store). Once its processes exited it
+says it leaves (``left``); the launcher hosting the store in use waits for every other one to (:data:`HOST_LINGER_S`).
 
 **Exit status**: 0 once ``complete`` is set and its processes have exited (they get ``--complete-grace`` seconds,
 then are stopped); :data:`~protocol.EXIT_FALLBACK` when in-process recovery gave up and the restarts are used up;
@@ -120,8 +120,7 @@ EXIT_LAUNCHER_ERROR = 1
 left too few processes for the job's ranks."""
 
 HOST_LINGER_S = 2.0
-"""How long a launcher whose store host serves the job's current store waits, once the job completed, before it
-stops it: the other launchers and the idle spares read ``complete`` there."""
+"""At most how long the host of the store in use waits, once the job completed, for the others to leave (``left``)."""
 
 
 # --- the loop --------------------------------------------------------------------------------------------------
@@ -734,9 +733,10 @@ class Launcher:
                 outcome = self._run_attempt(number)
                 att = self._att
                 assert att is not None
-                if outcome is _Outcome.COMPLETE:
-                    if self.plan.host_store == self.stores.epoch and self._host is not None:
-                        time.sleep(HOST_LINGER_S)  # the store in use: the others may not have read `complete` yet
+                if outcome is _Outcome.COMPLETE:  # the host of the store in use waits for the others to leave
+                    hosting = self.plan.host_store == self.stores.epoch and self._host is not None
+                    self._rendezvous.leave(number, hosting=hosting, reachable=self._down_since is None,
+                                           bound_s=HOST_LINGER_S)
                     logger.info("the job completed: exiting 0")
                     return 0
                 if outcome is _Outcome.SIGNALED:

@@ -51,7 +51,8 @@ from neighbor_ckpt.inprocess.generation import GenerationStore, parse_dead
 from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.quorum import CUT_OFF, majority
 
-__all__ = ["LostNodes", "restart_verdict", "rendezvous_verdict", "parse_nodes", "RestartRendezvous", "Verdict"]
+__all__ = ["LostNodes", "restart_verdict", "rendezvous_verdict", "parse_nodes", "RestartRendezvous", "Verdict",
+           "wait_said"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,22 @@ def rendezvous_verdict(*, launchers: int, lost_before: Mapping[str, Sequence[int
     return restart_verdict(lost={**lost_before, **now}, processes=processes, spares=spares, elastic=elastic), now
 
 
+def wait_said(call: Callable[[int, Callable[[Any], Any]], Any], attempt: int, *, listed: str, said: str,
+              bound_s: float, poll_s: float, but: Sequence[str] = ()) -> bool:
+    """Wait until every node of the node list ``listed`` (less ``but``) is in the node list ``said`` too, both under
+    ``attempt``'s prefix (``call``: the launcher's bounded call), or ``bound_s`` passed: True when they all are. What
+    the launcher hosting the store in use waits for before it exits, taking the store with it (the others' ``left``
+    once the job completed, their ``stopped`` when a restart stops)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        got = call(attempt, lambda s: [parse_nodes(s.get(k) if s.check([k]) else None) for k in (listed, said)])
+        if got is not None and set(got[0]) - set(but) <= set(got[1]):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(max(poll_s, 0.05))
+
+
 class RestartRendezvous:
     """One launcher's side of the restart rendezvous (see the module docstring).
 
@@ -277,14 +294,19 @@ class RestartRendezvous:
     def wait_stopped(self, number: int, bound_s: float) -> None:
         """Until every launcher that joined restart ``number`` said it stops, or ``bound_s``: the launcher hosting the
         store in use waits for it before it exits (taking the store with it)."""
-        deadline = time.monotonic() + bound_s
-        while time.monotonic() < deadline:
-            got = self._call(number, lambda s: [parse_nodes(s.get(k) if s.check([k]) else None)
-                                                for k in ("joined", STOPPED)])
-            if got is not None and set(got[0]) <= set(got[1]):
-                return
-            time.sleep(max(self.poll_s, 0.1))
-        logger.warning("restart %d: not every launcher said it stops within %.0f s: exiting anyway", number, bound_s)
+        if not wait_said(self._call, number, listed="joined", said=STOPPED, bound_s=bound_s, poll_s=self.poll_s):
+            logger.warning("restart %d: not every launcher said it stops within %.0f s: exiting anyway", number,
+                           bound_s)
+
+    def leave(self, attempt: int, *, hosting: bool, reachable: bool, bound_s: float) -> None:
+        """The job completed and every process of this node exited. ``hosting`` the store in use: wait until every
+        other launcher of ``attempt`` left, at most ``bound_s`` (they and their idle spares read ``complete`` there;
+        a lost node never leaves). Else say this launcher leaves (``left``) if the store is ``reachable``."""
+        me = self.node
+        if hosting:
+            wait_said(self._call, attempt, listed="nodes", said="left", but=(me,), bound_s=bound_s, poll_s=self.poll_s)
+        elif reachable:
+            self._call(attempt, lambda s: s.append("left", f"{me},"))
 
     def _look(self, prev: int, number: int, watch: LostNodes) -> Optional[Verdict]:
         """One look at the launchers of the launch that have not joined ``number`` (those of attempt ``prev`` on

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from neighbor_ckpt.inprocess.protocol import key, launch_prefix
 from neighbor_ckpt.inprocess.quorum import CUT_OFF
 from neighbor_ckpt.inprocess.restart_rendezvous import (STOP, STOPPED, LostNodes, RestartRendezvous, parse_nodes,
-                                                         rendezvous_verdict, restart_verdict)
+                                                         rendezvous_verdict, restart_verdict, wait_said)
 from tests.conftest import free_port
 
 
@@ -208,3 +208,27 @@ def test_every_launcher_takes_the_first_stop_verdict_and_the_store_host_waits_un
     store.append("joined", "node3,")
     fast.wait_stopped(1, bound_s=0.3)
     assert "restart 1: not every launcher said it stops within 0 s: exiting anyway" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_once_complete_the_store_host_waits_until_every_other_launcher_left_and_no_longer_than_its_bound(
+        tcp: int) -> None:
+    """The host of the store in use waits for every other launcher of the attempt to say it leaves (each does once
+    its processes exited: they and its idle spares read ``complete`` there); without them it would have to wait
+    a fixed time. A node that never leaves (lost) is waited for only up to the bound."""
+    host = _rendezvous(tcp, "node0", (0,), nodes=3)
+    others = [_rendezvous(tcp, n, (i,), nodes=3) for n, i in (("node1", 1), ("node2", 2))]
+    for r in (host, *others):
+        r.announce(0)
+    waited = threading.Thread(target=host.leave, args=(0,), kwargs=dict(hosting=True, reachable=True, bound_s=600))
+    waited.start()
+    for r in others:
+        r.leave(0, hosting=False, reachable=True, bound_s=600)
+    waited.join(timeout=60)
+    assert not waited.is_alive(), "the host still waits though every other launcher left"
+    others[0].leave(1, hosting=False, reachable=True, bound_s=600)  # attempt 1: node2 never leaves
+    for r in (host, *others):
+        r.announce(1)
+    assert not wait_said(host._call, 1, listed="nodes", said="left", but=("node0",), bound_s=0.3, poll_s=0.05)
+    others[1].leave(1, hosting=False, reachable=False, bound_s=600)  # its store unreachable: it writes nothing
+    assert not wait_said(host._call, 1, listed="nodes", said="left", but=("node0",), bound_s=0.3, poll_s=0.05)
