@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.conftest import RunResult
+from tests.conftest import RunResult, warm_workers
 from tests.e2e.inprocess_launch import assert_no_orphans, failures, launch_inprocess
 from tests.e2e.slurm_cluster import SlurmCluster, install
 
@@ -17,7 +17,8 @@ from tests.e2e.slurm_cluster import SlurmCluster, install
 def inprocess_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The test worker (tests/workers/train_mcore_inprocess.py) in process, 4 ranks + 1 hot spare, 10 steps, no
     fault: what test_inprocess_recovery.py, test_store_failover.py and test_staged_slot_leak.py compare with."""
-    res = launch_inprocess(tmp_path_factory.mktemp("inproc-base"), STEPS=10, FAULT="none")
+    with warm_workers():
+        res = launch_inprocess(tmp_path_factory.mktemp("inproc-base"), STEPS=10, FAULT="none")
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
     assert failures(res) == [], f"a failure-free run detected a failure: {failures(res)}"

@@ -24,7 +24,7 @@ import json
 
 import pytest
 
-from tests.conftest import Baselines, RunResult, assert_same_training
+from tests.conftest import Baselines, RunResult, assert_same_training, warm_workers
 from tests.e2e.inprocess_launch import (assert_no_orphans, attempts, failures, launch_config, launch_inprocess,
                                         launcher_exits, timeline)
 from tests.e2e.test_elastic import ELASTIC_ENV, _global_losses
@@ -63,8 +63,9 @@ def assert_survivors_kept(res: RunResult, survivors: tuple[int, ...]) -> None:
 
 @pytest.fixture(scope="module")
 def nodes_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    res = launch_inprocess(tmp_path_factory.mktemp("nodes-base"), active=ACTIVE, spares=2, devices=DEVICES,
-                           STEPS=10, FAULT="none")
+    with warm_workers():
+        res = launch_inprocess(tmp_path_factory.mktemp("nodes-base"), active=ACTIVE, spares=2, devices=DEVICES,
+                               STEPS=10, FAULT="none")
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
     assert failures(res) == [], failures(res)
@@ -128,8 +129,9 @@ def test_a_node_that_hangs_whole_is_one_failure_and_the_spare_node_takes_both_ra
 
 @pytest.fixture(scope="module")
 def nodes_elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    res = launch_inprocess(tmp_path_factory.mktemp("nodes-elastic-base"), active=ACTIVE, spares=0, devices=DEVICES,
-                           FAULT="none", **ELASTIC_ENV)
+    with warm_workers():
+        res = launch_inprocess(tmp_path_factory.mktemp("nodes-elastic-base"), active=ACTIVE, spares=0,
+                               devices=DEVICES, FAULT="none", **ELASTIC_ENV)
     assert res.returncode == 0, res.log[-8000:]
     assert_no_orphans(res)
     return res

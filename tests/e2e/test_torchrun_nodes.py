@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from neighbor_ckpt.recipes import RECIPES_DIR
-from tests.conftest import RunResult, job_env, run_logged
+from tests.conftest import RunResult, job_env, run_logged, warm_workers
 
 pytestmark = pytest.mark.e2e
 
@@ -93,7 +93,8 @@ def _samples(res: RunResult, step: int, attempt: int) -> dict[int, list[int]]:
 
 @pytest.fixture(scope="module")
 def nodes_baseline(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    res = launch_nodes(tmp_path_factory.mktemp("torchrun-nodes-base"), elastic=True, fault=False)
+    with warm_workers():
+        res = launch_nodes(tmp_path_factory.mktemp("torchrun-nodes-base"), elastic=True, fault=False)
     assert res.returncode == 0, res.log[-8000:]
     assert "lost for good" not in res.log
     return res

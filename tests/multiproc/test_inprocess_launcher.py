@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -343,62 +342,8 @@ def test_once_complete_a_process_that_never_joined_is_stopped_and_no_replacement
     assert "still run after" not in log, "no wait of --complete-grace"
 
 
-def test_a_launcher_whose_store_host_cannot_listen_declares_its_processes_dead_at_once(launch) -> None:
-    """node1 hosts the standby store on a port another process holds for the whole launch: its store host cannot
-    listen; node1 says so in one line naming the port, declares its process dead (never started: the generation's
-    failure, the spare's cue) and counts it as exited, and stays in the launch, which completes without it."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        held = holder.getsockname()[1]
-        run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2, standby=held,
-                     node_extra={"node1": ("--host-store", "1", "--store-listen", "127.0.0.1")})
-        run.env(0)
-        dead = _wait("node1's process declared dead", lambda: run.get("dead"))
-        assert dead.startswith(f"1:exited: never started: node node1 cannot host store 1: port {held}: the store "
-                               "host exited with status 1 (cannot listen on"), dead
-        failed = json.loads(_wait("gen/0/failed", lambda: run.get("gen/0/failed")))
-        assert (failed["by"], failed["kind"], failed["ranks"]) == ("launcher:node1", "exited", [1])
-        _wait("its process counted as exited", lambda: run.ids("exited") == {1})
-        assert not (run.tmp / "env.1.0.json").exists(), "the process of a node that cannot start never starts"
-        assert run.launchers["node1"].poll() is None, "the launcher stays in the launch (restarts, completion)"
-        run.complete()
-        assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
-    log = (run.tmp / "launcher.node1.log").read_text()
-    line = f"node node1 cannot host store 1: port {held}"
-    assert line in log and "Address already in use" in log, log
-
-
-def test_a_launcher_that_reaches_no_store_says_so_and_the_others_declare_its_processes_dead(launch) -> None:
-    """node1's store list points to a port nobody listens on (bound by the test, never listening: refused, and no
-    other process can take it): node1's launcher tries it until the store timeout plus ``detector.timeout_s`` have
-    passed, says so in one line naming the store and why, starts nothing and exits ``EXIT_NO_STORE``. Once a
-    process of the launch is ready (the test writes ``ready`` for the toy) and that bound has passed again, the
-    others' roll call declares process 1 dead (never started: the spare's cue in generation 0's barrier) and lists
-    it in ``exited``; the launch completes without it."""
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-        run = launch({"node0": (0, 1), "node1": (1, 1), "node2": (2, 1)}, processes=3, spares=1,
-                     node_extra={"node1": ("--store", f"127.0.0.1:{port}")})
-        assert run.wait("node1") == protocol.EXIT_NO_STORE, run.logs()
-        log = (run.tmp / "launcher.node1.log").read_text()
-        assert re.search(rf"node node1 reached no store of the launch within \d+ s \(store 0 \(127\.0\.0\.1:{port}\): "
-                         r"Connection refused\): nothing started; the other launchers declare its process\(es\) "
-                         r"\[1\] dead", log), log
-        run.env(0)
-        run.store().append("ready", "0,")  # what process 0's engine writes once its imports are done
-        dead = _wait("process 1 declared dead by the roll call", lambda: run.get("dead"))
-        assert re.match(r"1:exited: never started: 1 of the 3 launchers never reached a store \(2 came: "
-                        r"node[02], node[02], \d+ s after the first process was ready\);", dead), dead
-        failed = json.loads(_wait("gen/0/failed", lambda: run.get("gen/0/failed")))
-        assert failed["kind"] == "exited" and failed["ranks"] == [1], failed
-        _wait("process 1 listed in exited", lambda: run.ids("exited") == {1})
-        assert not (run.tmp / "env.1.0.json").exists()
-        run.complete()
-        assert [run.wait(n) for n in ("node0", "node2")] == [0, 0], run.logs()
-        for wait in ("did not form within", "launcher(s) joined within", "has not answered for"):
-            assert wait not in run.logs()
+# A store host that cannot listen, and a launcher that reaches no store: test_launch_ports.py (end to end, the spare
+# taking the rank from the start, bit for bit).
 
 
 def test_a_launcher_cut_off_while_the_store_moved_is_not_waited_for_by_the_restart(launch, tmp_path: Path) -> None:
