@@ -32,7 +32,7 @@ def _check_run(res: RunResult, nproc: int = NPROC, steps: int = STEPS) -> None:
 
 
 @pytest.mark.cold
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ["tp2-dp2"])  # dp2's first run: the other-seed test's reference, below
 def test_bridge_pretrain_is_bit_identical_across_runs(layout: str, baseline: Baselines, tmp_path: Path) -> None:
     """Two runs with one seed: every loss (==, as float.hex), every final parameter and every optimizer shard
     tensor (sha256) equal. The first run's workers fork from the warm zygote, the second's start cold (as a user's
@@ -47,8 +47,10 @@ def test_bridge_pretrain_is_bit_identical_across_runs(layout: str, baseline: Bas
 
 
 def test_bridge_pretrain_with_another_seed_differs(baseline: Baselines, tmp_path: Path) -> None:
-    """The comparison above can fail: another seed (data and initialization) gives other losses and weights."""
+    """The comparison above can fail: another seed (data and initialization) gives other losses and weights. At DP 2
+    (TP 1), whose run is checked as the TP 2 runs are."""
     first = baseline("train_bridge.py", nproc=NPROC, warm=True, STEPS=STEPS, TP=1)
+    _check_run(first)
     other = run_torchrun("train_bridge.py", tmp_path, nproc=NPROC, STEPS=STEPS, TP=1, SEED=4321)
     _check_run(other)
     assert first.losses()[0][0] != other.losses()[0][0]
