@@ -10,7 +10,8 @@ def test_hotpath_times_both_states_as_informational_rows_and_removes_its_stores(
     assert list(res) == list(STATES)
     assert res["tiny GPT (159 tensors)"]["tensors"] == 159 and res["1,000 tensors of 1 KiB"]["tensors"] == 1000
     for r in res.values():
-        assert r["snapshot_ms"] > 0 and r["engine_ms"] >= r["copy_ms"] > 0 and r["overhead_ms"] >= 0
+        # no order between the timings: two steps on a loaded machine (the engine once measured under the copy)
+        assert r["snapshot_ms"] > 0 and r["engine_ms"] > 0 and r["copy_ms"] > 0 and r["overhead_ms"] >= 0
     assert len(rows) == 2 * len(STATES) and {r.unit for r in rows} == {"us"}
     assert all(r.status == "INFO" for r in rows)
     assert not list(tmp_path.rglob("*.slot")), "the benchmark's stores are removed"
