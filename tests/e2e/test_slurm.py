@@ -132,6 +132,8 @@ store = dist.PrefixStore(protocol.launch_prefix(os.environ[protocol.ENV_RUN_ID],
                          dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, use_libuv=True))
 while rank == 0 and not store.check(["gen/0/failed"]):
     time.sleep(0.05)
+while rank == 0 and not all((out / f"refused.{r}.json").exists() for r in (2, 3, 4)):
+    time.sleep(0.05)  # the others' refusals first: once complete, a process still trying is stopped
 if rank == 0:
     (out / "seen.json").write_text(json.dumps({"dead": store.get("dead").decode(),
                                                "failed": json.loads(store.get("gen/0/failed"))}))
