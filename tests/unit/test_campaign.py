@@ -11,7 +11,7 @@ import pytest
 
 from tools.campaign.cases import KINDS, SPARES, WORLD, Case, Outcome, dp_ring, draw_cases
 from tools.campaign.judge import compare, compare_fallback, insurance_iteration
-from tools.campaign.report import load_outcomes, recovery_mode, results_document, summarize, summary
+from tools.campaign.report import detection, load_outcomes, recovery_mode, results_document, summarize, summary
 from tools.campaign.runner import RECIPE, inprocess_job, resume_point, write_config
 from neighbor_ckpt.snapshot.topology import build_topology
 
@@ -165,6 +165,20 @@ def test_table_counts_outcomes_per_kind_and_reports_detection_times() -> None:
     assert rows["hang"] == ["2", "2", "0", "0", "0", "0", "0", "3.20 / 3.30", "-", "20.00 / 20.00", "-"]
     assert rows["kill-forward"][:7] == ["1", "0", "0", "0", "0", "0", "1"]
     assert rows["all"][:7] == ["3", "2", "0", "0", "0", "0", "1"]
+
+
+def test_a_kill_is_detected_in_its_first_recovery_s_detect_phase_where_the_outcome_has_none_of_its_own() -> None:
+    kill = Case(index=0, kind="inproc-kill", rank=1, step=3, dist_opt=True)
+    node = Case(index=1, kind="inproc-node-lost", rank=1, step=3, dist_opt=True)
+    first, second = {"attempt": "0.1", "mttr_s": 0.5, "detection_s": 0.0}, {"attempt": "0.2", "detection_s": 9.0}
+    outcomes = [Outcome(kill, "exact", mttr_s=0.5, recoveries=(first, second)),
+                Outcome(kill, "exact", mttr_s=0.4, recoveries=({"attempt": "0.1", "detection_s": 0.2},)),
+                Outcome(node, "exact", detection_s=0.55, mttr_s=3.5, recoveries=(dict(first, detection_s=0.1),)),
+                Outcome(kill, "stopped")]
+    assert [detection(o) for o in outcomes] == [0.0, 0.2, 0.55, None]
+    rows = {row["kind"]: row for row in summary(outcomes)}
+    assert rows["inproc-kill"]["detection_s"] == {"n": 2, "median": 0.1, "max": 0.2}
+    assert rows["inproc-node-lost"]["detection_s"] == {"n": 1, "median": 0.55, "max": 0.55}
 
 
 def test_each_recovery_is_timed_under_its_mode_in_process_restart_or_insurance_with_median_and_max() -> None:

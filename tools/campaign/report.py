@@ -1,4 +1,4 @@
-"""What a campaign reports: per kind, its outcomes, the detection times of hangs and the MTTR of each recovery mode (a
+"""What a campaign reports: per kind, its outcomes, the detection times and the MTTR of each recovery mode (a
 markdown table), and the whole campaign as one JSON document (settings, commit, machine, verdict, every outcome)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 from .cases import KINDS, Case, Outcome
 
-__all__ = ["MODES", "RESULTS", "load_outcomes", "mttrs", "recovery_mode", "results_document", "summarize", "summary"]
+__all__ = ["MODES", "RESULTS", "detection", "load_outcomes", "mttrs", "recovery_mode", "results_document", "summarize",
+           "summary"]
 
 RESULTS = ("exact", "resized", "fallback", "stopped", "FAILED")
 """The outcomes a case can have, in table order (:class:`~tools.campaign.cases.Outcome`)."""
@@ -40,6 +41,15 @@ def mttrs(outcome: Outcome) -> list[float]:
     return every or ([outcome.mttr_s] if outcome.mttr_s is not None else [])
 
 
+def detection(outcome: Outcome) -> float | None:
+    """How long ``outcome``'s fault took to be detected: its own :attr:`Outcome.detection_s` (a hang, a whole node, a
+    partition: from the fault the campaign injected), else its first recovery's ``detect`` phase (a kill: from the
+    exit as its launcher saw it, which is the fault); None when neither is known."""
+    if outcome.detection_s is not None:
+        return outcome.detection_s
+    return next((float(r["detection_s"]) for r in outcome.recoveries if r.get("detection_s") is not None), None)
+
+
 def _spread(values: Sequence[float]) -> dict[str, float | int] | None:
     return {"n": len(values), "median": statistics.median(values), "max": max(values)} if values else None
 
@@ -47,16 +57,16 @@ def _spread(values: Sequence[float]) -> dict[str, float | int] | None:
 def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     """One row per kind drawn (in :data:`~tools.campaign.cases.KINDS` order) and a last one for ``all``: the number of
     cases, the count of each of :data:`RESULTS`, ``unexpected`` (fallbacks where an in-memory version should have
-    existed: not a failure, nothing wrong was loaded, but a rollback further than needed), the detection times of
-    hangs and, per :data:`MODES` entry, the MTTRs of every recovery of its cases (a two-fault case counts twice; each
-    ``{"n", "median", "max"}`` in seconds, or None)."""
+    existed: not a failure, nothing wrong was loaded, but a rollback further than needed), the detection times
+    (:func:`detection`) and, per :data:`MODES` entry, the MTTRs of every recovery of its cases (a two-fault case
+    counts twice; each ``{"n", "median", "max"}`` in seconds, or None)."""
     rows = []
     for kind in [k for k in KINDS if any(o.case.kind == k for o in outcomes)] + ["all"]:
         mine = [o for o in outcomes if kind in ("all", o.case.kind)]
         row: dict[str, Any] = {"kind": kind, "cases": len(mine)}
         row.update({r: sum(o.result == r for o in mine) for r in RESULTS})
         row["unexpected"] = sum(o.result == "fallback" and not o.case.may_fall_back for o in mine)
-        row["detection_s"] = _spread([o.detection_s for o in mine if o.detection_s is not None])
+        row["detection_s"] = _spread([d for o in mine if (d := detection(o)) is not None])
         row["mttr_s"] = {mode: _spread([m for o in mine if recovery_mode(o) == mode for m in mttrs(o)])
                          for mode in MODES}
         rows.append(row)
