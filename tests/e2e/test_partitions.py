@@ -74,7 +74,8 @@ def written_after(directory: Path, unix: float, pattern: str = "*") -> list[str]
 
 
 def assert_cut_off(res: RunResult, tmp: Path, processes: tuple[int, ...], nodes: tuple[str, ...]) -> None:
-    """``processes`` (on ``nodes``) said they are cut off from the majority and exited with the cut-off status, the
+    """``processes`` (on ``nodes``, in order) said they are cut off from the majority and exited with the cut-off
+    status (or their launcher said it first and stopped them: the launcher's lease backs its processes' up), the
     nodes' launchers too; none of them formed a generation or wrote a snapshot after the cut (no slot of their nodes'
     host stores written since; the reports and timelines are the majority's: :func:`assert_one_recovery_on`; no
     insurance in these jobs). What a process notes before its lease ends (its failure event, ``events.json``) is not
@@ -82,9 +83,10 @@ def assert_cut_off(res: RunResult, tmp: Path, processes: tuple[int, ...], nodes:
     said = {int(m.group(1)) for m in re.finditer(rf"{CUT_OFF} .*exiting with status (\d+)", res.log)}
     assert len(said) == 1 and 0 not in said, said  # the cut-off status (protocol.EXIT_CUT_OFF), one for all
     (EXIT_CUT_OFF,) = said
-    for p in processes:
+    for p, node in zip(processes, nodes, strict=True):
         mine = lines_of(res, p)
-        assert any(CUT_OFF in line and f"status {EXIT_CUT_OFF}" in line for line in mine), res.log[-10000:]
+        assert any(CUT_OFF in line and f"status {EXIT_CUT_OFF}" in line for line in mine) \
+            or f"launcher {node}: {CUT_OFF}" in res.log, res.log[-10000:]
         assert not [line for line in mine if re.search(r": generation [1-9]\d*: ", line)], mine
     exits = launcher_exits(res)
     assert {n: exits[n] for n in nodes} == {n: EXIT_CUT_OFF for n in nodes}, exits

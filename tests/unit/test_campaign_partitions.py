@@ -144,6 +144,25 @@ def test_a_partition_fails_when_the_minority_goes_on_never_says_so_or_the_majori
     assert o.result == "FAILED" and why in o.detail, o
 
 
+def test_a_cut_off_process_its_launcher_stopped_first_counts_as_said_and_is_still_judged_on_what_it_did(
+        tmp_path: Path) -> None:
+    """The launcher's lease is the backstop of its processes' (a process may be late to look on a loaded machine):
+    a process its launcher stopped with the cut-off line did say it, through its launcher; it must still have formed
+    no generation."""
+    case, base, run = _run(tmp_path, "inproc-partition-minority-with-spare")
+    launcher = ("2026-11-28 15:32:13,047 neighbor_ckpt launcher node4 (pid 19684): launcher node4: "
+                f"{CUT_OFF} (no majority of the last generation seen for 2.3 s (the lease: 2.25 s) while the store "
+                "answers): stopping without writing anything more; exiting with status 79\n")
+    quiet = MINORITY_LOG.replace(f"process 4: {CUT_OFF}", "process 4: idle")
+    o = _judge(case, base, run, quiet + launcher)
+    assert (o.result, o.detail) == ("exact", ""), o
+    other = launcher.replace("launcher node4: ", "launcher node3: ")
+    o = _judge(case, base, run, quiet + other)
+    assert o.result == "FAILED" and "process 4 (cut off) never said it is" in o.detail and "node4" in o.detail, o
+    o = _judge(case, base, run, quiet + launcher + "[node4] x INFO process 4: generation 1: 2 member(s) [0, 4]\n")
+    assert o.result == "FAILED" and "formed a generation" in o.detail, o
+
+
 def test_a_minority_node_that_wrote_a_snapshot_slot_after_the_cut_fails(tmp_path: Path) -> None:
     import os
 

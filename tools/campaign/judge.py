@@ -246,7 +246,8 @@ def partition(log: str, *, nodes: list[int], traffic: str, heal_after_s: float |
               rank: int, store: Path | None = None, cut_unix: float | None = None) -> str:
     """'' when a partition of ``nodes`` (one process per node: process ``i`` on node ``i``; ``processes`` in all) went
     as it must: the cut was made (``traffic``); with ``all`` traffic each process cut off said it is cut off from the
-    majority and formed no generation after generation 0, and no slot of its node's host store (``store/node<i>``)
+    majority (or its launcher did first, which then stops it: each has its lease, :mod:`neighbor_ckpt.inprocess.quorum`)
+    and formed no generation after generation 0, and no slot of its node's host store (``store/node<i>``)
     was written after the cut (``cut_unix``); with ``ranks`` traffic the majority found the node unreachable over
     the ranks' network; with ``heal_after_s`` the cut healed and no process of the majority was declared dead by the
     others; and spare process ``spare`` took rank ``rank``'s place in generation 1 (one recovery). Otherwise what
@@ -261,8 +262,8 @@ def partition(log: str, *, nodes: list[int], traffic: str, heal_after_s: float |
     else:
         for p in nodes:
             mine = _lines_of(log, p)
-            if not any(CUT_OFF in line for line in mine):
-                return f"process {p} (cut off) never said it is {CUT_OFF}"
+            if not any(CUT_OFF in line for line in mine) and f"launcher node{p}: {CUT_OFF}" not in log:
+                return f"process {p} (cut off) never said it is {CUT_OFF}, nor did its launcher (node{p})"
             formed = [line for line in mine if re.search(r": generation [1-9]\d*: ", line)]
             if formed:
                 return f"process {p} of the minority formed a generation: {formed[0].strip()[:200]}"
