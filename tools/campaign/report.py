@@ -92,11 +92,13 @@ def summarize(outcomes: Sequence[Outcome]) -> str:
 
 
 def results_document(settings: dict[str, Any], outcomes: Sequence[Outcome], *,
-                     machine: dict[str, Any] | None = None) -> dict[str, Any]:
+                     machine: dict[str, Any] | None = None,
+                     rejudged: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The campaign as one JSON-able document: its ``settings`` (seed, options, the commit as ``source``), the
     machine, a verdict (faults run, whether that is every case drawn, kinds drawn and not drawn, the numbers of the
-    FAILED cases; ``passed``: complete and none FAILED), the :func:`summary` rows and every
-    outcome."""
+    FAILED cases; ``passed``: complete and none FAILED), the :func:`summary` rows, every outcome and, when recorded
+    runs were judged again (:mod:`tools.campaign.rejudge`), each of those with the judge's commit and both
+    outcomes."""
     failed = [o.case.index + 1 for o in outcomes if o.result == "FAILED"]
     drawn = sorted({o.case.kind for o in outcomes}, key=KINDS.index)
     planned = len(settings["only"]) if settings.get("only") else settings.get("faults")
@@ -108,6 +110,7 @@ def results_document(settings: dict[str, Any], outcomes: Sequence[Outcome], *,
                     "failed_cases": failed, "passed": len(outcomes) == planned and not failed},
         "summary": summary(outcomes),
         "outcomes": [asdict(o) for o in outcomes],
+        **({"rejudged": list(rejudged)} if rejudged else {}),
     }
 
 

@@ -199,14 +199,30 @@ def _recoveries(out: Path, log: str, hang_detection: float | None) -> list[dict[
             for i, m in enumerate(_MTTR_RE.finditer(log))]
 
 
+def case_dir(work: Path, case: Case) -> Path:
+    """Where ``case`` of the campaign in ``work`` runs (its output and log)."""
+    return work / f"case{case.index:04d}-{case.kind}-r{case.rank}-s{case.step}"
+
+
+def inprocess_store(work: Path, case: Case) -> Path:
+    """The host stores of in-process ``case`` (one root per simulated node under it)."""
+    return work / "store" / f"inproc-{case.index}"
+
+
+def baseline_dir(work: Path, flavour: tuple[bool, int, bool]) -> Path:
+    """The failure-free run of the cases of ``flavour`` (:attr:`Case.flavour`)."""
+    dist_opt, tp, fixed = flavour
+    return work / f"baseline-{'distopt' if dist_opt else 'replicated'}-tp{tp}{'-nodropout' if fixed else ''}"
+
+
 def run_case(case: Case, *, base: Path, work: Path, steps: int, config: Path, timeout: float = 420,
              insurance_every: int = 0) -> Outcome:
-    out = work / f"case{case.index:04d}-{case.kind}-r{case.rank}-s{case.step}"
+    out = case_dir(work, case)
     job_id = f"campaign-{case.index}"
     # What an interrupted earlier run of this case left (a resumed campaign) must not be found by this one.
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(rank_dir(work / "store", job_id, 0).parent, ignore_errors=True)
-    inproc_store = work / "store" / f"inproc-{case.index}"  # one root per simulated node under it
+    inproc_store = inprocess_store(work, case)
     shutil.rmtree(inproc_store, ignore_errors=True)
     t0 = time.time()
     if case.spec.whole_node and not case.inprocess:  # the restart path on simulated nodes: a torchrun agent each
@@ -468,13 +484,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=None, metavar="PATH",
                     help="also write the campaign as one JSON document (settings and commit, machine, verdict, the "
                          "table's rows, every outcome) to PATH")
+    ap.add_argument("--rejudge", default="", metavar="N[,M...]",
+                    help="run nothing: judge the recorded runs of these cases (numbers from 1) of the campaign in "
+                         "--out again, with this checkout's judge (tools/campaign/rejudge.py), then --report")
     args = ap.parse_args(argv)
-    if args.report:
+    if args.report or args.rejudge:
+        what = "--rejudge" if args.rejudge else "--report"
         try:
             settings = json.loads((args.out / "campaign.json").read_text())
         except (OSError, ValueError) as e:
-            ap.error(f"--report: no campaign recorded in {args.out}: {e}")
-        return _finish(args.out, settings, load_outcomes(args.out / "outcomes.jsonl"), args.results)
+            ap.error(f"{what}: no campaign recorded in {args.out}: {e}")
+        outcomes = load_outcomes(args.out / "outcomes.jsonl")
+        if args.rejudge:
+            from .rejudge import rejudge
+
+            try:
+                numbers = sorted({int(n) for n in args.rejudge.split(",") if n.strip()})
+            except ValueError:
+                ap.error(f"--rejudge takes case numbers separated by commas, not {args.rejudge!r}")
+            try:
+                outcomes = rejudge(args.out, numbers, steps=settings["steps"], source=source_version())
+            except ValueError as e:
+                ap.error(str(e))
+        return _finish(args.out, settings, outcomes, args.results)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = set(kinds) - set(KINDS)
     if unknown:
@@ -526,8 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bases: dict[tuple[bool, int, bool], Path] = {}
     for flavour, case in sorted({c.flavour: c for c in todo}.items(), reverse=True):
         dist_opt, tp, fixed = flavour
-        name = f"{'distopt' if dist_opt else 'replicated'}-tp{tp}{'-nodropout' if fixed else ''}"
-        out = work / f"baseline-{name}"
+        out = baseline_dir(work, flavour)
+        name = out.name.removeprefix("baseline-")
         bases[flavour] = out
         if args.resume and len(list(out.glob("final.rank*.json"))) == WORLD:
             continue  # the failure-free run of the stopped campaign (deterministic: the same run again)
@@ -567,7 +599,9 @@ def _finish(work: Path, settings: dict[str, Any], outcomes: Sequence[Outcome], r
     print(table)
     (work / "table.md").write_text(table + "\n")
     if results is not None:
-        document = results_document(settings, outcomes, machine=machine_info(work))
+        from .rejudge import rejudged
+
+        document = results_document(settings, outcomes, machine=machine_info(work), rejudged=rejudged(work))
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(document, indent=1) + "\n")
         print(f"\nresults: {results}")
