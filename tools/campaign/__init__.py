@@ -68,14 +68,15 @@ Cases are drawn from ``random.Random(seed)``: the seed reproduces the campaign. 
     python -m tools.campaign --faults 200 --seed 7 --out runs/campaign
     python -m tools.campaign --faults 200 --seed 7 --out runs/campaign --resume   # after a stop: the cases left
     python -m tools.campaign --out runs/campaign --report --results campaign.json  # its table and results, no run
+    python -m tools.campaign --out runs/campaign --rejudge 85  # case 85's recorded run, judged again, no run
 
 ``<out>/campaign.json`` records the options and the commit (``git describe --dirty``); ``--resume`` refuses to mix
 outcomes of another commit or other options into one table.
 
 The parts: :mod:`.cases` (the kinds, a case, its outcome, the seeded draw), :mod:`.runner` (running each case and the
 failure-free runs, ``--resume``, the command line), :mod:`.judge` (comparing a case with its failure-free run),
-:mod:`.report` (the table and the results document), :mod:`.other_user` (the second Unix user of
-``inproc-other-user``).
+:mod:`.report` (the table and the results document), :mod:`.rejudge` (a recorded run judged again),
+:mod:`.other_user` (the second Unix user of ``inproc-other-user``).
 """
 
-__all__: list[str] = []  # import each name from its module (cases, judge, report, runner)
+__all__: list[str] = []  # import each name from its module (cases, judge, report, rejudge, runner)
