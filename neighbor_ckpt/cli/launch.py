@@ -279,7 +279,8 @@ def inprocess_processes(plan: LaunchPlan, *, store_port: int | Sequence[int], st
                               store_root=store_root, host=host, grow_back=plan.job.neighbor_ckpt.inprocess.grow_back,
                               token_file=plan.run_dir / TOKEN_FILE,
                               detector_timeout_s=plan.job.neighbor_ckpt.detector.timeout_s, devices=plan.per_node,
-                              elastic=plan.job.neighbor_ckpt.elastic.enabled, network=network)
+                              elastic=plan.job.neighbor_ckpt.elastic.enabled, network=network,
+                              open_store=plan.job.launch.open_store)
 
 
 def simulated_nodes(active: int, spares: int, devices: int = 1) -> tuple[tuple[int, int], ...]:
@@ -299,7 +300,8 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
                        store_port: int | Sequence[int], store_root: Path, host: str = "127.0.0.1",
                        grow_back: bool = False, token_file: Path | None = None,
                        detector_timeout_s: float | None = None, devices: int = 1,
-                       elastic: bool = False, network: tuple[NetworkPlan, Path] | None = None) -> InprocessProcesses:
+                       elastic: bool = False, network: tuple[NetworkPlan, Path] | None = None,
+                       open_store: bool = False) -> InprocessProcesses:
     """The commands of :func:`inprocess_processes` for any ``program`` (the script and its arguments):
     ``neighbor-ckpt launch`` runs the NeMo recipe with them, the fault campaign the plain megatron-core loop.
     ``token_file``: the launch's store token (default: ``store.token`` in ``store_root``); the completion marker
@@ -310,7 +312,7 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
     ``neighbor_ckpt.elastic.enabled`` (a launchers' restart may go on without a node lost for good). ``network``: a
     simulated network and its plan file (:func:`neighbor_ckpt.runtime.netns.simulated_network`): node ``i``'s
     launcher runs in its namespace, its store listens on its store address (``host`` is not used), gloo on its rank
-    interface."""
+    interface. ``open_store``: the job's ``launch.open_store`` (:func:`launcher_command`)."""
     processes = active + spares
     nodes = simulated_nodes(active, spares, devices)
     net, net_file = network if network is not None else (None, None)
@@ -327,7 +329,8 @@ def inprocess_commands(program: Sequence[str], *, active: int, spares: int, max_
                                            store_root=str(store_root), grow_back=grow_back, host_store=str(i),
                                            store_listen=hosts[i], token_file=str(token),
                                            complete_file=str(marker_path(token.parent, run_id)),
-                                           detector_timeout_s=detector_timeout_s, elastic=elastic)),
+                                           detector_timeout_s=detector_timeout_s, elastic=elastic,
+                                           open_store=open_store)),
                     (("NEIGHBOR_CKPT_NODE_ID", f"node{i}"),
                      ("NEIGHBOR_CKPT_STORE_DIR", str(Path(store_root) / f"node{i}")),
                      ("TORCH_CPP_LOG_LEVEL", "error"),
@@ -340,9 +343,11 @@ def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), stor
                      first: str, count: str, processes: int, spares: int, max_restarts: int, nodes: int,
                      store_root: str | None, grow_back: bool = False, host_store: str | None = None,
                      store_listen: str | None = None, token_file: str | None = None, complete_file: str | None = None,
-                     detector_timeout_s: float | None = None, elastic: bool = False) -> list[str]:
+                     detector_timeout_s: float | None = None, elastic: bool = False,
+                     open_store: bool = False) -> list[str]:
     """One node's launcher command line (``first``/``count``/``node``/``store_root``/``host_store`` are text: the
-    Slurm script passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s."""
+    Slurm script passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s. ``open_store``: the
+    job's ``launch.open_store`` (a store host that cannot seal its store serves it open instead of refusing)."""
     cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
            "--count", count, "--processes", str(processes), "--spares", str(spares),
            "--max-restarts", str(max_restarts), "--nodes", str(nodes)]
@@ -362,6 +367,8 @@ def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), stor
         cmd.append("--elastic")
     if grow_back:
         cmd.append("--grow-back")
+    if open_store:
+        cmd.append("--open-store")
     return [*cmd, *options, "--", *worker]
 
 
@@ -502,7 +509,7 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
                            token_file=str(plan.run_dir / TOKEN_FILE),
                            complete_file=str(marker_path(plan.run_dir, plan.run_id)),
                            detector_timeout_s=job.neighbor_ckpt.detector.timeout_s,
-                           elastic=job.neighbor_ckpt.elastic.enabled)
+                           elastic=job.neighbor_ckpt.elastic.enabled, open_store=lc.open_store)
     launcher = shlex.join(cmd)
     for token, var in (("@NODE@", '"$NODE"'), ("@FIRST@", '"$FIRST"'), ("@COUNT@", '"$COUNT"'),
                        ("@STORE_ROOT@", '"$STORE_ROOT"'), ("@STORES@", '"$STORES"'), ("@HOSTIDX@", '"$HOSTIDX"')):

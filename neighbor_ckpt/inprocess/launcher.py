@@ -247,7 +247,8 @@ class Launcher:
         try:
             self._host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", *where,
                                            "--parent", str(parent), "--ready", str(ready),
-                                           *(["--token-file", self.plan.token_file] if self.plan.token_file else [])],
+                                           *(["--token-file", self.plan.token_file] if self.plan.token_file else []),
+                                           *(["--open-store"] if self.plan.open_store else [])],
                                           env=self.env, pass_fds=() if fd is None else (fd,),
                                           preexec_fn=lambda: _child_setup(parent))
         finally:

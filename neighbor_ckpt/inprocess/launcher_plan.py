@@ -83,6 +83,9 @@ class LauncherPlan:
     complete_file: Optional[str] = None
     """The launch's completion marker (:mod:`~neighbor_ckpt.inprocess.completion`): written once the job completed;
     a process that starts later finds it and exits 0 without a store."""
+    open_store: bool = False
+    """The job's ``launch.open_store`` (``--open-store``): the hosted store host serves its store open to the node's
+    users where the kernel cannot seal it, instead of refusing to start."""
     token_file: Optional[str] = None
     """The launch's store token file (:mod:`~neighbor_ckpt.inprocess.store_auth`): the hosted store admits only the
     clients that hold it, and this launcher and its processes present it. None: the stores have no gate."""
@@ -208,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--elastic", action="store_true",
                     help="the job's neighbor_ckpt.elastic.enabled: a restart may go on without a node lost for good "
                          "at a smaller data-parallel size")
+    ap.add_argument("--open-store", action="store_true",
+                    help="the job's launch.open_store: where the kernel cannot seal the hosted store, serve it open to "
+                         "the node's users instead of refusing to start")
     ap.add_argument("--grow-back", action="store_true",
                     help="replace every process of this node that dies (it joins as a spare), once the next "
                          "generation has completed a step")
@@ -232,7 +238,7 @@ def parse_args(argv: Sequence[str]) -> LauncherPlan:
     try:
         return LauncherPlan(stores=stores, host_store=a.host_store, store_listen=a.store_listen,
                             detector_timeout_s=a.detector_timeout, listen_fd=a.listen_fd,
-                            complete_file=a.complete_file, token_file=a.token_file, run_id=a.run_id, node=a.node,
+                            complete_file=a.complete_file, token_file=a.token_file, open_store=a.open_store, run_id=a.run_id, node=a.node,
                             first=a.first, count=a.count, processes=a.processes, spares=a.spares,
                             max_restarts=a.max_restarts, nodes=nodes, program=tuple(program), store_root=a.store_root, no_python=a.no_python,
                             poll_s=a.poll, grace_s=a.grace, fallback_grace_s=a.fallback_grace,

@@ -45,6 +45,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``0`` picks a free port), not listening yet: what must hold before the
+    kernel completes any connection to it (a seal) is put on it before :func:`start_listening`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def start_listening(sock: socket.socket, backlog: int = 16384) -> socket.socket:
+    sock.listen(backlog)
+    return sock
+
+
 def listen_socket(host: str, port: int, backlog: int = 16384) -> socket.socket:
     """A socket listening on ``host:port`` only (``0.0.0.0``/``::``: every interface), for the store server.
 
@@ -54,12 +73,7 @@ def listen_socket(host: str, port: int, backlog: int = 16384) -> socket.socket:
     connections after a failover met a DNS server that stopped answering, and the store served nobody for 5 s per
     connection. An IPv4 socket bound to the job's address gives plain IPv4 peers (``127.0.0.1`` is in
     ``/etc/hosts``) and keeps the store off the other interfaces."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
-    return sock
+    return start_listening(bound_socket(host, port), backlog)
 
 
 def failed_path(ready: Path) -> Path:
@@ -67,17 +81,29 @@ def failed_path(ready: Path) -> Path:
     return ready.with_name(ready.name + ".failed")
 
 
-def _sealed_listener(host: str) -> tuple[socket.socket, bytes | None, Any]:
-    """The store's listening socket on ``host`` (loopback, a free port), sealed with a new key before torch serves
-    it, with the :class:`~neighbor_ckpt.inprocess.store_auth.Door` that lets torch's own client in (to close once
-    torch's server has started): (socket, key, door). Without TCP-MD5 in this kernel, or without the door's address:
-    (socket, None, None), said in one warning: the store is then open to the node's users, as before."""
+class OpenStoreRefused(RuntimeError):
+    """The store behind the gate cannot be sealed here and the job did not ask for an open one by name."""
+
+
+OPEN_STORE_KEY = "launch.open_store"
+"""The job file's key that accepts a store open to the node's users where the kernel cannot seal it."""
+
+
+def _sealed_listener(host: str, *, allow_open: bool = False) -> tuple[socket.socket, bytes | None, Any]:
+    """The store's listening socket on ``host`` (loopback, a free port), with the
+    :class:`~neighbor_ckpt.inprocess.store_auth.Door` that lets torch's own client in (to close once torch's server
+    has started): (socket, key, door). The order is bind, seal, listen: the kernel completes no connection before the
+    key is on the socket (a connection completed in between would reach torch's store unsigned, with full rights).
+
+    Without TCP-MD5 in this kernel, or without the door's address, the store would be open to every user of the node:
+    :class:`OpenStoreRefused` unless ``allow_open`` (the job file's :data:`OPEN_STORE_KEY`), which gives
+    (socket, None, None) and says so in one warning."""
     from neighbor_ckpt.inprocess import loopback, store_auth
 
     key = loopback.new_key()
     why = "no port for its door"
     for _ in range(8):  # a port free on host but taken on the door's address: another port
-        sock = listen_socket(host, 0)
+        sock = bound_socket(host, 0)
         try:
             door = store_auth.Door(sock.getsockname()[:2], key)
         except OSError as e:
@@ -90,12 +116,18 @@ def _sealed_listener(host: str) -> tuple[socket.socket, bytes | None, Any]:
             loopback.seal(sock, key)
         except loopback.Unsealable as e:
             door.close()
+            sock.close()
             why = str(e)
             break
-        return sock, key, door
+        return start_listening(sock), key, door
+    if not allow_open:
+        raise OpenStoreRefused(
+            f"the store behind the gate cannot be sealed on this node ({why}), so every user of the node could reach "
+            f"it: not started. Enable TCP-MD5 (CONFIG_TCP_MD5SIG, no FIPS mode) and the loopback address "
+            f"{store_auth.DOOR_HOST}, or accept an open store by setting {OPEN_STORE_KEY}: true in the job file")
     sock = listen_socket(host, 0)
-    logging.getLogger(__name__).warning("the store behind the gate (%s:%d) is open to every user of this node: %s",
-                                        *sock.getsockname()[:2], why)
+    logging.getLogger(__name__).warning("the store behind the gate (%s:%d) is open to every user of this node (%s: "
+                                        "true): %s", *sock.getsockname()[:2], OPEN_STORE_KEY, why)
     return sock, None, None
 
 
@@ -108,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready", type=Path, default=None, help="write this file once the store listens")
     ap.add_argument("--token-file", type=Path, default=None,
                     help="admit only the clients that hold this file's token (store_auth)")
+    ap.add_argument("--open-store", action="store_true",
+                    help=f"serve the store open to the node's users where it cannot be sealed ({OPEN_STORE_KEY})")
     args = ap.parse_args(argv)
     if (args.port is None) == (args.listen_fd is None):
         ap.error("give --port or --listen-fd (one of them)")
@@ -131,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.ready is not None:
                 failed_path(args.ready).write_text(why + "\n")
             return 1
-    sock, key, door = (public, None, None) if token is None else _sealed_listener("127.0.0.1")
+    try:
+        sock, key, door = (public, None, None) if token is None else _sealed_listener("127.0.0.1",
+                                                                                     allow_open=args.open_store)
+    except OpenStoreRefused as e:
+        logging.getLogger(__name__).error("%s", e)
+        if args.ready is not None:
+            failed_path(args.ready).write_text(f"{e}\n")
+        return 1
     host, port = sock.getsockname()[:2]
     store = dist.TCPStore(host if door is None else door.host, port, is_master=True, wait_for_workers=False,
                           use_libuv=True, timeout=timedelta(seconds=30), master_listen_fd=sock.fileno())

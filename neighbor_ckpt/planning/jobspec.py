@@ -252,6 +252,11 @@ class LaunchSpec:
     slurm_time: str = "04:00:00"
     """Slurm time limit for ``--slurm``."""
 
+    open_store: bool = False
+    """In process: serve each node's store open to every user of that node where the kernel cannot seal it (no TCP-MD5,
+    ``CONFIG_TCP_MD5SIG`` or FIPS mode, or no loopback address ``127.0.0.2``). Off: such a store host refuses to start
+    and says why (docs/shared-nodes.md). Only for nodes no other user logs in to."""
+
     simulate_network: bool = False
     """Run each simulated node of an in-process launch on one machine in a network namespace of its own (veth pairs
     on bridges, one address per node; root only), so that ``neighbor_ckpt.fault_injection.target: partition`` can cut

@@ -162,20 +162,71 @@ def test_a_tunnel_carries_its_own_process_to_the_sealed_store_and_refuses_anothe
     backend.close()
 
 
-def test_a_kernel_without_tcp_md5_leaves_the_store_open_and_says_so(monkeypatch: pytest.MonkeyPatch,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
+def _unsealable(*_: object) -> None:
+    raise loopback.Unsealable(92, "TCP-MD5 signatures are not available here (Protocol not available)")
+
+
+def test_the_store_is_sealed_before_it_listens() -> None:
+    """Bind, seal, listen: no connection can complete between the listen and the seal (issue 53, item 4: on 2c061fd
+    the store host listened first, and a connection completed in between reached torch's store unsigned)."""
+    from neighbor_ckpt.inprocess import store_host
+
+    listening_at_seal: list[int] = []
+    real_seal = loopback.seal
+
+    def seal(sock: socket.socket, key: bytes) -> None:
+        listening_at_seal.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        real_seal(sock, key)
+
+    loopback.seal = seal  # type: ignore[assignment]
+    try:
+        sock, key, door = store_host._sealed_listener("127.0.0.1")
+    finally:
+        loopback.seal = real_seal  # type: ignore[assignment]
+    try:
+        assert listening_at_seal == [0], "sealed while not listening yet"
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1, "and listening afterwards"
+        assert key is not None and not _connects(sock.getsockname()[:2])
+    finally:
+        door.close()
+        sock.close()
+
+
+def test_a_kernel_without_tcp_md5_refuses_an_open_store_unless_the_job_asks_for_it(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path) -> None:
     import logging
 
     from neighbor_ckpt.inprocess import store_host
 
-    def unsealable(*_: object) -> None:
-        raise loopback.Unsealable(92, "TCP-MD5 signatures are not available here (Protocol not available)")
+    monkeypatch.setattr(loopback, "seal", _unsealable)
+    with pytest.raises(store_host.OpenStoreRefused, match="launch.open_store: true"):
+        store_host._sealed_listener("127.0.0.1")
+    # the store host says so in one line beside its ready file, for its launcher, and exits 1
+    from neighbor_ckpt.inprocess.store_auth import new_token_file
 
-    monkeypatch.setattr(loopback, "seal", unsealable)
+    token = tmp_path / "token"
+    new_token_file(token)
+    ready = tmp_path / "ready"
+    assert store_host.main(["--host", "127.0.0.1", "--port", "0", "--token-file", str(token),
+                            "--ready", str(ready)]) == 1
+    assert not ready.exists() and "launch.open_store" in store_host.failed_path(ready).read_text()
+
     caplog.set_level(logging.WARNING, logger="neighbor_ckpt.inprocess.store_host")
-    sock, key, door = store_host._sealed_listener("127.0.0.1")
+    sock, key, door = store_host._sealed_listener("127.0.0.1", allow_open=True)
     assert key is None and door is None
-    assert _connects(sock.getsockname()[:2]), "open, as before"
+    assert _connects(sock.getsockname()[:2]), "open, as the job file asked"
     assert any("open to every user of this node" in r.getMessage() and "TCP-MD5" in r.getMessage()
                for r in caplog.records)
     sock.close()
+
+
+def test_the_job_files_open_store_reaches_the_store_host_command() -> None:
+    from neighbor_ckpt.cli.launch import launcher_command
+    from neighbor_ckpt.inprocess.launcher_plan import parse_args
+
+    for asked in (False, True):
+        cmd = launcher_command(["train.py"], store="127.0.0.1:5000", run_id="r", node="node0", first="0",
+                               count="1", processes=3, spares=0, max_restarts=0, nodes=3, store_root=None,
+                               open_store=asked)
+        assert ("--open-store" in cmd) is asked
+        assert parse_args(cmd[3:]).open_store is asked
