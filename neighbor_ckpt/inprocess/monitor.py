@@ -20,7 +20,9 @@ current generation in the store, where every process waits for it, and the engin
   dead in that one decision, so a node of ``k`` ranks costs one detection, not ``k`` in a row;
 * watches its own training thread: when its progress tag stood still for ``detector.hang_timeout_s`` it reads every
   active rank's tag. The ranks whose tag lags the others' are declared dead and replaced (``hung``: stuck in a C
-  call or a collective the others already left); when every tag is equal, the ranks a majority cannot reach over
+  call or a collective the others already left) when declaring them leaves a majority of the members, counting them
+  (a lagging tag is a suspicion, and may name the larger side of a cut whose smaller side got one more progress
+  mark); when every tag is equal, or the laggards are no minority, the ranks a majority cannot reach over
   their own network are blamed (:mod:`~neighbor_ckpt.inprocess.reachability`: a cut of the ranks' links, the store
   reachable), else nobody is: the generation fails with ``hang_all`` and the same ranks re-form (a second time, the
   engine falls back to the restart path);
@@ -317,9 +319,9 @@ class Monitor:
         return [s.get(k) if s.check([k]) else None for k in keys]
 
     def _leaves_majority(self, gen: int, members: frozenset[int], lost: tuple[int, ...], *,
-                         vouched: tuple[int, ...] = ()) -> bool:
+                         vouched: tuple[int, ...] = (), quiet: bool = False) -> bool:
         """Whether declaring ``lost`` dead leaves a majority of the members that may still run; said once per
-        decision when it does not."""
+        decision when it does not (``quiet``: not said; the caller asks something else next)."""
         dead = self.gens.dead()
         # The survivors are those seen within the lease, not merely undeclared nor within the detector's timeout: the
         # peers on the far side of a cut go silent together, and the first to pass timeout_s would otherwise be
@@ -329,7 +331,7 @@ class Monitor:
         if majority_left(members, dead=dead.keys(), lost=lost, exited=self.gens.exited, vouched=vouched,
                          alive=alive):
             return True
-        if (gen, lost) not in self._refused:
+        if not quiet and (gen, lost) not in self._refused:
             self._refused.add((gen, lost))
             logger.error("%s: not declaring process(es) %s dead: the processes left would not be a majority of "
                          "generation %d's %d member(s) that may still run (this side may be the one cut off)",
@@ -430,6 +432,13 @@ class Monitor:
             if hb is not None and hb[1] == gen and hb[2][2] != PAUSED:
                 tags[p] = hb[2]
         blame = laggards(tags)
+        # a lagging tag is a suspicion: it may name the larger side of a cut of the ranks' network (the smaller side
+        # got one more progress mark before the cut), which must never be evicted by the smaller one. Laggards that
+        # would leave no majority of the members are not blamed: who is cut off from whom is then the reach probe's
+        if blame and not self._leaves_majority(gen, self.state()[1], blame, quiet=True):
+            logger.warning("%s: the lagging process(es) %s are no minority of generation %d: asking who reaches "
+                           "whom instead", self.gens.name, list(blame), gen)
+            blame = ()
         if blame:
             where = ", ".join(f"process {p} (rank {active[p]}) at {tags[p][2]} #{tags[p][0]}" for p in blame)
             reason = (f"no progress for {stalled:.1f} s (detector.hang_timeout_s {self.hang_timeout_s:g}); lagging: "
@@ -451,8 +460,10 @@ class Monitor:
 
     def _decide(self, gen: int, *, kind: str, culprits: tuple[int, ...], reason: str) -> Optional[GenerationFailure]:
         """Record the failure; if this record is the one that stands, declare the culprits dead (their launchers
-        kill them). The record that stands (maybe another process's) is returned either way."""
-        if culprits and not self._leaves_majority(gen, self.state()[1], culprits, vouched=culprits):
+        kill them). The record that stands (maybe another process's) is returned either way. The culprits are
+        suspected, not seen to exit: they count in the majority's denominator (their launchers would kill them once
+        declared, but a smaller side must not be the one that declares)."""
+        if culprits and not self._leaves_majority(gen, self.state()[1], culprits):
             return None
         record = self.gens.fail(gen, kind=kind, ranks=culprits, reason=reason)
         if self.gens.won(record):
