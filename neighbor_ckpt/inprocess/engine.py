@@ -68,7 +68,7 @@ from neighbor_ckpt.inprocess.engine_state import Attempt, EngineState
 from neighbor_ckpt.inprocess.failover_replay import ReplayFacts, replay
 from neighbor_ckpt.inprocess.generation_abort import GenerationAbort
 from neighbor_ckpt.inprocess.generation import (BarrierTimeout, Fault, Fenced, GenerationFailure, GenerationStore,
-                                                Members, QuorumLost, gate)
+                                                Members, QuorumLost, gate, quorum_set)
 from neighbor_ckpt.inprocess.holdings import holdings_of, local_holdings
 from neighbor_ckpt.inprocess.hygiene import HygieneGuard
 from neighbor_ckpt.inprocess.identity import ProcessIdentity
@@ -452,9 +452,10 @@ class InprocessRecovery:
             reason = main.gave_up()
             if reason is not None:
                 raise _GiveUp(f"another process gave up: {reason}")
-            # every generation after the first needs a majority of the last one's members that may still run: a
-            # minority cut off from the others (with the store, or a standby) must not go on beside them
-            last = self.state.members if generation > 0 else frozenset()
+            # every generation needs a majority of the last one's members that may still run (the first: of every
+            # process of the launch): a minority cut off from the others (with the store, or a standby) must not go
+            # on beside them, at start-up too
+            last = quorum_set(generation, processes=self.world_size, last=self.state.members)
             if generation > 0:
                 self._publish_holdings(main, generation)
             self.state.joining = generation

@@ -46,7 +46,7 @@ from neighbor_ckpt.inprocess.assignment import Assignment
 from neighbor_ckpt.inprocess.protocol import FAILURE_KINDS, key
 
 __all__ = ["GenerationStore", "Members", "GenerationFailure", "Fault", "Fenced", "BarrierTimeout", "QuorumLost",
-           "parse_list", "parse_dead", "exited", "quorum", "gate"]
+           "parse_list", "parse_dead", "exited", "quorum", "quorum_set", "gate"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +187,13 @@ def exited(raw: bytes | str | None) -> set[int]:
         if sep and p.strip().lstrip("-").isdigit() and why.strip().startswith("exited:"):
             out.add(int(p))
     return out
+
+
+def quorum_set(generation: int, *, processes: int, last: frozenset[int]) -> frozenset[int]:
+    """Whose majority ``generation`` needs (pure): the last generation's members (idle spares included); for the first
+    generation, every process of the launch (``processes``, spares included), so that a side cut off at start-up
+    cannot form it alone on the others' declared absence."""
+    return frozenset(range(processes)) if generation == 0 else frozenset(last)
 
 
 def quorum(last: frozenset[int], gone: set[int]) -> int:
@@ -360,7 +367,8 @@ class GenerationStore:
              poll_s: float = 0.01, quorum_of: Iterable[int] = ()) -> Members:
         """Arrive at ``generation``'s barrier and return its canonical outcome, once every expected process arrived
         or was declared dead (whoever sees that first writes the outcome; everyone reads the same). ``quorum_of``
-        (the last generation's members; every generation after the first): the generation needs more than half of
+        (:func:`quorum_set`: the last generation's members, every process of the launch for the first): the
+        generation needs more than half of
         those of them whose exit no launcher reported, i.e. that may still run, cut off with the other side of a
         partition (:func:`quorum`); while fewer are live it does not form, and waits for the launchers' reports of
         exits (a process declared dead is killed by its launcher, which reports it).

@@ -107,7 +107,7 @@ from neighbor_ckpt.inprocess.launcher_plan import (Action, LauncherPlan, child_c
 from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.quorum import LauncherLease
 from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
-from neighbor_ckpt.inprocess.roll_call import RollCall, reach_any
+from neighbor_ckpt.inprocess.roll_call import RollCall, reach_any, unreached_stores
 
 __all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR"]
 
@@ -225,6 +225,9 @@ class Launcher:
         self._roll = RollCall(processes=plan.processes, nodes=plan.nodes, bound_s=plan.reach_s)
         """Attempt 0's roll call: the processes of a launcher that never reached a store are declared dead."""
         self._roll_at = 0.0
+        self._roll_epoch = 0
+        """The store the roll call is held on: the first one, or the one this launcher moved to before it started
+        anything (the first store never answered it: a cut at start-up, its host lost)."""
         self._stop_for: Optional[str] = None
         """Why this launch stops without a restart (the roll call found too few processes left), if it does."""
 
@@ -402,8 +405,8 @@ class Launcher:
         now = time.monotonic()
         if att.number or self._roll.done or att.complete_at is not None or now - self._roll_at < self.plan.beat_s:
             return
-        if self.stores.history:  # a new store holds only who came again: the roll call was of the first store
-            self._roll.done = True
+        if self.stores.epoch != self._roll_epoch:  # a new store holds only who came again: the roll call was of the
+            self._roll.done = True                # store this launcher started on
             return
         self._roll_at = now
         got = self._try(0, lambda s: self._roll.look(s, now))
@@ -412,6 +415,9 @@ class Launcher:
         absent, came = got
         self._rendezvous.lost.update(self._roll.lost(came, absent))
         verdict = self._roll.verdict(absent, came, spares=self.plan.spares, elastic=self.plan.elastic)
+        if verdict.cut_off:  # a minority's verdict binds nobody: no giveup, nothing written, its processes stopped
+            self._lease.stop(verdict.message)
+            return
         if not verdict.go_on:
             self._stop_for = verdict.message
             self._give_up(att, verdict.message)
@@ -714,6 +720,7 @@ class Launcher:
                                    for i in range(len(self.plan.stores))), list(self.plan.indices))
             self._stop_host("the launcher did not start")
             return protocol.EXIT_NO_STORE
+        self.stores.unreached(unreached_stores(why, before=reached))
         try:
             self._call(0, lambda s: s.check(["processes"]))
             dead = self._call(0, lambda s: parse_dead(s.get("dead") if s.check(["dead"]) else None))
@@ -722,6 +729,8 @@ class Launcher:
                          self.plan.store_address, e)
             self._stop_host("the launcher did not start")
             return EXIT_LAUNCHER_ERROR
+        # moved before anything started here (the first store never answered): the roll call is of the store that did
+        self._roll_epoch = self.stores.epoch
         if self._cannot_start is None and all(i in dead for i in self.plan.indices):  # the others' roll call
             self._cannot_start = f"declared dead before this launcher reached a store ({dead[self.plan.first]})"
             logger.error("node %s: its process(es) %s were %s: they do not start; this launcher stays in the launch "

@@ -13,8 +13,13 @@ far less, so a launcher that could start has done so by then), and ``detector.ti
 more have passed as this launcher watched, a launch with fewer launchers in ``nodes`` than ``--nodes`` has lost
 the missing ones: the process indices that no launcher that came runs (``launcher/<node>``), that were not declared
 dead and did not exit are declared dead (``exited: never started``), each by every launcher that sees it (the writes
-are idempotent: :mod:`~neighbor_ckpt.inprocess.launch_counts`). The spares take their ranks in generation 0's
-barrier; when the processes left cannot cover the job's ranks, every launcher says so in one line and stops
+are idempotent: :mod:`~neighbor_ckpt.inprocess.launch_counts`), but only by the launchers of a majority of the
+launch's nodes: fewer may be the side of a cut that holds this store while the others promoted a standby and train
+there, so such a launcher says it is ``cut off from the majority``, stops its processes and exits
+(:data:`~neighbor_ckpt.inprocess.protocol.EXIT_CUT_OFF`), writing nothing (generation 0 needs a majority of every
+process of the launch too: :func:`~neighbor_ckpt.inprocess.generation.quorum_set`). The spares take their ranks in
+generation 0's barrier; when the processes left cannot cover the job's ranks, every launcher says so in one line and
+stops
 (:func:`~neighbor_ckpt.inprocess.restart_rendezvous.restart_verdict`'s rule). A launcher that reaches a store after its
 processes were declared so starts none of them and stays in the launch without them.
 
@@ -26,7 +31,9 @@ Nothing here waits for a barrier: the processes in generation 0's barrier see th
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -35,9 +42,10 @@ from typing import Any, Mapping, Optional, Sequence
 from neighbor_ckpt.inprocess.generation import parse_dead, parse_list
 from neighbor_ckpt.inprocess.launch_counts import exited
 from neighbor_ckpt.inprocess.protocol import key
+from neighbor_ckpt.inprocess.quorum import CUT_OFF, majority
 from neighbor_ckpt.inprocess.restart_rendezvous import Verdict, parse_nodes, restart_verdict
 
-__all__ = ["reach_any", "RollCall", "absent_processes"]
+__all__ = ["reach_any", "unreached_stores", "RollCall", "absent_processes"]
 
 
 
@@ -69,6 +77,14 @@ def reach_any(addresses: Sequence[tuple[str, int]], within_s: float, *, token: O
         if time.monotonic() >= deadline:
             return None, why
         time.sleep(poll_s)
+
+
+def unreached_stores(why: Mapping[int, str], *, before: int) -> tuple[int, ...]:
+    """The stores ahead of the one :func:`reach_any` reached (``before``) that it could not connect to for another
+    reason than a refusal (pure): a timeout or no route, i.e. the network to them is cut or their node is gone. A
+    refusal is not counted: a store host still starting refuses until it listens."""
+    refused = os.strerror(errno.ECONNREFUSED)
+    return tuple(i for i in range(before) if i in why and why[i] != refused)
 
 
 def absent_processes(*, processes: int, nodes: int, came: Sequence[str], records: Mapping[str, Sequence[int]],
@@ -103,8 +119,15 @@ class RollCall:
                 f"{self.bound_s:.0f} s after the first process was ready)")
 
     def verdict(self, absent: Sequence[int], came: Sequence[str], *, spares: int, elastic: bool) -> Verdict:
-        """Go on without the ``absent`` processes (their spares, or elastic), or stop: one line saying why."""
+        """Go on without the ``absent`` processes (their spares, or elastic), or stop: one line saying why. Only the
+        launchers of a majority of the launch's nodes may go on without the others: fewer may be the side of a cut
+        that holds this store while the majority promoted another one and trains there (``cut_off``: stop, writing
+        nothing, whatever the spares could cover)."""
         cause, left = self.cause(came), self.processes - len(absent)
+        if len(set(came)) < majority(range(self.nodes)):
+            return Verdict(False, f"{cause}: {CUT_OFF}: {len(set(came))} of the {self.nodes} launchers are no "
+                                  f"majority (at least {majority(range(self.nodes))}); the others may have started "
+                                  "on a store they promoted, so this side forms no generation", cut_off=True)
         if restart_verdict(lost={"": tuple(absent)}, processes=self.processes, spares=spares, elastic=elastic).go_on:
             return Verdict(True, f"{cause}: their process(es) {list(absent)} never started: declared dead (the "
                                  "spares take their ranks)")

@@ -56,7 +56,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from neighbor_ckpt.errors import ConfigError, NeighborCkptError
 
@@ -367,6 +367,7 @@ class StoreSet:
         """Every client this set made, replaced ones too (their workers may still be inside torch's client)."""
         self._lock = threading.RLock()
         self._answered = False
+        self._unreached: set[int] = set()
         self._follower: Optional[threading.Thread] = None
         self._closed = False
         self._settled = False
@@ -391,6 +392,14 @@ class StoreSet:
 
     # -- clients ------------------------------------------------------------------------------------------------
 
+    def unreached(self, epochs: Iterable[int]) -> None:
+        """No TCP connection to these stores completed at start-up while a later one accepted (the network to them
+        is cut, or their host is gone: a host still starting refuses, it does not time out): their first operation
+        gets the store timeout, not ``connect_timeout_s``, so that the failover to a promoted store comes within
+        the failover's own bounds instead of minutes later."""
+        with self._lock:
+            self._unreached.update(epochs)
+
     def on_failover(self, fn: Callable[[int, int, str], None]) -> None:
         """``fn(old_epoch, new_epoch, why)`` after every move, on the moving thread, under the set's lock."""
         self._callbacks.append(fn)
@@ -411,7 +420,7 @@ class StoreSet:
             if c is None or c.broken is not None or c.address != self.addresses[epoch]:
                 if c is not None:
                     c.retire()
-                patience = self.timeout_s if self._answered else self.connect_timeout_s
+                patience = self.timeout_s if self._answered or epoch in self._unreached else self.connect_timeout_s
                 c = self._clients[name] = BoundedClient(self.addresses[epoch], timeout_s=self.timeout_s,
                                                         connect_timeout_s=patience, name=name, token=self.token)
                 self._made = [m for m in self._made if m.alive()] + [c]

@@ -48,7 +48,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
                      program: str | list[str] | None = None, grow_back: bool = False, detector_timeout_s: float = 2.0,
                      steal_store: int | None = None, hold_store: int | None = None, devices: int = 1,
                      elastic_launchers: bool | None = None, unreachable_node: int | None = None,
-                     simulate_network: bool = False, **env: Any) -> RunResult:
+                     simulate_network: bool = False, cut_at_start: tuple[int, ...] = (), **env: Any) -> RunResult:
     """Launch ``program`` (default: the test worker ``tests/workers/train_mcore_inprocess.py``; a string is split
     as a shell would) in process: ``active`` ranks + ``spares`` hot spares, one simulated node (its own launcher and
     host store ``tmp/store/node<i>``) per process, ``max_restarts`` launcher-level restarts when in-process recovery
@@ -62,8 +62,10 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
     fixed for the launch are set here). ``devices``: processes per simulated node (the spares on spare nodes of their
     own, :func:`neighbor_ckpt.cli.launch.simulated_nodes`; 1: a node per process). ``elastic_launchers``: the
     launchers' ``--elastic`` (default: as the workers' ``ELASTIC``). ``simulate_network``: each node in a network
-    namespace of its own (``launch.simulate_network``, :mod:`neighbor_ckpt.runtime.netns`; root). The workers start warm or cold as ``tests/conftest.py`` decided for this
-    test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
+    namespace of its own (``launch.simulate_network``, :mod:`neighbor_ckpt.runtime.netns`; root). ``cut_at_start``:
+    with ``simulate_network``, these nodes are cut off the others (all traffic, for good) before any launcher starts,
+    so that the start-up's roll call happens across the cut. The workers start warm or cold as ``tests/conftest.py``
+    decided for this test. Returns the :class:`RunResult` (``out``: ``tmp/out``, ``orphans.json`` in it)."""
     out = tmp / "out"
     tmp.mkdir(parents=True, exist_ok=True)
     full_env = job_env(tmp, out, {"SPARES": spares, "NEIGHBOR_CKPT_JOB_ID": f"inproc-{tmp.name}",
@@ -77,6 +79,7 @@ def launch_inprocess(tmp: Path, *, active: int = 4, spares: int = 1, timeout: fl
             "out": str(out), "timeout": timeout, "detector_timeout_s": detector_timeout_s,
             "steal_store": steal_store, "hold_store": hold_store, "devices": devices,
             "unreachable_node": unreachable_node, "simulate_network": simulate_network,
+            "cut_at_start": list(cut_at_start),
             "elastic": env.get("ELASTIC") == 1 or env.get("ELASTIC") == "1" if elastic_launchers is None
             else elastic_launchers}
     spec_path = tmp / "launch.json"
@@ -336,6 +339,16 @@ def _run_in(spec: dict[str, Any], plan: Any, network: Any) -> int:
         agents[lonely] = ((*cmd[:end], "--store", wrong, *cmd[end:]), extra)  # the last --store counts
         procs = dataclasses.replace(procs, agents=tuple(agents))
         print(f"inprocess_launch: node {lonely}'s launcher gets stores nobody listens on: {wrong}", flush=True)
+    cut = [int(n) for n in spec.get("cut_at_start") or ()]
+    if cut:  # before any launcher starts: the roll call is held across the cut
+        from neighbor_ckpt.runtime import netns
+        from neighbor_ckpt.runtime.network_plan import PLAN_ENV
+
+        if network is None:
+            raise RuntimeError("inprocess_launch: cut_at_start needs simulate_network")
+        netns.cut(cut, "all", env={PLAN_ENV: str(network[1])})
+        print(f"inprocess_launch: node(s) {cut} cut off before the launchers start (unix {time.time():.3f})",
+              flush=True)
     out.mkdir(parents=True, exist_ok=True)
     tracker.start()
     subprocess.Popen = _Recorded  # type: ignore[misc] - this process runs nothing else

@@ -41,20 +41,26 @@ ACTIVE, CUT_STEP, STEPS = 3, 5, 10
 CUT_OFF = "cut off from the majority"
 
 
-def run_recipe(tmp: Path, *, spares: int, fault: dict[str, Any] | None = None, timeout: float = 600) -> RunResult:
+def run_recipe(tmp: Path, *, spares: int, fault: dict[str, Any] | None = None, timeout: float = 600,
+               elastic: bool = False, cut_at_start: tuple[int, ...] = ()) -> RunResult:
     """The plain megatron-core loop in process, ``ACTIVE`` ranks + ``spares`` spare nodes, each node in its own
-    network namespace; ``fault``: the ``neighbor_ckpt.fault_injection`` keys (enabled)."""
+    network namespace; ``fault``: the ``neighbor_ckpt.fault_injection`` keys (enabled); ``elastic``:
+    ``elastic.enabled``; ``cut_at_start``: nodes cut off (for good) before the launchers start."""
     nc: dict[str, Any] = {"inprocess": {"enabled": True, "spares": spares},
                           "detector": {"interval_s": 0.2, "timeout_s": 2.0, "hang_timeout_s": 3.0},
                           "report": {"dir": str(tmp / "out" / "reports")}}
+    if elastic:
+        nc["elastic"] = {"enabled": True}
     if fault is not None:
         nc["fault_injection"] = {"enabled": True, "step": CUT_STEP, "rank": 1, **fault}
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "job.yaml"
     cfg.write_text(yaml.safe_dump({"neighbor_ckpt": nc}))
     program = [str(RECIPE), "--steps", str(STEPS), "--config", str(cfg), "--out", str(tmp / "out")]
+    if elastic:  # elastic needs the global batch named; the one the failure-free run derives (2 x 2 x DP 3)
+        program += ["--global-batch", str(2 * 2 * ACTIVE)]
     return launch_inprocess(tmp, active=ACTIVE, spares=spares, program=program, simulate_network=True,
-                            timeout=timeout)
+                            timeout=timeout, elastic_launchers=elastic, cut_at_start=cut_at_start)
 
 
 def cut_unix(res: RunResult) -> float:
@@ -152,3 +158,23 @@ def test_the_ranks_network_of_one_node_cut_is_recovered_like_a_lost_node_bit_exa
     assert "process(es) [1] unreachable from a majority over the ranks' network" in res.log, res.log[-10000:]
     assert [(g, k) for g, k, _ in failures(res)] == [(0, "hung")], failures(res)
     assert "neighbor_ckpt: hot spare (process 3) takes rank 1's place in generation 1" in res.log, res.log[-10000:]
+
+
+def test_node_0_cut_off_during_the_roll_call_forms_nothing_and_the_majority_trains_on_a_standby_bit_exact(
+        partition_baseline: RunResult, tmp_path: Path) -> None:
+    """Node 0 (the primary store's host, rank 0) cut off before the launchers start, ``elastic.enabled``: alone it
+    reaches its store, and with elastic its process could train; on 2c061fd its roll call declared the others never
+    started and it formed generation 0 beside them. Now node 0's side forms no generation and says it is cut off from
+    the majority; nodes 1, 2 and the spare node 3 promote standby 1 and train there, the spare in rank 0's place, bit
+    for bit; nothing of node 0 is written after the cut."""
+    res = run_recipe(tmp_path, spares=1, elastic=True, cut_at_start=(0,))
+    assert res.returncode == 0, res.log[-10000:]
+    assert_no_orphans(res)
+    assert_same_training(partition_baseline, res, nranks=ACTIVE)
+    assert "node(s) [0] cut off before the launchers start" in res.log, res.log[-10000:]
+    said = re.search(rf"launcher node0: {CUT_OFF} \(.*1 of the 4 launchers are no majority", res.log)
+    assert said, res.log[-10000:]
+    assert not [line for line in lines_of(res, 0) if re.search(r": generation \d+: ", line)], lines_of(res, 0)
+    exits = launcher_exits(res)
+    assert exits.pop("node0") == 79 and set(exits.values()) == {0}, launcher_exits(res)
+    assert not list((tmp_path / "store" / "node0").rglob("*.slot")), "node 0 wrote no snapshot"

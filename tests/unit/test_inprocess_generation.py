@@ -363,3 +363,62 @@ def test_the_monitor_renews_the_lease_with_the_members_beats_or_their_launchers_
     monitor.gens.store.set("complete", "0")
     monitor._look_at_majority(members, {})
     assert not lease.armed and not lease.expired(1e9)
+
+
+def _hang_monitor(store: Any, *, process: int, tags: dict[int, int]) -> Any:
+    """A monitor of ``process`` in generation 0 whose active ranks' heartbeats carry ``tags`` (process -> progress
+    marks), stalled for good: its own progress never moves."""
+    from neighbor_ckpt.inprocess.monitor import Monitor
+
+    members = frozenset(tags)
+    gens = GenerationStore(store(), process=process)
+    gens.store.set("gen", "0")
+    gens.publish_assignment(0, initial_assignment(len(members), 0))
+    for p, marks in tags.items():
+        gens.store.set(key("hb", p), f"7 0 {marks} 4 forward")
+    return Monitor(gens, state=lambda: (0, members, {p: p for p in members}, False),
+                   progress=lambda: (tags[process], 4, "forward"), listener=None, interval_s=0.2, timeout_s=2.0,
+                   hang_timeout_s=3.0)
+
+
+def test_laggards_that_are_the_larger_side_of_a_cut_are_never_declared_by_the_smaller(store: Any) -> None:
+    """A cut of the ranks' network where the smaller side (0, 1) got one more progress mark than the larger (2, 3, 4):
+    the lagging tags name a majority. On 2c061fd they were declared dead (``vouched`` took them out of the
+    denominator) and the minority kept the job; now nobody is declared on the tags, the reach probe is asked instead."""
+    monitor = _hang_monitor(store, process=0, tags={0: 10, 1: 10, 2: 9, 3: 9, 4: 9})
+    monitor._hang(0, {p: p for p in range(5)}, 100.0)
+    assert monitor._hang(0, {p: p for p in range(5)}, 104.0) is None, "no decision on the tags"
+    assert monitor.gens.dead() == {} and monitor.gens.failure(0) is None
+
+
+def test_laggards_that_are_a_minority_are_still_declared_hung(store: Any) -> None:
+    monitor = _hang_monitor(store, process=0, tags={0: 10, 1: 10, 2: 10, 3: 9, 4: 9})
+    monitor._hang(0, {p: p for p in range(5)}, 100.0)
+    record = monitor._hang(0, {p: p for p in range(5)}, 104.0)
+    assert record is not None and record.kind == "hung" and record.ranks == (3, 4), record
+    assert set(monitor.gens.dead()) == {3, 4}
+
+
+def test_suspected_culprits_count_in_the_majority_and_exits_seen_do_not() -> None:
+    from neighbor_ckpt.inprocess.quorum import majority_left
+
+    members = range(5)
+    assert not majority_left(members, dead=(), lost=(2, 3, 4), exited=()), "3 of 5 suspected: 2 left, no majority"
+    assert majority_left(members, dead=(), lost=(3, 4), exited=())
+    assert majority_left(members, dead=(), lost=(2,), exited=(3, 4)), "of 0, 1, 2: two left"
+
+
+def test_generation_0_needs_a_majority_of_every_process_of_the_launch(store: Any) -> None:
+    """The quorum set of generation 0 is the launch's every process (on 2c061fd it had none: a side that declared the
+    others dead on a suspicion formed generation 0 alone); a process whose exit a launcher saw is gone for sure."""
+    from neighbor_ckpt.inprocess.generation import quorum_set
+
+    assert quorum_set(0, processes=5, last=frozenset()) == frozenset(range(5))
+    assert quorum_set(3, processes=5, last=frozenset({0, 2, 4})) == frozenset({0, 2, 4})
+    g = GenerationStore(store(), process=0)
+    g.declare_dead((1, 2), "silent: no heartbeat")  # suspicions, as a side cut off would write them
+    with pytest.raises(QuorumLost):
+        g.join(0, expected=range(3), timeout_s=0.3, quorum_of=quorum_set(0, processes=3, last=frozenset()))
+    g.declare_dead((1, 2), "exited: never started")  # facts: gone for sure
+    assert g.join(0, expected=range(3), timeout_s=2.0,
+                  quorum_of=quorum_set(0, processes=3, last=frozenset())).members == frozenset({0})

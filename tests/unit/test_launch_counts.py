@@ -132,3 +132,37 @@ def test_reach_any_proves_the_token_to_a_gate_so_the_gate_refuses_nobody() -> No
             assert gate.refused() == 1
         finally:
             gate.close()
+
+
+def test_a_roll_call_of_a_minority_of_the_launchers_forms_nothing_and_is_cut_off() -> None:
+    """Node 0 (the primary store's host) cut off while the others start: it alone reached its store, and with
+    elastic (or spares enough) its processes could cover the ranks. On 2c061fd it declared the others never started
+    and went on beside them, both sides training; now the verdict is ``cut off from the majority``."""
+    from neighbor_ckpt.inprocess.quorum import CUT_OFF
+
+    roll = RollCall(processes=4, nodes=4, bound_s=0.0)
+    for spares, elastic in ((0, True), (3, False)):
+        alone = roll.verdict((1, 2, 3), ["node0"], spares=spares, elastic=elastic)
+        assert alone.cut_off and not alone.go_on and CUT_OFF in alone.message, alone
+        half = roll.verdict((2, 3), ["node0", "node1"], spares=spares, elastic=elastic)
+        assert half.cut_off and not half.go_on, "2 of 4 is no majority"
+    most = roll.verdict((3,), ["node0", "node1", "node2"], spares=0, elastic=True)
+    assert most.go_on and not most.cut_off, most
+
+
+def test_the_stores_a_launcher_timed_out_on_at_start_get_the_store_timeout_not_the_connect_timeout() -> None:
+    """A cut at start-up: no connection to store 0 completes (timed out) while store 1 accepts. Its first operation
+    then gets the store timeout, so the failover comes in seconds (it took 124 s); a refusal (a host still
+    starting) keeps the connect timeout's patience."""
+    from neighbor_ckpt.inprocess.roll_call import unreached_stores
+    from neighbor_ckpt.inprocess.stores import StoreAddresses, StoreSet
+
+    assert unreached_stores({0: "TimeoutError", 1: "Connection refused"}, before=2) == (0,)
+    assert unreached_stores({0: "No route to host"}, before=1) == (0,)
+    assert unreached_stores({}, before=0) == ()
+    stores = StoreSet(StoreAddresses.parse("127.0.0.1:1,127.0.0.1:2", "test"), run_id="r", timeout_s=3.0,
+                      connect_timeout_s=120.0)
+    stores.unreached((0,))
+    assert stores._client("main", 0).connect_timeout_s == 3.0
+    assert stores._client("main", 1).connect_timeout_s == 120.0
+    stores.close()
