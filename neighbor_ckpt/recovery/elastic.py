@@ -404,7 +404,7 @@ def _serve(choice: VersionChoice, local: LocalCopies, *, rank: int, verify: bool
 
 def _views(slot: SlotFile, hdr: SlotHeader) -> dict[str, torch.Tensor]:
     """The slot's tensors, flat, as views of host memory."""
-    return {t["name"]: slot.payload_view(t["offset"], getattr(torch, t["dtype"]), t["shape"]).reshape(-1)
+    return {t["name"]: slot.payload_view(t["offset"], codec.dtype_named(t["dtype"]), t["shape"]).reshape(-1)
             for t in hdr.meta.get("tensors", [])}
 
 
@@ -460,6 +460,12 @@ def _encode_message(head: dict[str, Any], blob: np.ndarray) -> torch.Tensor:
     out[8 + len(raw):8 + len(raw) + pad] = 0
     out[8 + len(raw) + pad:] = blob
     return torch.from_numpy(out)
+
+
+MESSAGE_HEAD_ALLOWANCE = 256 << 20
+"""What a reshard message may hold beyond the pieces the plan sends this rank: its header (the extras owner's small
+state: RNG streams, counters, user state, each far below this) and alignment. A peer announcing more is refused
+before anything is allocated (:meth:`~neighbor_ckpt.snapshot.transport.NeighborTransport.exchange`)."""
 
 
 def _decode_message(buf: torch.Tensor, src: int, rank: int) -> tuple[dict[str, Any], np.ndarray]:
@@ -599,14 +605,16 @@ def _move(plan: ReshardPlan, opened: _Open, *, rank: int, new_layout: RankLayout
     incoming = plan.incoming(rank)
     eo = plan.extras_from(rank)
     senders = sorted((set(incoming) | {plan.holder_of(eo)}) - {rank})
-    received = transport.exchange({d: _encode_message(*m) for d, m in messages.items() if d != rank}, senders)
+    limits = {s: sum(p.nbytes for p in incoming.get(s, [])) + MESSAGE_HEAD_ALLOWANCE for s in senders}
+    received = transport.exchange({d: _encode_message(*m) for d, m in messages.items() if d != rank}, senders,
+                                  limits=limits)
     if refused is not None:
         raise refused
     parts = {s: _decode_message(buf, s, rank) for s, buf in received.items()}
     if rank in messages:
         parts[rank] = messages[rank]
 
-    tensors = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in new_layout.tensors}
+    tensors = {t.name: torch.empty(t.shape, dtype=codec.dtype_named(t.dtype)) for t in new_layout.tensors}
     scalars: dict[str, Any] = {}
     extras: Any = None
     for src in sorted(parts):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from neighbor_ckpt.errors import SnapshotCorruptError, SnapshotMismatchError
 from neighbor_ckpt.recovery.reconcile import SOURCE_OWN, SOURCE_REPLICA, RankVersions, RecoveryDecision, decode_row, \
     encode_row, reconcile
+from neighbor_ckpt.snapshot import codec
 from neighbor_ckpt.snapshot.slot import SegmentChecksums, SlotFile, SlotHeader
 from neighbor_ckpt.snapshot.store import ROLE_LAZY, ROLE_OWN, ROLE_REPLICA, HostStore
 from neighbor_ckpt.snapshot.topology import Topology
@@ -142,7 +143,7 @@ class Restored:
 
 def read_tensors(slot: SlotFile, hdr: SlotHeader) -> dict[str, torch.Tensor]:
     """Tensors of a validated slot, as views of host memory (by the header's table)."""
-    return {t["name"]: slot.payload_view(t["offset"], getattr(torch, t["dtype"]), t["shape"])
+    return {t["name"]: slot.payload_view(t["offset"], codec.dtype_named(t["dtype"]), t["shape"])
             for t in hdr.meta.get("tensors", [])}
 
 

@@ -16,7 +16,43 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["encode", "decode", "tensors_to_bytes", "bytes_to_tensors"]
+from neighbor_ckpt.errors import SnapshotCorruptError
+
+__all__ = ["encode", "decode", "tensors_to_bytes", "bytes_to_tensors", "DTYPES", "dtype_named"]
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in (
+        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16", "int8",
+        "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+        "float8_e5m2fnuz")
+    if isinstance(getattr(torch, name, None), torch.dtype)}
+"""The dtypes a snapshot may name (``str(dtype)`` without ``torch.``), by name: what a snapshot, a header or a peer's
+message says is looked up here, never as an attribute of ``torch`` (which would hand back any function or module a
+corrupted or foreign name happens to spell)."""
+
+_NUMPY_KINDS = "biufc"
+"""numpy scalar kinds a snapshot may carry: bool, signed and unsigned integers, floats, complex (no objects)."""
+
+
+def dtype_named(name: object) -> torch.dtype:
+    """The torch dtype ``name`` (as :data:`DTYPES` spells it); :class:`~neighbor_ckpt.errors.SnapshotCorruptError`
+    for any other name."""
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise SnapshotCorruptError(f"a snapshot names the dtype {name!r}, which is none of the tensor dtypes a "
+                                   "snapshot holds: the data is corrupted or not a snapshot of this library")
+    return dtype
+
+
+def _numpy_dtype(name: object) -> np.dtype:
+    try:
+        dtype = np.dtype(name) if isinstance(name, str) else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in _NUMPY_KINDS:
+        raise SnapshotCorruptError(f"a snapshot names the numpy scalar type {name!r}, which is no numeric type: the "
+                                   "data is corrupted or not a snapshot of this library")
+    return dtype
 
 _T = "__t"  # type tag key
 
@@ -65,7 +101,7 @@ def _dec(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if tag == "ndarray":
         return tensors[obj["i"]].numpy()
     if tag == "npscalar":
-        return np.dtype(obj["dtype"]).type(_dec(obj["v"], tensors))
+        return _numpy_dtype(obj["dtype"]).type(_dec(obj["v"], tensors))
     if tag == "bytes":
         return base64.b64decode(obj["v"])
     if tag == "tuple":
@@ -73,7 +109,7 @@ def _dec(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if tag == "dict":
         return {_dec(k, tensors): _dec(v, tensors) for k, v in obj["v"]}
     if tag == "dtype":
-        return getattr(torch, obj["v"])
+        return dtype_named(obj["v"])
     raise ValueError(f"unknown codec tag {tag!r}")
 
 
@@ -108,7 +144,7 @@ def bytes_to_tensors(metas: list[dict[str, Any]], blob: bytes | memoryview) -> l
     """Invert :func:`tensors_to_bytes`; returns fresh CPU tensors (copies, not views of ``blob``)."""
     out: list[torch.Tensor] = []
     for m in metas:
-        dtype = getattr(torch, m["dtype"])
+        dtype = dtype_named(m["dtype"])
         raw = bytes(blob[m["offset"]: m["offset"] + m["nbytes"]])
         if m["nbytes"] == 0:
             out.append(torch.empty(m["shape"], dtype=dtype))

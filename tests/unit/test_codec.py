@@ -278,3 +278,38 @@ def test_type_error_names_the_offending_type():
 def test_unknown_tag_is_rejected_at_decode():
     with pytest.raises(ValueError, match="unknown codec tag"):
         _codec.decode('{"__t":"pickle","v":"x"}', [])
+
+
+def test_every_dtype_a_snapshot_can_hold_round_trips_by_name():
+    for name, dtype in _codec.DTYPES.items():
+        assert _codec.dtype_named(name) is dtype
+        if dtype.is_floating_point and dtype.itemsize < 2:
+            continue  # float8: no arithmetic to fill it with
+        t = torch.arange(4).to(dtype)
+        (back,) = _codec.bytes_to_tensors(*_codec.tensors_to_bytes([t]))  # (metas, blob)
+        assert back.dtype is dtype and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("name", ["load", "save", "nn", "Tensor", "dtype", "float", "_C", "", None, 3])
+def test_a_dtype_name_read_back_is_looked_up_in_the_allow_list_only(name):
+    """On 2c061fd a name read from a snapshot went to ``getattr(torch, name)``: ``torch.load`` for ``"load"``."""
+    from neighbor_ckpt.errors import SnapshotCorruptError
+
+    with pytest.raises(SnapshotCorruptError, match="dtype"):
+        _codec.dtype_named(name)
+    with pytest.raises(SnapshotCorruptError):
+        _codec.decode(json.dumps({"__t": "dtype", "v": name}), [])
+    metas, blob = _codec.tensors_to_bytes([torch.zeros(2)])
+    metas[0]["dtype"] = name
+    with pytest.raises(SnapshotCorruptError):
+        _codec.bytes_to_tensors(metas, blob)
+
+
+def test_a_numpy_scalar_of_no_numeric_type_is_refused():
+    from neighbor_ckpt.errors import SnapshotCorruptError
+
+    text, tensors = _codec.encode({"x": np.float32(1.5)})
+    assert _codec.decode(text, tensors)["x"] == np.float32(1.5)
+    for bad in ("O", "V8", "U3", "M8[s]"):
+        with pytest.raises(SnapshotCorruptError):
+            _codec.decode(text.replace('"<f4"', json.dumps(bad)), tensors)
