@@ -282,7 +282,8 @@ class GlooTransport(NeighborTransport):
 
     # -- the elastic exchange ---------------------------------------------------------------------------
 
-    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int]) -> dict[int, torch.Tensor]:
+    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int], *,
+                 limits: Mapping[int, int] | None = None) -> dict[int, torch.Tensor]:
         _check_messages(out, self.topology.rank)
         sizes_in = {s: torch.zeros(1, dtype=torch.int64) for s in expect_from}
         works = [dist.irecv(t, src=s, group=self.group, tag=TAG_SIZES) for s, t in sizes_in.items()]
@@ -290,6 +291,7 @@ class GlooTransport(NeighborTransport):
         works += [dist.isend(t, dst=d, group=self.group, tag=TAG_SIZES) for d, t in sizes_out.items()]
         for w in works:
             w.wait()
+        check_announced({s: int(t.item()) for s, t in sizes_in.items()}, limits, self.topology.rank)
         data_in = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes_in.items()}
         works = [dist.irecv(t, src=s, group=self.group, tag=TAG_MSG) for s, t in data_in.items() if t.numel()]
         works += [dist.isend(m.contiguous(), dst=d, group=self.group, tag=TAG_MSG) for d, m in out.items()
@@ -297,6 +299,16 @@ class GlooTransport(NeighborTransport):
         for w in works:
             w.wait()
         return data_in
+
+
+def check_announced(sizes: Mapping[int, int], limits: Mapping[int, int] | None, rank: int) -> None:
+    """The sizes the senders announced are what this rank may allocate (pure): none negative, none above its
+    ``limits`` entry; :class:`TransportError` naming the sender otherwise."""
+    for src, n in sorted(sizes.items()):
+        limit = None if limits is None else limits.get(src)
+        if n < 0 or (limit is not None and n > limit):
+            raise TransportError(f"rank {rank}: rank {src} announced a message of {n} bytes where at most "
+                                 f"{limit} are expected: a corrupted or foreign peer; nothing allocated for it")
 
 
 def _check_messages(out: Mapping[int, torch.Tensor], rank: int) -> None:

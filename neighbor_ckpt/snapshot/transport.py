@@ -156,7 +156,10 @@ class NeighborTransport(ABC):
     # -- the elastic exchange ---------------------------------------------------------------------------
 
     @abstractmethod
-    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int]) -> dict[int, torch.Tensor]:
+    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int], *,
+                 limits: Mapping[int, int] | None = None) -> dict[int, torch.Tensor]:
         """Send ``out[dst]`` (a 1-D uint8 tensor) to every ``dst`` and receive one message from every rank in
         ``expect_from``; returns them by sender. Every rank a message names calls it in the same round; no order of
-        peers can deadlock. The bytes arrive as sent; checking them (a message's own checksum) is the caller's."""
+        peers can deadlock. The bytes arrive as sent; checking them (a message's own checksum) is the caller's.
+        ``limits``: the most bytes this rank expects from each sender; a larger announcement (a corrupted or foreign
+        peer) raises :class:`~neighbor_ckpt.errors.TransportError` before anything is allocated for it."""

@@ -273,7 +273,8 @@ class BrokenTransport(NeighborTransport):
         self.calls["pull_image"] += 1
         return self.inner.pull_image(role, src, index=index)
 
-    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int]) -> dict[int, torch.Tensor]:
+    def exchange(self, out: Mapping[int, torch.Tensor], expect_from: Sequence[int], *,
+                 limits: Mapping[int, int] | None = None) -> dict[int, torch.Tensor]:
         self.calls["exchange"] += 1
         out = dict(out)
         if self.mode == "exchange-reorder":
@@ -281,7 +282,7 @@ class BrokenTransport(NeighborTransport):
                 if m.numel() >= 2 * self.chunk and self._fire("exchange-reorder"):
                     out[dst] = m.clone()
                     self._mangle(out[dst], drop=False)
-        return self.inner.exchange(out, expect_from)
+        return self.inner.exchange(out, expect_from, limits=limits)
 
 
 BROKEN_MODES = ("stream-reorder", "pull-drop", "exchange-reorder")

@@ -62,3 +62,16 @@ def test_gloo_split_streams_over_a_group_of_its_own_and_recovers_over_the_one_pa
     assert isinstance(t, gloo_transport.GlooSplitTransport) and t.kind == "gloo_split"
     assert t.group is group and t.stream_group is not group
     assert dist.get_process_group_ranks(t.stream_group) == dist.get_process_group_ranks(group)
+
+
+def test_an_announced_message_larger_than_the_receiver_expects_is_refused_before_allocation() -> None:
+    """On 2c061fd the elastic exchange allocated whatever size a peer announced (``torch.empty(n)``)."""
+    from neighbor_ckpt.errors import TransportError
+    from neighbor_ckpt.snapshot.gloo_transport import check_announced
+
+    check_announced({1: 100, 2: 0}, {1: 100, 2: 5}, rank=0)
+    check_announced({1: 1 << 40}, None, rank=0)  # no limit given: as before
+    with pytest.raises(TransportError, match="rank 2 announced a message of 1099511627776 bytes where at most 5"):
+        check_announced({1: 100, 2: 1 << 40}, {1: 100, 2: 5}, rank=0)
+    with pytest.raises(TransportError, match="-1 bytes"):
+        check_announced({1: -1}, {1: 100}, rank=0)
