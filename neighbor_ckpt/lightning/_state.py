@@ -77,11 +77,38 @@ def apply_training_state(trainer: Any, state: dict[str, Any]) -> tuple[dict[str,
     return state["rng"], position.batches_in_epoch
 
 
+def _numpy_globals() -> list[Any]:
+    """What unpickling the numpy arrays of an RNG state needs (numpy 1.x and 2.x spell the module differently)."""
+    import numpy as np
+
+    multiarray = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
+    dtypes = getattr(np, "dtypes", None)
+    kinds = [] if dtypes is None else [getattr(dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType")
+                                       if hasattr(dtypes, n)]
+    return [multiarray._reconstruct, np.ndarray, np.dtype, *kinds]
+
+
+def _load_weights_only(path: Path) -> dict[str, Any]:
+    """An insurance checkpoint loaded without running code from it (``weights_only=True``): tensors, containers and
+    the numpy arrays of the RNG state only. Anything else in the file is refused in one line (a file of another
+    program, or one that was tampered with), never executed."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NeighborCkptError(f"insurance checkpoint {path}: holds an object that is not loaded without running "
+                                f"code from it ({why}); a checkpoint this library wrote holds none: move the file "
+                                "away, or remove the insurance directory to start without it") from None
+
+
 def load_insurance_checkpoint(trainer: Any, callback: Any, path: Path) -> None:
     """Load our insurance checkpoint (Lightning's own checkpoint format): weights, optimizer, and the callback's state
     through its ``load_state_dict``, looked up as Lightning does when it restores callbacks (``state_key``, then the
     legacy key)."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = _load_weights_only(path)
     trainer.lightning_module.load_state_dict(ckpt["state_dict"])
     trainer.optimizers[0].load_state_dict(ckpt["optimizer_states"][0])
     states = ckpt.get("callbacks") or {}

@@ -59,3 +59,27 @@ def test_an_insurance_file_in_release_0_1s_format_loads_weights_optimizer_and_st
     assert torch.equal(module.state_dict()["net.weight"], ckpt["state_dict"]["net.weight"])
     assert fresh.state_dict()["state"][0]["step"] == 1
     assert cb.session._loaded_state is not None and cb.session._loaded_state["batches_in_epoch"] == 6
+
+
+class _Payload:
+    """Any object whose unpickling runs code (here: a class of the test module)."""
+
+
+def test_an_insurance_file_is_loaded_weights_only_and_one_holding_code_is_refused(tmp_path: Path) -> None:
+    """On 2c061fd the insurance was loaded with ``weights_only=False``: unpickling ran whatever the file named. Now
+    tensors, containers and the RNG state's numpy arrays load; anything else is a typed error, never executed."""
+    import numpy as np
+
+    from neighbor_ckpt.errors import NeighborCkptError
+    from neighbor_ckpt.lightning._state import _load_weights_only
+
+    good = tmp_path / "good.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "rng": {"numpy": np.random.get_state(),
+                                                             "words": np.arange(3, dtype=np.uint32)}}, good)
+    loaded = _load_weights_only(good)
+    assert torch.equal(loaded["state_dict"]["w"], torch.ones(2))
+    assert np.array_equal(loaded["rng"]["numpy"][1], np.random.get_state()[1])
+    bad = tmp_path / "bad.ckpt"
+    torch.save({"state_dict": {}, "x": _Payload()}, bad)
+    with pytest.raises(NeighborCkptError, match="not loaded without running code"):
+        _load_weights_only(bad)
