@@ -10,13 +10,17 @@ its processes in :data:`~neighbor_ckpt.inprocess.protocol.ENV_COMPLETE_FILE` (re
 program exits 0).
 
 The path is per launch (the launch's run id is part of its name: :func:`marker_path`), so a marker left by an
-earlier launch in the same directory never ends a new one.
+earlier launch in the same directory never ends a new one. It is read as the snapshot slots are opened: without
+following a link (``O_NOFOLLOW``), and only when it is a regular file of this user that no one else can read or write
+(as :func:`mark_complete` writes it); anything else at that path is not the marker (another user's file, a link to
+one) and ends nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +28,9 @@ from typing import Optional
 __all__ = ["marker_path", "mark_complete", "marked", "completed"]
 
 logger = logging.getLogger(__name__)
+
+_refused: set[str] = set()
+"""The paths found holding something that is not the marker (said once each)."""
 
 
 def marker_path(directory: Path, run_id: str) -> Path:
@@ -51,9 +58,19 @@ def marked(path: Optional[Path], run_id: Optional[str]) -> bool:
     if path is None:
         return False
     try:
-        text = Path(path).read_text().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return False
+        return False  # absent, or a link (ELOOP): not the marker
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            if str(path) in _refused:
+                return False
+            _refused.add(str(path))  # said once: launchers look every poll
+            logger.warning("%s: not taken for the completion marker (not a private file of this user: uid %d, mode "
+                           "%o)", path, st.st_uid, stat.S_IMODE(st.st_mode))
+            return False
+        text = f.read(4096).decode(errors="replace").strip()
     return run_id is None or text == run_id
 
 

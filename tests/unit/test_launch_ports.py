@@ -103,3 +103,27 @@ def test_a_process_reads_the_completion_marker_of_its_own_launch_only(tmp_path: 
     assert completion.completed(identity.complete_file, identity.run_id)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert not completion.completed(path, "job-2"), "another launch's marker ends nothing"
+
+
+def test_the_completion_marker_is_a_private_file_of_this_user_never_a_link(tmp_path: Path) -> None:
+    """On 2c061fd the marker was read by path: a link to another file, or another user's file, holding the run id
+    ended a process's launch (a late process then exited 0 without joining)."""
+    path = completion.marker_path(tmp_path, "job-1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("job-1\n")
+    elsewhere.chmod(0o600)
+    path.symlink_to(elsewhere)
+    assert not completion.marked(path, "job-1"), "a link is not the marker"
+    path.unlink()
+    path.write_text("job-1\n")
+    path.chmod(0o644)
+    assert not completion.marked(path, "job-1"), "readable by others: not written by mark_complete"
+    path.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+        assert not completion.marked(path, "job-1"), "another user's file"
+        os.chown(path, 0, 0)
+    assert completion.marked(path, "job-1")
+    path.unlink()
+    completion.mark_complete(path, "job-1")
+    assert completion.marked(path, "job-1") and not completion.marked(path, "job-2")
