@@ -147,7 +147,7 @@ class InprocessRecovery:
                                       abort_timeout_s=config.abort_timeout_s, stuck_after_s=self.detector.timeout_s)
         self.hygiene = HygieneGuard(allowed_prefixes=LIFETIME_THREADS,
                                     rss_limit_bytes=int(config.hygiene_rss_growth_mib * 2**20),
-                                    reabort=self.aborts.abort_gloo)
+                                    reabort=self.aborts.reabort_after_finalize)
         self.spare_slot = None if snapshots is None else SpareSlot(
             snapshots, ranks=identity.active_world_size, launch_store=stores.torch_address,
             idle=lambda: self.state.current is None, name=self.state.name)

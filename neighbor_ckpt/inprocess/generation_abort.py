@@ -123,6 +123,15 @@ class GenerationAbort:
         except Exception as e:  # noqa: BLE001 - the barrier timeout then ends the job, as before
             logger.error("%s: could not declare this process dead: %s", st.name(), e)
 
+    def reabort_after_finalize(self, generation: int) -> None:
+        """A thread of the failed ``generation`` still runs after its groups were destroyed (the hygiene check's
+        second look): the wide abort, every connection of the attempt but the live stores'. Its groups are gone, so
+        nothing of the next generation rides on them; a thread blocked on a peer cut off by the network (no RST ever
+        comes), on a connection whose listener this process never read (the snapshot stream's group: its receive
+        thread waits on the ring predecessor) is freed only so. The campaign's case 128 saw such a thread make the
+        hygiene check replace a healthy process."""
+        self.abort_gloo(generation, wide=True)
+
     def abort(self, generation: int) -> None:
         """Shut down the sockets of this generation's process groups (once per generation)."""
         with self.state.lock:

@@ -217,7 +217,8 @@ class HygieneGuard:
         rss_limit_bytes: how much resident memory may grow over :data:`RSS_WINDOW_GENERATIONS` failed generations
             (``inprocess.hygiene_rss_growth_mib``).
         reabort: called between two looks with the failed generation: a thread of it may still wait on a peer whose
-            listener the first abort missed.
+            listener the first abort missed (the engine's: the wide abort, every connection of the attempt but the
+            live stores').
     """
 
     def __init__(self, *, allowed_prefixes: Iterable[str], rss_limit_bytes: int,

@@ -79,3 +79,35 @@ def test_a_training_thread_blocked_on_a_cut_peer_is_freed_by_the_wide_abort_and_
     finally:
         for s in (to_peer, accepted, to_store, store_side, peer, live):
             s.close()
+
+
+def test_a_thread_left_after_the_finalisation_blocked_on_a_cut_peer_is_freed_by_the_hygiene_checks_reabort() -> None:
+    """Campaign case 128: the training thread had left, but the snapshot stream's receive thread still waited on its
+    ring predecessor, cut off by the network, over a connection whose listener this process never read. On 2c061fd
+    the hygiene check's re-abort was the scoped one, which does not reach it, and the process was replaced; the
+    re-abort after the finalisation is now the wide one (every connection of the attempt but the live stores')."""
+    peer = socket.create_server(("127.0.0.1", 0))  # the predecessor's stream listener (never published)
+    live = socket.create_server(("127.0.0.1", 0))
+    state = EngineState(process=3, generation=0, members=frozenset({0, 1, 2, 3}), inside=False)
+    listeners = PeerListeners(state)
+    listeners.baseline = SocketBaseline.capture()
+    to_peer = socket.create_connection(peer.getsockname())
+    accepted, _ = peer.accept()
+    to_store = socket.create_connection(live.getsockname())
+    store_side, _ = live.accept()
+    aborts = GenerationAbort(state, listeners=listeners, clients=_Clients(live.getsockname()),  # type: ignore[arg-type]
+                             store_ports=frozenset({1, live.getsockname()[1]}), abort_timeout_s=5.0,
+                             stuck_after_s=60.0)
+    got: list[bytes] = []
+    recv = threading.Thread(target=lambda: got.append(to_peer.recv(10)), name="neighbor_ckpt-recv", daemon=True)
+    recv.start()
+    aborts.abort_gloo(0)  # the scoped abort: the connection to an unknown listener stays
+    recv.join(0.3)
+    assert recv.is_alive()
+    aborts.reabort_after_finalize(0)
+    recv.join(10)
+    assert not recv.is_alive() and got == [b""], "freed: the receive returned"
+    to_store.sendall(b"x")
+    assert store_side.recv(1) == b"x", "the live store's connection is kept"
+    for s in (to_peer, accepted, to_store, store_side, peer, live):
+        s.close()
