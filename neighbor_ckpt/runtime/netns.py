@@ -108,13 +108,42 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
 
 
+def _write_heal_marker(marker: Path) -> None:
+    """The heal timer's file: its exact identity (this process's start time; the pid is in the name), 0600."""
+    from neighbor_ckpt.runtime.procs import process_start
+
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{process_start()!r}\n")
+
+
+def heal_timer_is(marker: Path, pid: int) -> bool:
+    """Whether ``pid`` is the very heal timer that wrote ``marker`` (its start time as recorded, read without
+    following a link from a file of this user): a pid reused since by another process, whatever its command line,
+    is never killed."""
+    from neighbor_ckpt.runtime.procs import process_start
+
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    with os.fdopen(fd) as f:
+        if os.fstat(f.fileno()).st_uid != os.geteuid():
+            return False
+        try:
+            recorded = float(f.read(64).strip())
+        except ValueError:
+            return False
+    return process_start(pid) == recorded
+
+
 def _remove_tag(tag: str) -> None:
     """Remove everything of launch ``tag`` (a live one's at its end, a crashed one's later): its heal timers, its
     namespaces, its links, its state file."""
     for timer in STATE_DIR.glob(f"{tag}.heal.*"):
         with contextlib.suppress(ValueError, OSError):
             pid = int(timer.name.rsplit(".", 1)[1])
-            if tag in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            if heal_timer_is(timer, pid):
                 os.kill(pid, signal.SIGKILL)
         timer.unlink(missing_ok=True)
     for ns in _namespaces():
@@ -299,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     plan = NetworkPlan.from_json(a.plan.read_text())
     marker = STATE_DIR / f"{plan.tag}.heal.{os.getpid()}"
-    marker.touch()
+    _write_heal_marker(marker)
     try:
         time.sleep(a.after)
         if not a.plan.exists():  # the launch ended meanwhile: nothing left to heal

@@ -272,3 +272,26 @@ def test_a_monitor_probes_on_a_thread_of_its_own_reports_once_and_blames_what_th
     store.set("gen/0/reach/0", "2")
     assert reach.blame(0, [0, 1, 2]) == ((2,), True)
     assert not [t for t in threading.enumerate() if t.name.startswith(PROBE_THREAD)]
+
+
+def test_a_heal_timer_is_killed_by_its_exact_identity_not_by_a_tag_in_a_command_line(tmp_path: Path) -> None:
+    """On 2c061fd the clean-up SIGKILLed the pid named in a heal timer's file whenever that pid's command line held
+    the launch's tag: a reused pid, or any process with the tag among its arguments, was killed. Now the file records
+    the timer's start time and only that very process matches."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "tag.heal.1"
+    netns._write_heal_marker(marker)
+    assert netns.heal_timer_is(marker, os.getpid()), "the process that wrote it"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "tag"])
+    try:
+        assert not netns.heal_timer_is(marker, other.pid), "another process, the tag in its command line"
+    finally:
+        other.kill()
+        other.wait()
+    link = tmp_path / "tag.heal.2"
+    link.symlink_to(marker)
+    assert not netns.heal_timer_is(link, os.getpid()), "a link is not a timer's file"
+    (tmp_path / "tag.heal.3").write_text("garbage\n")
+    assert not netns.heal_timer_is(tmp_path / "tag.heal.3", os.getpid())
