@@ -231,6 +231,24 @@ class Launcher:
         self._stop_for: Optional[str] = None
         """Why this launch stops without a restart (the roll call found too few processes left), if it does."""
 
+    # -- staged slots -----------------------------------------------------------------------------------------
+
+    def drop_staged_slots(self) -> None:
+        """Remove the slots this launcher's processes staged as idle hot spares (before any exit of the launcher: a
+        staged slot is a full slot of /dev/shm, and nobody else removes it)."""
+        drop_staged(list(self._started), self._started)
+
+    def _sweep_staged(self) -> None:
+        """At start: the staged slots of processes gone on this node's store (a launcher SIGKILLed or cut off before
+        it dropped them)."""
+        from neighbor_ckpt.config import DEFAULT_STORE_DIR, expand_store_dir
+        from neighbor_ckpt.snapshot.store import sweep_staged_slots
+
+        where = str(Path(self.plan.store_root) / self.plan.node) if self.plan.store_root is not None else None
+        root = expand_store_dir(where or self.env.get("NEIGHBOR_CKPT_STORE_DIR") or DEFAULT_STORE_DIR)
+        for path in sweep_staged_slots(root):
+            logger.info("removed %s, staged by a process that is gone", path)
+
     # -- store ------------------------------------------------------------------------------------------------
 
     def _host_store(self) -> Optional[str]:
@@ -704,6 +722,7 @@ class Launcher:
         """Supervise until the job completes, gives up, loses the store or a signal stops it: the exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
+        self._sweep_staged()
         failed = self._host_store()
         if failed is not None:
             self._cannot_start = f"node {self.plan.node} cannot host store {self.plan.host_store}: {failed}"
@@ -779,7 +798,7 @@ class Launcher:
             self.stores.close()
             if self._att is not None and self._att.children:
                 self._stop(self._att, self.plan.grace_s)
-            drop_staged(list(self._started), self._started)
+            self.drop_staged_slots()
             self._exits.close()
             if self._host is not None and self._host.poll() is None:
                 self._host.terminate()

@@ -359,5 +359,10 @@ class LauncherLease:
                     os.killpg(child.proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+            drop = getattr(self.owner, "drop_staged_slots", None)
+            if drop is not None:  # os._exit runs no clean-up: the staged slots would stay in /dev/shm
+                drop()
+        except Exception as e:  # noqa: BLE001 - stopping anyway
+            logger.warning("launcher %s: before the cut-off: %s", self.node, e)
         finally:
             cut_off(f"launcher {self.node}", why)

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HostStore", "SlotRef", "store_bytes_per_rank", "rank_dir", "generation_dir", "store_generations",
            "remove_generations", "pick_slot_for_write", "encode_meta", "PreparedSlot", "stage_own_slot",
            "take_staged_slot", "discard_staged_slot", "discard_staged_slots", "staged_slot_files", "remove_staged_slots",
+           "sweep_staged_slots",
            "STAGED_PREFIX", "ROLE_OWN", "ROLE_REPLICA", "ROLE_LAZY", "COMMIT_TIME_KEY"]
 
 COMMIT_TIME_KEY = "committed_unix"
@@ -520,6 +521,25 @@ def staged_slot_files(root: Path, pids: Sequence[int] | None = None) -> list[Pat
         if prefixes is None or p.name.startswith(prefixes):
             out.append(p)
     return sorted(out)
+
+
+def sweep_staged_slots(root: Path) -> list[Path]:
+    """Delete the staged slots under ``root`` whose process is gone (its launcher was SIGKILLed or cut off before it
+    could drop them: a node's launcher sweeps at its start); returns what was removed. A slot of a live process
+    (another launch's idle spare on this node) is left alone. Never raises."""
+    dead = set()
+    for p in staged_slot_files(root):
+        try:
+            pid = int(p.name[len(STAGED_PREFIX):].split(".", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            dead.add(pid)
+        except PermissionError:
+            pass  # alive, another user's pid number: not ours to judge
+    return remove_staged_slots(root, sorted(dead)) if dead else []
 
 
 def remove_staged_slots(root: Path, pids: Sequence[int]) -> list[Path]:

@@ -113,3 +113,40 @@ def test_a_rank_whose_store_survived_stages_nothing_and_leftovers_are_discarded(
     assert stage_own_slot(tmp_path / "elsewhere", "job-r", header_cap=CAPS[0], payload_cap=CAPS[1],
                           extras_cap=CAPS[2])
     assert discard_staged_slots() == 1 and not list(tmp_path.rglob("staged-*"))
+
+
+def test_a_launcher_sweeps_the_staged_slots_of_processes_gone_and_leaves_the_live_ones(tmp_path: Path) -> None:
+    """A launcher SIGKILLed or cut off before it dropped its spares' staged slots leaked them (a full slot of
+    /dev/shm each); the next launcher on the node sweeps those whose process is gone at its start."""
+    import subprocess
+    import sys
+
+    from neighbor_ckpt.snapshot.store import staged_slot_files, sweep_staged_slots
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    job = tmp_path / store_mod._user() / "job-a"
+    job.mkdir(parents=True)
+    (job / f"staged-{gone.pid}.own.slot").write_bytes(b"x")
+    (job / f"staged-{gone.pid}.own.slot.tmp").write_bytes(b"x")
+    live = job / f"staged-{__import__('os').getpid()}.own.slot"
+    live.write_bytes(b"x")
+    removed = sweep_staged_slots(tmp_path)
+    assert sorted(p.name for p in removed) == [f"staged-{gone.pid}.own.slot", f"staged-{gone.pid}.own.slot.tmp"]
+    assert staged_slot_files(tmp_path) == [live]
+
+
+def test_a_launcher_cut_off_drops_its_staged_slots_before_it_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from neighbor_ckpt.inprocess import quorum
+
+    said: list[str] = []
+    dropped: list[bool] = []
+    monkeypatch.setattr(quorum, "cut_off", lambda name, why: said.append(why))
+    owner = SimpleNamespace(_att=SimpleNamespace(children={}), drop_staged_slots=lambda: dropped.append(True),
+                            known_complete=lambda: False)
+    stores = SimpleNamespace(over=False, timeout_s=1.0, promotion_wait_s=1.0, move_bound_s=1.0, epoch=0)
+    lease = quorum.LauncherLease(node="node0", nodes=3, timeout_s=2.0, beat_s=0.5, stores=stores, owner=owner)
+    lease.stop("no majority")
+    assert dropped == [True] and said == ["no majority"]
