@@ -95,8 +95,12 @@ class MajorityLease:
     the lease's start, at the first look): the member wrote it after that, so it was alive then, and no later time
     is known. :meth:`renewed` is the latest time at which a majority was known alive (the majority-th latest stamp)."""
 
-    def __init__(self, lease_s: float, *, me: object, now: float) -> None:
+    def __init__(self, lease_s: float, *, me: object, now: float, stamp_seen: bool = False) -> None:
         self.lease_s, self.me = lease_s, me
+        self.stamp_seen = stamp_seen
+        """Stamp a change when the look saw it, not one look back: the launchers' lease, which guards the launcher's
+        own acts (its processes stop on their own lease, which is the provable one) and keeps the slack of a whole
+        look for a launcher's loop that a loaded machine delays."""
         self._last: dict[object, tuple[object, float]] = {}
         self._renewed = now
         self._looked = now
@@ -118,7 +122,7 @@ class MajorityLease:
         """One look: ``seen`` maps members to what was read for them (absent: nothing read). True when a majority
         of ``quorum_set`` has been seen within the lease, counting this look."""
         members = frozenset(quorum_set) | {self.me}
-        since = min(self._looked, now)
+        since = now if self.stamp_seen else min(self._looked, now)
         for p, value in seen.items():
             old = self._last.get(p)
             if old is None or old[0] != value:
@@ -282,7 +286,8 @@ class LauncherLease:
         def done() -> bool:
             return bool(stores.over) or owner.known_complete()
 
-        self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic())
+        self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic(),
+                                   stamp_seen=True)
         self.answered_at = time.monotonic()
         doubt_s, grace_s = guard_times(stores, timeout_s)
         att = lambda: getattr(owner, "_att", None)  # noqa: E731
