@@ -47,7 +47,7 @@ from neighbor_ckpt.cli.torchrun_nodes import NodeAgents, node_agents, run_node_a
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.runtime.network_plan import NetworkPlan
 from neighbor_ckpt.runtime.netns import simulated_network
-from neighbor_ckpt.runtime.procs import stop_processes
+from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, stop_processes, with_run_tag
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
@@ -419,6 +419,9 @@ def slurm_script(plan: LaunchPlan) -> str:
     lines = [*_sbatch_header(plan, opts),
              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              "export NEIGHBOR_CKPT_NODE_ID=$(hostname)   # ring successors are chosen on other nodes",
+             "# the run tag every worker carries: a pid read from torchrun's store is killed only if it carries it",
+             f'export {RUN_TAG_ENV}="${{{RUN_TAG_ENV}:-$({shlex.quote(sys.executable)} -c '
+             "'import uuid; print(uuid.uuid4().hex)')}\"",
              f"srun --kill-on-bad-exit=0 {shlex.quote(sys.executable)} -m torch.distributed.run \\",
              f"    --nnodes={t.num_nodes} --nproc-per-node={t.devices} --max-restarts={lc.max_restarts} \\",
              f"    --rdzv-backend=c10d --rdzv-endpoint=\"$HEAD_NODE:{lc.rdzv_port}\" "
@@ -571,7 +574,10 @@ def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
     :mod:`neighbor_ckpt.cli.torchrun_nodes`; in process: one of our launchers per simulated node, each hosting a
     store); returns the launcher's exit code (several: :func:`~neighbor_ckpt.cli.torchrun_nodes.nodes_status` of the
     agents', in process :func:`launch_status` of the launchers'). Output goes to
-    ``log`` if given (the run directory's ``torchrun.log`` is the usual choice), else to this terminal."""
+    ``log`` if given (the run directory's ``torchrun.log`` is the usual choice), else to this terminal. Every process
+    of the job carries a run tag (:data:`~neighbor_ckpt.runtime.procs.RUN_TAG_ENV`): this environment's, else one
+    drawn for this launch (:func:`~neighbor_ckpt.runtime.procs.with_run_tag`), which torchrun and the in-process
+    launchers hand to their workers; a pid read from a store is killed only if it carries it."""
     t = plan.job.trainer
     if t.num_nodes != 1 and not plan.inprocess and t.accelerator == "gpu":
         raise ConfigError(f"config.trainer.num_nodes: {t.num_nodes} GPU nodes cannot run from one shell (simulated "
@@ -580,7 +586,9 @@ def run_local(plan: LaunchPlan, *, log: Path | None = None) -> int:
     write_run_dir(plan)
     with contextlib.ExitStack() as stack:
         out = None if log is None else stack.enter_context(open(log, "w"))
-        kw = {} if out is None else {"stdout": out, "stderr": subprocess.STDOUT}
+        kw: dict[str, Any] = {"env": with_run_tag(os.environ)}
+        if out is not None:
+            kw.update(stdout=out, stderr=subprocess.STDOUT)
         if not plan.inprocess and t.num_nodes > 1:
             return run_node_agents(torchrun_nodes(plan, endpoint=f"127.0.0.1:{_free_port()}",
                                                   store_root=_store_root(plan)), **kw)

@@ -1,6 +1,7 @@
 """The launcher's children as processes (:mod:`neighbor_ckpt.inprocess.launcher` runs them): each dies with its
 launcher (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, set between fork and exec), is signalled as its own session's process
-group, and a pid another process recorded beside it is SIGKILLed only when it is the same process on this node.
+group, and a pid another process recorded beside it is SIGKILLed only when it is the same process on this node and
+carries this launch's run tag (:func:`recorded_pid_to_kill`).
 
 **Why plain** :class:`subprocess.Popen` **and not torch.distributed.elastic's pieces.** ``start_processes``'s
 ``PContext`` runs a fixed set of processes as one group (``wait()`` fails the group when one fails, ``close()`` stops
@@ -60,17 +61,25 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def recorded_pid_to_kill(raw: Optional[bytes], *, node: str, child: int) -> Optional[int]:
+def recorded_pid_to_kill(raw: Optional[bytes], *, node: str, child: int, tag: Optional[str] = None) -> Optional[int]:
     """The pid of a ``proc/<p>`` record (JSON ``{"pid", "node", "start"}``) that a launcher of ``node`` may SIGKILL
     beside its ``child``: another process, recorded on this node, running as this launcher's user, whose start time
-    is the one recorded (the same process, not a pid reused since). None otherwise: a pid of another user's is never
-    signalled, whoever wrote the record."""
-    from neighbor_ckpt.runtime.procs import process_start, process_uid
+    is the one recorded (the same process, not a pid reused since), and whose environment carries this launch's run
+    tag ``tag`` (default: the one this launcher gives its children,
+    :func:`~neighbor_ckpt.runtime.procs.launch_run_tag`; :data:`~neighbor_ckpt.runtime.procs.RUN_TAG_ENV`). None
+    otherwise, with one line in the log for a process of this node that fails the user or the tag check: whoever can
+    write the record (a job process, or anyone the store lets in) names no process outside the job, neither another
+    user's nor one of this user's that this launch did not start (a shell, another job).
+
+    Why the tag and not the run id (:data:`~neighbor_ckpt.inprocess.protocol.ENV_RUN_ID`, which every child carries
+    too): see :data:`~neighbor_ckpt.runtime.procs.RUN_TAG_ENV`; in short, the run id is chosen by whoever starts the
+    launch and repeats across launches of one job file, the tag is drawn per launch."""
+    from neighbor_ckpt.runtime.procs import launch_run_tag, process_start, process_uid, tag_refusal
 
     try:
         rec = json.loads(raw) if raw else None
         other, start = int(rec["pid"]), rec.get("start")
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if other == child or rec.get("node") != node or start is None:
         return None
@@ -78,7 +87,13 @@ def recorded_pid_to_kill(raw: Optional[bytes], *, node: str, child: int) -> Opti
         logger.warning("the pid recorded beside process pid %d (%d) runs as another user: not signalled", child,
                        other)
         return None
-    return other if process_start(other) == start else None
+    if process_start(other) != start:
+        return None
+    why = tag_refusal(other, tag or launch_run_tag())
+    if why is not None:
+        logger.warning("the pid recorded beside process pid %d (%d) is not signalled: %s", child, other, why)
+        return None
+    return other
 
 
 def drop_staged(pids: Sequence[int], started: Mapping[int, Optional[str]]) -> None:

@@ -258,13 +258,19 @@ def child_command(plan: LauncherPlan) -> list[str]:
 
 def child_env(plan: LauncherPlan, *, index: int, local_rank: int, attempt: int, launcher_pid: int,
               replaces: Optional[int] = None, store_epoch: int = 0) -> dict[str, str]:
-    """The environment a process gets on top of the launcher's (pure); ``store_epoch``: the store in use now."""
+    """The environment a process gets on top of the launcher's (pure but for the run tag, the same on every call of
+    one launcher); ``store_epoch``: the store in use now. The run tag
+    (:data:`~neighbor_ckpt.runtime.procs.RUN_TAG_ENV`) is the launcher's own when it has one (its launch drew it),
+    else one drawn once for this launcher (:func:`~neighbor_ckpt.runtime.procs.launch_run_tag`): the launcher kills a
+    recorded pid only if it carries it (:func:`~neighbor_ckpt.inprocess.launcher_children.recorded_pid_to_kill`)."""
+    from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, launch_run_tag
+
     env = {protocol.ENV_PROCESS: str(index), protocol.ENV_PROCESSES: str(plan.processes),
            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(plan.count),
            protocol.ENV_STORE: plan.store_address, protocol.ENV_RUN_ID: plan.run_id,
            protocol.ENV_LAUNCHER: str(launcher_pid), protocol.ENV_SPARES: str(plan.spares),
            "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": plan.run_id,
-           "NEIGHBOR_CKPT_NODE_ID": plan.node, "TORCH_CPP_LOG_LEVEL": "error"}
+           "NEIGHBOR_CKPT_NODE_ID": plan.node, "TORCH_CPP_LOG_LEVEL": "error", RUN_TAG_ENV: launch_run_tag()}
     if plan.store_root is not None:
         env["NEIGHBOR_CKPT_STORE_DIR"] = str(Path(plan.store_root) / plan.node)
     if replaces is not None:

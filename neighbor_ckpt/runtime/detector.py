@@ -20,6 +20,16 @@ and discards a backup the training thread moved on under), SIGKILLs a failed ran
 process ignores SIGTERM; the launcher notices a killed one at once) and leaves with :data:`EXIT_FAILURE_DETECTED`
 so the launcher restarts the job.
 
+**Whose word a kill takes.** The failed rank's process is the one its ``info/<rank>`` record in the store names, and
+the store is torchrun's: it listens on every interface and authenticates nobody, so anyone who reaches it can write
+that record. The named process is SIGKILLed only if it runs on this operating-system instance, started at the
+recorded time (both public: a forger can copy them from ``/proc``), *and* carries this launch's run tag in its
+environment (:data:`neighbor_ckpt.runtime.procs.RUN_TAG_ENV`, compared with this process's own;
+:func:`~neighbor_ckpt.runtime.procs.signal_job_process`), which only the job's user can give a process of that
+user. Anything else (a process of the user that is not part of the job, another launch's) is left alone, with one
+line in the log; so is every process when this one has no tag (torchrun started by hand without one): torchrun then
+stops the failed worker with the rest of the group, a grace period later.
+
 :class:`Watch` and :class:`ProgressClock` are the decisions, pure and clock-injected (tested in one process);
 :class:`FailureDetector` is the thread.
 """
@@ -38,7 +48,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal
 
-from neighbor_ckpt.runtime.procs import boot_id, flush_logs, process_start
+from neighbor_ckpt.runtime.procs import boot_id, flush_logs, process_start, run_tag, signal_job_process
 
 logger = logging.getLogger(__name__)
 
@@ -167,14 +177,17 @@ class FailureDetector:
         on_failure: writes the lazy backup and the failure event; called from this thread, must not raise.
         interval_s, timeout_s, hang_timeout_s, kill_local: see :class:`neighbor_ckpt.config.DetectorConfig`.
         exit: how to leave (``os._exit`` by default; tests pass a recorder).
+        tag: this launch's run tag (default: this process's, :func:`~neighbor_ckpt.runtime.procs.run_tag`); a failed
+            rank's process is killed only if it carries the same (see the module docstring).
     """
 
     def __init__(self, store: Any, *, prefix: str, rank: int, world_size: int, local_ranks: tuple[int, ...],
                  node: str, progress: Callable[[], tuple[int, int | None, str]],
                  on_failure: Callable[[Failure], None], interval_s: float = 1.0, timeout_s: float = 5.0,
                  hang_timeout_s: float | None = None, kill_local: bool = True,
-                 exit: Callable[[int], None] = os._exit) -> None:  # noqa: A002
+                 exit: Callable[[int], None] = os._exit, tag: str | None = None) -> None:  # noqa: A002
         self.store, self.prefix, self.rank, self.world_size = store, prefix.rstrip("/"), rank, world_size
+        self.tag = tag or run_tag()
         self.node, self.progress, self.on_failure = node, progress, on_failure
         self.interval_s, self.timeout_s, self.kill_local, self._exit = interval_s, timeout_s, kill_local, exit
         self.local_ranks = local_ranks
@@ -361,6 +374,9 @@ class FailureDetector:
         self._exit(code)
 
     def _kill_if_local(self, rank: int) -> None:
+        """SIGKILL failed ``rank``'s process if it is one of this node's ranks, and the process its ``info`` record
+        names runs here, started when recorded and carries this launch's run tag; else leave it alone (one line in
+        the log when the record names a process of this node that fails the checks)."""
         if rank == self.rank or rank not in self.local_ranks:
             return
         try:
@@ -369,17 +385,24 @@ class FailureDetector:
             logger.warning("rank %d: cannot look up rank %d's process: %s", self.rank, rank, e)
             return
         self._peers[rank] = info
-        pid = int(info["pid"])
-        if info.get("node") != self.node or process_start(pid) != info.get("start"):
+        try:
+            pid, start = int(info["pid"]), info.get("start")
+        except (KeyError, TypeError, ValueError):
+            logger.warning("rank %d: rank %d's process record is unreadable (%.200r): not signalled", self.rank, rank,
+                           info)
+            return
+        if info.get("node") != self.node or start is None or process_start(pid) != start:
             return  # another node's process with the same rank number, or the process is gone / pid reused
         try:
-            os.kill(pid, signal.SIGKILL)
-            logger.error("rank %d: SIGKILLed rank %d (pid %d) so the launcher restarts the job now", self.rank, rank,
-                         pid)
-        except ProcessLookupError:
-            pass
+            why = signal_job_process(pid, signal.SIGKILL, start=start, tag=self.tag)
         except PermissionError as e:
             logger.warning("rank %d: may not kill rank %d (pid %d): %s", self.rank, rank, pid, e)
+            return
+        if why is None:
+            logger.error("rank %d: SIGKILLed rank %d (pid %d) so the launcher restarts the job now", self.rank, rank,
+                         pid)
+        else:
+            logger.warning("rank %d: rank %d's record names pid %d, not signalled: %s", self.rank, rank, pid, why)
 
     def cache_local_peers(self) -> None:
         """Read the process info of this node's other ranks now, while the store answers (it may be the failed

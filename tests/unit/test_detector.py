@@ -236,14 +236,41 @@ def test_sigterm_wakes_the_detector_thread_which_backs_up_and_leaves_the_exit_to
         signal.signal(signal.SIGTERM, prev)
 
 
+RUN_TAG = "NEIGHBOR_CKPT_HARNESS_RUN"
+"""The run tag's variable (:data:`neighbor_ckpt.runtime.procs.RUN_TAG_ENV`), spelled out: the tests below run on a
+checkout without the tag check too, and fail there."""
+
+
+def _sleeper(tag: str | None) -> "subprocess.Popen[bytes]":
+    """A process of this user (``sleep``) whose environment carries run tag ``tag`` (None: none)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != RUN_TAG}
+    if tag is not None:
+        env[RUN_TAG] = tag
+    return _started(subprocess.Popen(["sleep", "120"], env=env))
+
+
+def _started(p: "subprocess.Popen[bytes]") -> "subprocess.Popen[bytes]":
+    """``p`` once its ``exec`` is through (``Popen`` may return before the kernel has set the new environment up, and
+    ``/proc/<pid>/environ`` reads empty meanwhile)."""
+    import time as _time
+
+    for _ in range(3000):
+        with open(f"/proc/{p.pid}/environ", "rb") as f:
+            if f.read():
+                return p
+        _time.sleep(0.01)
+    raise AssertionError(f"process {p.pid} did not get through exec")
+
+
 @pytest.mark.parametrize("same_process", [True, False])
 def test_a_failed_rank_of_this_node_is_killed_only_while_its_pid_names_the_process_it_published(
-        same_process: bool) -> None:
+        same_process: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import signal
-    import subprocess
-    import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setenv(RUN_TAG, "launch-a")
+    proc = _sleeper("launch-a")
     try:
         start = process_start(proc.pid)
         h = Harness()
@@ -258,3 +285,48 @@ def test_a_failed_rank_of_this_node_is_killed_only_while_its_pid_names_the_proce
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("theirs", ["launch-a", None, "launch-b"], ids=["this-launch", "no-tag", "another-launch"])
+def test_a_recorded_process_is_killed_only_when_it_carries_this_launchs_run_tag(
+        theirs: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The ``info`` record names a process of this node, of this user, with its true start time (all a forger can
+    copy from ``/proc``): it is SIGKILLed only when its environment carries the detector's run tag; one without
+    (a process of the user that is not part of the job) or with another launch's is left alone, with a line."""
+    import signal
+
+    monkeypatch.setenv(RUN_TAG, "launch-a")
+    proc = _sleeper(theirs)
+    try:
+        h = Harness()
+        h.server.set("neighbor_ckpt/job/0/info/2", json.dumps(
+            {"pid": proc.pid, "node": os_instance(), "start": process_start(proc.pid)}))
+        with caplog.at_level("WARNING", logger="neighbor_ckpt.runtime.detector"):
+            h.det._kill_if_local(2)
+        if theirs == "launch-a":
+            assert proc.wait(120) == -signal.SIGKILL
+        else:
+            assert proc.poll() is None, "the detector returned: a kill would have been sent by now"
+            lines = [r.getMessage() for r in caplog.records if f"pid {proc.pid}" in r.getMessage()]
+            assert len(lines) == 1 and "not signalled" in lines[0] and "run tag" in lines[0], lines
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_detector_without_a_run_tag_kills_no_recorded_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun started by hand without a tag: the detector cannot tell the job's processes, so it signals none
+    (torchrun stops the failed worker with its group), even one that carries some tag."""
+    monkeypatch.delenv(RUN_TAG, raising=False)
+    procs = [_sleeper(None), _sleeper("launch-a")]
+    try:
+        h = Harness()
+        for rank, proc in zip((2, 3), procs):
+            h.server.set(f"neighbor_ckpt/job/0/info/{rank}", json.dumps(
+                {"pid": proc.pid, "node": os_instance(), "start": process_start(proc.pid)}))
+            h.det._kill_if_local(rank)
+        assert [p.poll() for p in procs] == [None, None]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

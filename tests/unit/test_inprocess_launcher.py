@@ -49,14 +49,16 @@ def test_a_command_line_that_is_not_a_launch_is_refused_with_a_usage_error(bad: 
         parse_args(BASE)  # no program
 
 
-def test_each_process_gets_its_index_the_launch_and_its_node_in_its_environment() -> None:
+def test_each_process_gets_its_index_the_launch_and_its_node_in_its_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEIGHBOR_CKPT_HARNESS_RUN", "tag-of-this-launch")
     plan = parse_args([*BASE, "--store-root", "/dev/shm/nc", "--", "t.py"])
     env = child_env(plan, index=4, local_rank=1, attempt=2, launcher_pid=777)
     assert env == {"RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                    protocol.ENV_STORE: "10.0.0.1:29650", protocol.ENV_RUN_ID: "job-1", protocol.ENV_LAUNCHER: "777",
                    protocol.ENV_SPARES: "1", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job-1",
                    "NEIGHBOR_CKPT_NODE_ID": "node3", "NEIGHBOR_CKPT_STORE_DIR": "/dev/shm/nc/node3",
-                   "TORCH_CPP_LOG_LEVEL": "error"}
+                   "TORCH_CPP_LOG_LEVEL": "error", "NEIGHBOR_CKPT_HARNESS_RUN": "tag-of-this-launch"}
     replacement = child_env(parse_args([*BASE, "t.py"]), index=6, local_rank=1, attempt=0, launcher_pid=1,
                             replaces=4)
     assert replacement[protocol.ENV_REPLACES] == "4" and replacement["RANK"] == "6"

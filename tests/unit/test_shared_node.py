@@ -205,17 +205,19 @@ def test_a_link_planted_in_place_of_a_rank_directory_is_refused(other_user: pwd.
     assert list(elsewhere.iterdir()) == []
 
 
-def test_a_launcher_never_signals_a_recorded_pid_of_another_user(other_user: pwd.struct_passwd) -> None:
+def test_a_launcher_never_signals_a_recorded_pid_of_another_user(other_user: pwd.struct_passwd,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``proc/<p>`` record naming a process of another user's (whoever wrote it: the same node, its true start
-    time) is not signalled; the same record naming a process of this user's is."""
+    time) is not signalled; the same record naming a process of this user's that carries the launch's run tag is."""
     import json
     import time
 
     from neighbor_ckpt.inprocess.launcher_children import recorded_pid_to_kill
-    from neighbor_ckpt.runtime.procs import process_start
+    from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, process_environ, process_start
 
+    monkeypatch.setenv(RUN_TAG_ENV, "this-launch")
     theirs = subprocess.Popen(["runuser", "-u", OTHER, "--", "sleep", "60"])
-    mine = subprocess.Popen(["sleep", "60"])
+    mine = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_TAG_ENV: "this-launch"})
     try:
         deadline = time.monotonic() + 30
         victim = None
@@ -226,6 +228,8 @@ def test_a_launcher_never_signals_a_recorded_pid_of_another_user(other_user: pwd
             victim = next((k.pid for k in kids if k.uids().real == other_user.pw_uid), None)
             time.sleep(0.05)
         assert victim is not None, "the other user's process did not start"
+        while not process_environ(mine.pid) and time.monotonic() < deadline:  # Popen may return before exec is through
+            time.sleep(0.01)
 
         def record(pid: int) -> bytes:
             return json.dumps({"pid": pid, "node": "node1", "start": process_start(pid)}).encode()
