@@ -15,8 +15,10 @@ fork whose client dies is SIGKILLed. Library code sees its launcher agent as its
 
 What differs from a cold start: the module state of the pre-imported libraries is the zygote's (imports ran without
 the rank's environment; Lightning's ``rank_zero_only.rank`` is set again from it; their objects are frozen out of
-the garbage collector, ``gc.freeze``), the hash seed and numpy's global RNG are shared, and ``/proc/<pid>/environ``
-shows the zygote's environment (its forks' processes are found by session instead, and stopped with their run).
+the garbage collector, ``gc.freeze``), the hash seed and numpy's global RNG are shared, and ``/proc/<pid>/cmdline``
+is the zygote's (``/proc/<pid>/environ`` is the client's, set by the zygote where the kernel allows it: the library
+kills a pid read from a store only when that process carries the launch's run tag there; what a fork started is
+also found by its session, and stopped with its run).
 Where a test depends on the process being started cold, it runs cold (marker ``cold``): the headline megatron-core
 kill test and the Slurm tests always do, and ``NEIGHBOR_CKPT_TEST_COLD=1`` runs every test cold. A cold and a warm
 run of one configuration share their failure-free baseline, so the suite itself compares warm and cold workers bit
@@ -26,8 +28,9 @@ In-process recovery (:mod:`neighbor_ckpt.inprocess`) forks warm too. Its launche
 session of its own with ``PR_SET_PDEATHSIG``; the fork is the process the engine runs in. What reaches the fork:
 the launcher's SIGKILL of a process the detector listed dead goes to the client's session, whose death the fork's
 watch thread turns into a SIGKILL of the fork, and the launcher also SIGKILLs the pid the engine recorded under
-``proc/<p>`` (the fork: same node id, its start time checked), so a SIGSTOPped fork, whose watch thread cannot run,
-dies as well; a launcher that dies takes the client with it (parent-death signal) and so the fork. What the fork
+``proc/<p>`` (the fork: same node id, its start time and its run tag checked), so a SIGSTOPped fork, whose watch
+thread cannot run, dies as well; a launcher that dies takes the client with it (parent-death signal) and so the
+fork. What the fork
 reports reaches the launcher: its exit status (the engine's fallback, fenced and hygiene statuses) and its death by
 a signal are the client's. The watch thread is in the engine's thread baseline (started before the worker), so the
 hygiene check does not count it.

@@ -13,14 +13,21 @@ client's parent pid) and the client's stdin/stdout/stderr as file descriptors. R
   identifies its launch by it, and a lost-node fault kills it);
 - SIGKILLs itself when its client goes away (a launcher's SIGKILL reaches the client only).
 
-What a fork started (megatron-core's manager servers, NeMo's checkpoint writers) stays in the fork's session; a
-harness that stops a run by its environment tag cannot see them (``/proc/<pid>/environ`` is the zygote's), so the
+What a fork started (megatron-core's manager servers, NeMo's checkpoint writers) stays in the fork's session; the
 zygote stops them once every client of that run is gone.
+
+A fork's ``/proc/<pid>/environ`` shows the client's environment, as a cold worker's would (:func:`show_environ`:
+``prctl(PR_SET_MM, PR_SET_MM_MAP)`` points the kernel's record of the environment block at a copy of it): the
+library kills a pid read from a store only when that process carries the launch's run tag there
+(:func:`neighbor_ckpt.runtime.procs.signal_job_process`), and a harness stops a run's processes by the same tag.
+Where the kernel refuses it (no ``CONFIG_CHECKPOINT_RESTORE``) the zygote says so once and the forks show the
+zygote's environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import gc
 import importlib
@@ -51,6 +58,61 @@ PRELOAD = ("torch", "torch.distributed", "numpy", "yaml", "xxhash", "megatron.co
 """What the workers of the test suite import (the library's own modules are not: each fork imports them fresh)."""
 
 RUN_TAG_ENV = "NEIGHBOR_CKPT_HARNESS_RUN"  # neighbor_ckpt.runtime.procs.RUN_TAG_ENV (not imported here: see PRELOAD)
+
+
+_PR_SET_MM, _PR_SET_MM_MAP = 35, 14  # linux/prctl.h
+
+
+class _MmMap(ctypes.Structure):
+    """``struct prctl_mm_map`` (linux/prctl.h)."""
+
+    _fields_ = [*((name, ctypes.c_uint64) for name in (
+        "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack", "arg_start", "arg_end",
+        "env_start", "env_end")),
+        ("auxv", ctypes.c_void_p), ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+
+
+_ENV_BLOCKS: list[ctypes.Array] = []
+"""The environment blocks :func:`show_environ` pointed the kernel at (alive as long as the process)."""
+
+
+def _set_env_block(start: int | None = None, end: int | None = None) -> str | None:
+    """Point this process's environment block (``/proc/<pid>/environ``) at ``[start, end)`` (default: where it is:
+    a probe that changes nothing); None when done, else why not. Only while this process runs one thread (the map
+    also restates ``brk``, which a concurrent ``brk()`` would move)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sbrk.restype = ctypes.c_void_p
+        with open("/proc/self/stat") as f:
+            stat = f.read().rpartition(")")[2].split()
+
+        def field(n: int) -> int:  # proc(5)'s numbering: field 3 is the first after the command name
+            return int(stat[n - 3])
+
+        mm = _MmMap(start_code=field(26), end_code=field(27), start_data=field(45), end_data=field(46),
+                    start_brk=field(47), brk=int(libc.sbrk(0) or 0), start_stack=field(28), arg_start=field(48),
+                    arg_end=field(49), env_start=field(50) if start is None else start,
+                    env_end=field(51) if end is None else end, auxv=None, auxv_size=0, exe_fd=0xFFFFFFFF)
+        if libc.prctl(_PR_SET_MM, _PR_SET_MM_MAP, ctypes.byref(mm), ctypes.sizeof(mm), 0) != 0:
+            return f"prctl(PR_SET_MM_MAP): {os.strerror(ctypes.get_errno())}"
+    except (OSError, AttributeError, ValueError, IndexError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def show_environ(env: dict[str, str]) -> str | None:
+    """Make ``/proc/<this pid>/environ`` show ``env`` (what a harness, and the library's run-tag check, read); None
+    when done, else why not."""
+    block = b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0" for k, v in env.items())
+    buf = ctypes.create_string_buffer(block, len(block))
+    why = _set_env_block(ctypes.addressof(buf), ctypes.addressof(buf) + len(block))
+    if why is None:
+        _ENV_BLOCKS.append(buf)
+    return why
+
+
+_SHOW_ENVIRON = True
+"""Whether the forks show their client's environment (the kernel allows it: probed at start-up)."""
 
 
 @dataclass
@@ -128,6 +190,8 @@ class Zygote:
         for other, _tag in self.children.values():
             other.close()
         os.setsid()
+        if _SHOW_ENVIRON:  # before any thread starts: the map restates brk
+            show_environ(request["env"])
         for target, fd in enumerate(fds):
             if fd != target:
                 os.dup2(fd, target)
@@ -273,6 +337,12 @@ def main() -> None:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s zygote %(levelname)s %(message)s")
+    global _SHOW_ENVIRON
+    why = _set_env_block()  # a probe, while this process still runs one thread (before the imports)
+    if why is not None:
+        _SHOW_ENVIRON = False
+        logger.warning("the forks' /proc/<pid>/environ will be the zygote's (%s): the library's run-tag check "
+                       "(neighbor_ckpt.runtime.procs.RUN_TAG_ENV) will not kill a fork named in a store", why)
     t0 = time.monotonic()
     for name in PRELOAD:
         try:
