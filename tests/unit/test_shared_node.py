@@ -38,7 +38,8 @@ OTHER = "nckpt_other"
 
 @pytest.fixture(scope="module")
 def other_user() -> Iterator[pwd.struct_passwd]:
-    """The local user ``nckpt_other`` (made with ``useradd`` if missing, kept for the next run)."""
+    """The local user ``nckpt_other``: made with ``useradd`` if missing, with no login shell (commands run as it through
+    ``runuser``, which needs none), and removed again at the end of the module when this run made it."""
     if os.geteuid() != 0:
         pytest.skip("making a second Unix user (useradd) and running commands as it (runuser) needs root; CI runs "
                     "as root")
@@ -49,11 +50,16 @@ def other_user() -> Iterator[pwd.struct_passwd]:
         return
     except KeyError:
         pass
-    proc = subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", OTHER], capture_output=True,
+    proc = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], capture_output=True,
                           text=True)
     if proc.returncode not in (0, 9):  # 9: made meanwhile by a test run beside this one
         pytest.fail(f"useradd {OTHER} failed: {proc.stderr}")
-    yield pwd.getpwnam(OTHER)
+    try:
+        yield pwd.getpwnam(OTHER)
+    finally:
+        if proc.returncode == 0:  # made here: removed here (its processes are the tests', ended by now)
+            subprocess.run(["pkill", "-KILL", "-u", OTHER], capture_output=True)
+            subprocess.run(["userdel", OTHER], capture_output=True)
 
 
 def as_other(*cmd: str) -> subprocess.CompletedProcess[str]:

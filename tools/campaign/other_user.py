@@ -57,7 +57,7 @@ def refuse_impossible() -> None:
     try:
         pwd.getpwnam(OTHER_USER)
     except KeyError:
-        made = subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", OTHER_USER], capture_output=True,
+        made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], capture_output=True,
                               text=True, timeout=60)
         if made.returncode not in (0, 9):  # 9: made meanwhile by a test run beside this one
             raise ValueError(f"useradd {OTHER_USER} failed ({made.stderr.strip() or made.returncode}); make the "
