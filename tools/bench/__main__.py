@@ -4,7 +4,7 @@ the in-process engine's cost per generation on one process, with ``--store-gate`
 operation, with ``--reform`` where an in-process re-form's time goes, gate on and off, with ``--kill-repeat`` the
 in-process kill of the demo launched again and again, each compared bit for bit, with ``--nodes`` in-process MTTR
 and detection of a killed rank and of a lost node by ranks per node and number of processes (the rest goes to that
-one)."""
+one), with ``--scale`` the control plane at 8 to 1,024 simulated nodes (:mod:`tools.bench.scale`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.bench import nodes
 
         return nodes.main([a for a in args if a != "--nodes"])
+    if "--scale" in args:
+        from tools.bench import scale
+
+        return scale.main([a for a in args if a != "--scale"])
     if "--generations" in args:
         from tools.bench import generations
 
