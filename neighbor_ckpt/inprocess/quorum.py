@@ -30,10 +30,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from neighbor_ckpt.config import LEASE_TICK_S
 from neighbor_ckpt.inprocess.protocol import EXIT_CUT_OFF
 
-__all__ = ["CUT_OFF", "cut_off_lease_s", "lease_precedes_decision", "launcher_lease_s", "majority", "majority_left", "MajorityLease", "LeaseGuard",
+__all__ = ["CUT_OFF", "cut_off_lease_s", "launcher_lease_s", "majority", "majority_left", "MajorityLease", "LeaseGuard",
            "LauncherLease", "cut_off", "guard_times"]
 
 logger = logging.getLogger(__name__)
@@ -43,28 +42,12 @@ CUT_OFF = "cut off from the majority"
 
 
 def cut_off_lease_s(timeout_s: float, interval_s: float) -> float:
-    """The lease: how long a process may go without seeing a majority, for a job whose ``detector.timeout_s`` (T) and
-    ``detector.interval_s`` (I) are given: ``(T + I) / 2``, 3 s at the defaults (5 s, 1 s). The argument, with the
-    renewal stamped at the look *before* the one that saw a majority's beats change (:meth:`MajorityLease.observe`:
-    those beats were written after it, and before the cut ``c``, so the last renewal ``r < c``):
-
-    * **the cut-off comes first**: the process stops by ``r + L + tick < c + L + tick``
-      (:data:`~neighbor_ckpt.config.LEASE_TICK_S`, its guard's period); the majority declares it only ``T`` after the
-      last of its beats it saw, which it wrote after ``c - I``: not before ``c - I + T``. So the lease must satisfy
-      ``L + tick <= T - I``;
-    * **a healthy majority keeps it**: each look (every ``I``) sees every live member's beat (every ``I``) changed,
-      stamped one look back: the renewal lags by at most ``2I``, so ``L > 2I``.
-
-    ``L = (T + I) / 2`` lies in between exactly when ``T >= 3I + 2 tick``, which the configuration checks
-    (:class:`~neighbor_ckpt.config.NeighborCkptConfig`) and :func:`lease_precedes_decision` states."""
+    """The lease: how long a process may go without seeing a majority, for a job whose ``detector.timeout_s`` and
+    ``detector.interval_s`` are given: half-way between what a healthy majority may look like (a beat every
+    ``interval_s``, seen by a look every ``interval_s``: up to two intervals old) and what the majority waits before
+    it declares this process silent (``timeout_s`` after the last beat it saw, which is at most an interval older
+    than the cut): ``(timeout_s + interval_s) / 2``. 3 s at the defaults (5 s, 1 s)."""
     return (timeout_s + interval_s) / 2.0
-
-
-def lease_precedes_decision(timeout_s: float, interval_s: float, tick_s: float = LEASE_TICK_S) -> bool:
-    """Whether a process cut off from the majority stops before the majority may declare it, and a healthy majority
-    renews the lease in time (pure): the two inequalities of :func:`cut_off_lease_s`."""
-    lease, eps = cut_off_lease_s(timeout_s, interval_s), 1e-9 * max(1.0, timeout_s)  # the bound itself is accepted
-    return lease + tick_s <= timeout_s - interval_s + eps and lease > 2 * interval_s
 
 
 def majority(quorum_set: Iterable[int]) -> int:
@@ -91,20 +74,12 @@ class MajorityLease:
 
     :meth:`observe` takes what a look read for each member of the quorum set (its heartbeat text, with its node's
     launcher's beat for a process: any change counts); the client itself counts as seen at each look (a look is a
-    store round trip that answered). A change is stamped with the time of the look *before* the one that saw it (or
-    the lease's start, at the first look): the member wrote it after that, so it was alive then, and no later time
-    is known. :meth:`renewed` is the latest time at which a majority was known alive (the majority-th latest stamp)."""
+    store round trip that answered). :meth:`renewed` is the latest time at which a majority had been seen since."""
 
-    def __init__(self, lease_s: float, *, me: object, now: float, stamp_seen: bool = False) -> None:
+    def __init__(self, lease_s: float, *, me: object, now: float) -> None:
         self.lease_s, self.me = lease_s, me
-        self.stamp_seen = stamp_seen
-        """Stamp a change when the look saw it, not one look back: the launchers' lease, which guards the launcher's
-        own acts (its processes stop on their own lease, which is the provable one) and keeps the slack of a whole
-        look for a launcher's loop that a loaded machine delays."""
         self._last: dict[object, tuple[object, float]] = {}
         self._renewed = now
-        self._looked = now
-        """When the previous look was made (the lease's start before the first)."""
         self.armed = False
         """Set once a majority was first seen: before that (the others still starting) the lease never expires."""
         self._over = False
@@ -122,17 +97,14 @@ class MajorityLease:
         """One look: ``seen`` maps members to what was read for them (absent: nothing read). True when a majority
         of ``quorum_set`` has been seen within the lease, counting this look."""
         members = frozenset(quorum_set) | {self.me}
-        since = now if self.stamp_seen else min(self._looked, now)
         for p, value in seen.items():
             old = self._last.get(p)
             if old is None or old[0] != value:
-                self._last[p] = (value, since)
+                self._last[p] = (value, now)
         self._last[self.me] = (None, now)
-        self._looked = now
-        stamps = sorted((self._last[p][1] for p in members if p in self._last), reverse=True)
-        need = majority(members)
-        if len(stamps) >= need and now - stamps[need - 1] <= self.lease_s:
-            self._renewed, self.armed = max(self._renewed, stamps[need - 1]), not self._over
+        fresh = sum(1 for p in members if p in self._last and now - self._last[p][1] <= self.lease_s)
+        if fresh >= majority(members):
+            self._renewed, self.armed = max(self._renewed, now), not self._over
             return True
         return False
 
@@ -192,7 +164,7 @@ class LeaseGuard:
     """
 
     def __init__(self, lease: MajorityLease, *, answered_at: Callable[[], float], epoch: Callable[[], int],
-                 name: str, doubt_s: float, grace_s: float, tick_s: float = LEASE_TICK_S,
+                 name: str, doubt_s: float, grace_s: float, tick_s: float = 0.1,
                  stop: Optional[Callable[[str], None]] = None, done: Callable[[], bool] = lambda: False,
                  lock: Optional[threading.Lock] = None, last_look: Callable[[], bool] = lambda: False) -> None:
         self.lease, self.answered_at, self.epoch, self.name = lease, answered_at, epoch, name
@@ -286,8 +258,7 @@ class LauncherLease:
         def done() -> bool:
             return bool(stores.over) or owner.known_complete()
 
-        self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic(),
-                                   stamp_seen=True)
+        self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic())
         self.answered_at = time.monotonic()
         doubt_s, grace_s = guard_times(stores, timeout_s)
         att = lambda: getattr(owner, "_att", None)  # noqa: E731
