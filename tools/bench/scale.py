@@ -72,6 +72,10 @@ class Settings:
     workers: int = 2
     cold_cap: int = 1024
     quiet_s: float = 60.0
+    reform_max: int = 2048
+    """Above this many processes, generation 1 (after the SIGSTOPped process) is written by the harness."""
+    memory_floor_mb: float = 2048.0
+    """Below this much available memory the size is stopped (its workers killed): other work shares the machine."""
     samples: int = 2
     standbys: int = 3
     groups_per_worker: int = 64
@@ -197,13 +201,18 @@ class SizeRun:
         self.steady_from = 0.0
         self.last_dead: dict[int, str] = {}
         """``dead`` as the harness last read it on the primary."""
+        self.out_of_memory: Optional[str] = None
+        """Why the workers were killed, if the machine ran short of memory."""
         self.forced = False
         """Whether the harness had to write a generation's outcome (its barrier did not form in time)."""
 
     # -- plumbing ----------------------------------------------------------------------------------------------
 
     def left(self, phase: str) -> float:
-        """Seconds left of the size's bound; :class:`Bound` when none is, before ``phase``."""
+        """Seconds left of the size's bound; :class:`Bound` when none is, before ``phase``, or when the machine ran
+        short of memory (the workers were killed)."""
+        if self.out_of_memory is not None:
+            raise Bound(self.out_of_memory)
         left = self.deadline - time.monotonic()
         if left < 1.0:
             raise Bound(f"the size's bound ({self.cfg.bound_s:.0f} s) was reached before phase {phase}")
@@ -245,7 +254,8 @@ class SizeRun:
         clock, t0 = CpuClock(), time.monotonic()
         token = cp.make_token_file(self.directory)
         self.hosts = StoreHosts(self.directory, token, 1 + min(self.cfg.standbys, self.nodes - 1))
-        sampler = self.sampler = Sampler(self.hosts.primary_pid)
+        sampler = self.sampler = Sampler(self.hosts.primary_pid, floor_mb=self.cfg.memory_floor_mb,
+                                         on_low=self._low_memory)
         for p in self.hosts.procs:
             sampler.watch(p.pid)
         self.rec["store_host_threads_idle"] = proc_threads(self.hosts.primary_pid)
@@ -288,6 +298,16 @@ class SizeRun:
             self.rec["phases"] = self.phases
         return self.rec
 
+    def _low_memory(self, available_mb: float) -> None:
+        """The machine has less than ``--memory-floor`` available: kill the workers now (other work shares the
+        machine), and say why in the record."""
+        if self.out_of_memory is None:
+            self.out_of_memory = (f"stopped: {available_mb:.0f} MB of memory left on the machine (the workers' "
+                                  "simulated processes outgrew it)")
+            for w in list(self.workers.values()):
+                if w.proc.poll() is None:
+                    w.proc.kill()
+
     def phase_cold(self) -> None:
         """The cold start: every process's and every launcher's first handshakes at the primary's gate, as one burst
         (``--cold-cap`` at once, shared out over the population workers); then the launchers' first contact and
@@ -325,14 +345,20 @@ class SizeRun:
             raise Bound(f"the cold start admitted {self.phases['cold']['admitted']} of {total} connections")
         call_all(self.live(), {"cmd": "launch"}, self.left("launch"))
 
-    def _form(self, generation: int, dead: Sequence[int], quorum_of: Sequence[int]) -> dict[str, Any]:
+    def _form(self, generation: int, dead: Sequence[int], quorum_of: Sequence[int], *,
+              adopt: bool = False) -> dict[str, Any]:
         """Every live process joins ``generation``'s real barrier. When it has not formed within ``--form-bound-s``
         (30 s after a formation the harness had to write already), the harness writes the outcome itself (every
-        expected process a member) and the phases go on; the formation is then recorded as not finished."""
+        expected process a member) and the phases go on; the formation is then recorded as not finished.
+        ``adopt``: the harness writes the outcome first; the population takes it without joining."""
         bound = min(self.cfg.form_bound_s if not self.forced else 30.0, self.left(f"form {generation}"))
         go = time.time()
+        members = sorted(set(range(self.layout.processes)) - set(dead))
+        if adopt:
+            assert self.watch is not None
+            self.watch.settle(generation, members)
         cmd = {"cmd": "form", "generation": generation, "dead": list(dead), "quorum_of": list(quorum_of),
-               "timeout_s": bound + self.cfg.form_bound_s}
+               "timeout_s": bound + self.cfg.form_bound_s, "adopt": adopt}
         box: dict[str, Any] = {}
 
         def run() -> None:
@@ -344,24 +370,30 @@ class SizeRun:
         t = threading.Thread(target=run, name="scale-form", daemon=True)
         t.start()
         t.join(bound)
-        forced = None
+        forced = late = None
         if t.is_alive():
             assert self.watch is not None
             arrived = self.watch.arrived(generation)
-            members = sorted(set(range(self.layout.processes)) - set(dead))
-            self.watch.settle(generation, members)
-            self.forced = True
-            forced = {"after_s": _round(time.time() - go), "arrived_by_then": arrived, "members": len(members)}
-            self.say(f"generation {generation} not formed within {bound:.0f} s ({arrived} arrived): written by "
-                     "the harness")
+            at = {"after_s": _round(time.time() - go), "arrived_by_then": arrived, "members": len(members)}
+            if self.watch.settle(generation, members):
+                self.forced, forced = True, at
+                self.say(f"generation {generation} not formed within {bound:.0f} s ({arrived} arrived): written by "
+                         "the harness")
+            else:  # the barrier formed; its processes were still reading the outcome
+                late = at
             t.join(self.left(f"form {generation}"))
         if "error" in box or "got" not in box:
             raise Bound(f"generation {generation}: {box.get('error', 'the workers did not answer')}")
         got = box["got"]
         joined, expected = sum(r["joined"] for r in got), sum(r["expected"] for r in got)
         last = max((r["last_unix"] for r in got if r["last_unix"] is not None), default=None)
+        if adopt:
+            forced = {"after_s": 0.0, "arrived_by_then": 0, "members": len(members),
+                      "why": f"more than {self.cfg.reform_max} processes: the population takes the outcome without "
+                             "a barrier (8,192 barrier threads in two OS processes outgrow this machine's memory)"}
         out = {"seconds": None if forced or last is None or joined < expected else _round(last - go),
                "joined": joined, "expected": expected, "harness_wrote_outcome": forced,
+               "outcome_still_read_at_bound": late,
                "fenced": sorted(p for r in got for p in r["fenced"]),
                "errors": _merge(r.get("errors", {}) for r in got),
                "per_worker_s": {w.name: None if r["last_unix"] is None else _round(r["last_unix"] - go)
@@ -402,12 +434,15 @@ class SizeRun:
         self._steady(got, window, first)
 
     def _first_rounds(self) -> list[list[float]]:
-        """Wait until every full-tier detector has done its first round and every population group has beaten
-        (a heartbeat not written yet makes a detector read every key one by one); the first rounds' costs."""
+        """Wait until every full-tier detector has done its first round, every population group has beaten (a
+        heartbeat not written yet makes a detector read every key one by one) and the full-tier launcher has beaten
+        twice (its first beat after a generation formed reads every member's record too); the first rounds'
+        costs."""
         while True:
-            got = call_all(self.live(), {"cmd": "counters", "since": 0.0}, self.left("steady"))
+            got = call_all(self.live(), {"cmd": "counters", "since": self.steady_from}, self.left("steady"))
             firsts = [f["first_round"] for r in got for f in r["full"]]
-            if all(x is not None for x in firsts) and all(r["groups_beating"] == r["groups"] for r in got):
+            if (all(x is not None for x in firsts) and all(r["groups_beating"] == r["groups"] for r in got)
+                    and all(len(lc["beats"]) >= 2 for r in got for lc in r["launchers"])):
                 return firsts
             time.sleep(1.0)
 
@@ -515,7 +550,8 @@ class SizeRun:
                         f"{self.cfg.detect_bound_s():.0f} s")
         assert self.watch is not None
         dead = sorted(self.watch.dead())
-        self.phases["form_after_failure"] = self._form(1, dead, list(range(self.layout.processes)))
+        self.phases["form_after_failure"] = self._form(1, dead, list(range(self.layout.processes)),
+                                                       adopt=self.layout.processes > self.cfg.reform_max)
 
     def phase_node(self) -> None:
         """SIGKILL the OS process of one node (its launcher and its processes)."""
@@ -649,6 +685,17 @@ def source_commit(given: Optional[str]) -> tuple[str, str]:
     return commit, "modified (uncommitted changes under neighbor_ckpt/)" if dirty else "clean"
 
 
+HARNESS_SIMULATED = [
+    "a generation's barrier that has not formed within --form-bound-s is written by the harness (every expected "
+    "process a member; the record says so: harness_wrote_outcome), so that the phases after it can run",
+    "above --reform-max processes, generation 1 (after the SIGSTOPped process was declared dead) is written by the "
+    "harness and only the full and beat tiers join it: a second barrier of 8,192 threads in two OS processes "
+    "outgrows this machine's memory",
+    "the SIGSTOPped process's launcher does not SIGKILL it: the harness does, once it was declared dead",
+]
+"""What the coordinator itself simulates, whatever the control plane (beside the adapter's ``SIMULATED``)."""
+
+
 def document(cfg: Settings, sizes: list[dict[str, Any]], commit: str, tree: str) -> dict[str, Any]:
     """The JSON document of a run: its settings, what is real and simulated, the machine, a record per size."""
     from tools.bench.machine import machine_info
@@ -657,11 +704,12 @@ def document(cfg: Settings, sizes: list[dict[str, Any]], commit: str, tree: str)
                          per_node=cfg.per_node, timeout_s=cfg.timeout_s, interval_s=cfg.interval_s)
     return {"benchmark": "scale", "date": datetime.date.today().isoformat(), "commit": commit, "tree": tree,
             "control_plane": cp.NAME, "timeout_s": cfg.timeout_s, "interval_s": cfg.interval_s,
-            "timing": cp.timing(spec), "real": cp.REAL, "simulated": cp.SIMULATED,
+            "timing": cp.timing(spec), "real": cp.REAL, "simulated": cp.SIMULATED + HARNESS_SIMULATED,
             "connections_today": cp.CONNECTIONS_TODAY, "code_refs": cp.code_refs(),
             "harness": {"per_node": cfg.per_node, "window_s": cfg.window_s, "bound_s": cfg.bound_s,
                         "population_workers": cfg.workers, "cold_cap": cfg.cold_cap,
                         "full_tier_samples": cfg.samples, "form_bound_s": cfg.form_bound_s, "quiet_s": cfg.quiet_s,
+                        "reform_max": cfg.reform_max, "memory_floor_mb": cfg.memory_floor_mb,
                         "standbys": cfg.standbys, "phases": list(cfg.phases),
                         "groups_per_worker": cfg.groups_per_worker},
             "machine": machine_info(Path(tempfile.gettempdir())), "sizes": sizes}
@@ -691,6 +739,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cold-cap", type=int, default=1024, help="cold-start connects in flight at most (default 1024)")
     ap.add_argument("--quiet-s", type=float, default=60.0,
                     help="before each size, wait up to this long for other processes to leave the CPUs (default 60)")
+    ap.add_argument("--reform-max", type=int, default=2048,
+                    help="above this many processes, generation 1 is written by the harness (default 2048)")
     ap.add_argument("--samples", type=int, default=2, help="full-tier processes beside the successors (default 2)")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"phases to run (default {','.join(PHASES)})")
     ap.add_argument("--commit", default=None, help="the commit the imported control plane is (default: git)")
@@ -708,7 +758,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s scale: %(message)s")
     cfg = Settings(per_node=args.per_node, timeout_s=args.timeout_s, interval_s=args.interval_s,
                    window_s=args.window_s, bound_s=args.bound_s, form_bound_s=args.form_bound_s, workers=args.workers,
-                   cold_cap=args.cold_cap, samples=args.samples, phases=phases, quiet_s=args.quiet_s)
+                   cold_cap=args.cold_cap, samples=args.samples, phases=phases, quiet_s=args.quiet_s,
+                   reform_max=args.reform_max)
     commit, tree = source_commit(args.commit)
     root = Path(tempfile.mkdtemp(prefix="nckpt-scale-"))
     records = []

@@ -204,16 +204,18 @@ class WatchClient:
             [key("gen", generation, "arrived")]) else None
         return len(set(parse_list(raw)))
 
-    def settle(self, generation: int, members: list[int]) -> None:
+    def settle(self, generation: int, members: list[int]) -> bool:
         """Write ``generation``'s outcome as its barrier would (first ``compare_set`` wins, then ``gen``): for a
-        barrier that did not form within the harness's bound."""
+        barrier that did not form within the harness's bound. False when the barrier's own outcome stood already."""
         from neighbor_ckpt.inprocess.generation import Members
         from neighbor_ckpt.inprocess.protocol import key
 
         mine = Members(generation=generation, members=frozenset(members), progressed=True, hangs=0).to_json()
         stood = self.gens.store.compare_set(key("gen", generation, "members"), "", mine)
-        if (stood.decode() if isinstance(stood, bytes) else stood) == mine:
+        won = (stood.decode() if isinstance(stood, bytes) else stood) == mine
+        if won:
             self.gens.store.set("gen", str(generation))
+        return won
 
     def close(self) -> None:
         self.stores.settle()

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from tools.bench import scale_adapter as cp
 
@@ -53,6 +53,17 @@ def proc_memory_mb(pid: int, field: str = "VmRSS") -> Optional[float]:
     return None
 
 
+def available_mb() -> Optional[float]:
+    """``MemAvailable`` of ``/proc/meminfo`` in MiB."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def proc_cpu_s(pid: int) -> Optional[float]:
     """CPU seconds (user + system) process ``pid`` has used, None when it is gone."""
     try:
@@ -84,11 +95,14 @@ class CpuClock:
 
 
 class Sampler:
-    """Every half second: the primary store host's threads and descriptors (their peaks), and the CPU seconds of the
-    harness's own processes (the last value seen of each, so that one killed meanwhile still counts)."""
+    """Every half second: the primary store host's threads and descriptors (their peaks), the CPU seconds and peak
+    memory of the harness's own processes (the last value seen of each, so that one killed meanwhile still counts),
+    and the machine's available memory (``on_low`` below ``floor_mb``)."""
 
-    def __init__(self, primary: int) -> None:
+    def __init__(self, primary: int, *, floor_mb: float = 0.0,
+                 on_low: Optional[Callable[[float], None]] = None) -> None:
         self.primary, self.peak_threads, self.peak_fds = primary, 0, 0
+        self.floor_mb, self.on_low = floor_mb, on_low
         self._cpu: dict[int, float] = {}
         self._rss_peak: dict[int, float] = {}
         self._pids: set[int] = set()
@@ -105,6 +119,9 @@ class Sampler:
             self.sample()
 
     def sample(self) -> None:
+        available = available_mb()
+        if self.on_low is not None and available is not None and available < self.floor_mb:
+            self.on_low(available)
         t, f = proc_threads(self.primary), proc_fds(self.primary)
         if t is not None:
             self.peak_threads, self.peak_fds = max(self.peak_threads, t), max(self.peak_fds, f or 0)

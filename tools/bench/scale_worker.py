@@ -130,9 +130,11 @@ class Host:
                 self._error("launcher tick", e)
             self.stop.wait(max(0.005, lc.next_in()))
 
-    def form(self, generation: int, dead: Sequence[int], quorum_of: Sequence[int], timeout_s: float) -> dict[str, Any]:
+    def form(self, generation: int, dead: Sequence[int], quorum_of: Sequence[int], timeout_s: float,
+             adopt: bool = False) -> dict[str, Any]:
         """Every live hosted process joins ``generation``'s real barrier (first writing ``proc`` and ``ready`` for
-        generation 0), one thread each; returns when all did or ``timeout_s`` passed."""
+        generation 0), one thread each; returns when all did or ``timeout_s`` passed. ``adopt``: the harness wrote
+        the outcome already; the population takes it without joining (only the full and beat tiers join)."""
         gone = set(dead)
         expected = set(range(self.spec.processes)) - gone
         last = frozenset(quorum_of)
@@ -159,6 +161,9 @@ class Host:
                 jobs.append((pc.process, lambda pc=pc: pc.join(generation, expected, last, timeout_s), pc.identify))
         for g in self.groups:
             g.live -= gone
+            if adopt:
+                g.generation = generation
+                continue
             for p in sorted(g.live):
                 jobs.append((p, lambda g=g, p=p: g.join(p, generation, expected, last, timeout_s),
                              lambda g=g, p=p: g.identify(p)))
@@ -257,7 +262,7 @@ class Host:
             return self.launch()
         if name == "form":
             return self.form(int(cmd["generation"]), cmd.get("dead", []), cmd.get("quorum_of", []),
-                             float(cmd["timeout_s"]))
+                             float(cmd["timeout_s"]), bool(cmd.get("adopt", False)))
         if name == "watch":
             return self.watch()
         if name == "reset":
