@@ -1,20 +1,28 @@
 """The fault campaign's ``inproc-other-user`` kind (pure parts): what it draws (``inproc-kill``'s case), the launch
 whose store addresses the other user probes, how the probe's output is counted and judged, and the one-line refusal
 where the second user cannot be made. The real probe as the other user: tests/unit/test_shared_node.py and
-tests/e2e/test_shared_node_sockets.py."""
+tests/e2e/test_shared_node_sockets.py. The second user's making and removal are run on a stand-in user database
+(:class:`_Accounts`), not with useradd."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.unit.campaign_runs import same_training_runs
 from tools.campaign.cases import KINDS, SPARES, WORLD, Case, Outcome, draw_cases
 from tools.campaign.judge import FOREIGN
-from tools.campaign.other_user import (PROBE, refusal, stores_behind_gates, store_addresses, summarize)
+from tools.campaign.other_user import (OTHER_USER, PROBE, make_user, refusal, remove_user, second_user,
+                                       stores_behind_gates, store_addresses, summarize)
 from tools.campaign.runner import inprocess_job, write_config
 
 KIND = "inproc-other-user"
@@ -188,3 +196,133 @@ def test_the_campaign_refuses_the_other_user_kind_in_one_line_where_no_second_us
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "inproc-other-user kind cannot run here" in err, err
     assert "needs root" in err and not (tmp_path / "c" / "baseline-distopt-tp1").exists(), "nothing ran"
+
+
+class _Accounts:
+    """The system's user and group database as ``useradd``/``userdel``/``groupdel`` change it, without running
+    them: a command runner for :mod:`tools.campaign.other_user` (``run``) and its look-ups."""
+
+    def __init__(self, *, users: tuple[str, ...] = (), groups: tuple[str, ...] = (), useradd_rc: int = 0,
+                 userdel_rc: int = 0, userdel_keeps_group: bool = False) -> None:
+        self.users, self.groups = set(users), set(groups)
+        self.useradd_rc, self.userdel_rc, self.keeps_group = useradd_rc, userdel_rc, userdel_keeps_group
+        self.calls: list[list[str]] = []
+
+    def run(self, cmd: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        self.calls.append(list(cmd))
+        name, rc = cmd[-1], 0
+        if cmd[0] == "useradd":
+            assert "/usr/sbin/nologin" in cmd and "--no-create-home" in cmd, "no login shell, no home"
+            rc = self.useradd_rc
+            if rc == 0:
+                self.users.add(name)
+                self.groups.add(name)  # USERGROUPS_ENAB, the default: a group of its name
+        elif cmd[0] == "userdel":
+            rc = self.userdel_rc
+            if rc == 0:
+                self.users.discard(name)
+                if not self.keeps_group:
+                    self.groups.discard(name)
+        elif cmd[0] == "groupdel":
+            self.groups.discard(name)
+        return subprocess.CompletedProcess(cmd, rc, stdout="", stderr="userdel: user is currently used" if rc else "")
+
+    def held(self, *, runs_ok: bool = True) -> Any:
+        """:func:`~tools.campaign.other_user.second_user` on these accounts (root and the tools taken as there)."""
+        def runs(_run: object) -> None:
+            if not runs_ok:
+                raise ValueError("runuser -u nckpt_other did not run as that user")
+
+        return second_user(run=self.run, check=lambda: None, runs=runs,
+                           make=functools.partial(make_user, user_exists=self.users.__contains__,
+                                                  group_exists=self.groups.__contains__),
+                           remove=functools.partial(remove_user, group_exists=self.groups.__contains__))
+
+    def commands(self) -> list[str]:
+        return [cmd[0] for cmd in self.calls]
+
+
+def test_the_campaign_removes_the_second_user_it_made_and_only_that_one() -> None:
+    acc = _Accounts()
+    with acc.held() as made:
+        assert made.user and OTHER_USER in acc.users
+    assert acc.commands() == ["useradd", "userdel"] and not acc.users and not acc.groups
+    there = _Accounts(users=(OTHER_USER,), groups=(OTHER_USER,))
+    with there.held() as made:
+        assert not made.user
+    assert there.commands() == [] and there.users == {OTHER_USER}, "a user that was there is left as it was"
+    meanwhile = _Accounts(useradd_rc=9)  # another run (a test run beside the campaign) made it meanwhile
+    with meanwhile.held() as made:
+        assert not made.user
+    assert meanwhile.commands() == ["useradd"], "that run's to remove"
+
+
+@pytest.mark.parametrize("how", ["exception", "KeyboardInterrupt", "SIGTERM"])
+def test_the_second_user_is_removed_however_the_campaign_ends(how: str) -> None:
+    acc = _Accounts()
+    before = signal.getsignal(signal.SIGTERM)
+    expected = {"exception": RuntimeError, "KeyboardInterrupt": KeyboardInterrupt, "SIGTERM": SystemExit}[how]
+    with pytest.raises(expected) as ended:
+        with acc.held():
+            if how == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs at the next bytecode: never reached
+            raise expected()
+    assert acc.commands() == ["useradd", "userdel"] and not acc.users
+    if how == "SIGTERM":
+        assert ended.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before, "the campaign's SIGTERM disposition is restored"
+
+
+def test_a_second_user_made_but_unable_to_run_is_removed_and_the_kind_refused() -> None:
+    acc = _Accounts()
+    with pytest.raises(ValueError, match="did not run as that user"):
+        with acc.held(runs_ok=False):
+            pytest.fail("the block does not run")
+    assert acc.commands() == ["useradd", "userdel"] and not acc.users
+
+
+def test_a_group_userdel_keeps_goes_too_unless_it_was_there_before(capsys: pytest.CaptureFixture[str]) -> None:
+    acc = _Accounts(userdel_keeps_group=True)
+    with acc.held():
+        pass
+    assert acc.commands() == ["useradd", "userdel", "groupdel"] and not acc.groups
+    theirs = _Accounts(groups=(OTHER_USER,), userdel_keeps_group=True)
+    with theirs.held():
+        pass
+    assert theirs.commands() == ["useradd", "userdel"] and theirs.groups == {OTHER_USER}
+    busy = _Accounts(userdel_rc=8)  # a process of the user still runs (someone else's): nothing is killed
+    with pytest.raises(RuntimeError, match="the campaign's own error"):
+        with busy.held():
+            raise RuntimeError("the campaign's own error")
+    err = capsys.readouterr().err
+    assert busy.users == {OTHER_USER} and err.count("\n") == 1, err
+    assert "userdel nckpt_other failed (userdel: user is currently used)" in err and "remove it by hand" in err
+
+
+def test_the_campaign_holds_the_second_user_from_before_its_failure_free_runs_to_its_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m tools.campaign`` with an other-user case: the user is made before anything runs and removed when
+    the campaign returns, also when its failure-free run fails or it is interrupted."""
+    from tools.campaign import other_user, runner
+
+    for ending in ("baseline failed", "interrupted"):
+        acc = _Accounts()
+        monkeypatch.setattr(other_user, "second_user", lambda: acc.held())
+        seen: list[set[str]] = []
+
+        def torchrun(*_a: object, **_kw: object) -> tuple[int, str]:
+            seen.append(set(acc.users))
+            if ending == "interrupted":
+                raise KeyboardInterrupt
+            return 1, ""
+
+        monkeypatch.setattr(runner, "_torchrun", torchrun)
+        out = tmp_path / ending.replace(" ", "-")
+        if ending == "interrupted":
+            with pytest.raises(KeyboardInterrupt):
+                runner.main(["--faults", "1", "--kinds", KIND, "--out", str(out)])
+        else:
+            assert runner.main(["--faults", "1", "--kinds", KIND, "--out", str(out)]) == 1
+        assert seen == [{OTHER_USER}], "there while the campaign runs"
+        assert acc.commands() == ["useradd", "userdel"] and not acc.users, ending

@@ -40,10 +40,11 @@ made), the network cut in the optimizer step (``fault_injection.target: partitio
 for good; node 0 and a spare node; that cut healed after 10 s; node 1's rank traffic only. Judged exact, and as
 tests/e2e/test_partitions.py: the side cut off says it is cut off from the majority and forms no generation, the
 healed majority is never fenced, the spare takes the rank (:func:`~tools.campaign.judge.partition`).
-``inproc-other-user``: ``inproc-kill``'s case while a second Unix user (root, ``useradd``; refused in one line where
-it cannot be made) tries every 0.5 s to read, write ``complete`` and write ``dead`` at every store address of the
-launch (:mod:`.other_user`): exact only with every attempt refused, its process alive at the end and nothing of it
-seen by the job (:func:`~tools.campaign.judge.other_user`).
+``inproc-other-user``: ``inproc-kill``'s case while a second Unix user (root, ``useradd``, no login shell; refused in
+one line where it cannot be made; one the campaign made is removed when it ends, however it ends) tries every 0.5 s
+to read, write ``complete`` and write ``dead`` at every store address of the launch (:mod:`.other_user`): exact only
+with every attempt refused, its process alive at the end and nothing of it seen by the job
+(:func:`~tools.campaign.judge.other_user`).
 Distributed optimizer, TP 1: compared with the same failure-free run as the restart-path cases of that configuration
 (in-process recovery changes no arithmetic; a shrink's failure-free run has dropout off and the global batch fixed).
 

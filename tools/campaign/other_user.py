@@ -2,31 +2,39 @@
 tools/store_probe.py probing every store address of the launch every :data:`PROBE_EVERY_S` from its start to its
 end), and what it came to (:func:`summarize`, judged by :func:`~tools.campaign.judge.other_user`).
 
-The user is ``nckpt_other``, the one tests/unit/test_shared_node.py makes (kept for the next run). The addresses: the
+The user is ``nckpt_other``, the one tests/unit/test_shared_node.py makes, with no home and no login shell
+(``/usr/sbin/nologin``: ``runuser`` needs none). The campaign holds it for its run (:func:`second_user`): made if
+missing, and then removed at the campaign's end however it ends (its cases done, a failure, ^C, SIGTERM); one that was
+there before is left as it was. The addresses: the
 launch's store list (each store host's gate), and once a store host says where its store listens (``a gate before the
 store on H:P`` in the launch log) that sealed store and the door on ``127.0.0.2`` at its port
 (:class:`neighbor_ckpt.inprocess.store_auth.Door`, closed once torch's own client is in; docs/shared-nodes.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import json
 import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from neighbor_ckpt.inprocess.protocol import launch_prefix
 from neighbor_ckpt.inprocess.store_auth import DOOR_HOST, MAGIC, NONCE_BYTES
 
 from .cases import WORLD
 
-__all__ = ["OTHER_USER", "PROBE", "SYSTEM_PYTHON", "PROBE_EVERY_S", "RESULT", "refuse_impossible", "Prober",
-           "summarize", "store_addresses"]
+__all__ = ["OTHER_USER", "PROBE", "SYSTEM_PYTHON", "PROBE_EVERY_S", "RESULT", "Made", "refuse_impossible",
+           "make_user", "remove_user", "second_user", "Prober", "summarize", "store_addresses"]
 
 OTHER_USER = "nckpt_other"
 PROBE = Path(__file__).resolve().parents[1] / "store_probe.py"
@@ -43,31 +51,128 @@ line is in ``other_user.jsonl`` beside it."""
 _STORE_LINE_RE = re.compile(r"a gate before the store on ([0-9.]+):(\d+)")
 
 
+Run = Callable[..., "subprocess.CompletedProcess[str]"]
+"""How the user's commands run (``subprocess.run``'s signature): the unit tests pass their own."""
+
+
+def _exists(lookup: Callable[[str], Any], name: str) -> bool:
+    try:
+        lookup(name)
+    except KeyError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Made:
+    """What :func:`make_user` made: the user (``useradd`` made it now, not another run meanwhile), and whether its
+    group (``nckpt_other``) was there before (a group ``useradd`` made goes with the user)."""
+
+    user: bool
+    group_before: bool = False
+
+
 def refuse_impossible() -> None:
-    """Raise ValueError (one line) unless the second user can be made and run here: root, ``useradd``, ``runuser``
-    and the system's Python, and ``nckpt_other`` exists or ``useradd`` makes it."""
+    """Raise ValueError (one line) unless the second user can be made and run here: root, ``useradd``, ``userdel``,
+    ``runuser`` and the system's Python."""
     if os.geteuid() != 0:
         raise ValueError(f"making a second Unix user (useradd) and running as it (runuser) needs root; this runs as "
                          f"uid {os.geteuid()}: run the campaign as root, or leave inproc-other-user out of --kinds")
-    missing = [t for t in ("useradd", "runuser") if shutil.which(t) is None]
+    missing = [t for t in ("useradd", "userdel", "runuser") if shutil.which(t) is None]
     if missing or not os.access(SYSTEM_PYTHON, os.X_OK):
         raise ValueError(f"{', '.join(missing + ([] if os.access(SYSTEM_PYTHON, os.X_OK) else [SYSTEM_PYTHON]))} not "
                          "found (shadow-utils/passwd, util-linux, the system's python3); install them, or leave "
                          "inproc-other-user out of --kinds")
-    try:
-        pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], capture_output=True,
-                              text=True, timeout=60)
-        if made.returncode not in (0, 9):  # 9: made meanwhile by a test run beside this one
-            raise ValueError(f"useradd {OTHER_USER} failed ({made.stderr.strip() or made.returncode}); make the "
-                             "user by hand, or leave inproc-other-user out of --kinds") from None
-    ran = subprocess.run(["runuser", "-u", OTHER_USER, "--", SYSTEM_PYTHON, "-c", "import os; print(os.getuid())"],
-                         capture_output=True, text=True, timeout=60)
+
+
+def make_user(*, run: Run = subprocess.run, user_exists: Callable[[str], bool] = lambda n: _exists(pwd.getpwnam, n),
+              group_exists: Callable[[str], bool] = lambda n: _exists(grp.getgrnam, n)) -> Made:
+    """Make :data:`OTHER_USER` (no home, no login shell) unless it exists. ``Made.user``: this call made it, so it is
+    this campaign's to remove (:func:`remove_user`); not when it was there, nor when another run (a test run beside
+    this one) made it meanwhile (``useradd`` exit 9).
+
+    Raises:
+        ValueError: ``useradd`` failed otherwise (one line)."""
+    if user_exists(OTHER_USER):
+        return Made(user=False)
+    group_before = group_exists(OTHER_USER)
+    made = run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], capture_output=True,
+               text=True, timeout=60)
+    if made.returncode == 9:  # made meanwhile by a test run beside this one: that run's to remove
+        return Made(user=False)
+    if made.returncode != 0:
+        raise ValueError(f"useradd {OTHER_USER} failed ({(made.stderr or '').strip() or made.returncode}); make the "
+                         "user by hand, or leave inproc-other-user out of --kinds")
+    return Made(user=True, group_before=group_before)
+
+
+def remove_user(made: Made, *, run: Run = subprocess.run,
+                group_exists: Callable[[str], bool] = lambda n: _exists(grp.getgrnam, n)) -> list[str]:
+    """Remove :data:`OTHER_USER` if ``made`` says this campaign made it (``userdel``; and ``groupdel`` of its group
+    where ``userdel`` kept one that was not there before). Never raises: what could not be removed, one line each
+    (``userdel`` refuses while a process of the user runs: someone else's, which is not killed here)."""
+    if not made.user:
+        return []
+    gone = run(["userdel", OTHER_USER], capture_output=True, text=True, timeout=60)
+    if gone.returncode != 0:
+        return [f"campaign: userdel {OTHER_USER} failed ({(gone.stderr or '').strip() or gone.returncode}): the user "
+                f"this campaign made is still there; remove it by hand (userdel {OTHER_USER})"]
+    if made.group_before or not group_exists(OTHER_USER):
+        return []
+    gone = run(["groupdel", OTHER_USER], capture_output=True, text=True, timeout=60)
+    if gone.returncode != 0:
+        return [f"campaign: groupdel {OTHER_USER} failed ({(gone.stderr or '').strip() or gone.returncode}); remove "
+                f"it by hand (groupdel {OTHER_USER})"]
+    return []
+
+
+def _check_runs(run: Run) -> None:
+    ran = run(["runuser", "-u", OTHER_USER, "--", SYSTEM_PYTHON, "-c", "import os; print(os.getuid())"],
+              capture_output=True, text=True, timeout=60)
     if ran.returncode != 0 or ran.stdout.strip() != str(pwd.getpwnam(OTHER_USER).pw_uid):
         raise ValueError(f"runuser -u {OTHER_USER} {SYSTEM_PYTHON} did not run as that user "
                          f"({(ran.stderr or ran.stdout).strip() or ran.returncode}); leave inproc-other-user out of "
                          "--kinds")
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM, in the block, ends this process through ``SystemExit`` (status 143), so that the ``finally`` blocks
+    around it run (Python's own default for SIGTERM runs none); SIGINT (^C) does already (``KeyboardInterrupt``)."""
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        before = signal.signal(signal.SIGTERM, _exit)
+    except ValueError:  # not the main thread: nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
+def second_user(*, run: Run = subprocess.run, check: Callable[[], None] = refuse_impossible,
+                make: Callable[..., Made] = make_user, remove: Callable[..., list[str]] = remove_user,
+                runs: Callable[[Run], None] = _check_runs) -> Iterator[Made]:
+    """:data:`OTHER_USER` for the block (the campaign's run): checked (:func:`refuse_impossible`), made if missing
+    (:func:`make_user`), checked to run as itself (``runuser``), and removed at the block's end when it was made here
+    (:func:`remove_user`), however the block ends: normally, by an exception, ^C, or SIGTERM (which exits through
+    ``SystemExit`` in the block). What could not be removed is said on stderr.
+
+    Raises:
+        ValueError: the user cannot be made or run here (one line; one made here is removed first)."""
+    check()
+    made = make(run=run)
+    try:
+        with _sigterm_exits():
+            runs(run)
+            yield made
+    finally:
+        for line in remove(made, run=run):
+            print(line, file=sys.stderr, flush=True)
 
 
 def store_addresses(stores: str) -> list[list[Any]]:

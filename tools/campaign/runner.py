@@ -547,14 +547,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             print(f"campaign: the partition kinds cannot run here: {e}", file=sys.stderr)
             return 2
-    if any(c.spec.other_user for c in todo):  # a second Unix user, or no such case at all
-        from .other_user import refuse_impossible as no_other_user
+    with contextlib.ExitStack() as held:
+        if any(c.spec.other_user for c in todo):  # a second Unix user, or no such case at all
+            from .other_user import second_user
 
-        try:
-            no_other_user()
-        except ValueError as e:
-            print(f"campaign: the inproc-other-user kind cannot run here: {e}", file=sys.stderr)
-            return 2
+            try:  # made here if missing, and then removed when the campaign ends, however it ends
+                held.enter_context(second_user())
+            except ValueError as e:
+                print(f"campaign: the inproc-other-user kind cannot run here: {e}", file=sys.stderr)
+                return 2
+        return _run_cases(args, work, settings, config, todo, outcomes, results)
+
+
+def _run_cases(args: argparse.Namespace, work: Path, settings: dict[str, Any], config: Path, todo: Sequence[Case],
+               outcomes: list[Outcome], results: Path) -> int:
+    """The failure-free runs the cases in ``todo`` need, then the cases, each outcome appended to ``results`` and
+    ``outcomes``; the table (:func:`_finish`)."""
     bases: dict[tuple[bool, int, bool], Path] = {}
     for flavour, case in sorted({c.flavour: c for c in todo}.items(), reverse=True):
         dist_opt, tp, fixed = flavour
