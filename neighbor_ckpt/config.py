@@ -287,6 +287,11 @@ class DetectorConfig:
                     "silent only after missing a few heartbeats")
 
 
+LEASE_TICK_S = 0.1
+"""How often an in-process client's cut-off lease is looked at (its guard's period): the slack the lease's
+inequality with the majority's decision leaves for it (:func:`neighbor_ckpt.inprocess.quorum.cut_off_lease_s`)."""
+
+
 @checked("neighbor_ckpt.inprocess")
 @dataclass(kw_only=True, slots=True)
 class InprocessConfig:
@@ -447,6 +452,13 @@ class NeighborCkptConfig:
                 "heartbeat goes on, its step does not) would never be noticed, and every other rank would wait for it "
                 "in a collective; set the seconds a step may stand still (more than the longest step plus a "
                 "synchronous persistent checkpoint)")
+        if p.ok("detector.timeout_s", "detector.interval_s"):
+            least = 3 * det.interval_s + 3 * LEASE_TICK_S
+            p.check(det.timeout_s >= least, "detector.timeout_s",
+                    f"{det.timeout_s!r} is too short for detector.interval_s ({det.interval_s!r}) in process: it must "
+                    f"be at least 3 x interval_s + {3 * LEASE_TICK_S:g} s ({least:g}), so that a process cut off from "
+                    "the majority provably stops itself before the majority may declare it dead (docs/timeouts.md, "
+                    "the cut-off lease); raise timeout_s or lower interval_s")
         if p.ok("detector.timeout_s", "inprocess.barrier_timeout_s"):
             p.check(inp.barrier_timeout_s > det.timeout_s, "inprocess.barrier_timeout_s",
                     f"{inp.barrier_timeout_s!r} must exceed detector.timeout_s ({det.timeout_s!r}): a process that "

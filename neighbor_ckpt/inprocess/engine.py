@@ -154,6 +154,8 @@ class InprocessRecovery:
         self.gave_up: Optional[str] = None
         self._cleanups: list[Callable[[], None]] = []
         self._main_gens: Optional[GenerationStore] = None
+        self._arm_lease: Callable[[], None] = lambda: None
+        """Arms the cut-off lease when this process's first generation formed (set by :meth:`run`)."""
         self._monitor_gens: Optional[GenerationStore] = None
         self._listener: Optional[FailureListener] = None
         self._main_tid: Optional[int] = None
@@ -409,6 +411,12 @@ class InprocessRecovery:
                            doubt_s=doubt_s, grace_s=grace_s,
                            last_look=GenerationStore(self.stores.once("lease", self.identity.prefix),
                                                      process=self.process).complete)
+
+        def arm_lease() -> None:
+            with monitor.lease_lock:
+                lease.arm(time.monotonic())
+
+        self._arm_lease = arm_lease
         main.store.set(protocol.key("proc", self.process), self.identity.record())
         # Everything alive now (modules, the imports' objects) lives as long as the process: exempt it from
         # collection, so a generation's clean-up collects only what the generation made.
@@ -466,6 +474,7 @@ class InprocessRecovery:
                 raise _GiveUp(str(e)) from None
             finally:
                 self.state.joining = None
+            self._arm_lease()  # formed: every member arrived and beats, the lease runs from here
             st = self.state
             st.generation, st.members, st.members_record = generation, members.members, members
             self.event("initialize")

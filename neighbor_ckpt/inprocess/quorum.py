@@ -24,15 +24,17 @@ Pure rules first (:func:`majority_left`, :class:`MajorityLease`), then the threa
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from neighbor_ckpt.config import LEASE_TICK_S
 from neighbor_ckpt.inprocess.protocol import EXIT_CUT_OFF
 
-__all__ = ["CUT_OFF", "cut_off_lease_s", "launcher_lease_s", "majority", "majority_left", "MajorityLease", "LeaseGuard",
+__all__ = ["CUT_OFF", "cut_off_lease_s", "lease_precedes_decision", "launcher_lease_s", "majority", "majority_left", "MajorityLease", "LeaseGuard",
            "LauncherLease", "cut_off", "guard_times"]
 
 logger = logging.getLogger(__name__)
@@ -41,13 +43,35 @@ CUT_OFF = "cut off from the majority"
 """The words of the one line a process or launcher logs when it stops itself (tests and operators grep for it)."""
 
 
-def cut_off_lease_s(timeout_s: float, interval_s: float) -> float:
-    """The lease: how long a process may go without seeing a majority, for a job whose ``detector.timeout_s`` and
-    ``detector.interval_s`` are given: half-way between what a healthy majority may look like (a beat every
-    ``interval_s``, seen by a look every ``interval_s``: up to two intervals old) and what the majority waits before
-    it declares this process silent (``timeout_s`` after the last beat it saw, which is at most an interval older
-    than the cut): ``(timeout_s + interval_s) / 2``. 3 s at the defaults (5 s, 1 s)."""
-    return (timeout_s + interval_s) / 2.0
+def cut_off_lease_s(timeout_s: float, interval_s: float, tick_s: float = LEASE_TICK_S) -> float:
+    """The lease L: how long a process may go without seeing a majority, for a job whose ``detector.timeout_s`` (T)
+    and ``detector.interval_s`` (I) are given: ``T - I - 2 tick``, 3.8 s at the defaults (5 s, 1 s), 1.55 s in the
+    shipped CPU job files (2 s, 0.25 s). The argument (docs/timeouts.md): a process beats and looks once a round
+    (:class:`~neighbor_ckpt.inprocess.monitor.Monitor`), every ``I``; let ``b`` be its last round before a cut at
+    ``c``. Its beat of that round reached the store, so the majority declares it no earlier than ``b + T``.
+
+    * **the renewal is no later than b**: a look that sees a majority's beats changed renews the lease as of the look
+      *before* it (:meth:`MajorityLease.observe`): those beats were written after that look. Beats written before
+      ``c`` are seen at the latest by the first look after ``c`` (``b + I``), which stamps ``b``: ``r <= b``;
+    * **the cut-off comes first**: the guard cuts the process off once a look the store answered finds the lease
+      expired (:meth:`LeaseGuard.check`): the first look after ``r + L``, within ``I``, then the guard's ``tick``. The
+      process stops by ``b + L + I + tick``, which is before ``b + T`` when ``L < T - I - tick``; ``L`` leaves one
+      more tick;
+    * **a healthy majority keeps it**: each look sees every live member's beat of the round changed, stamped one look
+      back: the renewal lags by less than ``2I``, so ``L`` must exceed ``2I``.
+
+    L is as long as the first inequality allows, so that a healthy process whose peers' rounds a loaded machine delays
+    does not stop itself (a false cut-off costs a healthy process). The second leaves at least a tick of slack exactly
+    when ``T >= 3I + 3 tick``, which the configuration checks (:class:`~neighbor_ckpt.config.NeighborCkptConfig`) and
+    :func:`lease_precedes_decision` states."""
+    return timeout_s - interval_s - 2 * tick_s
+
+
+def lease_precedes_decision(timeout_s: float, interval_s: float, tick_s: float = LEASE_TICK_S) -> bool:
+    """Whether a process cut off from the majority stops before the majority may declare it, and a healthy majority
+    renews the lease in time with a tick to spare (pure): the two inequalities of :func:`cut_off_lease_s`."""
+    lease, eps = cut_off_lease_s(timeout_s, interval_s, tick_s), 1e-9 * max(1.0, timeout_s)  # the bound is accepted
+    return lease + interval_s + tick_s < timeout_s and lease + eps >= 2 * interval_s + tick_s
 
 
 def majority(quorum_set: Iterable[int]) -> int:
@@ -74,37 +98,64 @@ class MajorityLease:
 
     :meth:`observe` takes what a look read for each member of the quorum set (its heartbeat text, with its node's
     launcher's beat for a process: any change counts); the client itself counts as seen at each look (a look is a
-    store round trip that answered). :meth:`renewed` is the latest time at which a majority had been seen since."""
+    store round trip that answered). A change is stamped with the time of the look *before* the one that saw it: the
+    member wrote it after that, so it was alive then, and no later time is known. The first look (and the first after
+    a :meth:`restart`) only learns the values: when they were written is not known. :meth:`renewed` is the latest
+    time at which a majority was known alive (the majority-th latest stamp).
 
-    def __init__(self, lease_s: float, *, me: object, now: float) -> None:
+    The lease is armed once a majority is first seen, or when the client's first generation formed (:meth:`arm`:
+    every member had arrived, and beats); before that (the others still starting) it never expires.
+    """
+
+    def __init__(self, lease_s: float, *, me: object, now: float, stamp_seen: bool = False) -> None:
         self.lease_s, self.me = lease_s, me
+        self.stamp_seen = stamp_seen
+        """Stamp a change when the look saw it, not one look back: the launchers' lease, which guards the launcher's
+        own acts (its processes stop on their own lease, which is the provable one) and keeps the slack of a whole
+        look for a launcher's loop that a loaded machine delays."""
         self._last: dict[object, tuple[object, float]] = {}
         self._renewed = now
+        self._looked: Optional[float] = None
+        """When the previous look was made (None: no look yet on this store, the next one only learns the values)."""
+        self._provisional = False
+        """The renewal is a move's grace (:meth:`restart`), replaced by the first majority seen on the new store."""
         self.armed = False
-        """Set once a majority was first seen: before that (the others still starting) the lease never expires."""
         self._over = False
+
+    def arm(self, now: float) -> None:
+        """The client's first generation formed at ``now``: every member had arrived (and beats), so the lease runs
+        from here even if no look has seen a majority yet."""
+        if not self._over and not self.armed:
+            self.armed, self._renewed = True, max(self._renewed, now)
 
     def disarm(self) -> None:
         """The job completed: the others leave, and that is no cut; the lease never expires again."""
         self.armed, self._over = False, True
 
-    def restart(self, now: float) -> None:
-        """A fresh start (after a move to another store: every beat starts again there); ``now`` may lie ahead."""
+    def restart(self, until: float) -> None:
+        """A fresh start after a move to another store (every beat starts again there): the lease holds until
+        ``until`` (the peers' time to follow), or until a majority is seen on the new store, whichever comes first."""
         self._last.clear()
-        self._renewed = max(self._renewed, now)
+        self._looked = None
+        self._renewed, self._provisional = max(self._renewed, until), True
 
     def observe(self, quorum_set: Iterable[object], seen: Mapping[object, object], now: float) -> bool:
         """One look: ``seen`` maps members to what was read for them (absent: nothing read). True when a majority
         of ``quorum_set`` has been seen within the lease, counting this look."""
         members = frozenset(quorum_set) | {self.me}
+        since = now if self.stamp_seen else (-math.inf if self._looked is None else min(self._looked, now))
         for p, value in seen.items():
             old = self._last.get(p)
             if old is None or old[0] != value:
-                self._last[p] = (value, now)
+                self._last[p] = (value, since)
         self._last[self.me] = (None, now)
-        fresh = sum(1 for p in members if p in self._last and now - self._last[p][1] <= self.lease_s)
-        if fresh >= majority(members):
-            self._renewed, self.armed = max(self._renewed, now), not self._over
+        self._looked = now
+        stamps = sorted((self._last[p][1] for p in members if p in self._last), reverse=True)
+        need = majority(members)
+        if len(stamps) >= need and now - stamps[need - 1] <= self.lease_s:
+            seen_at = stamps[need - 1]
+            self._renewed = seen_at if self._provisional else max(self._renewed, seen_at)
+            self._provisional, self.armed = False, not self._over
             return True
         return False
 
@@ -115,8 +166,11 @@ class MajorityLease:
     def renewed(self) -> float:
         return self._renewed
 
+    def expires_at(self) -> float:
+        return self._renewed + self.lease_s
+
     def expired(self, now: float) -> bool:
-        return self.armed and now - self._renewed > self.lease_s
+        return self.armed and now > self.expires_at()
 
 
 def guard_times(stores: Any, timeout_s: float) -> tuple[float, float]:
@@ -146,10 +200,13 @@ def cut_off(name: str, why: str, *, exit: Callable[[int], None] = os._exit) -> N
 
 class LeaseGuard:
     """The lease applied (a daemon thread, ``neighbor_ckpt-inprocess-lease``): every ``tick_s`` it looks at the
-    lease; when it has expired and the store still answers (``answered_at``: when the client's last look returned),
-    the client is cut off at once; when the store does not answer either, the client is in doubt and waits up to
-    ``doubt_s`` for a move to a promoted store (``epoch`` changes; the lease then starts again, ``grace_s`` ahead),
-    and is cut off when none comes.
+    lease; once it has expired, the first look the store answers (``answered_at``: when the client's last look
+    returned) decides: a look answered after the lease ran out saw no majority, and the client is cut off at once.
+    Until one answers the client is in doubt (its store may be the one cut off, the majority moving to a standby):
+    it waits up to ``doubt_s`` for a move to a promoted store (``epoch`` changes; the lease then holds for
+    ``grace_s``, or until a majority is seen there) and is cut off when none comes. Neither the time of the last
+    answer alone nor the renewal's tells the sides apart: a majority process that lost its store looked last just
+    after its renewal, a minority process long after.
 
     Args:
         lease: the lease, renewed by the client's looks.
@@ -164,7 +221,7 @@ class LeaseGuard:
     """
 
     def __init__(self, lease: MajorityLease, *, answered_at: Callable[[], float], epoch: Callable[[], int],
-                 name: str, doubt_s: float, grace_s: float, tick_s: float = 0.1,
+                 name: str, doubt_s: float, grace_s: float, tick_s: float = LEASE_TICK_S,
                  stop: Optional[Callable[[str], None]] = None, done: Callable[[], bool] = lambda: False,
                  lock: Optional[threading.Lock] = None, last_look: Callable[[], bool] = lambda: False) -> None:
         self.lease, self.answered_at, self.epoch, self.name = lease, answered_at, epoch, name
@@ -173,6 +230,7 @@ class LeaseGuard:
         self.lock = lock or threading.Lock()
         """Held by the client while it feeds the lease (a look and its verdict are one step)."""
         self._doubt: Optional[tuple[float, int]] = None
+        self._doubt_said = False
         self._epoch = epoch()
         self._quit = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -206,21 +264,26 @@ class LeaseGuard:
         with self.lock:
             epoch = self.epoch()
             if epoch != self._epoch:
-                self._epoch, self._doubt = epoch, None
+                self._epoch, self._doubt, self._doubt_said = epoch, None, False
                 self.lease.restart(now + self.grace_s)
                 return None
             if not self.lease.expired(now):
-                self._doubt = None
+                self._doubt, self._doubt_said = None, False
                 return None
             quiet = now - self.lease.renewed()
-            if now - self.answered_at() <= self.lease.lease_s:
+            answered = self.answered_at()
+            if answered >= self.lease.expires_at():
+                # a look the store answered found no majority within the lease: this side is the one cut off
                 return (f"no majority of the last generation seen for {quiet:.1f} s (the lease: "
                         f"{self.lease.lease_s:g} s) while the store answers")
+            # No look has answered since the lease ran out: the next one tells (within a round), or the store is
+            # lost (perhaps the one cut off, the majority moving to a standby): in doubt, wait for a promoted store.
             if self._doubt is None:
                 self._doubt = (now, epoch)
+            if not self._doubt_said and now - answered > self.lease.lease_s:
+                self._doubt_said = True
                 logger.warning("%s: no majority seen for %.1f s and the store does not answer: waiting up to %.0f s "
                                "for a store promoted by a majority of the launchers", self.name, quiet, self.doubt_s)
-                return None
             if now - self._doubt[0] > self.doubt_s:
                 return (f"no majority seen for {quiet:.1f} s and no store promoted by a majority of the launchers "
                         f"within {self.doubt_s:.0f} s")
@@ -258,7 +321,8 @@ class LauncherLease:
         def done() -> bool:
             return bool(stores.over) or owner.known_complete()
 
-        self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic())
+        self.lease = MajorityLease(launcher_lease_s(timeout_s, beat_s), me=node, now=time.monotonic(),
+                                   stamp_seen=True)
         self.answered_at = time.monotonic()
         doubt_s, grace_s = guard_times(stores, timeout_s)
         att = lambda: getattr(owner, "_att", None)  # noqa: E731

@@ -6,10 +6,12 @@ process."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch.distributed as dist
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.failover_replay import ReplayFacts, replay
@@ -41,18 +43,110 @@ def test_a_declaration_must_leave_a_majority_of_the_members_that_may_still_run()
 
 
 def test_the_lease_is_renewed_by_a_majority_of_changing_beats_and_armed_only_once_one_was_seen() -> None:
-    assert cut_off_lease_s(5.0, 1.0) == 3.0 and cut_off_lease_s(2.0, 0.2) == pytest.approx(1.1)
+    assert cut_off_lease_s(5.0, 1.0) == pytest.approx(3.8) and cut_off_lease_s(2.0, 0.25) == pytest.approx(1.55)
     assert launcher_lease_s(2.0, 0.5) == 1.5
     lease = MajorityLease(1.0, me=0, now=0.0)
-    assert not lease.observe({0, 1, 2, 3, 4}, {1: "a"}, 0.0), "2 of 5"
+    assert not lease.observe({0, 1, 2, 3, 4}, {1: "a", 2: "x"}, 0.0), "the first look only learns the values"
     assert not lease.expired(100.0), "never armed (the others may still be starting)"
-    assert lease.observe({0, 1, 2, 3, 4}, {1: "b", 2: "x"}, 100.0) and lease.armed
-    assert not lease.expired(100.9)
-    assert not lease.observe({0, 1, 2, 3, 4}, {1: "b", 2: "x"}, 101.2), "beats that stand still are not seen"
-    assert lease.expired(101.2) and lease.renewed() == 100.0
-    assert lease.observe({0, 1, 2, 3, 4}, {1: "c", 2: "x", 3: "q"}, 101.3), "1 and 3 changed: 0, 1, 3"
-    lease.restart(110.0)
-    assert not lease.expired(110.5) and lease.expired(111.5), "after a move: from the grace on"
+    lease.observe({0, 1, 2, 3, 4}, {1: "a", 2: "x"}, 99.5)
+    assert lease.observe({0, 1, 2, 3, 4}, {1: "b", 2: "y"}, 100.0) and lease.armed
+    assert lease.renewed() == 99.5, "stamped at the look before: the beats were written after it, no later is known"
+    assert not lease.expired(100.4) and lease.expired(100.6)
+    assert not lease.observe({0, 1, 2, 3, 4}, {1: "b", 2: "y"}, 100.6), "beats that stand still are not seen"
+    assert lease.observe({0, 1, 2, 3, 4}, {1: "c", 2: "y", 3: "q"}, 101.0), "1 and 3 changed: 0, 1, 3"
+    assert lease.renewed() == 100.6
+
+
+def test_the_lease_runs_from_the_first_generation_even_before_a_majority_was_seen() -> None:
+    """Issue 53, item 3: on 2c061fd a lease that had never seen a majority never expired, so a process cut off right
+    after its first generation formed never stopped itself."""
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    lease.observe({0, 1, 2}, {}, 4.0)
+    lease.arm(5.0)
+    assert lease.armed and not lease.expired(5.9) and lease.expired(6.1)
+    lease.disarm()
+    lease.arm(7.0)
+    assert not lease.armed and not lease.expired(100.0), "the job completed: never again"
+
+
+def test_after_a_move_the_grace_holds_only_until_a_majority_is_seen_on_the_new_store() -> None:
+    """Issue 53, item 3: on 2c061fd a move pushed the lease out by the whole grace (>= timeout_s) whatever was seen
+    next; now the first majority seen on the promoted store replaces it, so a process cut off there is back on the
+    ordinary lease."""
+    lease = MajorityLease(1.0, me=0, now=0.0)
+    lease.arm(0.0)
+    lease.restart(10.0)
+    assert not lease.expired(10.9) and lease.expired(11.1), "nothing seen there: the grace, then the lease"
+    assert not lease.observe({0, 1, 2}, {1: "a", 2: "b"}, 3.0), "values on the new store: when written, unknown"
+    assert lease.observe({0, 1, 2}, {1: "a2", 2: "b2"}, 3.5)
+    assert lease.renewed() == 3.0 and lease.expired(4.1), "the grace gave way to what was seen"
+
+
+def _first_verdict(guard: LeaseGuard, lease: MajorityLease, *, looks: list[tuple[float, dict]], ticks: list[float],
+                   answered: list[float], members: set[int]) -> tuple[Optional[float], Optional[str]]:
+    """Run looks (time, what was read) and the guard's ticks in time order: the first tick with a verdict."""
+    events = sorted([(t, 0, seen) for t, seen in looks] + [(t, 1, None) for t in ticks], key=lambda e: (e[0], e[1]))
+    for t, kind, seen in events:
+        if kind == 0:
+            answered[0] = t
+            lease.observe(members, seen, t)
+            continue
+        why = guard.check(t)
+        if why is not None:
+            return t, why
+    return None, None
+
+
+@settings(max_examples=400, deadline=None)
+@given(timeout_s=st.floats(0.3, 120.0), ratio=st.floats(0.01, 1.0), phases=st.tuples(*[st.floats(0.0, 0.999)] * 4),
+       cut_periods=st.floats(3.0, 40.0))
+def test_for_every_accepted_setting_a_process_cut_off_stops_before_the_majority_may_declare_it(
+        timeout_s: float, ratio: float, phases: tuple[float, float, float, float], cut_periods: float) -> None:
+    """Issue 53, item 3 (on 2c061fd the renewal was stamped when a look saw the beats and the lease ran on from
+    there: at the defaults the cut-off came up to two intervals after the majority could declare the process). Members
+    0, 1, 2; process 0 is cut off from 1 and 2 at ``c`` with the store on its side: its looks answer, 1 and 2's beats
+    stand still. 1 and 2 beat every interval; process 0 beats and looks once a round, every interval; the real guard
+    looks at the real lease every tick. For every (T, I) the configuration accepts: no verdict while the majority is
+    healthy, and process 0 is cut off "while the store answers" before ``T`` after its last beat before ``c``, the
+    earliest the majority may declare it."""
+    from neighbor_ckpt.config import LEASE_TICK_S, NeighborCkptConfig
+    from neighbor_ckpt.inprocess.quorum import lease_precedes_decision
+
+    interval_s = ratio * (timeout_s - 3 * LEASE_TICK_S) / 3
+    assume(interval_s >= 0.01)
+    NeighborCkptConfig(inprocess={"enabled": True, "barrier_timeout_s": 10 * timeout_s + 60},
+                       detector={"timeout_s": timeout_s, "interval_s": interval_s})  # accepted
+    assert lease_precedes_decision(timeout_s, interval_s)
+    look_phase, beat1, beat2, tick_phase = phases
+    cut = cut_periods * interval_s
+    n = int(cut_periods + timeout_s / interval_s) + 4
+    lease = MajorityLease(cut_off_lease_s(timeout_s, interval_s), me=0, now=0.0)
+    answered = [0.0]
+    guard = LeaseGuard(lease, answered_at=lambda: answered[0], epoch=lambda: 0, name="process 0", doubt_s=1e9,
+                       grace_s=timeout_s)
+    lease.arm(0.0)  # the first generation formed: every member beats from here on
+
+    def beats(phase: float, t: float) -> int:
+        return sum(1 for k in range(n) if (phase + k) * interval_s <= min(t, cut))
+
+    looks = [(t, {1: beats(beat1, t), 2: beats(beat2, t)}) for t in ((look_phase + k) * interval_s for k in range(n))]
+    ticks = [(tick_phase + j) * LEASE_TICK_S for j in range(int(looks[-1][0] / LEASE_TICK_S) + 2)]
+    stop, why = _first_verdict(guard, lease, looks=looks, ticks=ticks, answered=answered, members={0, 1, 2})
+    last_own_beat = max(t for t, _ in looks if t <= cut)  # process 0 beats in the round of its look
+    assert stop is not None and stop > cut, (stop, cut, "cut off while the majority was healthy")
+    assert "while the store answers" in why
+    assert stop < last_own_beat + timeout_s, (stop, last_own_beat + timeout_s)
+
+
+def test_a_setting_where_the_cut_off_could_come_after_the_decision_is_refused() -> None:
+    from neighbor_ckpt.config import NeighborCkptConfig
+    from neighbor_ckpt.errors import ConfigError
+    from neighbor_ckpt.inprocess.quorum import lease_precedes_decision
+
+    assert not lease_precedes_decision(3.2, 1.0) and lease_precedes_decision(3.3, 1.0)
+    with pytest.raises(ConfigError, match="detector.timeout_s: 3.2 is too short for detector.interval_s"):
+        NeighborCkptConfig(inprocess={"enabled": True}, detector={"timeout_s": 3.2, "interval_s": 1.0})
+    NeighborCkptConfig(detector={"timeout_s": 3.2, "interval_s": 1.0})  # the restart path has no lease
 
 
 def _guard(lease: MajorityLease, answered: list[float], epoch: list[int]) -> LeaseGuard:
@@ -60,31 +154,48 @@ def _guard(lease: MajorityLease, answered: list[float], epoch: list[int]) -> Lea
                       doubt_s=20.0, grace_s=3.0)
 
 
-def test_the_guard_cuts_off_at_once_while_the_store_answers_and_waits_for_a_promoted_store_in_doubt() -> None:
+def _renewed_at(t: float) -> MajorityLease:
     lease = MajorityLease(1.0, me=0, now=0.0)
-    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
-    answered, epoch = [0.0], [0]
+    lease.observe({0, 1, 2}, {1: "a"}, t - 0.2)
+    lease.observe({0, 1, 2}, {1: "b"}, t)
+    assert lease.renewed() == t - 0.2
+    return lease
+
+
+def test_the_guard_cuts_off_when_a_look_answered_after_the_lease_ran_out_and_waits_in_doubt_otherwise() -> None:
+    lease = _renewed_at(0.2)
+    answered, epoch = [0.2], [0]
     guard = _guard(lease, answered, epoch)
     assert guard.check(0.5) is None
-    answered[0] = 1.4
-    why = guard.check(1.5)
+    assert guard.check(1.1) is None, "expired, but no look has answered since: the next one tells"
+    answered[0] = 1.05
+    why = guard.check(1.15)
     assert why is not None and "while the store answers" in why, "a minority that holds the store: now"
 
-    lease = MajorityLease(1.0, me=0, now=0.0)
-    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
-    guard = _guard(lease, [0.0], epoch)
+    lease = _renewed_at(0.2)
+    guard = _guard(lease, [0.2], epoch)
     assert guard.check(1.5) is None, "no store answers either: in doubt"
     assert guard.check(21.0) is None
     why = guard.check(21.6)
     assert why is not None and "no store promoted by a majority of the launchers" in why
 
-    lease = MajorityLease(1.0, me=0, now=0.0)
-    lease.observe({0, 1, 2}, {1: "a"}, 0.0)
-    guard = _guard(lease, [0.0], epoch)
+    lease = _renewed_at(0.2)
+    guard = _guard(lease, [0.2], epoch)
     assert guard.check(1.5) is None
     epoch[0] = 1  # moved to a store the majority promoted: the lease starts again there, after the grace
     assert guard.check(10.0) is None and guard.check(13.9) is None
     assert guard.check(14.2) is None, "nothing answered since: in doubt again, not cut off"
+
+
+def test_a_majority_process_whose_store_is_lost_right_after_its_renewal_waits_in_doubt() -> None:
+    """What the first attempt at item 3 (2358791) got wrong: with the renewal one look back, a majority process whose
+    store went silent found its lease expired while the store's last answer was younger than the lease, and was cut
+    off "while the store answers" (processes 1-3 exited 79 in the partition e2e). Its last look renewed the lease."""
+    lease = _renewed_at(5.0)  # renewed as of 4.8, by the look at 5.0, the last the store answered
+    guard = _guard(lease, [5.0], [0])
+    assert all(guard.check(t) is None for t in (5.7, 5.9, 6.5, 10.0, 24.0))
+    why = guard.check(26.0)
+    assert why is not None and "no store promoted" in why
 
 
 def test_cut_off_says_the_line_and_exits_with_its_own_status(caplog: Any) -> None:
@@ -235,10 +346,10 @@ def test_what_a_client_read_as_exited_is_kept_as_a_fact_whatever_was_suspected_f
 def test_the_guard_stops_a_client_whose_lease_ran_out_unless_the_job_completed_meanwhile() -> None:
     """The others leave when the job completed: that is no cut (the last look before a cut-off says so)."""
     for completed in (True, False):
-        lease = MajorityLease(0.05, me=0, now=0.0)
         import time
 
-        lease.observe({0, 1, 2}, {1: "a"}, time.monotonic())
+        lease = MajorityLease(0.05, me=0, now=time.monotonic())
+        lease.arm(time.monotonic())
         stopped: list[str] = []
         guard = LeaseGuard(lease, answered_at=time.monotonic, epoch=lambda: 0, name="process 0", doubt_s=20.0,
                            grace_s=3.0, tick_s=0.01, stop=stopped.append, last_look=lambda c=completed: c)
