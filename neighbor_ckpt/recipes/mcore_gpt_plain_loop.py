@@ -18,7 +18,11 @@ ranks, ``--kill-phase`` says where in the step: ``forward``, ``backward`` (when 
 ``optimizer`` (inside the optimizer step, after the wait point; the default), ``copy`` (the snapshot of STEP half
 copied into its slot) or ``stream`` (that snapshot half streamed to the ring successor); ``--kill-signal
 SIGKILL|SIGSTOP|block`` whether it dies, hangs, or its training thread blocks in a C call while its heartbeat goes
-on (``<out>/fault.json`` records when). On the restart, ``--replace-store``
+on (``<out>/fault.json`` records when). ``--hold RANK[,RANK]:STEP`` (in process, first attempt only): those ranks'
+training threads hold just before the optimizer step of STEP (its step tag, their next progress mark), in Python, in
+short sleeps that the in-process abort interrupts, while the other ranks go on into that step and block in its first
+collective: the other ranks are one progress mark ahead (``<out>/fault.hold.rank<R>.json`` records when; combine it
+with a ``partition`` fault of the ``--config`` file in the optimizer phase of STEP). On the restart, ``--replace-store``
 gives the victims empty host stores (replaced nodes), ``--damage bitflip|truncate|header`` damages their newest own
 snapshot (``--damage-seed``: a random bit), and ``--kill-recovery RANK`` SIGKILLs that rank while it loads the
 restored state (needs ``--max-restarts 2``); ``--misplace-data-on-restart`` makes a restarted attempt read other
@@ -83,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill-signal", choices=("SIGKILL", "SIGSTOP", "block"), default="SIGKILL",
                     help="SIGKILL: the rank dies; SIGSTOP: it hangs, heartbeat included; block: its training thread "
                          "blocks in a C call while its other threads (the heartbeat) go on")
+    ap.add_argument("--hold", default=None, metavar="RANK[,RANK]:STEP",
+                    help="in process, first attempt: these ranks' training threads hold (interruptible sleeps) just "
+                         "before the optimizer step of STEP, until the generation is aborted: the other ranks get one "
+                         "more progress mark")
     ap.add_argument("--kill-permanent", action="store_true",
                     help="the victim's node is gone: its launcher agent (the parent process) is killed with it")
     ap.add_argument("--replace-store", action="store_true", help="the killed rank restarts with an empty host store")
@@ -285,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rec = Recorder(args.out)
     victims, kill_step = _parse_kill(args.kill)
+    holders, hold_step = _parse_kill(args.hold)
     nc_config = NeighborCkptConfig.from_yaml(args.config) if args.config else NeighborCkptConfig()
     planned = planned_faults(nc_config, args)  # the --config file's fault_injection section (several faults)
     global_batch = job_global_batch(args, nc_config)
@@ -406,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
                                           micro_batch_size=mbs, decoder_seq_length=SEQ, forward_only=False)
                 rec.loss(step, global_loss(gpt, losses), consumed=consumed,
                          samples=step_samples(gpt, consumed + misplaced), generation=generation)
+                if RANK in holders and step == hold_step and first_attempt:
+                    hold(rec, step)  # fault injection: before this step's tag, until the in-process abort
                 ok, _, _ = optimizer.step()
                 if not ok:
                     raise RuntimeError(f"optimizer step {step} was skipped (non-finite gradients)")
@@ -548,6 +559,27 @@ def fault(rec: Recorder, args: argparse.Namespace, phase: str, signal_name: str 
         ctypes.CDLL(None).sleep(3600)
         return
     os.kill(os.getpid(), getattr(signal, sig))
+
+
+HOLD_TICK_S = 0.05
+"""``--hold``: the length of each sleep of a holding training thread (the abort's exception lands between two)."""
+
+
+def hold(rec: Recorder, step: int) -> None:
+    """Fault injection (``--hold``): the training thread holds here for good, in Python (sleeps of
+    :data:`HOLD_TICK_S`), so that the in-process abort's :class:`~neighbor_ckpt.inprocess.abort.GenerationAborted`,
+    raised at the next bytecode, ends it; unlike ``--kill-signal block``, whose C call no abort frees. Records when
+    (``fault.hold.rank<R>.json``, with the pid for the launch's orphan check). Its progress tag stands still meanwhile:
+    the ranks that do not hold get the step's next progress mark (the optimizer step's tag) and block in its first
+    collective."""
+    rec.json(f"fault.hold.rank{RANK}.json", {"rank": RANK, "step": step, "phase": "hold", "unix": time.time(),
+                                              "pid": os.getpid()})
+    logging.getLogger(__name__).warning("fault injection: rank %d holds before the optimizer step of step %d, until "
+                                        "the generation is aborted", RANK, step)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    while True:
+        time.sleep(HOLD_TICK_S)
 
 
 def planned_faults(config: Any, args: argparse.Namespace) -> tuple[Any, ...]:

@@ -15,7 +15,10 @@ the node addresses changes nothing).
   10 s: the minority never forms a generation, the majority (nodes 1, 2, 4) finishes, nobody of it fenced;
 * ``traffic: ranks`` for node 1 (its rank network cut, the stores reachable): every rank stalls in the same
   collective; the majority cannot reach node 1's gloo listeners, so node 1 is blamed and replaced by the spare, as a
-  lost node.
+  lost node;
+* the same cut with node 1 one progress mark ahead (ranks 0 and 2 held before the optimizer step of the cut's step,
+  the recipe's ``--hold``): the lagging tags name the larger side, which is never declared dead; node 1 is blamed by
+  the reach probe as above.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ CUT_OFF = "cut off from the majority"
 
 
 def run_recipe(tmp: Path, *, spares: int, fault: dict[str, Any] | None = None, timeout: float = 600,
-               elastic: bool = False, cut_at_start: tuple[int, ...] = ()) -> RunResult:
+               elastic: bool = False, cut_at_start: tuple[int, ...] = (), args: tuple[str, ...] = ()) -> RunResult:
     """The plain megatron-core loop in process, ``ACTIVE`` ranks + ``spares`` spare nodes, each node in its own
     network namespace; ``fault``: the ``neighbor_ckpt.fault_injection`` keys (enabled); ``elastic``:
-    ``elastic.enabled``; ``cut_at_start``: nodes cut off (for good) before the launchers start."""
+    ``elastic.enabled``; ``cut_at_start``: nodes cut off (for good) before the launchers start; ``args``: more of the
+    recipe's options."""
     nc: dict[str, Any] = {"inprocess": {"enabled": True, "spares": spares},
                           "detector": {"interval_s": 0.2, "timeout_s": 2.0, "hang_timeout_s": 3.0},
                           "report": {"dir": str(tmp / "out" / "reports")}}
@@ -56,7 +60,7 @@ def run_recipe(tmp: Path, *, spares: int, fault: dict[str, Any] | None = None, t
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "job.yaml"
     cfg.write_text(yaml.safe_dump({"neighbor_ckpt": nc}))
-    program = [str(RECIPE), "--steps", str(STEPS), "--config", str(cfg), "--out", str(tmp / "out")]
+    program = [str(RECIPE), "--steps", str(STEPS), "--config", str(cfg), "--out", str(tmp / "out"), *args]
     if elastic:  # elastic needs the global batch named; the one the failure-free run derives (2 x 2 x DP 3)
         program += ["--global-batch", str(2 * 2 * ACTIVE)]
     return launch_inprocess(tmp, active=ACTIVE, spares=spares, program=program, simulate_network=True,
@@ -158,6 +162,32 @@ def test_the_ranks_network_of_one_node_cut_is_recovered_like_a_lost_node_bit_exa
     assert "process(es) [1] unreachable from a majority over the ranks' network" in res.log, res.log[-10000:]
     assert [(g, k) for g, k, _ in failures(res)] == [(0, "hung")], failures(res)
     assert "neighbor_ckpt: hot spare (process 3) takes rank 1's place in generation 1" in res.log, res.log[-10000:]
+
+
+def test_a_cut_of_the_ranks_network_whose_smaller_side_is_one_progress_mark_ahead_never_evicts_the_larger_bit_exact(
+        partition_baseline: RunResult, tmp_path: Path) -> None:
+    """Ranks 0 and 2 hold just before their optimizer step 5 (``--hold``: the larger side stops one progress mark
+    short); rank 1 enters it (its step tag, one mark more), cuts its node's rank network and blocks in the step's first
+    collective. Every training thread stalls; the lagging tags are the larger side's, 2 of the 4 members: no minority,
+    so nobody declares them (on 2c061fd they were declared dead as laggards and the job stopped: no spare for two
+    ranks). The reach probe blames node 1, which the majority cannot reach; the spare takes rank 1, ranks 0 and 2 are
+    freed from their hold by the abort and train on, bit for bit."""
+    res = run_recipe(tmp_path, spares=1, fault={"target": "partition", "nodes": [1], "traffic": "ranks"},
+                     args=("--hold", f"0,2:{CUT_STEP}"), timeout=300)
+    assert res.returncode == 0, res.log[-10000:]
+    assert_no_orphans(res)
+    assert_same_training(partition_baseline, res, nranks=ACTIVE)
+    assert sorted(load(p)["rank"] for p in res.out.glob("fault.hold.rank*.json")) == [0, 2]
+    assert "fault injection: node(s) [1] cut off (ranks traffic)" in res.log
+    assert "the lagging process(es) [0, 2] are no minority of generation 0" in res.log, res.log[-10000:]
+    assert "process(es) [1] unreachable from a majority over the ranks' network" in res.log, res.log[-10000:]
+    assert [(g, k) for g, k, _ in failures(res)] == [(0, "hung")], failures(res)
+    # only the smaller side is declared dead: its launcher kills it, nobody else is killed or fenced
+    killed = {int(p) for p in re.findall(r"process (\d+) \(pid \d+\) is listed dead", res.log)}
+    fenced = {p for p in range(ACTIVE + 1) if any("declared dead by the others" in line for line in lines_of(res, p))}
+    assert killed | fenced == {1}, (killed, fenced)
+    assert not re.search(r"declaring (it|its process\(es\)) .*dead", res.log), res.log[-10000:]
+    assert_one_recovery_on(res, spare=3, rank=1)
 
 
 def test_node_0_cut_off_during_the_roll_call_forms_nothing_and_the_majority_trains_on_a_standby_bit_exact(
