@@ -47,7 +47,8 @@ from neighbor_ckpt.cli.torchrun_nodes import NodeAgents, node_agents, run_node_a
 from neighbor_ckpt.planning.jobspec import JobSpec, load_job
 from neighbor_ckpt.runtime.network_plan import NetworkPlan
 from neighbor_ckpt.runtime.netns import simulated_network
-from neighbor_ckpt.runtime.procs import RUN_TAG_ENV, stop_processes, with_run_tag
+from neighbor_ckpt.runtime.procs import (RUN_TAG_ENV, python_code_command, python_module_command, stop_processes,
+                                         with_run_tag)
 from neighbor_ckpt.recipes import RECIPES_DIR, find_config, recipe_path, shipped_configs
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_script", "run_local", "describe", "RECIPE",
@@ -348,7 +349,7 @@ def launcher_command(worker: Sequence[str], *, options: Sequence[str] = (), stor
     """One node's launcher command line (``first``/``count``/``node``/``store_root``/``host_store`` are text: the
     Slurm script passes shell expressions); ``options``, ``worker``: :func:`worker_program`'s. ``open_store``: the
     job's ``launch.open_store`` (a store host that cannot seal its store serves it open instead of refusing)."""
-    cmd = [sys.executable, "-m", LAUNCHER, "--store", store, "--run-id", run_id, "--node", node, "--first", first,
+    cmd = [*python_module_command(LAUNCHER), "--store", store, "--run-id", run_id, "--node", node, "--first", first,
            "--count", count, "--processes", str(processes), "--spares", str(spares),
            "--max-restarts", str(max_restarts), "--nodes", str(nodes)]
     if detector_timeout_s is not None:
@@ -376,7 +377,7 @@ def torchrun_command(plan: LaunchPlan, *, endpoint: str | None = None) -> list[s
     """The single-node torchrun command line (c10d rendezvous on localhost unless ``endpoint`` is given)."""
     t = plan.job.trainer
     options, worker = worker_program(_recipe_args(plan))
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={t.num_nodes}",
+    return [*python_module_command("torch.distributed.run"), f"--nnodes={t.num_nodes}",
             f"--nproc-per-node={t.devices}", f"--max-restarts={plan.job.launch.max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint or f'127.0.0.1:{_free_port()}'}",
             f"--rdzv-id={plan.run_id}", "--monitor-interval=0.5", *options, *worker]
@@ -416,13 +417,13 @@ def slurm_script(plan: LaunchPlan) -> str:
     if t.accelerator == "gpu":
         opts.append(f"--gpus-per-node={t.devices}")
     recipe = " ".join(shlex.quote(a) for a in _recipe_args(plan))
+    new_tag = shlex.join(python_code_command("import uuid; print(uuid.uuid4().hex)"))
     lines = [*_sbatch_header(plan, opts),
              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              "export NEIGHBOR_CKPT_NODE_ID=$(hostname)   # ring successors are chosen on other nodes",
              "# the run tag every worker carries: a pid read from torchrun's store is killed only if it carries it",
-             f'export {RUN_TAG_ENV}="${{{RUN_TAG_ENV}:-$({shlex.quote(sys.executable)} -c '
-             "'import uuid; print(uuid.uuid4().hex)')}\"",
-             f"srun --kill-on-bad-exit=0 {shlex.quote(sys.executable)} -m torch.distributed.run \\",
+             f'export {RUN_TAG_ENV}="${{{RUN_TAG_ENV}:-$({new_tag})}}"',
+             f"srun --kill-on-bad-exit=0 {shlex.join(python_module_command('torch.distributed.run'))} \\",
              f"    --nnodes={t.num_nodes} --nproc-per-node={t.devices} --max-restarts={lc.max_restarts} \\",
              f"    --rdzv-backend=c10d --rdzv-endpoint=\"$HEAD_NODE:{lc.rdzv_port}\" "
              f"{shlex.quote(f'--rdzv-id={plan.run_id}')} \\",
@@ -527,6 +528,7 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
         where = [*where, "HOSTIDX=$SLURM_NODEID"]
     task = shlex.quote(str(plan.run_dir / "inprocess_task.sh"))
     default_root = _shell_store_dir(job.neighbor_ckpt.store.dir)
+    make_token = python_module_command("neighbor_ckpt.inprocess.store_auth", str(plan.run_dir / TOKEN_FILE))
     lines = [*_sbatch_header(plan, opts),
              f"# In-process recovery: {job.world_size} ranks + {plan.spares} hot spare(s) = {n} processes, "
              f"{nodes} launcher(s) (python -m {LAUNCHER}), each hosting one of the {nodes} store(s) (the first "
@@ -536,8 +538,7 @@ def _slurm_script_inprocess(plan: LaunchPlan) -> str:
              'export STORE_ROOT="${NEIGHBOR_CKPT_STORE_DIR:-$STORE_ROOT}"',
              *stores,
              "# the stores admit only the holders of this token (a 0600 file of the run directory, made once)",
-             f"{shlex.quote(sys.executable)} -m neighbor_ckpt.inprocess.store_auth "
-             f"{shlex.quote(str(plan.run_dir / TOKEN_FILE))} || exit 1",
+             f"{shlex.join(make_token)} || exit 1",
              "# a completion marker left by an earlier submission of this script would end this one before it trains",
              f"rm -f {shlex.quote(str(marker_path(plan.run_dir, plan.run_id)))}",
              f"cat > {task} <<'TASK'",

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from neighbor_ckpt.inprocess.protocol import ENV_NODE_INDEX
-from neighbor_ckpt.runtime.procs import kill_tagged, stop_processes
+from neighbor_ckpt.runtime.procs import kill_tagged, python_module_command, stop_processes
 
 __all__ = ["NODE_TAG_ENV", "NodeAgents", "rdzv_conf", "node_agents", "run_node_agents", "kill_node",
            "nodes_status", "LAST_CALL_MIN_S"]
@@ -94,7 +94,7 @@ def node_agents(worker: Sequence[str], *, options: Sequence[str] = (), nodes: in
     nnodes = f"1:{nodes}" if elastic else str(nodes)
     agents = []
     for i in range(nodes):
-        cmd = (sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={devices}",
+        cmd = (*python_module_command("torch.distributed.run"), f"--nnodes={nnodes}", f"--nproc-per-node={devices}",
                f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                f"--rdzv-id={run_id}", f"--rdzv-conf={rdzv_conf(detector_timeout_s, host=i == 0, elastic=elastic)}",
                "--monitor-interval=0.5", *options, *worker)

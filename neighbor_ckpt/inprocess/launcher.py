@@ -108,6 +108,7 @@ from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.quorum import LauncherLease
 from neighbor_ckpt.inprocess.restart_rendezvous import RestartRendezvous
 from neighbor_ckpt.inprocess.roll_call import RollCall, reach_any, unreached_stores
+from neighbor_ckpt.runtime.procs import python_module_command
 
 __all__ = ["Launcher", "main", "EXIT_STORE_LOST", "EXIT_LAUNCHER_ERROR"]
 
@@ -266,10 +267,11 @@ class Launcher:
         where = ["--listen-fd", str(fd)] if fd is not None else \
             ["--host", self.plan.store_listen or self.plan.stores[index][0], "--port", str(port)]
         try:
-            self._host = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.inprocess.store_host", *where,
-                                           "--parent", str(parent), "--ready", str(ready),
-                                           *(["--token-file", self.plan.token_file] if self.plan.token_file else []),
-                                           *(["--open-store"] if self.plan.open_store else [])],
+            self._host = subprocess.Popen(python_module_command(
+                                              "neighbor_ckpt.inprocess.store_host", *where,
+                                              "--parent", str(parent), "--ready", str(ready),
+                                              *(["--token-file", self.plan.token_file] if self.plan.token_file else []),
+                                              *(["--open-store"] if self.plan.open_store else [])),
                                           env=self.env, pass_fds=() if fd is None else (fd,),
                                           preexec_fn=lambda: _child_setup(parent))
         finally:

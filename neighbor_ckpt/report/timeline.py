@@ -72,7 +72,6 @@ import logging
 import math
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,7 +82,7 @@ import torch
 import torch.distributed as dist
 
 from neighbor_ckpt.recovery.attempt import AttemptInfo
-from neighbor_ckpt.runtime.procs import process_start
+from neighbor_ckpt.runtime.procs import process_start, python_module_command
 from neighbor_ckpt.snapshot.slot import SlotFile
 from neighbor_ckpt.snapshot.store import COMMIT_TIME_KEY, ROLE_OWN, ROLE_REPLICA, HostStore
 
@@ -523,9 +522,9 @@ def _render_in_background(path_json: Path, path_png: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.report.timeline_png", "--parent",
-                                 str(os.getpid()), str(path_json), str(path_png)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, env=env, close_fds=True)
+        proc = subprocess.Popen(python_module_command("neighbor_ckpt.report.timeline_png", "--parent",
+                                                      str(os.getpid()), str(path_json), str(path_png)),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, close_fds=True)
     except OSError as e:  # reporting never stops training
         logger.warning("neighbor_ckpt: could not start drawing the recovery timeline %s: %s", path_png, e)
         return

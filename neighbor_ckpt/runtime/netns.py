@@ -297,8 +297,11 @@ def cut(nodes: Sequence[int], traffic: Literal["all", "ranks"] = "all", heal_aft
     if errors:
         raise ConfigError(f"fault_injection: the partition of node(s) {list(nodes)} failed: {'; '.join(errors)}")
     if heal_after_s is not None:
-        subprocess.Popen([sys.executable, "-m", "neighbor_ckpt.runtime.netns", "heal", str(path),
-                          "--nodes", ",".join(map(str, nodes)), "--traffic", traffic, "--after", f"{heal_after_s:g}"],
+        from neighbor_ckpt.runtime.procs import python_module_command
+
+        subprocess.Popen(python_module_command("neighbor_ckpt.runtime.netns", "heal", str(path),
+                                               "--nodes", ",".join(map(str, nodes)), "--traffic", traffic,
+                                               "--after", f"{heal_after_s:g}"),
                          start_new_session=True, stdin=subprocess.DEVNULL, close_fds=True)
 
 

@@ -33,7 +33,8 @@ import psutil
 
 __all__ = ["flush_logs", "stall_report", "boot_id", "process_start", "process_uid", "group_members", "mem_available_bytes",
            "dir_bytes", "RUN_TAG_ENV", "new_run_tag", "kill_tagged", "stop_processes", "run_tag", "launch_run_tag",
-           "with_run_tag", "process_environ", "tag_refusal", "signal_job_process"]
+           "with_run_tag", "process_environ", "tag_refusal", "signal_job_process",
+           "python_module_command", "python_code_command"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 """The kernel's unit of process start times (psutil divides by the same)."""
@@ -182,6 +183,46 @@ drawn fresh where no outer launch (a harness, a Slurm script) drew one for this 
 
 _LAUNCH_TAG: str | None = None
 """The tag :func:`launch_run_tag` drew for this process's children (when its own environment had none)."""
+
+
+SAFE_PATH_FLAG = sys.version_info >= (3, 11)
+"""Whether this interpreter has ``-P`` (Python 3.11 and later): see :func:`python_module_command`."""
+
+_DROP_PATH0 = "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+"""What a ``-c`` program runs first where there is no ``-P`` (Python 3.10), on one line (it may land in a shell
+script): drop the working directory (``''``), which ``-c`` put first on ``sys.path``, before anything is imported
+through it (``sys`` is built in)."""
+
+
+def python_module_command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module`` (``python -m MODULE ARGS``) on this interpreter, without the working
+    directory on its ``sys.path``. Every Python child the library starts by module goes through it (a unit test,
+    tests/unit/test_safe_path.py, holds the library to it).
+
+    Why: ``python -m`` puts the working directory first on ``sys.path``. A child started as root (or as the job's
+    user) in a directory others can write (a shared scratch directory, a Slurm submit directory) would import a file
+    planted there under the name of a standard module or of ours (``json.py``, ``neighbor_ckpt/``) instead of the real
+    one, as that user. ``-P`` (Python 3.11 and later, the same as ``PYTHONSAFEPATH``) leaves it out and changes
+    nothing else. ``-I`` is not used: it also drops ``PYTHONPATH`` and the user's site-packages, which users rely on
+    to find their own code and which the library passes on itself (the timeline's drawing process). The flag is not
+    inherited: what the child starts in turn (the workers, ``python SCRIPT``) has the script's own directory first, as
+    always.
+
+    Python 3.10 (the oldest supported, ``python_requires``) has neither ``-P`` nor ``PYTHONSAFEPATH``: there the
+    command is ``python -c PROGRAM ARGS`` with a program that drops the working directory from ``sys.path`` and then
+    runs the module as ``-m`` does (``runpy._run_module_as_main``: ``__main__``, ``sys.argv[0]`` the module's file,
+    ``ARGS`` after it). Only the command line differs (``ps`` shows that program rather than ``-m MODULE``)."""
+    if SAFE_PATH_FLAG:
+        return [sys.executable, "-P", "-m", module, *args]
+    return [sys.executable, "-c", f"{_DROP_PATH0}import runpy; runpy._run_module_as_main({module!r})", *args]
+
+
+def python_code_command(code: str, *args: str) -> list[str]:
+    """``python -c CODE ARGS`` on this interpreter without the working directory on ``sys.path`` (``-P``; on Python
+    3.10, ``CODE`` after a line that removes it): see :func:`python_module_command`."""
+    if SAFE_PATH_FLAG:
+        return [sys.executable, "-P", "-c", code, *args]
+    return [sys.executable, "-c", _DROP_PATH0 + code, *args]
 
 
 def dir_bytes(path: Path) -> int:

@@ -14,6 +14,11 @@ from tools.campaign.judge import compare, compare_fallback, insurance_iteration
 from tools.campaign.report import detection, load_outcomes, recovery_mode, results_document, summarize, summary
 from tools.campaign.runner import RECIPE, inprocess_job, resume_point, write_config
 from neighbor_ckpt.snapshot.topology import build_topology
+from neighbor_ckpt.cli.launch import LAUNCHER
+from neighbor_ckpt.runtime.procs import python_module_command
+
+LAUNCHER_HEAD = python_module_command(LAUNCHER)
+"""How a launcher's command line starts (this interpreter, ``-P -m`` the launcher): its own arguments follow."""
 
 
 def test_cases_are_reproducible_from_the_seed_and_cover_every_kind_in_turn() -> None:
@@ -417,7 +422,6 @@ def test_a_shrink_is_judged_on_its_samples_exact_before_the_fault_and_close_afte
 
 def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_of_our_launchers_per_node(
         tmp_path: Path) -> None:
-    from neighbor_ckpt.cli.launch import LAUNCHER
     from neighbor_ckpt.config import NeighborCkptConfig
     from neighbor_ckpt.inprocess.launcher_plan import parse_args
 
@@ -436,8 +440,8 @@ def test_an_in_process_case_runs_the_recipe_in_process_mode_under_one_of_our_lau
     assert procs.stores == stores, "one store per simulated node, hosted by its launcher"
     assert len(procs.agents) == WORLD + SPARES
     for i, (cmd, env) in enumerate(procs.agents):
-        assert cmd[1:3] == ("-m", LAUNCHER)
-        plan = parse_args(cmd[3:])
+        assert list(cmd[:len(LAUNCHER_HEAD)]) == LAUNCHER_HEAD
+        plan = parse_args(cmd[len(LAUNCHER_HEAD):])
         # one simulated node per process: its own launcher, node id and host store
         assert (plan.store_address, plan.run_id, plan.node, plan.host_store) == (stores, "campaign-3", f"node{i}", i)
         assert (plan.first, plan.count, plan.processes, plan.spares, plan.nodes) == (i, 1, WORLD + SPARES, SPARES,
@@ -622,7 +626,7 @@ def test_a_node_case_runs_one_launcher_per_node_of_two_processes_and_a_spare_nod
                           config=own, steps=6, store_port=4001, max_restarts=case.max_restarts, spares=case.spares,
                           devices=case.devices)
     assert procs.stores == "127.0.0.1:4001,127.0.0.1:4002,127.0.0.1:4003", "a store host per node"
-    plans = [parse_args(cmd[3:]) for cmd, _ in procs.agents]
+    plans = [parse_args(cmd[len(LAUNCHER_HEAD):]) for cmd, _ in procs.agents]
     assert [(p.node, p.first, p.count, p.host_store) for p in plans] == [("node0", 0, 2, 0), ("node1", 2, 2, 1),
                                                                          ("node2", 4, 2, 2)]
     assert {(p.processes, p.spares, p.nodes) for p in plans} == {(WORLD + 2, 2, 3)}

@@ -12,6 +12,11 @@ from tests.unit.campaign_runs import same_training_runs
 from tools.campaign.cases import CUTTING_RANK, KINDS, PARTITIONS, WORLD, Case, Outcome, draw_cases
 from tools.campaign.judge import CUT_OFF, partition
 from tools.campaign.runner import inprocess_job, write_config
+from neighbor_ckpt.cli.launch import LAUNCHER
+from neighbor_ckpt.runtime.procs import python_module_command
+
+LAUNCHER_HEAD = python_module_command(LAUNCHER)
+"""How a launcher's command line starts (this interpreter, ``-P -m`` the launcher): its own arguments follow."""
 
 PARTITION_KINDS = ("inproc-partition-primary", "inproc-partition-minority-with-spare", "inproc-partition-heal",
                    "inproc-partition-ranks")
@@ -77,7 +82,7 @@ def test_a_partition_case_runs_each_launcher_in_its_nodes_namespace_with_the_sto
         enter = list(plan.enter(i))
         assert list(cmd[:len(enter)]) == enter, "node i's launcher runs in node i's namespace"
         launcher = list(cmd[len(enter):])
-        assert parse_args(launcher[3:]).node == f"node{i}"
+        assert parse_args(launcher[len(LAUNCHER_HEAD):]).node == f"node{i}"
 
 
 def _run(tmp_path: Path, kind: str) -> tuple[Case, Path, Path]:

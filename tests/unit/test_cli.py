@@ -12,6 +12,11 @@ from neighbor_ckpt.cli.main import inspect_store, main
 from neighbor_ckpt.snapshot.engine import write_image
 from neighbor_ckpt.snapshot.razor import StateKind, TensorMeta, plan_shards
 from neighbor_ckpt.snapshot.store import ROLE_OWN, HostStore
+from neighbor_ckpt.cli.launch import LAUNCHER
+from neighbor_ckpt.runtime.procs import python_module_command
+
+LAUNCHER_HEAD = python_module_command(LAUNCHER)
+"""How a launcher's command line starts (this interpreter, ``-P -m`` the launcher): its own arguments follow."""
 
 
 def _store_with_two_versions(tmp_path: Path) -> HostStore:
@@ -76,8 +81,8 @@ def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(
     assert procs.stores == stores
     assert len(procs.agents) == 5
     for i, (cmd, env) in enumerate(procs.agents):
-        assert cmd[1:3] == ("-m", launch.LAUNCHER)
-        own = parse_args(cmd[3:])  # the launcher reads its own command line as planned
+        assert list(cmd[:len(LAUNCHER_HEAD)]) == LAUNCHER_HEAD, "the launcher runs without the cwd on sys.path"
+        own = parse_args(cmd[len(LAUNCHER_HEAD):])  # the launcher reads its own command line as planned
         assert (own.node, own.first, own.count, own.processes, own.spares, own.nodes) == (f"node{i}", i, 1, 5, 1, 5)
         assert (own.store_address, own.run_id, own.max_restarts) == (stores, plan.run_id, 2)
         assert (own.host_store, own.store_listen) == (i, "127.0.0.1"), "each node hosts one store: 0 the primary"
@@ -95,7 +100,7 @@ def test_inprocess_launch_starts_one_launcher_per_process_each_a_simulated_node(
     grow = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", [*INPROC, "neighbor_ckpt.inprocess.grow_back=true"],
                               run_dir=tmp_path / "run2")
     cmds = [cmd for cmd, _ in launch.inprocess_processes(grow, store_port=29650, store_root=tmp_path / "shm").agents]
-    assert all(parse_args(cmd[3:]).grow_back for cmd in cmds), "inprocess.grow_back reaches every launcher"
+    assert all(parse_args(cmd[len(LAUNCHER_HEAD):]).grow_back for cmd in cmds), "inprocess.grow_back reaches every launcher"
     assert "--grow-back" in launch.slurm_script(grow)
     script = launch.slurm_script(grow)
     made = script.index("-m neighbor_ckpt.inprocess.store_auth")
@@ -127,7 +132,7 @@ def test_a_job_of_two_nodes_launches_one_launcher_per_node_with_its_ranks_and_a_
     procs = launch.inprocess_processes(plan, store_port=29650, store_root=tmp_path / "shm")
     assert procs.stores == ",".join(f"127.0.0.1:{29650 + i}" for i in range(3)), "one store per node"
     for i, (cmd, env) in enumerate(procs.agents):
-        own = parse_args(cmd[3:])
+        own = parse_args(cmd[len(LAUNCHER_HEAD):])
         assert (own.node, own.first, own.count, own.processes, own.spares, own.nodes, own.host_store) == \
             (f"node{i}", 2 * i, 2, 6, 2, 3, i)
         assert dict(env)["NEIGHBOR_CKPT_STORE_DIR"] == str(tmp_path / "shm" / f"node{i}"), "the node's processes share it"
@@ -144,7 +149,7 @@ def test_inprocess_launchers_run_the_warm_prefixed_command_as_a_whole(monkeypatc
     monkeypatch.setenv(launch.WORKER_PREFIX_ENV, "python3 /x/client.py")
     procs = launch.inprocess_commands(["train.py", "--steps", "3"], active=2, spares=0, max_restarts=0,
                                       run_id="r", store_port=1, store_root=tmp_path)
-    own = parse_args(procs.agents[1][0][3:])
+    own = parse_args(procs.agents[1][0][len(LAUNCHER_HEAD):])
     assert own.no_python and child_command(own) == ["python3", "/x/client.py", sys.executable, "-u", "train.py",
                                                     "--steps", "3"]
 
@@ -156,7 +161,8 @@ def test_restart_path_launch_is_unchanged_when_inprocess_is_off(tmp_path: Path) 
     plan = launch.plan_launch(REPO / "configs/gpt_tiny_cpu.yaml", run_dir=tmp_path)
     assert (plan.inprocess, plan.spares, plan.processes) == (False, 0, 4)
     cmd = launch.torchrun_command(plan)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--inprocess-store" not in cmd
+    head = python_module_command("torch.distributed.run")
+    assert cmd[:len(head)] == head and "--inprocess-store" not in cmd
     assert "under torchrun" in launch.describe(plan)
     with pytest.raises(ConfigError, match="does not enable neighbor_ckpt.inprocess"):
         launch.inprocess_processes(plan, store_port=1, store_root=tmp_path)

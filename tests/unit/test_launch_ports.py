@@ -18,6 +18,11 @@ from neighbor_ckpt.inprocess import completion, protocol
 from neighbor_ckpt.inprocess.identity import ProcessIdentity
 from neighbor_ckpt.inprocess.launcher_plan import child_env, parse_args
 from neighbor_ckpt.inprocess.stores import store_timeout_for
+from neighbor_ckpt.cli.launch import LAUNCHER
+from neighbor_ckpt.runtime.procs import python_module_command
+
+LAUNCHER_HEAD = python_module_command(LAUNCHER)
+"""How a launcher's command line starts (this interpreter, ``-P -m`` the launcher): its own arguments follow."""
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--store", "10.0.0.1:29650", "--run-id", "job-1", "--node", "node3", "--first", "3", "--count", "2",
@@ -47,12 +52,12 @@ def test_the_launch_binds_every_store_port_and_replaces_one_taken_since_its_choi
         thief.listen()
         bound, held = launch.bind_stores(procs)
         try:
-            stores = parse_args(bound.agents[0][0][3:]).stores
+            stores = parse_args(bound.agents[0][0][len(LAUNCHER_HEAD):]).stores
             assert stores[0][1] == ports[0] and stores[2][1] == ports[2]
             assert stores[1][1] not in ports, "a taken port is replaced"
             assert bound.stores == ",".join(f"127.0.0.1:{p}" for _, p in stores)
             for i, (cmd, _) in enumerate(bound.agents):
-                own = parse_args(cmd[3:])
+                own = parse_args(cmd[len(LAUNCHER_HEAD):])
                 assert own.stores == stores, "every launcher gets the same list"
                 assert own.listen_fd == held[i].fileno() and own.host_store == i
                 assert held[i].getsockname()[1] == stores[i][1]
@@ -82,7 +87,7 @@ def test_a_launch_passes_the_jobs_detector_timeout_and_marker_to_every_launcher(
                                "neighbor_ckpt.detector.timeout_s=4"], run_dir=tmp_path / "run")
     procs = launch.inprocess_processes(plan, store_port=29650, store_root=tmp_path / "shm")
     for cmd, _ in procs.agents:
-        own = parse_args(cmd[3:])
+        own = parse_args(cmd[len(LAUNCHER_HEAD):])
         assert own.detector_timeout_s == 4.0 and own.store_timeout_s == 8.0
         assert own.complete_file == str(completion.marker_path(plan.run_dir, plan.run_id))
     script = launch.slurm_script(plan)

@@ -14,6 +14,11 @@ import pytest
 
 from neighbor_ckpt.inprocess import loopback
 from neighbor_ckpt.inprocess.store_auth import Gate, Tunnel, prove
+from neighbor_ckpt.cli.launch import LAUNCHER
+from neighbor_ckpt.runtime.procs import python_module_command
+
+LAUNCHER_HEAD = python_module_command(LAUNCHER)
+"""How a launcher's command line starts (this interpreter, ``-P -m`` the launcher): its own arguments follow."""
 
 
 def _connects(address: tuple, key: bytes | None = None, timeout_s: float = 3.0) -> bool:
@@ -229,4 +234,4 @@ def test_the_job_files_open_store_reaches_the_store_host_command() -> None:
                                count="1", processes=3, spares=0, max_restarts=0, nodes=3, store_root=None,
                                open_store=asked)
         assert ("--open-store" in cmd) is asked
-        assert parse_args(cmd[3:]).open_store is asked
+        assert parse_args(cmd[len(LAUNCHER_HEAD):]).open_store is asked

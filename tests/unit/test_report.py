@@ -21,6 +21,7 @@ import torch
 
 from neighbor_ckpt.config import ReportConfig
 from neighbor_ckpt.errors import ConfigError
+from neighbor_ckpt.runtime.procs import python_module_command
 from neighbor_ckpt.report.status import (PLAIN_LOOP_LOG_EVERY, Reporter, SnapshotStats, format_status, log_to_loggers,
                                   recovery_metrics, recovery_progress, replica_lag, resolve_progress_mode,
                                   resolve_status_interval, status_metrics, stream_gbps_between)
@@ -229,7 +230,7 @@ def test_write_timeline_draws_the_png_in_a_process_of_its_own(tmp_path: Path) ->
     out = write_timeline(tl, tmp_path)
     assert out.path_json is not None and json.loads(out.path_json.read_text())["png"] == str(out.path_png)
     ((proc, png),) = timeline_mod._renders
-    assert proc.args[1:5] == ["-m", "neighbor_ckpt.report.timeline_png", "--parent", str(os.getpid())]
+    assert proc.args[:-2] == python_module_command("neighbor_ckpt.report.timeline_png", "--parent", str(os.getpid()))
     assert png == out.path_png
     assert wait_for_renders(timeout=RENDER_LIMIT_S), f"the picture was not drawn within {RENDER_LIMIT_S} s"
     assert proc.returncode == 0 and not timeline_mod._renders

@@ -16,6 +16,9 @@ from neighbor_ckpt.cli.torchrun_nodes import (LAST_CALL_MIN_S, NODE_TAG_ENV, Nod
                                               nodes_status, rdzv_conf, run_node_agents)
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess.protocol import ENV_NODE_INDEX
+from neighbor_ckpt.runtime.procs import python_module_command
+
+TORCHRUN_HEAD = python_module_command("torch.distributed.run")
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("trainer.num_nodes=2", "trainer.devices=2")
@@ -33,7 +36,7 @@ def test_a_job_of_two_nodes_runs_one_agent_per_node_in_one_rendezvous_each_with_
     agents = launch.torchrun_nodes(plan, endpoint="127.0.0.1:23456", store_root=tmp_path / "store")
     assert len(agents.agents) == 2 and not agents.elastic
     for i, (cmd, extra) in enumerate(agents.agents):
-        assert cmd[1:3] == ("-m", "torch.distributed.run")
+        assert list(cmd[:len(TORCHRUN_HEAD)]) == TORCHRUN_HEAD, "torchrun runs without the cwd on sys.path"
         assert (_opt(cmd, "--nnodes"), _opt(cmd, "--nproc-per-node"), _opt(cmd, "--max-restarts")) == ("2", "2", "2")
         assert (_opt(cmd, "--rdzv-backend"), _opt(cmd, "--rdzv-endpoint"), _opt(cmd, "--rdzv-id")) == \
             ("c10d", "127.0.0.1:23456", "j")
