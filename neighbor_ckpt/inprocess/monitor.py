@@ -199,8 +199,10 @@ class Monitor:
         self.lease, self.lease_lock = lease, lease_lock or threading.Lock()
         """The cut-off lease this monitor renews (None: no lease), and the lock its guard holds while it judges."""
         self.answered_at = time.monotonic()
-        """When the store last answered a whole round of this monitor (the lease guard's *in doubt*)."""
+        """When the store last answered this monitor's look (the lease guard decides on a look answered after the lease ran
+        out; none: in doubt)."""
         self._refused: set[tuple[int, tuple[int, ...]]] = set()
+        self._no_minority: set[tuple[int, tuple[int, ...]]] = set()
         self.stores = stores
         """The process's :class:`~neighbor_ckpt.inprocess.stores.StoreSet` (None: one store, no failover): after
         every move to another store a peer is silent only once it has had the time a live process needs to follow
@@ -436,8 +438,10 @@ class Monitor:
         # got one more progress mark before the cut), which must never be evicted by the smaller one. Laggards that
         # would leave no majority of the members are not blamed: who is cut off from whom is then the reach probe's
         if blame and not self._leaves_majority(gen, self.state()[1], blame, quiet=True):
-            logger.warning("%s: the lagging process(es) %s are no minority of generation %d: asking who reaches "
-                           "whom instead", self.gens.name, list(blame), gen)
+            if (gen, blame) not in self._no_minority:  # said once: the probe's answer may take several rounds
+                self._no_minority.add((gen, blame))
+                logger.warning("%s: the lagging process(es) %s are no minority of generation %d: asking who reaches "
+                               "whom instead", self.gens.name, list(blame), gen)
             blame = ()
         if blame:
             where = ", ".join(f"process {p} (rank {active[p]}) at {tags[p][2]} #{tags[p][0]}" for p in blame)
