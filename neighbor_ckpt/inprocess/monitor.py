@@ -199,8 +199,8 @@ class Monitor:
         self.lease, self.lease_lock = lease, lease_lock or threading.Lock()
         """The cut-off lease this monitor renews (None: no lease), and the lock its guard holds while it judges."""
         self.answered_at = time.monotonic()
-        """When the store last answered this monitor's look (the lease guard decides on a look answered after the lease ran
-        out; none: in doubt)."""
+        """When the store last answered this monitor's look (the lease guard decides on a look answered after the
+        lease ran out; none: in doubt)."""
         self._refused: set[tuple[int, tuple[int, ...]]] = set()
         self._no_minority: set[tuple[int, tuple[int, ...]]] = set()
         self.stores = stores
