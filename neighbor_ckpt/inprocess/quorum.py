@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from neighbor_ckpt.config import LEASE_TICK_S
 from neighbor_ckpt.inprocess.protocol import EXIT_CUT_OFF
 
-__all__ = ["CUT_OFF", "cut_off_lease_s", "lease_precedes_decision", "launcher_lease_s", "majority", "majority_left", "MajorityLease", "LeaseGuard",
-           "LauncherLease", "cut_off", "guard_times"]
+__all__ = ["CUT_OFF", "cut_off_lease_s", "lease_precedes_decision", "launcher_lease_s", "majority", "majority_left",
+           "MajorityLease", "LeaseGuard", "LauncherLease", "cut_off", "guard_times"]
 
 logger = logging.getLogger(__name__)
 
