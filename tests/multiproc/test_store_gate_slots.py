@@ -10,18 +10,14 @@ elsewhere this is skipped, saying why. The gate's rule: :mod:`neighbor_ckpt.inpr
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
-import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -29,106 +25,12 @@ import torch.distributed as dist
 
 from neighbor_ckpt.inprocess.store_auth import new_token_file, read_token, tunnel_address
 from tests.conftest import free_port
+from tests.other_user_drip import CONNECTIONS, Dripper, nologin_user  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.multiproc
 
-SYSTEM_PYTHON = "/usr/bin/python3"
-CONNECTIONS = 256
-DRIP_S = 4.0
-AGAIN_S = 0.2
-"""The other user reconnects a dropped connection after this long (as soon as a slot could be free again)."""
 WITHIN_S = 30.0
 """How long the job's client may take to be served (generous: no performance is measured)."""
-
-# The other user's program (the system's Python, standard library only): CONNECTIONS connections to the gate, each
-# reading what the gate says and sending one byte every DRIP_S (never a whole answer in time); a dropped one is made
-# again after AGAIN_S. One JSON line of counts a second on stdout; it ends when its stdin closes.
-DRIPPER = r"""
-import json, os, selectors, socket, sys, time
-host, port, n, drip_s, again_s, hello = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), \
-    float(sys.argv[5]), int(sys.argv[6])
-sel = selectors.DefaultSelector()
-sel.register(sys.stdin, selectors.EVENT_READ, "stdin")
-conns = {}  # socket -> [bytes received, bytes dripped]
-again = []  # when to make a connection again
-stats = {"pid": os.getpid(), "uid": os.getuid(), "connects": 0, "dropped": 0, "dropped_after_drips": 0}
-
-def connect():
-    s = socket.socket()
-    s.setblocking(False)
-    s.connect_ex((host, port))
-    sel.register(s, selectors.EVENT_READ, "conn")
-    conns[s] = [0, 0]
-    stats["connects"] += 1
-
-def drop(s):
-    sel.unregister(s)
-    got, dripped = conns.pop(s)
-    s.close()
-    stats["dropped"] += 1
-    if got >= hello and dripped:
-        stats["dropped_after_drips"] += 1
-    again.append(time.monotonic() + again_s)
-
-for _ in range(n):
-    connect()
-next_drip = time.monotonic() + drip_s
-next_say = 0.0
-while True:
-    now = time.monotonic()
-    for key, _ in sel.select(timeout=0.1):
-        if key.data == "stdin":
-            if not sys.stdin.readline():
-                sys.exit(0)
-            continue
-        s = key.fileobj
-        try:
-            data = s.recv(4096)
-        except OSError:
-            data = b""
-        if data:
-            conns[s][0] += len(data)
-        else:
-            drop(s)
-    now = time.monotonic()
-    while again and again[0] <= now:
-        again.pop(0)
-        connect()
-    if now >= next_drip:
-        next_drip = now + drip_s
-        for s in list(conns):
-            if conns[s][0] >= hello:
-                try:
-                    s.send(b"\0")
-                    conns[s][1] += 1
-                except OSError:
-                    drop(s)
-    if now >= next_say:
-        next_say = now + 1.0
-        print(json.dumps({**stats, "open": len(conns),
-                          "challenged": sum(1 for g, _ in conns.values() if g >= hello)}), flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def nologin_user() -> Iterator[pwd.struct_passwd]:
-    """A second Unix user for this module: ``useradd`` without a home or a login shell, ``userdel`` afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("making a second Unix user (useradd) and running commands as it (runuser) needs root; CI runs "
-                    "as root")
-    missing = [t for t in ("useradd", "userdel", "runuser") if shutil.which(t) is None]
-    if missing or not os.access(SYSTEM_PYTHON, os.X_OK) or not os.path.exists("/usr/sbin/nologin"):
-        pytest.skip(f"{', '.join(missing) or SYSTEM_PYTHON + ' or /usr/sbin/nologin'} not installed")
-    name = f"nckpt_drip{os.getpid() % 100000}"
-    made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], capture_output=True,
-                          text=True, timeout=60)
-    if made.returncode != 0:
-        pytest.fail(f"useradd {name} failed: {made.stderr}")
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        gone = subprocess.run(["userdel", name], capture_output=True, text=True, timeout=60)
-        assert gone.returncode == 0, f"userdel {name}: {gone.stderr}"
 
 
 @pytest.fixture()
@@ -150,57 +52,6 @@ def store_host(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, bytes, P
     finally:
         proc.kill()
         proc.wait()
-
-
-class Dripper:
-    """The other user's program (:data:`DRIPPER`) against the gate at ``port``, its counts read as they come."""
-
-    def __init__(self, user: str, port: int) -> None:
-        from neighbor_ckpt.inprocess.store_auth import MAGIC, NONCE_BYTES
-
-        self.proc = subprocess.Popen([shutil.which("runuser") or "runuser", "-u", user, "--", SYSTEM_PYTHON, "-c",
-                                      DRIPPER, "127.0.0.1", str(port), str(CONNECTIONS), str(DRIP_S), str(AGAIN_S),
-                                      str(len(MAGIC) + NONCE_BYTES)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
-        self.last: dict[str, Any] = {}
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                self.last = json.loads(line)
-            except ValueError:
-                continue
-
-    def wait_for(self, what: str, ok, within_s: float = 60.0) -> dict[str, Any]:  # noqa: ANN001
-        """The counts once ``ok(counts)`` holds (``what``: for the message when it never does)."""
-        deadline = time.monotonic() + within_s
-        while not (self.last and ok(self.last)):
-            assert self.proc.poll() is None, f"the other user's program ended: {self.proc.communicate()[1]}"
-            assert time.monotonic() < deadline, f"never {what}: {self.last}"
-            time.sleep(0.1)
-        return self.last
-
-    def stop(self) -> None:
-        pid = self.last.get("pid")
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()  # it ends when its stdin closes
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            if pid:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)  # the Python it ran, by its id
-                except ProcessLookupError:
-                    pass
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _served(port: int, token: bytes, within_s: float) -> tuple[bool, list[str]]:
