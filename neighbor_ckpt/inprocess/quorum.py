@@ -291,11 +291,13 @@ class LeaseGuard:
 
 
 def launcher_lease_s(timeout_s: float, beat_s: float) -> float:
-    """A launcher's lease: ``timeout_s - beat_s``. The others take its node for lost only once its beat stood still
-    for ``timeout_s`` (its last beat they saw is at most a beat older than the cut); its processes stop earlier, on
-    their own lease (:func:`cut_off_lease_s`), so this one guards the launcher's own acts (a restart, a
-    replacement), and leaves a healthy launcher two beats and more of slack on a loaded machine."""
-    return timeout_s - beat_s
+    """A launcher's lease: ``timeout_s + beat_s``, longer than its processes' (:func:`cut_off_lease_s`: they stop by
+    ``T - tick`` after the cut). A launcher that cuts itself off stops its store host with it, and a minority's
+    processes decide on a look their store answered after their own lease ran out: a store that went first would
+    leave them in doubt, waiting for a promotion (a partition e2e saw a minority's spare wait so, then join the
+    majority after the heal). The lease guards the launcher's own acts (a restart, a replacement), which a minority
+    cannot make count (it forms no generation); it leaves a healthy launcher four beats and more of slack."""
+    return timeout_s + beat_s
 
 
 class LauncherLease:

@@ -44,7 +44,7 @@ def test_a_declaration_must_leave_a_majority_of_the_members_that_may_still_run()
 
 def test_the_lease_is_renewed_by_a_majority_of_changing_beats_and_armed_only_once_one_was_seen() -> None:
     assert cut_off_lease_s(5.0, 1.0) == pytest.approx(3.8) and cut_off_lease_s(2.0, 0.25) == pytest.approx(1.55)
-    assert launcher_lease_s(2.0, 0.5) == 1.5
+    assert launcher_lease_s(2.0, 0.5) == 2.5
     lease = MajorityLease(1.0, me=0, now=0.0)
     assert not lease.observe({0, 1, 2, 3, 4}, {1: "a", 2: "x"}, 0.0), "the first look only learns the values"
     assert not lease.expired(100.0), "never armed (the others may still be starting)"
