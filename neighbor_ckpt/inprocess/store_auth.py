@@ -12,28 +12,36 @@ the token, or with another job's, is refused and the gate logs who it was (one l
 count it stands for: :class:`RefusalLog`); nothing read from a store is unpickled (the stores hold text and raw bytes
 only).
 
-**Nobody starves the job at the gate** (:class:`HandshakeSlots`). A handshake runs on a thread of its own and must be
-over :data:`HANDSHAKE_TIMEOUT_S` after the gate accepted the connection: one deadline for the whole handshake, not a
-timeout per ``recv``, so a client that drips a byte now and then is closed at the deadline all the same. The threads
-are bounded by slots, taken on the accepting thread before a handshake starts; a connection that finds no slot free
-for its kind is closed at once, unanswered (counted and logged as refused; a client of the job that meets it
-reconnects, as after a lost connection). Whose slot a connection takes is decided by who is at the other end, which
-the gate asks the kernel for (``NETLINK_SOCK_DIAG``, as a tunnel does, :mod:`~neighbor_ckpt.inprocess.loopback`):
+**No thread per connection.** A gate, a tunnel and a door each serve all their connections on one event loop
+(:mod:`~neighbor_ckpt.inprocess.event_loop`: one thread, ``epoll``): a non-blocking accept, the handshake as a state
+machine with its deadline (:mod:`~neighbor_ckpt.inprocess.store_handshake`), then splicing both ways with a bounded
+buffer per direction, back-pressure and half-close passed on (:mod:`~neighbor_ckpt.inprocess.splice`). A store host
+runs the same few threads with ten or ten thousand connections; a connection costs its descriptors and at most two
+buffers of :data:`~neighbor_ckpt.inprocess.splice.BUFFER_BYTES` (none while idle).
+
+**Nobody starves the job at the gate** (:class:`HandshakeSlots`). A handshake must be over
+:data:`HANDSHAKE_TIMEOUT_S` after the gate accepted the connection: one deadline for the whole handshake, not a
+timeout per ``recv``, so a client that drips a byte now and then is closed at the deadline all the same. Handshakes
+under way are bounded by slots, taken at the accept; a connection that finds no slot free for its kind is closed at
+once, unanswered (counted and logged as refused; a client of the job that meets it reconnects, as after a lost
+connection). Whose slot a connection takes is decided by who is at the other end, which the gate asks the kernel for
+(``NETLINK_SOCK_DIAG``, as a tunnel does, :mod:`~neighbor_ckpt.inprocess.loopback`):
 
 - *a socket of this node* (the kernel knows the socket at the peer's address: loopback, or one of the node's own
   addresses) *of the store host's own user*, i.e. the job's processes on this node: :data:`MAX_HANDSHAKES` slots
-  reserved for them, which nobody else's connection can take;
+  (8,192) reserved for them, which nobody else's connection can take;
 - *a socket of this node of any other user* (root included, unless the job runs as root): one small pool shared by
-  them all, :data:`OTHER_USERS_HANDSHAKES` slots;
+  them all, :data:`OTHER_USERS_HANDSHAKES` slots (16);
 - *anything else* (the kernel knows no socket at that address: another node; or IPv6, which the kernel look-up here
-  does not speak): :data:`MAX_HANDSHAKES` slots in all, at most :data:`PER_ADDRESS_HANDSHAKES` of them per source
-  address, so one address cannot take them all.
+  does not speak): :data:`OTHER_NODES_HANDSHAKES` slots in all (8,192), at most :data:`PER_ADDRESS_HANDSHAKES` (512)
+  of them per source address, so one address cannot take them all.
 
 So another user of the node can hold :data:`OTHER_USERS_HANDSHAKES` handshakes at once, each for
 :data:`HANDSHAKE_TIMEOUT_S` at most, however many connections it makes and however slowly it answers, and the job's
-own clients on the node still find their slots free. A user of another node shares its node's address with the job's
-processes there: it can hold that address's slots (the gate cannot tell users of another node apart), not the
-others'. At most ``2 * MAX_HANDSHAKES + OTHER_USERS_HANDSHAKES`` handshake threads run at once, and a flood of
+own clients on the node still find their slots free; the cold start of every process of a large job (thousands of
+handshakes at once, from this node and from the others) finds slots enough. A user of another node shares its node's
+address with the job's processes there: it can hold that address's slots (the gate cannot tell users of another node
+apart), not the others'. A handshake under way holds a descriptor and a few hundred bytes, no thread, and a flood of
 connections holds neither threads nor log lines.
 
 **The handshake** (:func:`prove`, :func:`challenge`), mutual: the gate sends :data:`MAGIC` and 16 fresh random
@@ -55,11 +63,10 @@ gate keeps other nodes, other jobs and other users out of the stores.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import ipaddress
 import logging
 import os
+import resource
 import secrets
 import socket
 import stat
@@ -67,51 +74,50 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from neighbor_ckpt.errors import ConfigError
 from neighbor_ckpt.inprocess import loopback
+from neighbor_ckpt.inprocess.event_loop import Acceptor, Connect, Loop
+from neighbor_ckpt.inprocess.splice import Splice
+from neighbor_ckpt.inprocess.store_handshake import (MAGIC, NONCE_BYTES, Exchange, Refused, client_steps,
+                                                     gate_steps, run_blocking)
 
-__all__ = ["MAGIC", "TOKEN_FILE", "TUNNEL_THREAD", "HANDSHAKE_TIMEOUT_S", "MAX_HANDSHAKES", "OTHER_USERS_HANDSHAKES",
-           "PER_ADDRESS_HANDSHAKES", "REFUSAL_LOG_EVERY_S", "RefusalLog", "HandshakeSlots", "peer_uid", "Gate",
-           "Tunnel", "Door", "DOOR_HOST", "tunnel_address", "tunnel_ports", "new_token_file", "read_token", "prove",
-           "challenge", "Refused"]
+__all__ = ["MAGIC", "NONCE_BYTES", "TOKEN_FILE", "TUNNEL_THREAD", "HANDSHAKE_TIMEOUT_S", "MAX_HANDSHAKES",
+           "OTHER_USERS_HANDSHAKES", "OTHER_NODES_HANDSHAKES", "PER_ADDRESS_HANDSHAKES", "REFUSAL_LOG_EVERY_S", "RefusalLog", "HandshakeSlots",
+           "peer_uid", "Gate", "Tunnel", "Door", "DOOR_HOST", "tunnel_address", "tunnel_ports", "new_token_file",
+           "read_token", "prove", "challenge", "Refused", "raise_descriptor_limit"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"NCKPT-STORE-2\n"
-"""What a gate says first (a client that reaches something else stops at once; ``-1``: the one-way handshake of
-earlier releases)."""
-NONCE_BYTES = 16
 TOKEN_FILE = "store.token"
 """The token file's name in the run directory."""
 HANDSHAKE_TIMEOUT_S = 5.0
 """The deadline of a whole handshake, on either side (a gate: from the accept; a tunnel: from its connection to the
 gate), not a timeout per ``recv``: a peer that answers a byte at a time is closed at the deadline all the same (a
 stopped host: the connection fails, as an unanswered store operation does)."""
-MAX_HANDSHAKES = 64
+MAX_HANDSHAKES = 8192
 """Handshakes a gate runs at once for the store host's own user's clients on this node (the job's: reserved for them,
-nobody else's connection takes one), and as many in all for other nodes' clients (:class:`HandshakeSlots`). A
-connection that finds no slot of its kind free is closed at once, unanswered (counted and logged as refused), so a
-flood of connections that never answer cannot hold a thread each (a client of the job that meets a full gate
-reconnects, as after a lost connection)."""
+nobody else's connection takes one) (:class:`HandshakeSlots`). A handshake costs no thread (the gate's event loop
+runs them all), only a descriptor and a few hundred bytes until its deadline: the cold start of every process of a
+large job is admitted at once. A connection that finds no slot of its kind free is closed at once, unanswered
+(counted and logged as refused; a client of the job that meets a full gate reconnects, as after a lost
+connection)."""
 OTHER_USERS_HANDSHAKES = 16
 """Handshakes a gate runs at once for all the other users of its node together (each at most this long:
 :data:`HANDSHAKE_TIMEOUT_S`); they never take the job's slots."""
-PER_ADDRESS_HANDSHAKES = 16
-"""Handshakes a gate runs at once for one source address of another node (out of :data:`MAX_HANDSHAKES` for all of
-them): one address cannot take every slot of the other nodes."""
+OTHER_NODES_HANDSHAKES = 8192
+"""Handshakes a gate runs at once for the clients of other nodes, all of them together (the job's processes on the
+other nodes: a cold start of a thousand nodes)."""
+PER_ADDRESS_HANDSHAKES = 512
+"""Handshakes a gate runs at once for one source address of another node (out of :data:`OTHER_NODES_HANDSHAKES`):
+a node's cold start (its processes' 4-6 connections each, its launcher's) fits, and one address cannot take every
+slot of the other nodes."""
 REFUSAL_LOG_EVERY_S = 60.0
 """A gate logs at most one refusal line per peer address per this many seconds; the refusals in between are counted
 in the next line (and at :meth:`Gate.close`)."""
 TUNNEL_THREAD = "neighbor_ckpt-store-tunnel"
-"""The name (prefix) of a tunnel's threads (they live as long as the process)."""
-_CLIENT, _GATE = b"client\n", b"gate\n"
-_CHUNK = 1 << 16
-
-
-class Refused(ConnectionError):
-    """The gate refused this client (wrong or missing token), or what answered is not a gate of this job."""
+"""The name (prefix) of a tunnel's thread (its event loop; it lives as long as the process)."""
 
 
 # -- the token -------------------------------------------------------------------------------------------------------
@@ -159,106 +165,18 @@ def read_token(path: Path) -> bytes:
 
 # -- the handshake ---------------------------------------------------------------------------------------------------
 
-def _until(sock: socket.socket, deadline: Optional[float], done: int, n: int) -> None:
-    """Give ``sock``'s next call what is left until ``deadline`` (``time.monotonic``; None: leave its timeout as it
-    is); ``TimeoutError`` when nothing is left (``done`` of ``n`` bytes got, for the message)."""
-    if deadline is None:
-        return
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"the handshake's deadline passed ({done} of {n} bytes got)")
-    sock.settimeout(left)
-
-
-def _send(sock: socket.socket, data: bytes, deadline: Optional[float]) -> None:
-    _until(sock, deadline, 0, 0)
-    sock.sendall(data)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
-    """``n`` bytes from ``sock``; with ``deadline`` (``time.monotonic``), all of them by then, however they come."""
-    out = b""
-    while len(out) < n:
-        _until(sock, deadline, len(out), n)
-        try:
-            part = sock.recv(n - len(out))
-        except TimeoutError:
-            if deadline is None:
-                raise
-            raise TimeoutError(f"the handshake's deadline passed ({len(out)} of {n} bytes got)") from None
-        if not part:
-            raise ConnectionError(f"the connection closed after {len(out)} of {n} bytes")
-        out += part
-    return out
-
-
-_DIGEST = hashlib.sha256().digest_size
-
-
-def _answer(token: bytes, label: bytes, *nonces: bytes) -> bytes:
-    return hmac.new(token, label + MAGIC + b"".join(nonces), hashlib.sha256).digest()
-
-
 def challenge(sock: socket.socket, token: bytes, deadline: Optional[float] = None) -> bool:
-    """The gate's side: True when the client proved the token (it is then given the gate's proof); with
-    ``deadline`` (``time.monotonic``), ``TimeoutError`` unless the whole handshake is over by then."""
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    _send(sock, MAGIC + nonce, deadline)
-    got = _recv_exact(sock, _DIGEST + NONCE_BYTES, deadline)
-    if not hmac.compare_digest(got[:_DIGEST], _answer(token, _CLIENT, nonce)):
-        return False
-    _send(sock, _answer(token, _GATE, nonce, got[_DIGEST:]), deadline)
-    return True
+    """The gate's side, blocking: True when the client proved the token (it is then given the gate's proof); with
+    ``deadline`` (``time.monotonic``), ``TimeoutError`` unless the whole handshake is over by then. (A :class:`Gate`
+    runs the same steps on its event loop.)"""
+    return bool(run_blocking(gate_steps(token), sock, deadline))
 
 
 def prove(sock: socket.socket, token: bytes, deadline: Optional[float] = None) -> None:
-    """The client's side; :class:`Refused` when the gate refuses (it closes the connection), is not a gate, or
-    cannot prove that it holds the token too; with ``deadline`` (``time.monotonic``), ``TimeoutError`` unless the
-    whole handshake is over by then."""
-    hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
-    if not hello.startswith(MAGIC):
-        raise Refused("what answered is not a neighbor_ckpt store gate (or one of another release)")
-    nonce, mine = hello[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
-    _send(sock, _answer(token, _CLIENT, nonce) + mine, deadline)
-    try:
-        proof = _recv_exact(sock, _DIGEST, deadline)
-    except ConnectionError:
-        raise Refused("the store gate refused this process's token (another job's, or an old token file)") from None
-    if not hmac.compare_digest(proof, _answer(token, _GATE, nonce, mine)):
-        raise Refused("what answered as a store gate does not hold this job's token (another job's gate, or "
-                      "whatever took the address of a store that went away)")
-
-
-# -- splicing --------------------------------------------------------------------------------------------------------
-
-def _splice(a: socket.socket, b: socket.socket, name: str) -> None:
-    """Copy both ways between ``a`` and ``b`` on two daemon threads; when either side ends, both are closed (the
-    other side sees the end, as it would see a store that went away)."""
-    done = threading.Event()
-
-    def pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while True:
-                data = src.recv(_CHUNK)
-                if not data:
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            if not done.is_set():
-                done.set()
-                for s in (a, b):
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-            else:
-                a.close()
-                b.close()
-
-    for src, dst in ((a, b), (b, a)):
-        threading.Thread(target=pump, args=(src, dst), name=name, daemon=True).start()
+    """The client's side, blocking; :class:`Refused` when the gate refuses (it closes the connection), is not a gate,
+    or cannot prove that it holds the token too; with ``deadline`` (``time.monotonic``), ``TimeoutError`` unless the
+    whole handshake is over by then. (A :class:`Tunnel` runs the same steps on its event loop.)"""
+    run_blocking(client_steps(token), sock, deadline)
 
 
 def _listener(host: str, port: int) -> socket.socket:
@@ -270,67 +188,35 @@ def _listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(sock: socket.socket, handle, name: str, *, admit=None) -> threading.Thread:  # noqa: ANN001
-    """Accept on ``sock`` and run ``handle(conn, peer, *more)`` on a thread per connection; with ``admit``, only for a
-    connection it admits (``admit(conn, peer)``, on this thread: the arguments ``more`` to pass on, a tuple; or None:
-    it closed the connection)."""
-    def run() -> None:
-        while True:
-            try:
-                conn, peer = sock.accept()
-            except OSError:
-                return  # closed
-            more = () if admit is None else admit(conn, peer)
-            if more is None:
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=handle, args=(conn, peer, *more), name=name, daemon=True).start()
+def _forward(loop: Loop, conn: socket.socket, address: tuple[str, int], key: Optional[bytes], what: str) -> None:
+    """On ``loop``'s thread: connect to the store at ``address`` (signed with ``key``, if given) and splice ``conn``
+    (held by ``loop``) to it; a store that does not answer is logged (``what``: who says it about which store) and
+    ``conn`` closed."""
+    def connected(store: Optional[socket.socket], error: Optional[OSError]) -> None:
+        if store is None:
+            logger.error("%s (%s:%d) does not answer: %s", what, *address, error)
+            loop.close(conn)
+            return
+        Splice(loop, conn, store)
 
-    t = threading.Thread(target=run, name=name, daemon=True)
-    t.start()
-    return t
+    Connect(loop, address, HANDSHAKE_TIMEOUT_S, connected, key)
 
 
-def _close_listener(sock: socket.socket) -> None:
-    """Stop listening now: a thread blocked in ``accept`` keeps a merely closed socket listening (Linux), so shut it
-    down first (the ``accept`` then fails and its thread ends)."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+_splice = Splice
+"""Where the gate's, the tunnels' and the door's connections are spliced (the scale harness names it)."""
 
 
-def _forward(conn: socket.socket, address: tuple[str, int], key: Optional[bytes], what: str, name: str) -> None:
-    """Connect to the store at ``address`` (signed with ``key``, if given) and splice ``conn`` to it on threads
-    named ``name``; a store that does not answer is logged (``what``: who says it about which store) and ``conn``
-    closed."""
-    try:
-        store = _connect(address, HANDSHAKE_TIMEOUT_S, key)
-    except OSError as e:
-        logger.error("%s (%s:%d) does not answer: %s", what, *address, e)
-        conn.close()
-        return
-    conn.settimeout(None)
-    store.settimeout(None)
-    _splice(conn, store, name)
-
-
-def _connect(address: tuple[str, int], timeout_s: float, key: Optional[bytes] = None) -> socket.socket:
-    """A connection to ``address``; signed with ``key`` (:func:`~neighbor_ckpt.inprocess.loopback.sign`) if given."""
-    if key is None:
-        sock = socket.create_connection(address, timeout=timeout_s)
-    else:
-        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft limit of open descriptors to its hard limit (a gate holds two per connection, and
+    the store behind it one more); the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
         try:
-            loopback.sign(sock, key)
-            sock.settimeout(timeout_s)
-            sock.connect(address)
-        except OSError:
-            sock.close()
-            raise
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass
+    return soft
 
 
 # -- the gate (in the store host) ------------------------------------------------------------------------------------
@@ -413,7 +299,7 @@ class HandshakeSlots:
     at most per address). At most ``job + other_users + other_nodes`` are taken at once."""
 
     def __init__(self, *, job: int = MAX_HANDSHAKES, other_users: int = OTHER_USERS_HANDSHAKES,
-                 other_nodes: int = MAX_HANDSHAKES, per_address: int = PER_ADDRESS_HANDSHAKES) -> None:
+                 other_nodes: int = OTHER_NODES_HANDSHAKES, per_address: int = PER_ADDRESS_HANDSHAKES) -> None:
         self._cap = {JOB: job, OTHER_USER: other_users, ADDRESS: other_nodes}
         self.per_address = min(per_address, other_nodes)
         self._lock = threading.Lock()
@@ -456,47 +342,67 @@ class HandshakeSlots:
 class Gate:
     """Admits clients that prove ``token`` on ``listen`` (a bound, listening socket on the job's address) and splices
     each to the store at ``backend`` (loopback; its connections signed with ``backend_key`` when the store is sealed
-    with it, :func:`~neighbor_ckpt.inprocess.loopback.seal`). :meth:`refused` counts the clients turned away. Each
+    with it, :func:`~neighbor_ckpt.inprocess.loopback.seal`), all on one event loop: one thread, however many
+    connections (:mod:`~neighbor_ckpt.inprocess.event_loop`). :meth:`refused` counts the clients turned away. Each
     handshake must be over :data:`HANDSHAKE_TIMEOUT_S` after the accept, and runs in a slot of its peer's kind
-    (:class:`HandshakeSlots`: ``max_handshakes`` for this user's clients on this node and as many for other nodes',
-    ``per_address`` of them per address, ``other_users`` for this node's other users); refusals are logged through a
-    :class:`RefusalLog`."""
+    (:class:`HandshakeSlots`: ``max_handshakes`` for this user's clients on this node, ``other_nodes`` (default: as
+    many) for other nodes', ``per_address`` of them per address, ``other_users`` for this node's other users);
+    refusals are logged through a :class:`RefusalLog`. Raises this process's descriptor limit to its hard limit
+    (:func:`raise_descriptor_limit`)."""
 
     def __init__(self, listen: socket.socket, backend: tuple[str, int], token: bytes, *,
                  max_handshakes: int = MAX_HANDSHAKES, other_users: int = OTHER_USERS_HANDSHAKES,
-                 per_address: int = PER_ADDRESS_HANDSHAKES, backend_key: Optional[bytes] = None) -> None:
+                 per_address: int = PER_ADDRESS_HANDSHAKES, other_nodes: Optional[int] = None,
+                 backend_key: Optional[bytes] = None) -> None:
         self.backend, self._token, self._backend_key = backend, token, backend_key
         self._sock = listen
         self._refused = 0
         self._lock = threading.Lock()
         self._uid = os.getuid()
-        self.slots = HandshakeSlots(job=max_handshakes, other_users=other_users, other_nodes=max_handshakes,
+        self.slots = HandshakeSlots(job=max_handshakes, other_users=other_users,
+                                    other_nodes=max_handshakes if other_nodes is None else other_nodes,
                                     per_address=per_address)
         self._log = RefusalLog()
-        self._thread = _serve(listen, self._admit, "neighbor_ckpt-store-gate", admit=self._take)
+        raise_descriptor_limit()
+        self._loop = Loop("neighbor_ckpt-store-gate")
+        self._acceptor = Acceptor(self._loop, listen, self._accepted, "store gate")
 
     def refused(self) -> int:
         with self._lock:
             return self._refused
 
+    def threads(self) -> int:
+        """The threads this gate runs (its event loop's)."""
+        return self._loop.threads()
+
     def _refuse(self, conn: socket.socket, peer: tuple, why: str, uid: Optional[int] = None) -> None:
         with self._lock:
             self._refused += 1
             count = self._log.refused(str(peer[0]), time.monotonic())
-        conn.close()
+        self._loop.close(conn)
         if count is not None:
             more = f" ({count} refusals from this address since the last line)" if count > 1 else ""
             user = "" if uid is None else f" (uid {uid})"
             logger.warning("store gate: refused a client from %s:%s%s: %s%s; at most one line per address per %.0f s",
                            peer[0], peer[1], user, why, more, self._log.every_s)
 
+    def _accepted(self, conn: socket.socket, peer: tuple) -> None:
+        """The loop: a connection accepted; its handshake starts in a slot of its kind, or it is closed unanswered."""
+        taken = self._take(conn, peer)
+        if taken is None:
+            return
+        kind, deadline = taken
+        self._loop.hold(conn)
+        Exchange(self._loop, conn, gate_steps(self._token), deadline,
+                 lambda ok, error: self._admit(conn, peer, kind, ok, error))
+
     def _take(self, conn: socket.socket, peer: tuple) -> Optional[tuple]:
-        """The accepting thread: the peer's kind, its slot taken, and the deadline of its handshake (from now), for
-        :meth:`_admit`; None when no slot of its kind is free (the connection is closed, unanswered)."""
+        """The peer's kind, its slot taken, and the deadline of its handshake (from now); None when no slot of its
+        kind is free (the connection is closed, unanswered)."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
             uid = peer_uid(conn)
-        except Exception as e:  # noqa: BLE001 - a reply it cannot read must not end the accepting thread
+        except Exception as e:  # noqa: BLE001 - a reply it cannot read must not end the loop's work
             logger.debug("store gate: the peer of %s:%s not looked up: %s", peer[0], peer[1], e)
             uid = None
         kind = (ADDRESS, _ipv4(str(peer[0])) or str(peer[0])) if uid is None else (
@@ -507,25 +413,21 @@ class Gate:
             return None
         return kind, deadline
 
-    def _admit(self, conn: socket.socket, peer: tuple, kind: tuple[str, object], deadline: float) -> None:
-        uid = None if kind[0] == ADDRESS else int(kind[1])  # type: ignore[call-overload]
-        try:
-            try:
-                ok = challenge(conn, self._token, deadline)
-            except (OSError, Refused) as e:
-                ok, why = False, f"no answer to the challenge ({e})"
-            else:
-                why = "wrong token"
-        finally:
-            self.slots.give(kind)
+    def _admit(self, conn: socket.socket, peer: tuple, kind: tuple[str, object], ok: Any,
+               error: Optional[BaseException]) -> None:
+        """The loop: the handshake ended (``ok``: the client proved the token; ``error``: what cut it short); its
+        slot is given back, and the client spliced to the store or refused."""
+        self.slots.give(kind)
         if not ok:
-            self._refuse(conn, peer, why, uid)
+            uid = None if kind[0] == ADDRESS else int(kind[1])  # type: ignore[call-overload]
+            self._refuse(conn, peer, "wrong token" if error is None else f"no answer to the challenge ({error})", uid)
             return
-        _forward(conn, self.backend, self._backend_key, "store gate: the store behind the gate",
-                 "neighbor_ckpt-store-gate")
+        _forward(self._loop, conn, self.backend, self._backend_key, "store gate: the store behind the gate")
 
     def close(self) -> None:
-        self._sock.close()  # only this descriptor: the launcher may hold the port's socket for a next store host
+        """Stop accepting (the admitted connections go on); closes only this descriptor of the listener: the
+        launcher may hold the port's socket for a next store host."""
+        self._acceptor.close(shutdown=False)
         with self._lock:
             held = self._log.held()
         for host, n in sorted(held.items()):
@@ -539,7 +441,7 @@ class Tunnel:
     process (:func:`~neighbor_ckpt.inprocess.loopback.foreign_peer`; any other is closed unanswered, counted in
     :meth:`refused` and logged through a :class:`RefusalLog`) is carried to the gate at ``remote`` once the handshake
     passed; when the gate does not answer, refuses or goes away, the local connection is closed (torch's client then
-    fails, as it would on a lost store)."""
+    fails, as it would on a lost store). One event loop (one thread) carries all of them."""
 
     def __init__(self, remote: tuple[str, int], token: bytes) -> None:
         self.remote, self._token = remote, token
@@ -547,13 +449,18 @@ class Tunnel:
         self.address: tuple[str, int] = ("127.0.0.1", self._sock.getsockname()[1])
         self._refused = 0
         self._log = RefusalLog()
-        self._thread = _serve(self._sock, self._carry, f"{TUNNEL_THREAD}-{remote[1]}", admit=self._admit)
+        self._loop = Loop(f"{TUNNEL_THREAD}-{remote[1]}")
+        self._acceptor = Acceptor(self._loop, self._sock, self._accepted, f"store tunnel {self.address[1]}")
 
     def refused(self) -> int:
-        return self._refused  # written by the accepting thread only
+        return self._refused  # written by the loop's thread only
+
+    def threads(self) -> int:
+        """The threads this tunnel runs (its event loop's)."""
+        return self._loop.threads()
 
     def _admit(self, conn: socket.socket, peer: tuple) -> Optional[tuple]:
-        """The accepting thread: admit ``conn`` only from this process (a look-up per connection, not per operation)."""
+        """The loop: admit ``conn`` only from this process (a look-up per connection, not per operation)."""
         why = loopback.foreign_peer(conn)
         if why is None:
             return ()
@@ -566,28 +473,35 @@ class Tunnel:
                            "%.0f s", *self.address, peer[0], peer[1], why, more, self._log.every_s)
         return None
 
-    def _carry(self, conn: socket.socket, peer: tuple) -> None:
-        try:
-            remote = _connect(self.remote, HANDSHAKE_TIMEOUT_S)
-        except OSError as e:
-            logger.debug("store tunnel: %s:%d: %s", *self.remote, e)
-            conn.close()
+    def _accepted(self, conn: socket.socket, peer: tuple) -> None:
+        if self._admit(conn, peer) is None:
             return
-        try:
-            prove(remote, self._token, time.monotonic() + HANDSHAKE_TIMEOUT_S)
-        except OSError as e:
+        loop = self._loop
+        loop.hold(conn)
+
+        def connected(remote: Optional[socket.socket], error: Optional[OSError]) -> None:
+            if remote is None:
+                logger.debug("store tunnel: %s:%d: %s", *self.remote, error)
+                loop.close(conn)
+                return
+            Exchange(loop, remote, client_steps(self._token), time.monotonic() + HANDSHAKE_TIMEOUT_S,
+                     lambda _, error: proved(remote, error))
+
+        def proved(remote: socket.socket, error: Optional[BaseException]) -> None:
+            if error is None:
+                Splice(loop, conn, remote)
+                return
             # Refused: not a gate, or not this job's (no failover helps); else a stopped or lost host: the client's
             # operation fails and the stores' failover follows
-            logger.log(logging.ERROR if isinstance(e, Refused) else logging.WARNING,
-                       "store tunnel: %s:%d: no handshake (%s)", *self.remote, e)
-            remote.close()
-            conn.close()
-            return
-        remote.settimeout(None)
-        _splice(conn, remote, f"{TUNNEL_THREAD}-{self.remote[1]}")
+            logger.log(logging.ERROR if isinstance(error, Refused) else logging.WARNING,
+                       "store tunnel: %s:%d: no handshake (%s)", *self.remote, error)
+            loop.close(remote)
+            loop.close(conn)
+
+        Connect(loop, self.remote, HANDSHAKE_TIMEOUT_S, connected)
 
     def close(self) -> None:
-        _close_listener(self._sock)
+        self._acceptor.close(shutdown=True)
 
 
 DOOR_HOST = "127.0.0.2"
@@ -600,28 +514,28 @@ class Door:
     gives torch :data:`DOOR_HOST` and listens there, at the store's port, for the connections of this very process
     only (:func:`~neighbor_ckpt.inprocess.loopback.foreign_peer`), each carried to the sealed store at ``store``,
     signed with ``key``. Closed once torch's server has started: the store is sealed from before its first connection
-    on, with no moment open to anyone. ``OSError`` when :data:`DOOR_HOST` or that port cannot be bound."""
+    on, with no moment open to anyone (the connection it carried goes on, on the door's event loop). ``OSError``
+    when :data:`DOOR_HOST` or that port cannot be bound."""
 
     def __init__(self, store: tuple[str, int], key: bytes) -> None:
         self.store, self._key = store, key
         self._sock = _listener(DOOR_HOST, store[1])
         self.host = DOOR_HOST
-        self._thread = _serve(self._sock, self._carry, "neighbor_ckpt-store-door", admit=self._admit)
+        self._loop = Loop("neighbor_ckpt-store-door")
+        self._acceptor = Acceptor(self._loop, self._sock, self._accepted, f"store door {DOOR_HOST}:{store[1]}")
 
-    def _admit(self, conn: socket.socket, peer: tuple) -> Optional[tuple]:
+    def _accepted(self, conn: socket.socket, peer: tuple) -> None:
         why = loopback.foreign_peer(conn)
         if why is not None:
             conn.close()
             logger.warning("store door %s:%d: refused a connection from %s:%s: %s", DOOR_HOST, self.store[1],
                            peer[0], peer[1], why)
-            return None
-        return ()
-
-    def _carry(self, conn: socket.socket, peer: tuple) -> None:
-        _forward(conn, self.store, self._key, "store door: the store", "neighbor_ckpt-store-door")
+            return
+        self._loop.hold(conn)
+        _forward(self._loop, conn, self.store, self._key, "store door: the store")
 
     def close(self) -> None:
-        _close_listener(self._sock)
+        self._acceptor.close(shutdown=True)
 
 
 def tunnel_ports(remotes: Optional[Iterable[tuple[str, int]]] = None) -> set[int]:
