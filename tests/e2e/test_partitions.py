@@ -99,7 +99,13 @@ def assert_cut_off(res: RunResult, tmp: Path, processes: tuple[int, ...], nodes:
             or f"launcher {node}: {CUT_OFF}" in res.log, res.log[-10000:]
         assert not [line for line in mine if re.search(r": generation [1-9]\d*: ", line)], mine
     exits = launcher_exits(res)
-    assert {n: exits[n] for n in nodes} == {n: EXIT_CUT_OFF for n in nodes}, exits
+    for n in nodes:
+        # A launcher cut off takes its store host along: another launcher of the minority whose lease ran out just
+        # after sees that store no more, is in doubt (nothing it writes reaches the majority), waits for a store the
+        # majority promoted, and after a heal joins it with nothing left to run. Either way it started nothing.
+        in_doubt = f"launcher {n}: no majority seen for" in res.log and re.search(
+            rf"launcher {n} .*this node's processes \[\], ", res.log) is not None
+        assert exits[n] == EXIT_CUT_OFF or (exits[n] == 0 and in_doubt), (n, exits, res.log[-10000:])
     assert all(code == 0 for n, code in exits.items() if n not in nodes), exits
     cut = cut_unix(res)
     for node in nodes:
