@@ -27,6 +27,10 @@ suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``W
   waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*, which joins as a spare: a new
   process index (:func:`~neighbor_ckpt.inprocess.launch_counts.claim_index`), the same local rank, ``ENV_REPLACES``.
 
+**Liveness from the kernel** (:mod:`~neighbor_ckpt.inprocess.kernel_liveness`): every tick it reads each process's
+state in ``/proc``; one stopped, or in ``D`` without CPU time, for ``--detector-timeout`` seconds is SIGKILLed and
+declared dead like an exit; each beat (``lhb/<node>``) says which processes it vouches running and which are held.
+
 It also reads ``dead`` every tick and SIGKILLs any process of its own listed there (a detector found it silent or
 hung; SIGKILL ends a SIGSTOPped process too), and the process whose pid the engine wrote under ``proc/<p>`` when that
 is another one on this node (the test suite's warm fork), identified by its start time.
@@ -98,6 +102,7 @@ from neighbor_ckpt.inprocess import protocol
 from neighbor_ckpt.inprocess.completion import mark_complete, marked
 from neighbor_ckpt.inprocess.exit_clock import ExitClock
 from neighbor_ckpt.inprocess.generation import Fault, GenerationStore, parse_dead
+from neighbor_ckpt.inprocess.kernel_liveness import ChildrenInKernel
 from neighbor_ckpt.inprocess.launcher_children import child_setup as _child_setup
 from neighbor_ckpt.inprocess.launcher_children import drop_staged, recorded_pid_to_kill
 from neighbor_ckpt.inprocess.launcher_children import signal_group as _signal_group
@@ -217,6 +222,8 @@ class Launcher:
         """Why this node's processes do not start (its store host could not start), if they do not."""
         self._beats = 0
         self._beat_at = 0.0
+        self._kernel = ChildrenInKernel(plan.detector_timeout_s, node=plan.node)
+        """Its processes as the kernel shows them: vouched for in each beat, SIGKILLed when held too long."""
         self._rendezvous = RestartRendezvous(
             node=plan.node, nodes=plan.nodes, indices=plan.indices, call=self._try, later=self._later, beat=self._beat,
             pending=lambda: bool(self._outbox), timeout_s=plan.detector_timeout_s, store_timeout_s=plan.store_timeout_s,
@@ -414,7 +421,9 @@ class Launcher:
             return  # no store answers: a beat would only wait out another store timeout (the loop tries it anyway)
         self._beat_at = now
         self._beats += 1
-        beat = str(self._beats)
+        live = {} if self._att is None else {i: c.proc.pid for i, c in self._att.children.items()}
+        beat = self._kernel.beat(self._beats, live, now, lambda i: self._try(
+            attempt, lambda s: s.get(key("proc", i)) if s.check([key("proc", i)]) else None))
         self._try(attempt, lambda s: s.set(key("lhb", self.plan.node), beat))
         self._try(attempt, lambda s: self._lease.look(s, self._store(attempt - 1) if attempt else None))  # lease
 
@@ -474,11 +483,26 @@ class Launcher:
             except ProcessLookupError:
                 pass
 
-    def _declare(self, att: _Attempt, index: int, reason: str, pid: Optional[int] = None) -> None:
+    def _watch_kernel(self, att: _Attempt) -> None:
+        """Its processes' states in the kernel (:mod:`~neighbor_ckpt.inprocess.kernel_liveness`): one held (stopped,
+        or in D without CPU time) for longer than ``detector.timeout_s`` is SIGKILLed and declared dead, a fact."""
+        live = {i: c.proc.pid for i, c in att.children.items() if c.killed is None and c.proc.poll() is None}
+        for v in self._kernel.look(live, time.monotonic()) if att.complete_at is None else ():
+            child = att.children[v.process]
+            child.killed = f"{v.describe()}: SIGKILLed by its launcher"
+            logger.warning("process %d (pid %d) has been %s (detector.timeout_s %g): SIGKILL, declared dead",
+                           v.process, child.proc.pid, v.describe(), self.plan.detector_timeout_s)
+            _signal_group(child.proc, signal.SIGKILL)
+            self._kill_recorded_pid(att, v.process, child.proc.pid)
+            what = f"{v.event} of process {v.process} seen by its launcher ({self.plan.name})"
+            self._declare(att, v.process, child.killed, fault=Fault(time.time() - v.held_s, what))
+
+    def _declare(self, att: _Attempt, index: int, reason: str, pid: Optional[int] = None,
+                 fault: Optional[Fault] = None) -> None:
         """``dead`` + the current generation's failure: the push every survivor waits for; the fault's time is when
         this launcher saw the exit (:class:`ExitClock`'s, else now; the recovery timeline's *detect* starts there)."""
         when = (self._exits.seen(pid) if pid is not None else None) or time.time()
-        seen = Fault(when, f"exit of process {index} seen by its launcher ({self.plan.name})")
+        seen = fault or Fault(when, f"exit of process {index} seen by its launcher ({self.plan.name})")
 
         def write(s: Any) -> None:
             # an idle spare's death fails no generation (GenerationStore.report_death): the job goes on without it
@@ -684,6 +708,7 @@ class Launcher:
             if self._signal is not None:
                 return _Outcome.SIGNALED
             self._reap(att)
+            self._watch_kernel(att)
             self._flush()
             self._beat(att.number)
             self._watch_store(att)

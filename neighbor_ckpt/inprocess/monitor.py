@@ -17,7 +17,11 @@ current generation in the store, where every process waits for it, and the engin
   launcher SIGKILLs it: a SIGSTOPped process ignores everything else) and the generation failed (``silent``). A
   predecessor on another node is watched together with that node's launcher (``lhb/<node>``): when the launcher is
   quiet too (:data:`NODE_LAUNCHER_QUIET`), the node is lost, and every process of it in the generation is declared
-  dead in that one decision, so a node of ``k`` ranks costs one detection, not ``k`` in a row;
+  dead in that one decision, so a node of ``k`` ranks costs one detection, not ``k`` in a row. A silent predecessor
+  whose node's launcher beats and vouches it running in the kernel (:mod:`~neighbor_ckpt.inprocess.kernel_liveness`:
+  its heartbeat thread starved of the GIL, or the process stuck alive) is not declared: a stuck process is the hang
+  detector's (below). A node whose launcher has been quiet for :data:`LAUNCHER_LOST` x ``detector.timeout_s`` is
+  lost whole even while its processes beat (a SIGSTOPped launcher costs its node);
 * watches its own training thread: when its progress tag stood still for ``detector.hang_timeout_s`` it reads every
   active rank's tag. The ranks whose tag lags the others' are declared dead and replaced (``hung``: stuck in a C
   call or a collective the others already left) when declaring them leaves a majority of the members, counting them
@@ -46,6 +50,7 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
 from neighbor_ckpt.inprocess.generation import Fault, GenerationFailure, GenerationStore
+from neighbor_ckpt.inprocess.kernel_liveness import parse_beat
 from neighbor_ckpt.inprocess.protocol import EXIT_FENCED, key
 from neighbor_ckpt.inprocess.quorum import MajorityLease, majority_left
 from neighbor_ckpt.inprocess.reachability import ReachProbe
@@ -70,6 +75,21 @@ this fraction of ``detector.timeout_s`` either: a live launcher beats four times
 and a launcher lost with its processes has been quiet for about ``timeout_s - interval_s - its beat period`` by the
 time the predecessor counts as silent, which exceeds half the timeout at the defaults (5 s, 1 s, 1 s) and in the
 tests (2 s, 0.2 s, 0.5 s)."""
+
+
+LAUNCHER_LOST = 2.0
+"""A node whose launcher has not beaten for this many ``detector.timeout_s`` is lost whole, its processes too, even
+those that still beat (:meth:`Monitor._launcher_lost`). At least 1 + the launcher's beat period / ``timeout_s`` (its
+last beat before a cut is at most one period old), so the decision comes no earlier than ``timeout_s`` after the
+last beat of any of its processes before a cut (the lease's argument, docs/timeouts.md); twice leaves a launcher's
+loop that a loaded machine delays a whole ``timeout_s`` more."""
+
+
+def vouched_running(raw: bytes | str | None, process: int) -> bool:
+    """Whether a launcher's beat (``lhb/<node>``) vouches ``process`` running in the kernel
+    (:func:`~neighbor_ckpt.inprocess.kernel_liveness.parse_beat`)."""
+    summary = parse_beat(raw)
+    return summary is not None and process in summary.running
 
 
 def parse_heartbeat(raw: bytes | str | None) -> Optional[tuple[int, int, Tag]]:
@@ -202,6 +222,7 @@ class Monitor:
         """When the store last answered this monitor's look (the lease guard decides on a look answered after the
         lease ran out; none: in doubt)."""
         self._refused: set[tuple[int, tuple[int, ...]]] = set()
+        self._vouched: set[tuple[int, int]] = set()
         self._no_minority: set[tuple[int, tuple[int, ...]]] = set()
         self.stores = stores
         """The process's :class:`~neighbor_ckpt.inprocess.stores.StoreSet` (None: one store, no failover): after
@@ -308,7 +329,8 @@ class Monitor:
                 if beats[p] is not None or launchers.get(nodes[p]) is not None}
         now = time.monotonic()
         with self.lease_lock:
-            self.answered_at = now
+            if not self.lease.after_gap(now):  # a look after a starved gap decides nothing (MajorityLease.after_gap)
+                self.answered_at = now
             self.lease.observe(set(quorum_set) | {self.gens.process}, seen, now)
 
     def _read(self, keys: list[str]) -> list[Optional[bytes]]:
@@ -372,12 +394,12 @@ class Monitor:
 
     def _silent_peer(self, gen: int, members: frozenset[int], now: float) -> Optional[GenerationFailure]:
         peer = ring_predecessor(self.gens.process, members)
-        # A predecessor on another node is watched with its node's launcher: a whole node lost is one decision.
-        node = None if peer is None else self._node_of(peer)
-        if node is not None and node == self._node_of(self.gens.process):
-            node = None
+        # The predecessor is watched with its node's launcher, which vouches for it in the kernel; on another node,
+        # that launcher quiet too is the whole node lost, in one decision.
+        home = None if peer is None else self._node_of(peer)
+        node = None if home == self._node_of(self.gens.process) else home
         if self._watch is None or self._watch[0] != (gen, peer, node):
-            watched = () if peer is None else (peer,) if node is None else (peer, LAUNCHER)
+            watched = () if peer is None else (peer,) if home is None else (peer, LAUNCHER)
             self._watch = ((gen, peer, node), Watch(watched, timeout_s=self.timeout_s,
                                                     now=max(now, self._grace_until)))
         if peer is None:
@@ -385,15 +407,27 @@ class Monitor:
         watch = self._watch[1]
         raw = self.gens.store.get(key("hb", peer)) if self.gens.store.check([key("hb", peer)]) else None
         watch.observe(peer, None if raw is None else raw.decode(errors="replace"), now)
-        if node is not None:
-            beat = self.gens.store.get(key("lhb", node)) if self.gens.store.check([key("lhb", node)]) else None
+        beat = None
+        if home is not None:
+            beat = self.gens.store.get(key("lhb", home)) if self.gens.store.check([key("lhb", home)]) else None
             watch.observe(LAUNCHER, None if beat is None else beat.decode(errors="replace"), now)
         silent = dict(watch.silent(now))
         if peer not in silent:
+            if node is not None and watch.quiet(LAUNCHER, now) > self.timeout_s * LAUNCHER_LOST:
+                return self._launcher_lost(gen, members, peer, node, watch.quiet(LAUNCHER, now))
             return None
         length = silent[peer]
         if peer in self.gens.dead() or self.gens.complete():
             return None  # already declared (its launcher saw it go), or the job is over and it left
+        if home is not None and watch.quiet(LAUNCHER, now) <= self.timeout_s * NODE_LAUNCHER_QUIET:
+            if vouched_running(beat, peer):  # starved of the GIL, or stuck: the hang detector's, not a death
+                if (gen, peer) not in self._vouched:
+                    self._vouched.add((gen, peer))
+                    logger.warning("%s: process %d sent no heartbeat for %.1f s (detector.timeout_s %g), but its "
+                                   "launcher vouches it running in the kernel: not declared (a process stuck alive "
+                                   "is the hang detector's: detector.hang_timeout_s)", self.gens.name, peer, length,
+                                   self.timeout_s)
+                return None
         lost = (peer,)
         # on this node, or its node's launcher beats here: declared, it is killed (it cannot go on elsewhere)
         known = self._node_of(peer) is not None
@@ -412,6 +446,25 @@ class Monitor:
             logger.error("%s: %s: declaring it dead (its launcher kills it)", self.gens.name, reason)
         last_beat = Fault(time.time() - length, f"last heartbeat of process {peer} seen by {self.gens.name}")
         record = self.gens.report_death(lost, kind="silent", reason=reason, fault=last_beat, generation=gen)
+        if record is not None and self.gens.won(record):
+            self.decisions.append(record)
+        return record
+
+    def _launcher_lost(self, gen: int, members: frozenset[int], peer: int, node: str,
+                       quiet: float) -> Optional[GenerationFailure]:
+        """``node``'s launcher sent no beat for :data:`LAUNCHER_LOST` x ``detector.timeout_s`` while its process
+        ``peer`` beats: the node is lost whole (nobody there sees its processes' exits, vouches for them or kills
+        them; a SIGSTOPped launcher costs its node). Every process of it is declared in one decision."""
+        dead = self.gens.dead()
+        lost = tuple(sorted(p for p in members if self._node_of(p) == node and p not in dead))
+        if not lost or self.gens.complete() or not self._leaves_majority(gen, self.state()[1], lost):
+            return None
+        reason = (f"node {node} is lost: its launcher sent no beat for {quiet:.1f} s ({LAUNCHER_LOST:g} x "
+                  f"detector.timeout_s {self.timeout_s:g}), though process {peer} beats: nobody on it vouches for "
+                  "its processes or kills them")
+        logger.error("%s: %s: declaring its process(es) %s dead together", self.gens.name, reason, list(lost))
+        seen = Fault(time.time() - quiet, f"last beat of node {node}'s launcher seen by {self.gens.name}")
+        record = self.gens.report_death(lost, kind="silent", reason=reason, fault=seen, generation=gen)
         if record is not None and self.gens.won(record):
             self.decisions.append(record)
         return record

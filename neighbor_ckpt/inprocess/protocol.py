@@ -63,9 +63,13 @@ types): nothing read from the store is unpickled.
 ``launcher/<node>``
     JSON ``{"pid", "processes": [...]}`` of node ``node``'s launcher (rewritten when it starts a replacement).
 ``lhb/<node>``
-    Heartbeat of node ``node``'s launcher (a counter, several times per ``detector.timeout_s``). A monitor that finds
-    its ring predecessor silent on another node reads it: a launcher silent too means the node is lost, and every
-    process of that node is declared dead in the same decision (:mod:`neighbor_ckpt.inprocess.monitor`).
+    Heartbeat of node ``node``'s launcher, several times per ``detector.timeout_s``: ``"<beat> run=<p>,... held=<p>:
+    <T|D>:<seconds>,..."``, a counter, then its processes as the kernel shows them: those it vouches running, those
+    stopped or in an uninterruptible sleep and for how long (:mod:`neighbor_ckpt.inprocess.kernel_liveness`). A
+    monitor whose ring predecessor is silent reads it: a process vouched running is not declared; on another node, a
+    launcher silent too means the node is lost, and every process of that node is declared dead in the same decision;
+    a launcher silent for twice ``detector.timeout_s`` costs its node even while its processes beat
+    (:mod:`neighbor_ckpt.inprocess.monitor`).
 ``processes``
     How many process indices the launch has handed out (indices ``0..processes-1``): every launcher, before it
     starts anything, does ``compare_set("processes", "", str(N))`` (the first one sets ``N``, the others find it

@@ -121,6 +121,8 @@ class MajorityLease:
         """The renewal is a move's grace (:meth:`restart`), replaced by the first majority seen on the new store."""
         self.armed = False
         self._over = False
+        self.learning = False
+        """The last look came after a gap (:meth:`after_gap`): it only learnt the values."""
 
     def arm(self, now: float) -> None:
         """The client's first generation formed at ``now``: every member had arrived (and beats), so the lease runs
@@ -143,6 +145,9 @@ class MajorityLease:
         """One look: ``seen`` maps members to what was read for them (absent: nothing read). True when a majority
         of ``quorum_set`` has been seen within the lease, counting this look."""
         members = frozenset(quorum_set) | {self.me}
+        self.learning = self.after_gap(now)
+        if self.learning:
+            self._looked = None
         since = now if self.stamp_seen else (-math.inf if self._looked is None else min(self._looked, now))
         for p, value in seen.items():
             old = self._last.get(p)
@@ -158,6 +163,13 @@ class MajorityLease:
             self._provisional, self.armed = False, not self._over
             return True
         return False
+
+    def after_gap(self, now: float) -> bool:
+        """Whether a look at ``now`` comes more than the lease after this client's previous one (its thread starved
+        of the GIL, its process stopped): such a look only learns the values, like the first one (:meth:`observe`),
+        and decides nothing (the client does not count it as answered): it cannot tell when the changes it sees were
+        written, and this client's own silence was no cut. The next look, one round later, renews or decides."""
+        return not self.stamp_seen and self._looked is not None and now - self._looked > self.lease_s
 
     def fresh(self, now: float, within_s: float) -> set[object]:
         """The members seen within ``within_s`` of ``now`` (this client included)."""
@@ -243,10 +255,15 @@ class LeaseGuard:
         self._quit.set()
 
     def _run(self) -> None:
+        ticked = time.monotonic()
         while not self._quit.wait(self.tick_s):
             if self.done():
                 return
-            verdict = self.check(time.monotonic())
+            now = time.monotonic()
+            gap, ticked = now - ticked, now
+            if gap > self.lease.lease_s:  # this thread was starved too: the client's next look tells first
+                continue
+            verdict = self.check(now)
             if verdict is None:
                 continue
             try:
@@ -280,7 +297,7 @@ class LeaseGuard:
             # lost (perhaps the one cut off, the majority moving to a standby): in doubt, wait for a promoted store.
             if self._doubt is None:
                 self._doubt = (now, epoch)
-            if not self._doubt_said and now - answered > self.lease.lease_s:
+            if not self._doubt_said and now - answered > self.lease.lease_s and not self.lease.learning:
                 self._doubt_said = True
                 logger.warning("%s: no majority seen for %.1f s and the store does not answer: waiting up to %.0f s "
                                "for a store promoted by a majority of the launchers", self.name, quiet, self.doubt_s)
