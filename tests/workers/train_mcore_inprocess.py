@@ -15,9 +15,10 @@ training (an exception on one rank) until the abort frees it.
 Environment: OUT_DIR, TEST_STORE_BASE (each process's store root is ``TEST_STORE_BASE/<node>``, the node being the
 launcher's ``NEIGHBOR_CKPT_NODE_ID``: a replacement process gets a new index but runs on its launcher's node), SPARES,
 STEPS, NEIGHBOR_CKPT_JOB_ID (fixed for the launch: every attempt shares the host stores), FAULT
-(kill|raise|stop|block|none), KILL_RANK (a rank, or ranks separated by commas), KILL_STEP (first attempt only, inside
-the optimizer step of KILL_STEP: SIGKILL, a RuntimeError, SIGSTOP, or the training thread blocked in a C call while
-the heartbeat goes on), HANG_TIMEOUT (``detector.hang_timeout_s``, default 3 s; interval 0.2 s and timeout 2 s as the
+(kill|raise|stop|block|gil|stop_launcher|none), KILL_RANK (a rank, or ranks separated by commas), KILL_STEP (first
+attempt only, inside the optimizer step of KILL_STEP: SIGKILL, a RuntimeError, SIGSTOP, the training thread blocked in
+a C call while the heartbeat goes on, the main thread holding the GIL for HOLD_GIL_S seconds (default 4) and then
+going on, or its launcher SIGSTOPped while the training thread waits in a C call), HANG_TIMEOUT (``detector.hang_timeout_s``, default 3 s; interval 0.2 s and timeout 2 s as the
 CPU job files), RECOVERY_KILL_RANK (SIGKILL of that rank in the first in-process attempt, while it loads the restored
 state: failpoint ``recovery.load``, before the attempt completes a step; with RECOVERY_KILL_NODE=1 its node's launcher
 first: the whole node), PERMANENT (1: a SIGKILLed rank's node is
@@ -177,6 +178,32 @@ def inject_fault(rank: int, att: Attempt) -> None:
             os.kill(launcher, signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGSTOP)  # its watcher finds it silent; its launcher kills it
         time.sleep(3600)
+    if FAULT == "gil":
+        # The main thread in a call that holds the GIL (a model rebuild on a loaded machine): every other Python
+        # thread of the process, its heartbeat included, is starved for HOLD_GIL_S seconds; then training goes on.
+        import ctypes
+
+        hold = float(os.environ.get("HOLD_GIL_S", "4"))
+        log.warning("fault injection: rank %d's main thread holds the GIL for %g s inside the optimizer step of step "
+                    "%d", rank, hold, KILL_STEP)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        t0 = time.monotonic()
+        ctypes.PyDLL(None).usleep(int(hold * 1e6))  # PyDLL: the GIL is held through the call
+        log.warning("fault injection: rank %d held the GIL for %.2f s; training goes on", rank, time.monotonic() - t0)
+        return
+    if FAULT == "stop_launcher":
+        # The node's launcher hangs (SIGSTOP), its process does not: its training thread waits in a C call (the GIL
+        # released, its heartbeat beating on) until the others have found the node lost and it is fenced.
+        import ctypes
+
+        launcher = int(os.environ["NEIGHBOR_CKPT_INPROCESS_LAUNCHER"])
+        log.warning("fault injection: SIGSTOP of rank %d's launcher (pid %d) inside the optimizer step of step %d",
+                    rank, launcher, KILL_STEP)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(launcher, signal.SIGSTOP)
+        ctypes.CDLL(None).sleep(3600)
     if FAULT == "block":
         # The training thread stuck in a C call (no Python, the GIL released) while the monitor thread beats on.
         log.warning("fault injection: rank %d's training thread blocked in a C call inside the optimizer step of "
@@ -248,7 +275,7 @@ def train(att: Attempt) -> dict[str, Any]:
                                 attempt=inproc.attempt_info(), global_batch=GLOBAL_BATCH, micro_batch_size=MBS)
     # Closed after the abort if this attempt fails (the abort frees its streaming threads first); slots stay.
     inproc.on_restart(lambda: ckpt.close(success=False))
-    armed = FAULT in ("kill", "raise", "stop", "block") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
+    armed = FAULT in ("kill", "raise", "stop", "block", "gil", "stop_launcher") and att.iteration == 0 and LAUNCH_ATTEMPT == 0 and rank in KILL_RANKS
 
     stop_store = (os.environ.get("STOP_STORE_AT_STEP") is not None and att.iteration == 0 and LAUNCH_ATTEMPT == 0
                   and os.environ.get("NEIGHBOR_CKPT_INPROCESS_STORE_HOSTED") == "0")
