@@ -45,7 +45,8 @@ NAME = "neighbor_ckpt.inprocess"
 
 REAL = [
     "the primary store host process (python -m neighbor_ckpt.inprocess.store_host --token-file): its gate "
-    "(store_auth.Gate: token handshake, 64 handshake slots, two pump threads per connection) and its sealed "
+    "(store_auth.Gate: token handshake, handshake slots per peer user, one event-loop thread for every connection) "
+    "and its sealed "
     "TCPStore (TCP-MD5 on loopback)",
     "the standby store hosts (the same command), up to 3, in the launch's store list",
     "the store token file (store_auth.new_token_file) and every client's tunnel (store_auth.Tunnel)",
@@ -96,7 +97,7 @@ CONNECTIONS_TODAY = {
                             "generation's process groups)"],
                 "standby 1": ["probe1 (StoreSet.follow_newer every 2 s)"]},
     "launcher": {"primary": ["launcher"], "standby 1": ["probe1 (StoreSet.follow_newer every 2 s)"]},
-    "store host threads per connection": 2,
+    "store host threads per connection": 0,
 }
 """The store connections today's code holds, per process and per launcher (stores.py, store_clients.py, engine.py)."""
 
