@@ -273,3 +273,76 @@ def test_a_name_is_resolved_off_the_loop_and_connected(loop: Loop) -> None:
         sock, error = _until(lambda: out, "the connect ended")[0]
         assert error is None and sock is not None and sock.getpeername()[1] == listener.getsockname()[1]
         loop.call(lambda: loop.close(sock))
+
+
+def _echo_server() -> tuple[socket.socket, threading.Event]:
+    """A store stand-in: echoes what each connection sends, on one thread of its own (selectors)."""
+    import selectors
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    listener.setblocking(False)
+    stop = threading.Event()
+
+    def run() -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(listener, selectors.EVENT_READ)
+        while not stop.is_set():
+            for key, _ in sel.select(0.1):
+                if key.fileobj is listener:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(False)
+                    sel.register(conn, selectors.EVENT_READ)
+                    continue
+                conn = key.fileobj  # type: ignore[assignment]
+                try:
+                    data = conn.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    conn.setblocking(True)
+                    conn.sendall(data)
+                    conn.setblocking(False)
+                else:
+                    sel.unregister(conn)
+                    conn.close()
+        sel.close()
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return listener, stop
+
+
+def test_a_gate_serves_hundreds_of_connections_on_its_one_thread_and_passes_the_stores_end_on() -> None:
+    """300 clients with the token through a real gate to an echo store: each is admitted and answered, and the gate
+    runs one thread (the release before: two per connection, and one per handshake); a client's end reaches the
+    store, and the store's answer to it still comes back (half-close), then both ends close the connection."""
+    from neighbor_ckpt.inprocess.store_auth import Gate
+
+    backend, stop = _echo_server()
+    token = os.urandom(32)
+    threads_before = threading.active_count()
+    gate = Gate(socket.create_server(("127.0.0.1", 0), backlog=1024), backend.getsockname()[:2], token)
+    address = gate._sock.getsockname()[:2]
+    clients = []
+    for i in range(300):
+        c = socket.create_connection(address, timeout=30)
+        prove(c, token, time.monotonic() + 30)
+        c.sendall(f"ping {i}".encode())
+        clients.append(c)
+    for i, c in enumerate(clients):
+        assert c.recv(64) == f"ping {i}".encode()
+    assert gate.threads() == 1 and threading.active_count() == threads_before + 1, "one thread for them all"
+    assert gate.refused() == 0
+    last = clients.pop()
+    last.shutdown(socket.SHUT_WR)
+    assert last.recv(64) == b"", "the store saw the end and closed; its end came back"
+    for c in clients + [last]:
+        c.close()
+    gate.close()
+    stop.set()
+    _until(lambda: gate.threads() == 0, "the gate's loop ended once its listener closed and its connections ended")
