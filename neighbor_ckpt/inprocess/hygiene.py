@@ -192,15 +192,17 @@ def compare(baseline: ProcessState, now: ProcessState, *, generations_done: int,
 
 def check(baseline: ProcessState, generations_done: int, *, allowed_prefixes: Iterable[str] = (),
           rss_limit_bytes: int = RSS_LIMIT_BYTES, rss_window: int = RSS_WINDOW_GENERATIONS,
-          cuda_slack_bytes: int = 0, collect: bool = True) -> HygieneResult:
+          cuda_slack_bytes: int = 0, collect: bool = True, log: bool = True) -> HygieneResult:
     """Capture the process now and :func:`compare` it with ``baseline``. ``collect``: run the garbage collector
-    first (the failed generation's traceback holds its frames, and they its tensors, in reference cycles)."""
+    first (the failed generation's traceback holds its frames, and they its tensors, in reference cycles). ``log``:
+    say the verdict (an error when not clean)."""
     if collect:
         gc.collect()
     result = compare(baseline, ProcessState.capture(), generations_done=generations_done,
                      allowed_prefixes=allowed_prefixes, rss_limit_bytes=rss_limit_bytes, rss_window=rss_window,
                      cuda_slack_bytes=cuda_slack_bytes)
-    (logger.info if result.ok else logger.error)("%s", result.summary())
+    if log:
+        (logger.info if result.ok else logger.error)("%s", result.summary())
     return result
 
 
@@ -246,9 +248,14 @@ class HygieneGuard:
         baseline = dataclasses.replace(self._baseline, rss_bytes=rss)
         for look in range(LOOKS):
             result = check(baseline, max(1, generation - first), allowed_prefixes=self.allowed_prefixes,
-                           rss_limit_bytes=self.rss_limit_bytes)
+                           rss_limit_bytes=self.rss_limit_bytes, log=False)
             if result.ok or not result.extra_threads or look == LOOKS - 1:
+                (logger.info if result.ok else logger.error)("%s", result.summary())
                 break
+            # not a verdict yet: a thread blocked on a peer cut off is freed by the wide abort below
+            logger.warning("%s: threads still running after generation %d: %s: aborting every connection of the "
+                           "attempt and looking again (%d of %d)", name, generation,
+                           ", ".join(result.extra_threads), look + 2, LOOKS)
             time.sleep(0.5)
             try:
                 self.reabort(generation)
