@@ -347,3 +347,36 @@ def test_a_gate_serves_hundreds_of_connections_on_its_one_thread_and_passes_the_
     gate.close()
     stop.set()
     _until(lambda: gate.threads() == 0, "the gate's loop ended once its listener closed and its connections ended")
+
+
+def test_out_of_descriptors_the_listener_waits_and_accepts_later_instead_of_spinning_or_refusing(
+        loop: Loop, caplog: pytest.LogCaptureFixture) -> None:
+    """``accept`` failing with EMFILE leaves the connection in the kernel's queue: the acceptor says so once, waits,
+    and accepts it afterwards (the loop neither spins on a listener that stays readable nor drops the client)."""
+    import errno
+    import logging
+
+    from neighbor_ckpt.inprocess.event_loop import Acceptor
+
+    class Full(socket.socket):
+        failures = 3
+
+        def accept(self):  # type: ignore[no-untyped-def]
+            if Full.failures:
+                Full.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return super().accept()
+
+    plain = socket.create_server(("127.0.0.1", 0))
+    listener = Full(fileno=plain.detach())
+    accepted: list = []
+    caplog.set_level(logging.WARNING, logger="neighbor_ckpt.inprocess.event_loop")
+    acceptor = Acceptor(loop, listener, lambda conn, peer: accepted.append(conn), "test listener")
+    client = socket.create_connection(listener.getsockname()[:2], timeout=30)
+    _until(lambda: accepted, "the waiting connection accepted")
+    assert Full.failures == 0
+    said = [r.getMessage() for r in caplog.records if "cannot accept" in r.getMessage()]
+    assert len(said) == 1 and "Too many open files" in said[0], said
+    acceptor.close(shutdown=True)
+    accepted[0].close()
+    client.close()
