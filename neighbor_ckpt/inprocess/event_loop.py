@@ -138,12 +138,19 @@ class Loop:
                 del self._reg[fd]
                 self._sel.unregister(fd)
             return
-        if old is None:
-            self._sel.register(fd, mask, handler)
-        elif old[0] != mask or old[1] is not handler:
-            self._sel.modify(fd, mask, handler)
-        else:
+        if old is not None and old[0] == mask and old[1] is handler:
             return
+        try:
+            if old is None:
+                self._sel.register(fd, mask, handler)
+            else:
+                self._sel.modify(fd, mask, handler)
+        except (KeyError, OSError):  # a descriptor closed behind the loop's back and its number used again
+            try:
+                self._sel.unregister(fd)
+            except KeyError:
+                pass
+            self._sel.register(fd, mask, handler)
         self._reg[fd] = (mask, handler)  # type: ignore[assignment]
 
     def close(self, sock: socket.socket) -> None:
