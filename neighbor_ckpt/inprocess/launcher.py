@@ -27,9 +27,8 @@ suite's warm-fork client in front of the interpreter), each with ``RANK=p``, ``W
   waits for. After :data:`~protocol.EXIT_HYGIENE` it also starts a *replacement*, which joins as a spare: a new
   process index (:func:`~neighbor_ckpt.inprocess.launch_counts.claim_index`), the same local rank, ``ENV_REPLACES``.
 
-**Liveness from the kernel** (:mod:`~neighbor_ckpt.inprocess.kernel_liveness`): every tick it reads each process's
-state in ``/proc``; one stopped, or in ``D`` without CPU time, for ``--detector-timeout`` seconds is SIGKILLed and
-declared dead like an exit; each beat (``lhb/<node>``) says which processes it vouches running and which are held.
+**Liveness from the kernel** (:mod:`~neighbor_ckpt.inprocess.kernel_liveness`): a process stopped, or in ``D``
+without CPU time, for ``--detector-timeout`` seconds is SIGKILLed and declared dead like an exit; each beat vouches.
 
 It also reads ``dead`` every tick and SIGKILLs any process of its own listed there (a detector found it silent or
 hung; SIGKILL ends a SIGSTOPped process too), and the process whose pid the engine wrote under ``proc/<p>`` when that
@@ -411,9 +410,9 @@ class Launcher:
         return child
 
     def _beat(self, attempt: int) -> None:
-        """This launcher's heartbeat under ``attempt``'s prefix (``lhb/<node>``, every :attr:`~LauncherPlan.beat_s`):
-        a monitor that finds a process of this node silent declares the whole node lost when this stood still too,
-        and so does the restart rendezvous (not queued: a beat that cannot be written now is of no use later)."""
+        """This launcher's heartbeat under ``attempt``'s prefix (``lhb/<node>``, every :attr:`~LauncherPlan.beat_s`),
+        with its processes as the kernel shows them: a silent process it vouches for is not declared, a node whose beat
+        stands still is lost, here and in the restart rendezvous (not queued: a late beat is of no use)."""
         now = time.monotonic()
         if now - self._beat_at < self.plan.beat_s or (self._att is not None and self._att.complete_at is not None):
             return  # once the job completed nobody watches (and its store host may be gone)
@@ -484,8 +483,7 @@ class Launcher:
                 pass
 
     def _watch_kernel(self, att: _Attempt) -> None:
-        """Its processes' states in the kernel (:mod:`~neighbor_ckpt.inprocess.kernel_liveness`): one held (stopped,
-        or in D without CPU time) for longer than ``detector.timeout_s`` is SIGKILLed and declared dead, a fact."""
+        """A process held in the kernel (stopped, in D without CPU) for ``detector.timeout_s``: SIGKILL, declared."""
         live = {i: c.proc.pid for i, c in att.children.items() if c.killed is None and c.proc.poll() is None}
         for v in self._kernel.look(live, time.monotonic()) if att.complete_at is None else ():
             child = att.children[v.process]

@@ -229,6 +229,29 @@ def test_a_process_listed_dead_is_sigkilled_by_its_launcher_even_when_stopped(la
     assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
 
 
+def test_a_process_stopped_for_the_detector_timeout_is_sigkilled_and_declared_by_its_launcher_from_the_kernel(
+        launch) -> None:
+    """Liveness from the kernel: node1's launcher vouches its process running in its beat, then sees it stopped
+    (state T, nobody listed it dead) and says so; after ``--detector-timeout`` (2 s) it SIGKILLs it and declares it
+    dead as a fact (``exited``), which fails the current generation."""
+    run = launch({"node0": (0, 1), "node1": (1, 1)}, processes=2)
+    victim = run.env(1)
+    run.env(0)
+    _wait("node1's beat vouching process 1", lambda: re.fullmatch(r"\d+ run=1 held=", run.get("lhb/node1") or ""))
+    os.kill(victim["pid"], signal.SIGSTOP)
+    _wait("node1's beat saying it is stopped", lambda: re.fullmatch(r"\d+ run= held=1:T:[0-9.]+",
+                                                                    run.get("lhb/node1") or ""))
+    _wait("the stopped process to be killed", lambda: _gone(victim["pid"], victim["start"]), timeout=120)
+    dead = _wait("the exit written", lambda: "killed by signal 9" in (run.get("dead") or "") and run.get("dead"))
+    assert re.fullmatch(r"1:exited: stopped \(state T\) for [0-9.]+ s in the kernel: SIGKILLed by its launcher;"
+                        r"1:exited: killed by signal 9 \(SIGKILL\);", dead), dead
+    failed = json.loads(_wait("gen/0/failed", lambda: run.get("gen/0/failed")))
+    assert failed["by"] == "launcher:node1" and failed["kind"] == "exited" and failed["ranks"] == [1], failed
+    assert re.fullmatch(r"\d+ run=0 held=", run.get("lhb/node0") or ""), "node0's process runs on"
+    run.complete()
+    assert [run.wait(n) for n in ("node0", "node1")] == [0, 0], run.logs()
+
+
 def test_sigkill_of_a_launcher_takes_its_processes_with_it_and_sigterm_stops_them(launch) -> None:
     # three nodes: two launchers of three are a majority (with two, the one left would stop, cut off)
     run = launch({"node0": (0, 2), "node1": (2, 1), "node2": (3, 1)}, processes=4)
@@ -254,8 +277,9 @@ def test_a_launcher_left_without_a_majority_of_the_launchers_stops_its_processes
     run.env(0)
     other = run.env(1)
     _wait("node0's beat", lambda: run.get("lhb/node0"))
-    seen = int(_wait("node1's beat", lambda: run.get("lhb/node1")))
-    _wait("two looks of node1 since", lambda: int(run.get("lhb/node1") or 0) >= seen + 2)  # it saw node0 beat
+    beat = lambda: int((run.get("lhb/node1") or "0").split(" ", 1)[0])  # noqa: E731 - the counter, then its processes
+    seen = _wait("node1's beat", beat)
+    _wait("two looks of node1 since", lambda: beat() >= seen + 2)  # it saw node0 beat
     run.launchers["node0"].kill()
     assert run.wait("node0") == -signal.SIGKILL
     assert run.wait("node1", timeout=120) == protocol.EXIT_CUT_OFF, run.logs()
