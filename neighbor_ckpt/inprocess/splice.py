@@ -27,7 +27,7 @@ class Splice:
     """Copies both ways between ``a`` and ``b`` (connected, held by ``loop``) on ``loop``'s thread; ``on_close()``
     once both are closed. Create it on the loop's thread."""
 
-    __slots__ = ("loop", "socks", "bufs", "eof", "shut", "closed", "cap", "_handlers", "_on_close")
+    __slots__ = ("loop", "socks", "bufs", "eof", "shut", "closed", "cap", "_handlers", "_masks", "_on_close")
 
     def __init__(self, loop: Loop, a: socket.socket, b: socket.socket, *, cap: int = BUFFER_BYTES,
                  on_close: Optional[Callable[[], None]] = None) -> None:
@@ -39,6 +39,7 @@ class Splice:
         self.shut = [False, False]  # socks[i] was told no more comes (SHUT_WR)
         self.closed = False
         self._handlers = (self._ready_a, self._ready_b)
+        self._masks = [-1, -1]  # what each socket is registered for (-1: not known yet)
         self._update()
 
     def buffered(self) -> int:
@@ -108,10 +109,14 @@ class Splice:
             self.close()
 
     def _update(self) -> None:
+        """Register each socket for what it waits for now (only where that changed: the common case, a message
+        read and sent on whole, changes nothing)."""
         for i in (0, 1):
             mask = (READ if not self.eof[i] and len(self.bufs[i]) < self.cap else 0) | (WRITE if self.bufs[1 - i]
                                                                                       else 0)
-            self.loop.want(self.socks[i], mask, self._handlers[i])
+            if mask != self._masks[i]:
+                self.loop.want(self.socks[i], mask, self._handlers[i])
+                self._masks[i] = mask
 
     def close(self) -> None:
         if self.closed:
