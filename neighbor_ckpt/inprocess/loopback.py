@@ -29,8 +29,8 @@ table) and admits it only when that socket belongs to this launch's user *and* i
 descriptors (``/proc/self/fd``: about 2 ms for 300 descriptors). Anything else is closed unanswered, counted and
 logged through a :class:`~neighbor_ckpt.inprocess.store_auth.RefusalLog`. The check runs once per connection, on the
 tunnel's event loop (its one thread: a flood of connections queues there, holding no thread each); a connection then
-carries any number of store operations, unchecked. A check per operation (the tunnel does not parse torch's protocol) would
-not add anything: the connection is this process's from its first byte to its last.
+carries any number of store operations, unchecked. A check per operation (the tunnel does not parse torch's protocol)
+would not add anything: the connection is this process's from its first byte to its last.
 
 Out of scope: torch's gloo and NCCL listeners between ranks (torch's own, not authenticated by neighbor_ckpt), and
 root.
