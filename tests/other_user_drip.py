@@ -123,7 +123,7 @@ class Dripper:
     (``last``; ``history``: every line with the Unix time it was read)."""
 
     def __init__(self, user: str, port: int, host: str = "127.0.0.1") -> None:
-        from neighbor_ckpt.inprocess.store_auth import MAGIC, NONCE_BYTES
+        from neighbor_ckpt.inprocess.store_handshake import MAGIC, NONCE_BYTES
 
         self.address = (host, port)
         self.proc = subprocess.Popen([shutil.which("runuser") or "runuser", "-u", user, "--", SYSTEM_PYTHON, "-c",

@@ -83,10 +83,10 @@ from neighbor_ckpt.inprocess.splice import Splice
 from neighbor_ckpt.inprocess.store_handshake import (MAGIC, NONCE_BYTES, Exchange, Refused, client_steps,
                                                      gate_steps, run_blocking)
 
-__all__ = ["MAGIC", "NONCE_BYTES", "TOKEN_FILE", "TUNNEL_THREAD", "HANDSHAKE_TIMEOUT_S", "MAX_HANDSHAKES",
+__all__ = ["TOKEN_FILE", "TUNNEL_THREAD", "HANDSHAKE_TIMEOUT_S", "MAX_HANDSHAKES",
            "OTHER_USERS_HANDSHAKES", "OTHER_NODES_HANDSHAKES", "PER_ADDRESS_HANDSHAKES", "REFUSAL_LOG_EVERY_S",
            "RefusalLog", "HandshakeSlots", "peer_uid", "Gate", "Tunnel", "Door", "DOOR_HOST", "tunnel_address",
-           "tunnel_ports", "new_token_file", "read_token", "prove", "challenge", "Refused", "raise_descriptor_limit"]
+           "tunnel_ports", "new_token_file", "read_token", "prove", "challenge", "raise_descriptor_limit"]
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from neighbor_ckpt.errors import ConfigError
-from neighbor_ckpt.inprocess.store_auth import MAGIC, Refused, challenge, new_token_file, prove, read_token
+from neighbor_ckpt.inprocess.store_auth import challenge, new_token_file, prove, read_token
+from neighbor_ckpt.inprocess.store_handshake import MAGIC, Refused
 
 
 def test_the_token_file_is_made_once_private_to_the_user_and_kept(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from neighbor_ckpt.inprocess import store_auth
-from neighbor_ckpt.inprocess.store_auth import MAGIC, NONCE_BYTES, Gate, prove
+from neighbor_ckpt.inprocess.store_auth import Gate, prove
+from neighbor_ckpt.inprocess.store_handshake import MAGIC, NONCE_BYTES
 
 
 def test_the_jobs_user_keeps_its_slots_other_users_share_a_small_pool_and_an_address_its_bound() -> None:

@@ -368,7 +368,8 @@ def gate_handshake(spec: LaunchSpec, token: bytes, *, within_s: float) -> Handsh
     or ``within_s`` passed. The socket is left open (the gate has spliced it to the store)."""
     import random
 
-    from neighbor_ckpt.inprocess.store_auth import HANDSHAKE_TIMEOUT_S, Refused, prove
+    from neighbor_ckpt.inprocess.store_auth import HANDSHAKE_TIMEOUT_S, prove
+    from neighbor_ckpt.inprocess.store_handshake import Refused
 
     t0 = time.monotonic()
     refused = timeouts = 0

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from neighbor_ckpt.inprocess.protocol import launch_prefix
-from neighbor_ckpt.inprocess.store_auth import DOOR_HOST, MAGIC, NONCE_BYTES
+from neighbor_ckpt.inprocess.store_auth import DOOR_HOST
+from neighbor_ckpt.inprocess.store_handshake import MAGIC, NONCE_BYTES
 
 from .cases import WORLD
 
