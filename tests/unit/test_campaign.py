@@ -486,6 +486,25 @@ def test_only_runs_the_named_cases_of_the_same_draw_and_rejects_numbers_outside_
     assert "--only" in capsys.readouterr().err
 
 
+def test_at_step_runs_every_drawn_case_at_that_step_and_records_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--at-step 1`` (issue 53's 20 runs of ``inproc-partition-primary`` at step 1): the draw, each case at step 1."""
+    from tools.campaign import runner
+
+    ran: list[Case] = []
+    monkeypatch.setattr(runner, "_torchrun", lambda out, flags, **_: (0, ""))
+    monkeypatch.setattr(runner, "run_case", lambda case, **_: ran.append(case) or Outcome(
+        case=case, result="exact", detail="", wall_s=1.0))
+    drawn = draw_cases(4, 5, steps=8, kinds=("inproc-partition-primary",))
+    assert runner.main(["--faults", "4", "--seed", "5", "--kinds", "inproc-partition-primary", "--at-step", "1",
+                        "--out", str(tmp_path)]) == 0
+    assert ran == [dataclasses.replace(c, step=1) for c in drawn]
+    assert json.loads((tmp_path / "campaign.json").read_text())["at_step"] == 1
+    with pytest.raises(SystemExit):
+        runner.main(["--faults", "4", "--seed", "5", "--at-step", "7", "--out", str(tmp_path / "x")])
+    assert "--at-step" in capsys.readouterr().err
+
+
 # -- the judge of an in-process case: restart attempts and every recovery ----------------------------------------
 
 

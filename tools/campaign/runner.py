@@ -471,6 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(the failure-free runs and every other case run without it, and then fail where they would "
                          "fall back): a "
                          "dist_checkpointing save costs ~3 s here, a third of a case")
+    ap.add_argument("--at-step", type=int, default=None, metavar="N",
+                    help="every drawn fault at step N (the rest as drawn): the same case again and again, e.g. "
+                         "--kinds inproc-partition-primary --faults 20 --at-step 1")
     ap.add_argument("--only", default="",
                     help="comma-separated case numbers (from 1) of the draw to run, the others skipped: reproduces "
                          "cases of a long campaign with the same ranks, steps and damage")
@@ -519,9 +522,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--only: case numbers run from 1 to --faults ({args.faults}), not {only}")
     work = args.out
     cases = draw_cases(args.faults, args.seed, steps=args.steps, kinds=kinds)
+    if args.at_step is not None:
+        if not 1 <= args.at_step < args.steps - 1:
+            ap.error(f"--at-step: a fault's step runs from 1 to --steps - 2 ({args.steps - 2}), not {args.at_step}")
+        cases = [dataclasses.replace(c, step=args.at_step) for c in cases]
     if only:
         cases = [c for c in cases if c.index + 1 in only]
     settings = _settings(args, kinds)
+    if args.at_step is not None:  # only when given: the settings of earlier campaigns (and --resume) stay as they were
+        settings["at_step"] = args.at_step
     if only:
         settings["only"] = only  # absent otherwise: a campaign recorded before --only existed still resumes
     results = work / "outcomes.jsonl"
