@@ -131,15 +131,7 @@ def test_the_launchers_children_in_the_kernel_a_real_child_stopped_past_the_limi
 # --- the monitor's rules, on a real store -----------------------------------------------------------------------------
 
 
-@pytest.fixture()
-def store() -> Any:
-    port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
-                           timeout=timedelta(seconds=10))
-    yield lambda: dist.PrefixStore("job/0/", dist.TCPStore("127.0.0.1", port, is_master=False,
-                                                            wait_for_workers=False, use_libuv=True,
-                                                            timeout=timedelta(seconds=10)))
-    del master
+from tests.unit.test_inprocess_generation import store  # noqa: E402,F401 - the same real-store fixture
 
 
 def _monitor(store: Any, *, process: int, nodes: dict[int, str]) -> Monitor:
