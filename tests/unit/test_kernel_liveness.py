@@ -11,11 +11,9 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from neighbor_ckpt.inprocess.assignment import initial_assignment
 from neighbor_ckpt.inprocess.generation import GenerationStore
@@ -24,7 +22,6 @@ from neighbor_ckpt.inprocess.kernel_liveness import (DISK, GONE, RUNNING, STOPPE
 from neighbor_ckpt.inprocess.monitor import LAUNCHER_LOST, Monitor, vouched_running
 from neighbor_ckpt.inprocess.protocol import key
 from neighbor_ckpt.inprocess.quorum import LeaseGuard, MajorityLease
-from tests.conftest import free_port
 
 
 def _wait_state(pid: int, letters: str, within_s: float = 10.0) -> KernelState:
